@@ -1,0 +1,179 @@
+"""A named-axis mesh of devices."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from mesh import _devices
+from mesh import _errors
+
+AxisNames = str | Sequence[str] | None
+
+BAD_AXES = (
+    "Mesh axes must be a non-empty mapping of axis name (str) to size (int >= 1), "
+    "but found {axes!r}. Example: mesh.Mesh({{'batch': 2, 'model': 2}})."
+)
+WRONG_DEVICE_COUNT = (
+    "Mesh {shape} needs {size} devices, but {found} were given{source}. Fix: pass "
+    "exactly {size} devices, change the axis sizes, or call "
+    "replicator.virtual_cpus({size}) at program start to get {size} CPU devices."
+)
+UNKNOWN_AXIS = (
+    "Unknown mesh axis {axis!r}. This mesh has axes {names} (shape {shape}). "
+    "Fix: use one of those names, or a tuple of them."
+)
+
+
+class Mesh:
+  """An n-dimensional array of devices with named axes.
+
+  Devices are laid out row-major: the last axis varies fastest. The mesh is only
+  a naming of devices; it says nothing about the physical network.
+
+  >>> m = Mesh({"batch": 2, "model": 2},
+  ...          devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+  >>> m.shape
+  {'batch': 2, 'model': 2}
+  >>> m.coords(3)
+  {'batch': 1, 'model': 1}
+  >>> m.groups("model")
+  ((0, 1), (2, 3))
+  """
+
+  def __init__(self, axes: Mapping[str, int], devices: Sequence[str] | None = None):
+    """Creates a mesh.
+
+    Args:
+      axes: ordered mapping from axis name to axis size.
+      devices: ``prod(sizes)`` device strings in row-major order; by default the
+        first devices of the preferred local type.
+
+    Raises:
+      MeshError: malformed axes, or the wrong number of devices.
+      DeviceError: an unknown or duplicated device.
+    """
+    if not isinstance(axes, Mapping) or not axes or not all(
+        isinstance(k, str) and k and isinstance(v, int) and not isinstance(v, bool)
+        and v >= 1 for k, v in axes.items()):
+      raise _errors.MeshError(BAD_AXES.format(axes=axes))
+    self._shape = dict(axes)
+    size = math.prod(self._shape.values())
+    if devices is None:
+      available = _devices.local_devices()
+      if len(available) < size:
+        raise _errors.MeshError(WRONG_DEVICE_COUNT.format(
+            shape=self._shape, size=size, found=len(available),
+            source=" (all local logical devices)"))
+      devices = available[:size]
+    devices = _devices.resolve(devices)
+    if len(devices) != size:
+      raise _errors.MeshError(WRONG_DEVICE_COUNT.format(
+          shape=self._shape, size=size, found=len(devices), source=""))
+    self._devices = tuple(devices)
+    self._strides = {}
+    stride = 1
+    for name in reversed(self.axis_names):
+      self._strides[name] = stride
+      stride *= self._shape[name]
+
+  @classmethod
+  def from_devices(cls, devices: Sequence[str] | None = None, axis_name: str = "replica") -> "Mesh":
+    """A one-dimensional mesh over ``devices`` (default: all local devices)."""
+    devices = _devices.resolve(devices)
+    return cls({axis_name: len(devices)}, devices)
+
+  @property
+  def shape(self) -> dict[str, int]:
+    """Axis name to size, in axis order."""
+    return dict(self._shape)
+
+  @property
+  def axis_names(self) -> tuple[str, ...]:
+    """The axis names, in order."""
+    return tuple(self._shape)
+
+  @property
+  def size(self) -> int:
+    """The number of devices."""
+    return len(self._devices)
+
+  @property
+  def devices(self) -> tuple[str, ...]:
+    """The devices, flattened in row-major order."""
+    return self._devices
+
+  def axis_size(self, axes: AxisNames = None) -> int:
+    """The number of devices along ``axes`` (a name, a tuple of names, or None for all)."""
+    return math.prod(self._shape[a] for a in self.normalize_axes(axes))
+
+  def normalize_axes(self, axes: AxisNames = None) -> tuple[str, ...]:
+    """Returns ``axes`` as a tuple of known axis names (None means all axes)."""
+    if axes is None:
+      return self.axis_names
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    for name in names:
+      if name not in self._shape:
+        raise _errors.MeshError(UNKNOWN_AXIS.format(
+            axis=name, names=self.axis_names, shape=self._shape))
+    if len(set(names)) != len(names):
+      raise _errors.MeshError(f"Mesh axes {names} name an axis twice; name each axis once.")
+    return names
+
+  def coords(self, index: int) -> dict[str, int]:
+    """The coordinates of the device at flat ``index``."""
+    if not 0 <= index < self.size:
+      raise IndexError(f"Device index {index} is out of range for a mesh of {self.size} devices.")
+    return {a: (index // self._strides[a]) % self._shape[a] for a in self.axis_names}
+
+  def index(self, coords: Mapping[str, int]) -> int:
+    """The flat index of the device at ``coords`` (every axis must be given)."""
+    return sum(coords[a] * self._strides[a] for a in self.axis_names)
+
+  def device_index(self, device: str) -> int:
+    """The flat index of ``device`` in this mesh."""
+    return self._devices.index(_devices.canonical_name(device))
+
+  def axis_index(self, index: int, axes: AxisNames = None) -> int:
+    """Position of device ``index`` within its group along ``axes`` (row-major over ``axes``)."""
+    c = self.coords(index)
+    position = 0
+    for a in self.normalize_axes(axes):
+      position = position * self._shape[a] + c[a]
+    return position
+
+  def groups(self, axes: AxisNames = None) -> tuple[tuple[int, ...], ...]:
+    """Partitions the devices into groups that differ only along ``axes``.
+
+    Each group lists flat device indices ordered by :meth:`axis_index`; groups
+    are ordered by the smallest index they contain.
+    """
+    names = self.normalize_axes(axes)
+    others = [a for a in self.axis_names if a not in names]
+    groups = []
+    for fixed in itertools.product(*(range(self._shape[a]) for a in others)):
+      base = dict(zip(others, fixed))
+      members = []
+      for varying in itertools.product(*(range(self._shape[a]) for a in names)):
+        members.append(self.index({**base, **dict(zip(names, varying))}))
+      groups.append(tuple(members))
+    return tuple(sorted(groups))
+
+  def __eq__(self, other: object) -> bool:
+    return (isinstance(other, Mesh) and self._shape == other._shape
+            and self._devices == other._devices)
+
+  def __hash__(self) -> int:
+    return hash((tuple(self._shape.items()), self._devices))
+
+  def __repr__(self) -> str:
+    axes = ", ".join(f"{k!r}: {v}" for k, v in self._shape.items())
+    return f"Mesh({{{axes}}}, devices={list(self._devices)})"
+
+
+def as_axis_tuple(axes: Iterable[str] | str | None) -> tuple[str, ...] | None:
+  """Normalises an axis argument to a tuple (None stays None)."""
+  if axes is None:
+    return None
+  return (axes,) if isinstance(axes, str) else tuple(axes)

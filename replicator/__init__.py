@@ -1,0 +1,43 @@
+"""replicator: run a single-device TensorFlow 2 training step on many devices.
+
+>>> import replicator
+>>> repl = replicator.Replicator(devices=["cpu:0", "cpu:1"])
+>>> repl.num_replicas
+2
+"""
+
+from mesh import virtual_cpus
+from replicator._context import current
+from replicator._errors import CollectiveInControlFlowError
+from replicator._errors import CollectiveMismatchError
+from replicator._errors import DeviceError
+from replicator._errors import InputMismatchError
+from replicator._errors import OutputMismatchError
+from replicator._errors import ReplicaContextError
+from replicator._errors import ReplicatorError
+from replicator._errors import VariableCreationError
+from replicator._inputs import InputContext
+from replicator._optimizer import ReplicatedOptimizer
+from replicator._replicator import Replicator
+from replicator._values import PerReplica
+from replicator._variables import ReplicatedVariable
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "CollectiveInControlFlowError",
+    "CollectiveMismatchError",
+    "DeviceError",
+    "InputContext",
+    "InputMismatchError",
+    "OutputMismatchError",
+    "PerReplica",
+    "ReplicaContextError",
+    "ReplicatedOptimizer",
+    "ReplicatedVariable",
+    "Replicator",
+    "ReplicatorError",
+    "VariableCreationError",
+    "current",
+    "virtual_cpus",
+)

@@ -1,0 +1,82 @@
+"""The replica context: which replica of which Replicator is being built."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass
+class ReplicaContext:
+  """State of one replica's trace.
+
+  Attributes:
+    replicator: the Replicator whose step is being built.
+    replica_id: the replica being traced.
+    device: its device.
+    graph: the step graph; collectives must be called directly in it.
+    placeholders: placeholders recorded so far, in call order.
+    calls: number of primitive calls so far (one call may hold several tensors).
+  """
+
+  replicator: Any
+  replica_id: int
+  device: str
+  graph: tf.Graph
+  placeholders: list = dataclasses.field(default_factory=list)
+  calls: int = 0
+
+
+_state = threading.local()
+
+
+def _stack() -> list[ReplicaContext]:
+  if not hasattr(_state, "stack"):
+    _state.stack = []
+  return _state.stack
+
+
+def current_context() -> ReplicaContext | None:
+  """The innermost replica context of this thread, or None."""
+  stack = _stack()
+  return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def replica_scope(ctx: ReplicaContext):
+  """Makes ``ctx`` the current replica context."""
+  stack = _stack()
+  stack.append(ctx)
+  try:
+    yield ctx
+  finally:
+    stack.pop()
+
+
+@contextlib.contextmanager
+def cross_replica_scope():
+  """Hides any replica context (used when creating variables eagerly)."""
+  stack = _stack()
+  saved = list(stack)
+  del stack[:]
+  try:
+    yield
+  finally:
+    stack[:] = saved
+
+
+def current():
+  """Returns the Replicator whose step is being built, or None outside a step.
+
+  Library code (a layer that needs to communicate, say) uses it to find the
+  collectives to call:
+
+  >>> replicator.current() is None  # not inside repl.run
+  True
+  """
+  ctx = current_context()
+  return None if ctx is None else ctx.replicator

@@ -1,0 +1,46 @@
+"""Errors a user of the replicator can cause, each saying what to change."""
+
+from mesh import DeviceError  # noqa: F401  (re-exported)
+from rewrite import CollectiveMismatchError  # noqa: F401  (re-exported)
+
+NO_REPLICA_CONTEXT = (
+    "repl.{name}() was called outside a replica context. Collectives and "
+    "repl.replica_id only exist while a step is being built, i.e. inside the "
+    "step_fn passed to repl.run(step_fn, ...). Fix: call it from inside step_fn{extra}."
+)
+IN_CONTROL_FLOW = (
+    "repl.{name}() was called inside a tf.cond / tf.while_loop / tf.function body "
+    "(graph {graph!r}) at {location}. A collective there may run a different number "
+    "of times on each replica, so the rewrite cannot match it across replicas. Fix: "
+    "move the collective out of the control-flow body (compute both branches and "
+    "select with tf.where, or collect the values of a loop and reduce them once after it)."
+)
+OTHER_REPLICATOR = (
+    "repl.{name}() was called on a Replicator whose step is not being built (the "
+    "step being built belongs to another Replicator over {devices}). Fix: call the "
+    "primitives of the Replicator that runs the step (see replicator.current())."
+)
+
+
+class ReplicatorError(Exception):
+  """Base class of the errors this library raises for user mistakes."""
+
+
+class ReplicaContextError(ReplicatorError, RuntimeError):
+  """A replica-only API was used outside a step being built."""
+
+
+class CollectiveInControlFlowError(ReplicatorError, ValueError):
+  """A collective was called inside a control-flow body, where it cannot be matched."""
+
+
+class InputMismatchError(ReplicatorError, ValueError):
+  """Per-replica inputs disagree in structure or dtype, or are malformed."""
+
+
+class OutputMismatchError(ReplicatorError, ValueError):
+  """Replicas returned values of different structure or dtype from step_fn."""
+
+
+class VariableCreationError(ReplicatorError, ValueError):
+  """A variable cannot be replicated as requested."""

@@ -1,0 +1,268 @@
+"""The Replicator: replicated variables, ``run``, collectives and reductions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+import tree
+
+import mesh as mesh_lib
+import rewrite
+from replicator import _inputs
+from replicator import _optimizer
+from replicator import _primitives
+from replicator import _step
+from replicator import _variables
+from replicator._values import PerReplica
+
+IMPLEMENTATIONS = ("auto",)
+
+
+class Replicator:
+  """Runs a single-device training step on several devices, in one graph.
+
+  Variables created in :meth:`context` get one identical component per
+  device. :meth:`run` traces ``step_fn`` once per replica, each trace under its
+  device; collectives called inside it (:meth:`all_reduce`, :meth:`broadcast`,
+  :meth:`all_gather`, ``wrap_optimizer``'s gradient reduction) leave
+  placeholders that a rewrite pass replaces with real cross-device
+  communication. The result is cached: later calls run one graph.
+
+  >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+  >>> with repl.context():
+  ...   v = tf.Variable(1.0)
+  >>> def step_fn():
+  ...   v.assign_add(repl.all_sum(tf.cast(repl.replica_id, tf.float32)))
+  ...   return v.read_value()
+  >>> [float(x) for x in repl.run(step_fn).values]  # 1 + (0 + 1) on both replicas
+  [2.0, 2.0]
+
+  Args:
+    devices: device strings, or None for all local logical devices of the
+      preferred type (GPUs if any, else CPUs).
+    mesh: a :class:`mesh.Mesh` to run on instead of ``devices`` (one replica per
+      mesh device). By default a one-dimensional mesh ``{"replica": N}``.
+    implementation: collective implementation: ``"auto"`` (chosen per
+      collective) or a registered lowering name (``"one_device"``,
+      ``"collective_ops"``).
+    autograph: convert ``step_fn`` with AutoGraph, as ``tf.function`` does.
+  """
+
+  def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
+               implementation: str = "auto", autograph: bool = True):
+    if mesh is not None and devices is not None:
+      raise ValueError("Pass either `devices` or `mesh` to Replicator, not both "
+                       "(a mesh already lists its devices).")
+    self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
+    if implementation != "auto":
+      rewrite.get_lowering(implementation)  # raises a clear error if unknown
+    self._implementation = implementation
+    self._autograph = autograph
+    self._creator = _variables.make_creator(self)
+    self._steps: dict[Any, _step.CompiledStep] = {}
+    self._sources: dict[Any, _inputs.DatasetInputs] = {}
+    self._converted: dict[Any, Callable] = {}
+    self._host = mesh_lib.canonical_name("CPU:0")
+    self.trace_count = 0
+
+  # -- placement ---------------------------------------------------------------
+
+  @property
+  def mesh(self) -> mesh_lib.Mesh:
+    """The mesh the replicas run on."""
+    return self._mesh
+
+  @property
+  def devices(self) -> tuple[str, ...]:
+    """One device per replica, in replica order."""
+    return self._mesh.devices
+
+  @property
+  def num_replicas(self) -> int:
+    """The number of replicas."""
+    return self._mesh.size
+
+  @property
+  def replica_id(self) -> int:
+    """The replica being built (inside ``step_fn`` only), a Python int."""
+    return _primitives.require_context(self, "replica_id").replica_id
+
+  # -- variables ---------------------------------------------------------------
+
+  @contextlib.contextmanager
+  def context(self):
+    """Replicates every variable created inside (Keras, tf.Module, Sonnet, tf.Variable).
+
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> with repl.context():
+    ...   v = tf.Variable([1.0, 2.0])
+    >>> len(v.components), v.components[1].device
+    (2, '/job:localhost/replica:0/task:0/device:CPU:1')
+    """
+    with tf.variable_creator_scope(self._creator):
+      yield self
+
+  # -- running -------------------------------------------------------------------
+
+  def run(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> PerReplica:
+    """Runs one step of ``step_fn`` on every replica.
+
+    Args:
+      step_fn: the per-replica step. Called with the replica's input element
+        (from ``input_fn``'s dataset or ``inputs``), or with no argument.
+      input_fn: ``input_fn(ctx: InputContext) -> tf.data.Dataset``, called once
+        per replica the first time; its iterators are reused on later calls.
+      inputs: explicit per-replica inputs: a ``PerReplica`` (or sequence) with
+        one nest of tensors per replica.
+
+    Returns:
+      A ``PerReplica`` with each replica's return value.
+    """
+    step, source = self._compiled(step_fn, input_fn, inputs)
+    return PerReplica(step(source.call_args()))
+
+  def explain(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> rewrite.Plan:
+    """Returns the rewrite plan of ``step_fn``: every collective, its size and implementation.
+
+    Builds (and caches) the step like :meth:`run` but does not run it. ``print``
+    the result for a table.
+    """
+    return self._compiled(step_fn, input_fn, inputs)[0].plan
+
+  def _compiled(self, step_fn, input_fn, inputs):
+    if not callable(step_fn):
+      raise TypeError(f"repl.run needs a callable step_fn, found {type(step_fn).__name__}.")
+    if input_fn is not None and inputs is not None:
+      raise ValueError("Pass either input_fn or inputs= to repl.run, not both.")
+    if input_fn is not None:
+      if not callable(input_fn):
+        raise TypeError(f"input_fn must be callable (input_fn(ctx) -> tf.data.Dataset), found "
+                        f"{type(input_fn).__name__}. To pass per-replica values, use inputs=.")
+      source = self._sources.get(input_fn)
+      if source is None:
+        source = _inputs.DatasetInputs(input_fn, self.devices, self._host)
+        self._sources[input_fn] = source
+    elif inputs is not None:
+      source = _inputs.ExplicitInputs(inputs, self.num_replicas)
+    else:
+      source = _inputs.NoInputs()
+    key = (step_fn, source.key)
+    step = self._steps.get(key)
+    if step is None:
+      step = _step.build(self, step_fn, source, self._choose)
+      self.trace_count += 1
+      self._steps[key] = step
+    return step, source
+
+  def _convert(self, fn: Callable) -> Callable:
+    if not self._autograph:
+      return fn
+    converted = self._converted.get(fn)
+    if converted is None:
+      try:
+        converted = tf.autograph.to_graph(fn)
+        _primitives.register_source_map(converted)
+      except Exception:  # pylint: disable=broad-except  # not convertible: run as written
+        converted = fn
+      self._converted[fn] = converted
+    return converted
+
+  def _choose(self, collective: rewrite.Collective) -> str:
+    if self._implementation != "auto":
+      return self._implementation
+    return "one_device"
+
+  # -- optimizers ------------------------------------------------------------------
+
+  def wrap_optimizer(self, optimizer, reduction: str = "mean") -> _optimizer.ReplicatedOptimizer:
+    """Wraps a Keras 3 or Sonnet 2 optimizer so updates use gradients reduced over replicas.
+
+    Args:
+      optimizer: the optimizer (create it inside :meth:`context`).
+      reduction: ``"mean"`` (default: each replica's loss is a per-replica
+        mean) or ``"sum"`` (the loss is already divided by the global batch).
+    """
+    return _optimizer.ReplicatedOptimizer(self, optimizer, reduction)
+
+  # -- collectives (inside step_fn) -----------------------------------------------------
+
+  def _axes(self, axis) -> tuple[str, ...]:
+    return self._mesh.normalize_axes(axis)
+
+  def all_reduce(self, x, op: str = "sum", *, axis=None):
+    """Reduces ``x`` (any nest of tensors) elementwise across replicas; all get the result.
+
+    Args:
+      x: a tensor or nest of tensors.
+      op: "sum", "mean", "max" or "min".
+      axis: mesh axis name or tuple of names to reduce over (default: all).
+    """
+    ctx = _primitives.require_context(self, "all_reduce")
+    return _primitives.all_reduce(ctx, x, op, self._axes(axis), _primitives.user_location())
+
+  def all_sum(self, x, *, axis=None):
+    """``all_reduce(x, "sum")``."""
+    ctx = _primitives.require_context(self, "all_sum")
+    return _primitives.all_reduce(ctx, x, "sum", self._axes(axis), _primitives.user_location())
+
+  def broadcast(self, x, source: int = 0, *, axis=None):
+    """Every replica gets replica ``source``'s value of ``x`` (any nest)."""
+    ctx = _primitives.require_context(self, "broadcast")
+    return _primitives.broadcast(ctx, x, source, self._axes(axis), _primitives.user_location())
+
+  def all_gather(self, x, axis: int = 0):
+    """Concatenates every replica's ``x`` (any nest) along tensor dimension ``axis``."""
+    ctx = _primitives.require_context(self, "all_gather")
+    return _primitives.all_gather(ctx, x, axis, self._axes(None), _primitives.user_location())
+
+  # -- results (outside step_fn) --------------------------------------------------------
+
+  def reduce(self, op: str, per_replica: PerReplica, axis: int | None = None):
+    """Combines a ``PerReplica`` into ordinary tensors.
+
+    Args:
+      op: "sum", "mean", "max" or "min".
+      per_replica: a value returned by :meth:`run`.
+      axis: None reduces across replicas only (elementwise); an int also
+        reduces along that dimension of the values concatenated across
+        replicas (e.g. the mean over a global batch of per-example losses).
+    """
+    if op not in _primitives.REDUCE_OPS:
+      raise ValueError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS}.")
+    values = self._per_replica_values(per_replica, "reduce")
+    reducer = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max,
+               "min": tf.reduce_min}[op]
+
+    def one(*leaves):
+      with tf.device(self._host):
+        tensors = [tf.convert_to_tensor(t) for t in leaves]
+        if axis is None:
+          return reducer(tf.stack(tensors), axis=0)
+        return reducer(tf.concat(tensors, axis=axis), axis=axis)
+
+    return tree.map_structure(one, *values)
+
+  def gather(self, per_replica: PerReplica, axis: int = 0):
+    """Concatenates a ``PerReplica``'s values along ``axis`` (any nest)."""
+    values = self._per_replica_values(per_replica, "gather")
+
+    def one(*leaves):
+      with tf.device(self._host):
+        return tf.concat([tf.convert_to_tensor(t) for t in leaves], axis=axis)
+
+    return tree.map_structure(one, *values)
+
+  def _per_replica_values(self, per_replica, name):
+    if not isinstance(per_replica, PerReplica):
+      raise TypeError(f"repl.{name}() takes the PerReplica value returned by repl.run, found "
+                      f"{type(per_replica).__name__}.")
+    if len(per_replica) != self.num_replicas:
+      raise ValueError(f"repl.{name}() got a PerReplica of {len(per_replica)} values, but this "
+                       f"Replicator has {self.num_replicas} replicas.")
+    return per_replica.values
+
+  def __repr__(self):
+    return f"Replicator(num_replicas={self.num_replicas}, mesh={self._mesh!r})"

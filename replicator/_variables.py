@@ -1,0 +1,303 @@
+"""Replicated variables: one component per replica device, used as one variable.
+
+Inside replica ``i``'s step a replicated variable reads and writes component
+``i``; outside a step it reads component 0 and writes every component, so the
+components stay identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from replicator import _context
+from replicator import _errors
+
+SYMBOLIC_INITIAL_VALUE = (
+    "Variable {name!r} was created inside step_fn with an initial value computed in "
+    "the step graph ({value!r}), which cannot be evaluated once and copied to every "
+    "replica. Fix: create the variable in `with repl.context():` before calling "
+    "repl.run, or pass a callable initial value (e.g. tf.Variable(lambda: tf.zeros([3]))), "
+    "as Keras layers and optimizers do."
+)
+
+_creating = threading.local()
+_plain_class = []
+
+
+@contextlib.contextmanager
+def _creating_components():
+  _creating.active = True
+  try:
+    yield
+  finally:
+    _creating.active = False
+
+
+def _is_creating() -> bool:
+  return getattr(_creating, "active", False)
+
+
+def _component_class() -> type:
+  if not _plain_class:
+    with tf.init_scope(), _creating_components():
+      _plain_class.append(type(tf.Variable(0.0)))
+  return _plain_class[0]
+
+
+def _new_component(**kwargs) -> tf.Variable:
+  """An ordinary eager resource variable, created without any variable creator.
+
+  Components are created while a step is traced (optimizer slots). Going
+  through the creator stack would hand them to tf.function's own creator, which
+  registers them as "created in the trace" and makes TF trace the whole step a
+  second time (checked on TF 2.21.0). Instantiating the concrete variable class
+  directly skips the creator stack; the class is taken from a probe variable so
+  no private module is imported.
+  """
+  return _component_class()(**kwargs)
+
+
+class ReplicatedVariable(tf.Variable):
+  """A variable with one identical component per replica.
+
+  Created for you by every ``tf.Variable`` made inside ``repl.context()`` or a
+  step of ``repl.run`` (Keras layers and optimizers, ``tf.Module``, Sonnet).
+  To user code it is one variable: inside replica ``i``'s step it reads and
+  writes component ``i``; outside a step it reads component 0 and assigns to
+  every component.
+  """
+
+  # GradientTape, Keras and tf.Module treat objects with this attribute as
+  # resource variables and differentiate with respect to `.handle`.
+  _should_act_as_resource_variable = True
+
+  def __init__(self, components, replicator):  # pylint: disable=super-init-not-called
+    self._components = tuple(components)
+    self._replicator = replicator
+
+  # -- which component -----------------------------------------------------
+
+  @property
+  def components(self) -> tuple[tf.Variable, ...]:
+    """The per-replica component variables, in replica order."""
+    return self._components
+
+  def _current(self) -> tf.Variable:
+    ctx = _context.current_context()
+    if ctx is not None and ctx.replicator is self._replicator:
+      return self._components[ctx.replica_id]
+    return self._components[0]
+
+  def _in_replica(self) -> bool:
+    ctx = _context.current_context()
+    return ctx is not None and ctx.replicator is self._replicator
+
+  # -- properties ------------------------------------------------------------
+
+  @property
+  def name(self):
+    return self._components[0].name
+
+  @property
+  def _shared_name(self):
+    return self._components[0]._shared_name  # pylint: disable=protected-access
+
+  @property
+  def _unique_id(self):
+    return f"{self._components[0]._unique_id}_replicated"  # pylint: disable=protected-access
+
+  @property
+  def dtype(self):
+    return self._components[0].dtype
+
+  @property
+  def shape(self):
+    return self._components[0].shape
+
+  def get_shape(self):
+    return self.shape
+
+  @property
+  def device(self):
+    return self._current().device
+
+  @property
+  def handle(self):
+    return self._current().handle
+
+  @property
+  def op(self):
+    return self._current().op
+
+  @property
+  def graph(self):
+    return self._current().graph
+
+  @property
+  def trainable(self):
+    return self._components[0].trainable
+
+  @property
+  def synchronization(self):
+    return self._components[0].synchronization
+
+  @property
+  def aggregation(self):
+    return self._components[0].aggregation
+
+  @property
+  def constraint(self):
+    return self._components[0].constraint
+
+  @property
+  def initializer(self):
+    return self._components[0].initializer
+
+  @property
+  def initial_value(self):
+    return self._components[0].initial_value
+
+  def _as_graph_element(self):
+    return self._current()._as_graph_element()  # pylint: disable=protected-access
+
+  # -- reads -------------------------------------------------------------------
+
+  def value(self):
+    return self._current().value()
+
+  def read_value(self):
+    return self._current().read_value()
+
+  def sparse_read(self, indices, name=None):
+    return self._current().sparse_read(indices, name=name)
+
+  def gather_nd(self, indices, name=None):
+    return self._current().gather_nd(indices, name=name)
+
+  def numpy(self):
+    return self._components[0].numpy()
+
+  def __array__(self, dtype=None):
+    return np.asarray(self.numpy(), dtype=dtype)
+
+  def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+    return self._current()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)  # pylint: disable=protected-access
+
+  # -- writes ------------------------------------------------------------------
+
+  def _write(self, method: str, *args, **kwargs):
+    if self._in_replica():
+      return getattr(self._current(), method)(*args, **kwargs)
+    read_value = kwargs.pop("read_value", True)
+    for component in self._components:
+      getattr(component, method)(*args, read_value=False, **kwargs)
+    return self if read_value else None
+
+  def _scatter(self, method: str, *args, **kwargs):
+    if self._in_replica():
+      return getattr(self._current(), method)(*args, **kwargs)
+    for component in self._components:
+      getattr(component, method)(*args, **kwargs)
+    return self
+
+  def assign(self, value, use_locking=False, name=None, read_value=True):
+    return self._write("assign", value, use_locking=use_locking, name=name, read_value=read_value)
+
+  def assign_add(self, delta, use_locking=False, name=None, read_value=True):
+    return self._write("assign_add", delta, use_locking=use_locking, name=name, read_value=read_value)
+
+  def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
+    return self._write("assign_sub", delta, use_locking=use_locking, name=name, read_value=read_value)
+
+  def scatter_add(self, sparse_delta, use_locking=False, name=None):
+    return self._scatter("scatter_add", sparse_delta, use_locking=use_locking, name=name)
+
+  def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+    return self._scatter("scatter_sub", sparse_delta, use_locking=use_locking, name=name)
+
+  def scatter_max(self, sparse_delta, use_locking=False, name=None):
+    return self._scatter("scatter_max", sparse_delta, use_locking=use_locking, name=name)
+
+  def scatter_min(self, sparse_delta, use_locking=False, name=None):
+    return self._scatter("scatter_min", sparse_delta, use_locking=use_locking, name=name)
+
+  def scatter_mul(self, sparse_delta, use_locking=False, name=None):
+    return self._scatter("scatter_mul", sparse_delta, use_locking=use_locking, name=name)
+
+  def scatter_div(self, sparse_delta, use_locking=False, name=None):
+    return self._scatter("scatter_div", sparse_delta, use_locking=use_locking, name=name)
+
+  def scatter_update(self, sparse_delta, use_locking=False, name=None):
+    return self._scatter("scatter_update", sparse_delta, use_locking=use_locking, name=name)
+
+  def scatter_nd_add(self, indices, updates, name=None):
+    return self._scatter("scatter_nd_add", indices, updates, name=name)
+
+  def scatter_nd_sub(self, indices, updates, name=None):
+    return self._scatter("scatter_nd_sub", indices, updates, name=name)
+
+  def scatter_nd_update(self, indices, updates, name=None):
+    return self._scatter("scatter_nd_update", indices, updates, name=name)
+
+  # -- checkpointing: one copy, restored into every component ------------------
+
+  def _serialize_to_tensors(self):
+    return self._components[0]._serialize_to_tensors()  # pylint: disable=protected-access
+
+  def _restore_from_tensors(self, restored_tensors):
+    ops = [c._restore_from_tensors(restored_tensors) for c in self._components]  # pylint: disable=protected-access
+    return tf.group(ops) if not tf.executing_eagerly() else None
+
+  def _copy_trackable_to_cpu(self, object_map):
+    self._components[0]._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+
+  def __repr__(self):
+    value = ""
+    if tf.executing_eagerly():
+      value = f", numpy={np.array2string(self.numpy(), threshold=8, edgeitems=2)}"
+    return (f"<ReplicatedVariable {self.name!r} shape={self.shape} dtype={self.dtype.name} "
+            f"replicas={len(self._components)}{value}>")
+
+
+tf.register_tensor_conversion_function(
+    ReplicatedVariable,
+    lambda v, dtype=None, name=None, as_ref=False: v._dense_var_to_tensor(dtype, name, as_ref))  # pylint: disable=protected-access
+
+
+def _initial_value(initial_value, name, dtype):
+  """Evaluates an initial value once, eagerly (a callable is called once)."""
+  if callable(initial_value):
+    initial_value = initial_value()
+  if isinstance(initial_value, tf.Tensor) and tf.is_symbolic_tensor(initial_value):
+    static = tf.get_static_value(initial_value)
+    if static is None:
+      raise _errors.VariableCreationError(SYMBOLIC_INITIAL_VALUE.format(name=name, value=initial_value))
+    initial_value = tf.constant(static, dtype=initial_value.dtype)
+  return tf.convert_to_tensor(initial_value, dtype=dtype)
+
+
+def make_creator(replicator):
+  """A ``tf.variable_creator_scope`` creator that replicates every new variable."""
+  _component_class()  # probe eagerly now, not later inside a trace
+
+  def creator(next_creator, **kwargs):
+    if _is_creating() or kwargs.get("variable_def") is not None:
+      return next_creator(**kwargs)
+    name = kwargs.get("name") or "Variable"
+    devices = replicator.devices
+    initial_value = kwargs.pop("initial_value")
+    with tf.init_scope(), _context.cross_replica_scope():
+      with tf.device(devices[0]):
+        value = _initial_value(initial_value, name, kwargs.get("dtype"))
+      kwargs["dtype"] = value.dtype
+      components = []
+      for device in devices:
+        with tf.device(device):
+          components.append(_new_component(initial_value=value, **kwargs))
+    return ReplicatedVariable(components, replicator)
+
+  return creator

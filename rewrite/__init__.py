@@ -1,0 +1,53 @@
+"""Graph rewriting: from per-replica placeholders to cross-device collectives.
+
+The pass has two separately testable halves:
+
+* :func:`plan` matches the :class:`Placeholder` records of all replicas, checks
+  that replicas agree, and picks a :class:`Lowering` for each collective.
+* :func:`apply` rewrites a ``GraphDef``, splicing in each lowering's ops and
+  rewiring the placeholders' consumers.
+
+This package knows nothing about Keras or about how a step was traced.
+"""
+
+from rewrite import _collective_ops  # registers "collective_ops"
+from rewrite import _one_device  # registers "one_device"
+from rewrite._apply import Rewritten
+from rewrite._apply import apply
+from rewrite._errors import CollectiveMismatchError
+from rewrite._errors import RewriteError
+from rewrite._lowering import Lowering
+from rewrite._lowering import LoweringContext
+from rewrite._lowering import get as get_lowering
+from rewrite._lowering import names as lowering_names
+from rewrite._lowering import register as register_lowering
+from rewrite._placeholders import KINDS
+from rewrite._placeholders import Placeholder
+from rewrite._placeholders import emit
+from rewrite._plan import Collective
+from rewrite._plan import Plan
+from rewrite._plan import plan
+
+CollectiveOps = _collective_ops.CollectiveOps
+OneDevice = _one_device.OneDevice
+del _collective_ops, _one_device
+
+__all__ = (
+    "KINDS",
+    "Collective",
+    "CollectiveMismatchError",
+    "CollectiveOps",
+    "Lowering",
+    "LoweringContext",
+    "OneDevice",
+    "Placeholder",
+    "Plan",
+    "RewriteError",
+    "Rewritten",
+    "apply",
+    "emit",
+    "get_lowering",
+    "lowering_names",
+    "plan",
+    "register_lowering",
+)

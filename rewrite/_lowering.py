@@ -1,0 +1,119 @@
+"""The lowering interface: how a matched collective becomes real TensorFlow ops.
+
+A :class:`Lowering` builds, for one device group of one collective, the ops
+that take each member's input on its device and produce each member's result
+on its device. Lowerings are registered by name; the plan picks one per
+collective. New implementations (mesh-axis, multi-worker, NCCL) plug in here
+without touching the rewrite pass.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import threading
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from rewrite._plan import Collective
+
+_REGISTRY: dict[str, "Lowering"] = {}
+_KEYS = itertools.count(1)
+_KEYS_LOCK = threading.Lock()
+
+
+def new_key() -> int:
+  """A process-wide unique integer (for collective group and instance keys)."""
+  with _KEYS_LOCK:
+    return next(_KEYS)
+
+
+class LoweringContext:
+  """What a lowering may ask of the rewrite pass while it builds ops.
+
+  Lowerings build ops in a template graph that is spliced into the step's
+  graph. Values that must come from outside the step graph (such as
+  per-device ordering tokens) are requested with :meth:`external`: the
+  lowering gets a placeholder now, and the rewrite pass feeds the value the
+  lowering's :meth:`Lowering.external_value` returns for that key.
+  """
+
+  def __init__(self):
+    self.externals: dict[str, tf.Tensor] = {}
+
+  def external(self, key: str, dtype: tf.DType, shape=()) -> tf.Tensor:
+    """A template placeholder that will be fed the lowering's value for ``key``."""
+    if key not in self.externals:
+      self.externals[key] = tf.compat.v1.placeholder(dtype, shape, name="external")
+    return self.externals[key]
+
+
+class Lowering(abc.ABC):
+  """One way of implementing collectives.
+
+  Attributes:
+    name: registry name, shown by ``repl.explain``.
+    ordered_op_types: op types that block until every group member runs them.
+      The rewrite pass chains such ops on each device in plan order, so that all
+      devices launch them in the same order (otherwise they could deadlock).
+  """
+
+  name: str = ""
+  ordered_op_types: frozenset[str] = frozenset()
+
+  def supports(self, collective: Collective) -> bool:  # pylint: disable=unused-argument
+    """Whether this lowering can implement ``collective``."""
+    return True
+
+  def cache_key(self, collective: Collective) -> tuple | None:
+    """Key under which a built template may be reused; None disables reuse."""
+    return (collective.kind, collective.params, collective.dtype, tuple(collective.shape.as_list())
+            if collective.shape.rank is not None else None, collective.group_size)
+
+  @abc.abstractmethod
+  def lower_group(self, collective: Collective, inputs: Sequence[tf.Tensor],
+                  devices: Sequence[str], ctx: LoweringContext) -> list[tf.Tensor]:
+    """Builds the collective for one device group in the current graph.
+
+    Args:
+      collective: the matched collective (kind, params, dtype, shape).
+      inputs: each group member's input, placed on its device, in group order.
+      devices: each member's device, in group order.
+      ctx: the lowering context.
+
+    Returns:
+      Each member's result, in group order.
+    """
+
+  def external_value(self, key: str) -> tf.Tensor:
+    """The eager value fed for a key requested with :meth:`LoweringContext.external`."""
+    raise KeyError(f"Lowering {self.name!r} requested external {key!r} but cannot provide it.")
+
+
+def register(lowering: Lowering) -> Lowering:
+  """Registers ``lowering`` under its name (replacing any previous one)."""
+  if not lowering.name:
+    raise ValueError("A lowering needs a non-empty `name`.")
+  _REGISTRY[lowering.name] = lowering
+  return lowering
+
+
+def get(name: str) -> Lowering:
+  """The registered lowering called ``name``."""
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(
+        f"Unknown collective implementation {name!r}. Registered implementations: "
+        f"{sorted(_REGISTRY)}. Fix: use one of those names, or 'auto'.") from None
+
+
+def names() -> list[str]:
+  """Names of the registered lowerings."""
+  return sorted(_REGISTRY)
+
+
+def check_group_inputs(collective: Collective, inputs: Sequence[tf.Tensor], devices: Sequence[str]) -> None:
+  if len(inputs) != len(devices):
+    raise ValueError(f"{collective.describe()}: {len(inputs)} inputs for {len(devices)} devices.")

@@ -1,0 +1,106 @@
+"""Placeholder nodes: stand-ins left in a replica's subgraph at a communication point.
+
+While a replica's step is traced, a communication primitive does not
+communicate. It adds a ``Placeholder`` node with the dtype and shape of its
+result and records a :class:`Placeholder` describing what it needs. The plan
+pass later matches these records across replicas and the apply pass replaces
+each node with a real cross-device implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tensorflow as tf
+
+PLACEHOLDER_SCOPE = "replicator_placeholder"
+
+# What each kind of collective needs besides its input, and how its result
+# shape follows from the input shape.
+KINDS = ("all_reduce", "broadcast", "all_gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placeholder:
+  """One communication point in one replica's subgraph.
+
+  Attributes:
+    replica: the replica (device position) whose subgraph holds the node.
+    index: position among this replica's placeholders, in call order.
+    kind: "all_reduce", "broadcast" or "all_gather".
+    params: sorted ``(name, value)`` pairs, e.g. ``(("op", "sum"),)``.
+    axes: mesh axes the collective communicates over.
+    dtype: dtype of input and result.
+    shape: static result shape (dimensions may be None).
+    input_shape: static input shape.
+    input: name of the input tensor in the traced graph.
+    node: name of the placeholder node in the traced graph.
+    device: device of the replica.
+    location: where the user called the primitive ("file.py:12 in step_fn").
+    call: the primitive call (several tensors of one nest share a call).
+  """
+
+  replica: int
+  index: int
+  kind: str
+  params: tuple[tuple[str, Any], ...]
+  axes: tuple[str, ...]
+  dtype: tf.DType
+  shape: tf.TensorShape
+  input_shape: tf.TensorShape
+  input: str
+  node: str
+  device: str
+  location: str
+  call: str
+
+  @property
+  def param_dict(self) -> dict[str, Any]:
+    return dict(self.params)
+
+  def describe(self) -> str:
+    """A one-line human description: kind, params, dtype, shape, location."""
+    params = ", ".join(f"{k}={v!r}" for k, v in self.params)
+    axes = f", axis={self.axes if len(self.axes) != 1 else self.axes[0]!r}"
+    return (f"{self.kind}({params}{axes}) of {self.dtype.name}{_shape_str(self.input_shape)}"
+            f" [{self.call}] at {self.location}")
+
+
+def _shape_str(shape: tf.TensorShape) -> str:
+  if shape.rank is None:
+    return "[<unknown rank>]"
+  return "[" + ",".join("?" if d is None else str(d) for d in shape.as_list()) + "]"
+
+
+def emit(x: tf.Tensor, *, replica: int, index: int, kind: str,
+         params: dict[str, Any], axes: tuple[str, ...], result_shape: tf.TensorShape,
+         device: str, location: str, call: str) -> tuple[tf.Tensor, Placeholder]:
+  """Adds a placeholder node for a collective on ``x`` to the current graph.
+
+  Args:
+    x: the replica's input tensor.
+    replica: replica id.
+    index: call-order position within the replica.
+    kind: one of :data:`KINDS`.
+    params: kind-specific parameters (must be hashable values).
+    axes: mesh axes of the collective.
+    result_shape: static shape of the result.
+    device: the replica's device.
+    location: user source location for error messages.
+    call: description of the primitive call.
+
+  Returns:
+    The placeholder's output tensor (stands for the collective's result) and
+    the record describing it.
+  """
+  if kind not in KINDS:
+    raise ValueError(f"Unknown collective kind {kind!r}; expected one of {KINDS}.")
+  with tf.name_scope(PLACEHOLDER_SCOPE):
+    y = tf.raw_ops.Placeholder(dtype=x.dtype, shape=result_shape, name=kind)
+  record = Placeholder(
+      replica=replica, index=index, kind=kind,
+      params=tuple(sorted(params.items())), axes=tuple(axes), dtype=x.dtype,
+      shape=tf.TensorShape(result_shape), input_shape=x.shape, input=x.name,
+      node=y.op.name, device=device, location=location, call=call)
+  return y, record

@@ -1,0 +1,171 @@
+"""The plan pass: match placeholders across replicas, check them, choose lowerings."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+import mesh as mesh_lib
+from rewrite import _errors
+from rewrite._placeholders import Placeholder
+from rewrite._placeholders import _shape_str
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """A matched group of placeholders: one collective of the step.
+
+  Attributes:
+    index: position in call order.
+    kind: "all_reduce", "broadcast" or "all_gather".
+    params: kind-specific parameters.
+    axes: mesh axes communicated over.
+    dtype: dtype of the payload.
+    shape: input shape agreed by all replicas (dimensions may be None).
+    members: one placeholder per replica, indexed by replica id.
+    groups: replica ids partitioned into the device groups that communicate.
+    implementation: name of the lowering that will implement it.
+  """
+
+  index: int
+  kind: str
+  params: tuple[tuple[str, Any], ...]
+  axes: tuple[str, ...]
+  dtype: tf.DType
+  shape: tf.TensorShape
+  members: tuple[Placeholder, ...]
+  groups: tuple[tuple[int, ...], ...]
+  implementation: str
+
+  @property
+  def param_dict(self) -> dict[str, Any]:
+    return dict(self.params)
+
+  @property
+  def group_size(self) -> int:
+    return len(self.groups[0])
+
+  @property
+  def nbytes(self) -> int | None:
+    """Bytes of one replica's input, or None if the shape is not fully known."""
+    if not self.shape.is_fully_defined():
+      return None
+    return self.shape.num_elements() * self.dtype.size
+
+  @property
+  def location(self) -> str:
+    return self.members[0].location
+
+  def describe(self) -> str:
+    params = ", ".join(f"{k}={v!r}" for k, v in self.params)
+    return f"{self.kind}({params})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The rewrite plan of one step: every collective, in call order."""
+
+  collectives: tuple[Collective, ...]
+  devices: tuple[str, ...]
+
+  @property
+  def num_replicas(self) -> int:
+    return len(self.devices)
+
+  @property
+  def bytes_per_step(self) -> int:
+    """Payload bytes entering collectives per step, summed over replicas (known shapes only)."""
+    return sum((c.nbytes or 0) * len(c.members) for c in self.collectives)
+
+  def summary(self) -> list[dict[str, Any]]:
+    """One dict per collective (for programs and JSON)."""
+    return [dict(index=c.index, kind=c.kind, params=dict(c.params), axes=c.axes,
+                 dtype=c.dtype.name, shape=_shape_str(c.shape), group_size=c.group_size,
+                 bytes_per_replica=c.nbytes, implementation=c.implementation,
+                 location=c.location) for c in self.collectives]
+
+  def __str__(self) -> str:
+    header = ("#", "collective", "axes", "dtype", "shape", "bytes/replica", "implementation", "called at")
+    rows = [header]
+    for c in self.collectives:
+      rows.append((str(c.index), c.describe(), ",".join(c.axes), c.dtype.name,
+                   _shape_str(c.shape), "?" if c.nbytes is None else f"{c.nbytes:,}",
+                   c.implementation, c.location))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [f"Rewrite plan: {len(self.collectives)} collective(s) over "
+             f"{self.num_replicas} replica(s), {self.bytes_per_step:,} bytes/step"]
+    for j, r in enumerate(rows):
+      lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+      if j == 0:
+        lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _mismatch(a: Placeholder, b: Placeholder, what: str) -> _errors.CollectiveMismatchError:
+  message = (
+      f"Replicas {a.replica} and {b.replica} disagree on collective #{a.index} "
+      f"(its {what} differs):\n"
+      f"  replica {a.replica}: {a.describe()}\n"
+      f"  replica {b.replica}: {b.describe()}\n" + _errors.MISMATCH_FOOTER)
+  return _errors.CollectiveMismatchError(message, (a.replica, b.replica), a.index)
+
+
+def _count_mismatch(placeholders: Sequence[Sequence[Placeholder]], r: int) -> _errors.CollectiveMismatchError:
+  n0, nr = len(placeholders[0]), len(placeholders[r])
+  longer, shorter = (0, r) if n0 > nr else (r, 0)
+  extra = placeholders[longer][min(n0, nr)]
+  message = (
+      f"Replica {longer} made {max(n0, nr)} collective call(s) but replica {shorter} "
+      f"made {min(n0, nr)}. Replica {longer}'s collective #{extra.index} has no "
+      f"counterpart in replica {shorter}:\n"
+      f"  replica {longer}: {extra.describe()}\n"
+      f"  replica {shorter}: (none)\n" + _errors.MISMATCH_FOOTER)
+  return _errors.CollectiveMismatchError(message, (longer, shorter), extra.index)
+
+
+def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
+         choose: Callable[[Collective], str]) -> Plan:
+  """Matches placeholders across replicas into collectives.
+
+  Args:
+    placeholders: for each replica (mesh device order), its placeholders in call order.
+    mesh: the mesh the replicas run on.
+    choose: picks the lowering name for a matched collective.
+
+  Returns:
+    The plan.
+
+  Raises:
+    CollectiveMismatchError: replicas made different calls (count, order, kind,
+      op, axes, dtype or shape).
+  """
+  if len(placeholders) != mesh.size:
+    raise _errors.RewriteError(
+        f"Expected placeholders for {mesh.size} replicas, found {len(placeholders)}.")
+  collectives = []
+  for index, members in enumerate(zip(*placeholders)):
+    first = members[0]
+    shape = first.input_shape
+    for other in members[1:]:
+      if (first.kind, first.params) != (other.kind, other.params):
+        raise _mismatch(first, other, "kind or parameters")
+      if first.axes != other.axes:
+        raise _mismatch(first, other, "axes")
+      if first.dtype != other.dtype:
+        raise _mismatch(first, other, "dtype")
+      if not shape.is_compatible_with(other.input_shape):
+        raise _mismatch(first, other, "shape")
+      shape = shape.merge_with(other.input_shape)
+    groups = mesh.groups(first.axes)
+    draft = Collective(index=index, kind=first.kind, params=first.params, axes=first.axes,
+                       dtype=first.dtype, shape=shape, members=tuple(members),
+                       groups=groups, implementation="")
+    collectives.append(dataclasses.replace(draft, implementation=choose(draft)))
+  # The lengths differ but every shared position matched: report the extra call.
+  for r in range(1, len(placeholders)):
+    if len(placeholders[r]) != len(placeholders[0]):
+      raise _count_mismatch(placeholders, r)
+  return Plan(collectives=tuple(collectives), devices=mesh.devices)
