@@ -22,8 +22,8 @@ def reduce_values(op: str, values: Sequence[tf.Tensor]) -> tf.Tensor:
     total = values[0] if n == 1 else tf.add_n(list(values))
     if op == "sum":
       return total
-    if total.dtype.is_integer:
-      return total // tf.constant(n, total.dtype)
+    if total.dtype.is_integer:  # truncates toward zero, like tf.reduce_mean
+      return tf.truncatediv(total, tf.constant(n, total.dtype))
     return total / tf.constant(n, total.dtype)
   if n == 1:
     return values[0]

@@ -1,0 +1,32 @@
+"""Test set-up: 8 logical CPUs, configured once before TensorFlow initialises."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import replicator  # noqa: E402
+
+NUM_CPUS = 8
+replicator.virtual_cpus(NUM_CPUS)
+
+REPLICA_COUNTS = (1, 2, 4, 8)
+IMPLEMENTATIONS = ("one_device", "collective_ops")
+
+
+def cpus(n):
+  """The first n logical CPU device names."""
+  return [f"/device:CPU:{i}" for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+  import keras
+  keras.backend.clear_session()
+  yield
+
+
+def pytest_report_header(config):
+  return f"tensorflow {tf.__version__}, {NUM_CPUS} logical CPUs"
