@@ -90,14 +90,14 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
           result = tree.map_structure(
               lambda v: v if v is None else tf.convert_to_tensor(v), result)
         outputs[replica] = result
-    _check_outputs(outputs)
     for result in outputs:
       flat_outputs.extend(t for t in tree.flatten(result) if t is not None)
     return flat_outputs
 
   with tf.variable_creator_scope(creator):
     scratch = tf.function(trace, autograph=False).get_concrete_function(*source.arg_specs)
-  plan = rewrite.plan(placeholders, replicator.mesh, choose)
+  plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
+  _check_outputs(outputs)  # they are the usual cause of output mismatches
   rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan)
 
   graph = scratch.graph

@@ -1,0 +1,199 @@
+"""Every error a user can cause: raised at build time, with its message pinned."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import replicator
+
+THIS_FILE = __file__.rsplit("/", 1)[-1]
+
+
+@pytest.fixture
+def repl():
+  return replicator.Replicator(cpus(2))
+
+
+def test_collective_on_one_replica_only(repl):
+  def step_fn():
+    x = tf.ones([3])
+    if repl.replica_id == 0:
+      x = repl.all_reduce(x)
+    return x
+
+  with pytest.raises(replicator.CollectiveMismatchError) as e:
+    repl.run(step_fn)
+  message = str(e.value)
+  assert "Replica 0 made 1 collective call(s) but replica 1 made 0" in message
+  assert "collective #0" in message
+  assert "all_reduce(op='sum', axis='replica') of float32[3]" in message
+  assert f"{THIS_FILE}:" in message and "in step_fn" in message  # the user's source line
+  assert "if repl.replica_id == 0" in message  # the usual cause
+  assert e.value.replicas == (0, 1)
+
+
+def test_different_op_per_replica(repl):
+  def step_fn():
+    return repl.all_reduce(tf.ones([2]), op="sum" if repl.replica_id == 0 else "max")
+
+  with pytest.raises(replicator.CollectiveMismatchError,
+                     match=r"(?s)Replicas 0 and 1 disagree on collective #0 \(its kind or parameters differs\).*"
+                           r"replica 0: all_reduce\(op='sum'.*replica 1: all_reduce\(op='max'"):
+    repl.run(step_fn)
+
+
+def test_different_order_per_replica(repl):
+  def step_fn():
+    a, b = tf.ones([2]), tf.ones([2])
+    if repl.replica_id == 0:
+      return repl.all_sum(a), repl.broadcast(b)
+    return repl.broadcast(b), repl.all_sum(a)
+
+  with pytest.raises(replicator.CollectiveMismatchError, match="disagree on collective #0"):
+    repl.run(step_fn)
+
+
+def test_different_shape_and_dtype_per_replica(repl):
+  with pytest.raises(replicator.CollectiveMismatchError, match=r"its shape differs\).*\n.*float32\[2\].*\n.*float32\[3\]"):
+    repl.run(lambda: repl.all_sum(tf.ones([2 + repl.replica_id])))
+  with pytest.raises(replicator.CollectiveMismatchError, match=r"its dtype differs"):
+    repl.run(lambda: repl.all_sum(tf.ones([2], tf.float32 if repl.replica_id == 0 else tf.float64)))
+
+
+def test_primitives_outside_a_step(repl):
+  for call in (lambda: repl.all_reduce(tf.ones([1])), lambda: repl.all_sum(1.0),
+               lambda: repl.broadcast(1.0), lambda: repl.all_gather(tf.ones([1])),
+               lambda: repl.replica_id):
+    with pytest.raises(replicator.ReplicaContextError,
+                       match=r"was called outside a replica context\. .*Fix: call it from inside step_fn"):
+      call()
+
+
+def test_primitive_of_another_replicator(repl):
+  other = replicator.Replicator(cpus(2))
+  with pytest.raises(replicator.ReplicaContextError, match="belongs to another Replicator"):
+    repl.run(lambda: other.all_sum(tf.ones([1])))
+
+
+def test_collective_inside_tf_cond(repl):
+  def step_fn():
+    x = tf.ones([2])
+    return tf.cond(tf.reduce_sum(x) > 0, lambda: repl.all_sum(x), lambda: x)
+
+  with pytest.raises(replicator.CollectiveInControlFlowError,
+                     match=r"repl\.all_reduce\(\) was called inside a tf\.cond / tf\.while_loop .*Fix: move the collective"):
+    repl.run(step_fn)
+
+
+def test_collective_inside_while_loop(repl):
+  def step_fn():
+    return tf.while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, repl.all_sum(x)), (0, tf.ones([2])))
+
+  with pytest.raises(replicator.CollectiveInControlFlowError, match="inside a tf.cond / tf.while_loop"):
+    repl.run(step_fn)
+
+
+def test_collective_inside_autograph_loop(repl):
+  def step_fn(x):
+    total = tf.zeros([2])
+    for _ in tf.range(tf.cast(x[0], tf.int32)):  # a tensor loop: AutoGraph makes a tf.while_loop
+      total += repl.all_sum(x)
+    return total
+
+  with pytest.raises(replicator.CollectiveInControlFlowError):
+    repl.run(step_fn, inputs=replicator.PerReplica([tf.ones([2]), tf.ones([2])]))
+
+
+def test_unknown_devices_list_the_available_ones():
+  with pytest.raises(replicator.DeviceError, match=r"Unknown device '/gpu:0' at position 0\. Expected one of the logical devices TensorFlow knows about: /device:CPU:0, "):
+    replicator.Replicator(["/gpu:0"])
+  with pytest.raises(replicator.DeviceError, match=r"Unknown device 'cpu:8'"):
+    replicator.Replicator(cpus(2) + ["cpu:8"])
+  with pytest.raises(replicator.DeviceError, match=r"single string"):
+    replicator.Replicator("cpu:0")
+
+
+def test_input_fn_structure_differs(repl):
+  def input_fn(ctx):
+    x = np.ones([4, 2], np.float32)
+    if ctx.replica_id == 0:
+      return tf.data.Dataset.from_tensor_slices((x, x)).batch(2)
+    return tf.data.Dataset.from_tensor_slices(x).batch(2)
+
+  with pytest.raises(replicator.InputMismatchError,
+                     match=r"(?s)input_fn's datasets gives per-replica elements that differ between replicas 0 and 1 \(structure\).*replica 0: \(TensorSpec.*replica 1: TensorSpec"):
+    repl.run(lambda batch: batch, input_fn)
+
+
+def test_input_fn_dtype_differs(repl):
+  def input_fn(ctx):
+    dtype = np.float32 if ctx.replica_id == 0 else np.float64
+    return tf.data.Dataset.from_tensor_slices(np.ones([4, 2], dtype)).batch(2)
+
+  with pytest.raises(replicator.InputMismatchError, match=r"\(dtype float32 vs float64\)"):
+    repl.run(lambda batch: batch, input_fn)
+
+
+def test_input_fn_returns_a_non_dataset(repl):
+  with pytest.raises(replicator.InputMismatchError, match=r"input_fn must return a tf\.data\.Dataset, but for replica 0 it returned a builtins\.list"):
+    repl.run(lambda batch: batch, lambda ctx: [1, 2, 3])
+
+
+def test_wrong_number_of_inputs(repl):
+  with pytest.raises(replicator.InputMismatchError, match=r"inputs= needs one value per replica \(2 replicas\), but found 3 values"):
+    repl.run(lambda x: x, inputs=replicator.PerReplica([1.0, 2.0, 3.0]))
+
+
+def test_step_fn_returns_different_structures(repl):
+  def step_fn():
+    if repl.replica_id == 0:
+      return {"loss": tf.ones([])}
+    return {"loss": tf.ones([]), "extra": tf.ones([])}
+
+  with pytest.raises(replicator.OutputMismatchError,
+                     match=r"(?s)step_fn returned different structures on replicas 0 and 1:.*replica 0: \{'loss': 'float32\(\)'\}"):
+    repl.run(step_fn)
+
+
+def test_step_fn_returns_different_dtypes(repl):
+  with pytest.raises(replicator.OutputMismatchError, match="different dtypes"):
+    repl.run(lambda: tf.ones([]) if repl.replica_id == 0 else tf.ones([], tf.int32))
+
+
+def test_bad_arguments():
+  repl = replicator.Replicator(cpus(2))
+  with pytest.raises(ValueError, match=r"op must be one of \('sum', 'mean', 'max', 'min'\)"):
+    repl.run(lambda: repl.all_reduce(tf.ones([1]), op="prod"))
+  with pytest.raises(ValueError, match=r"source must be a replica index in \[0, 2\)"):
+    repl.run(lambda: repl.broadcast(tf.ones([1]), source=2))
+  with pytest.raises(ValueError, match=r"all_gather\(\) needs tensors of known rank >= 1"):
+    repl.run(lambda: repl.all_gather(tf.ones([])))
+  with pytest.raises(TypeError, match="needs numeric tensors, found bool"):
+    repl.run(lambda: repl.all_sum(tf.constant([True])))
+  with pytest.raises(ValueError, match="either input_fn or inputs="):
+    repl.run(lambda x: x, lambda ctx: None, inputs=[1, 2])
+  with pytest.raises(ValueError, match="Unknown collective implementation 'fast'"):
+    replicator.Replicator(cpus(2), implementation="fast")
+  with pytest.raises(TypeError, match="takes the PerReplica value returned by repl.run"):
+    repl.reduce("sum", tf.ones([2]))
+  with pytest.raises(ValueError, match="reduction must be one of"):
+    repl.wrap_optimizer(object(), reduction="max")
+
+
+def test_variable_with_step_computed_initial_value(repl):
+  holder = []
+
+  def step_fn(x):
+    if not holder:
+      holder.append(tf.Variable(x * 2.0))  # depends on the step's input
+    return holder[0].read_value()
+
+  with pytest.raises(replicator.VariableCreationError, match=r"initial value computed in the step graph.*Fix: create the variable in `with repl.context\(\):`"):
+    repl.run(step_fn, inputs=replicator.PerReplica([tf.ones([2]), tf.ones([2])]))
+
+
+def test_per_replica_batch_size_must_divide():
+  ctx = replicator.InputContext(replica_id=0, num_replicas=3)
+  with pytest.raises(ValueError, match=r"global batch size 32 is not divisible by the number of replicas 3.*e\.g\. 33"):
+    ctx.get_per_replica_batch_size(32)

@@ -1,0 +1,200 @@
+"""Replicator API: run, caching, inputs, reduce/gather, explain, current()."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import REPLICA_COUNTS
+from conftest import cpus
+
+import mesh
+import replicator
+
+
+def test_default_uses_all_local_devices():
+  repl = replicator.Replicator()
+  assert repl.num_replicas == 8
+  assert repl.devices == tuple(cpus(8))
+  assert repl.mesh == mesh.Mesh({"replica": 8}, cpus(8))
+
+
+def test_mesh_argument():
+  m = mesh.Mesh({"a": 2, "b": 2}, cpus(4))
+  assert replicator.Replicator(mesh=m).num_replicas == 4
+  with pytest.raises(ValueError, match="not both"):
+    replicator.Replicator(cpus(4), mesh=m)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_traces_once_for_repeated_calls(n):
+  repl = replicator.Replicator(cpus(n))
+  with repl.context():
+    v = tf.Variable(0.0)
+  calls = []
+
+  def step_fn():
+    calls.append(repl.replica_id)
+    v.assign_add(repl.all_sum(1.0))
+    return v.read_value()
+
+  for step in range(5):
+    out = repl.run(step_fn)
+    assert [float(x) for x in out] == [float(n * (step + 1))] * n
+  assert calls == list(range(n))  # step_fn traced once per replica, on the first call only
+  assert repl.trace_count == 1
+
+
+def test_input_fn_iterators_created_once_and_reused():
+  repl = replicator.Replicator(cpus(2))
+  made = []
+
+  def input_fn(ctx):
+    made.append((ctx.replica_id, ctx.num_replicas, ctx.input_pipeline_id, ctx.num_input_pipelines))
+    return tf.data.Dataset.range(ctx.replica_id * 100, ctx.replica_id * 100 + 5)
+
+  def step_fn(element):
+    return element
+
+  seen = [[int(x) for x in repl.run(step_fn, input_fn)] for _ in range(3)]
+  assert made == [(0, 2, 0, 2), (1, 2, 1, 2)]
+  assert seen == [[0, 100], [1, 101], [2, 102]]  # the iterators advance: created once
+  assert repl.trace_count == 1
+
+
+def test_end_of_input_raises_out_of_range():
+  repl = replicator.Replicator(cpus(2))
+
+  def input_fn(ctx):
+    return tf.data.Dataset.range(2)
+
+  repl.run(lambda e: e, input_fn)
+  repl.run(lambda e: e, input_fn)
+  with pytest.raises(tf.errors.OutOfRangeError):
+    repl.run(lambda e: e, input_fn)
+
+
+def test_explicit_inputs_nests_and_none_outputs():
+  repl = replicator.Replicator(cpus(2))
+
+  def step_fn(inputs):
+    return {"double": inputs["x"] * 2, "nothing": None, "pair": (inputs["y"], 1.0)}
+
+  per_replica = replicator.PerReplica([{"x": np.float32(1), "y": np.arange(3)}, {"x": np.float32(2), "y": np.arange(3) + 1}])
+  out = repl.run(step_fn, inputs=per_replica)
+  assert float(out[1]["double"]) == 4.0
+  assert out[0]["nothing"] is None
+  np.testing.assert_array_equal(out[1]["pair"][0].numpy(), [1, 2, 3])
+  assert float(out[0]["pair"][1]) == 1.0
+  # Same structure and shapes again: no new trace; a new shape: a new trace.
+  repl.run(step_fn, inputs=per_replica)
+  assert repl.trace_count == 1
+  repl.run(step_fn, inputs=replicator.PerReplica([{"x": np.float32(1), "y": np.arange(4)}] * 2))
+  assert repl.trace_count == 2
+
+
+def test_step_without_return_still_runs_updates():
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    v = tf.Variable(1.0)
+
+  def step_fn():
+    v.assign(repl.all_reduce(v * float(repl.replica_id + 1), op="max"))
+
+  out = repl.run(step_fn)
+  assert [x for x in out] == [None] * 4
+  assert [c.numpy() for c in v.components] == [4.0] * 4
+
+
+@pytest.mark.parametrize("op, axis, want", [
+    ("sum", None, [4.0, 6.0]), ("mean", None, [2.0, 3.0]), ("max", None, [3.0, 4.0]),
+    ("min", None, [1.0, 2.0]), ("sum", 0, 10.0), ("mean", 0, 2.5)])
+def test_reduce(op, axis, want):
+  repl = replicator.Replicator(cpus(2))
+  out = repl.run(lambda x: x, inputs=replicator.PerReplica([np.array([1.0, 2.0]), np.array([3.0, 4.0])]))
+  np.testing.assert_allclose(repl.reduce(op, out, axis=axis).numpy(), want)
+
+
+def test_gather_and_nested_reduce():
+  repl = replicator.Replicator(cpus(2))
+  out = repl.run(lambda x: {"a": x, "b": (x * 10,)},
+                 inputs=replicator.PerReplica([np.array([[1.0]]), np.array([[2.0]])]))
+  np.testing.assert_allclose(repl.gather(out)["a"].numpy(), [[1.0], [2.0]])
+  np.testing.assert_allclose(repl.gather(out, axis=1)["b"][0].numpy(), [[10.0, 20.0]])
+  np.testing.assert_allclose(repl.reduce("sum", out)["b"][0].numpy(), [[30.0]])
+
+
+def test_explain_lists_collectives_without_running():
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    v = tf.Variable(tf.zeros([256]))
+
+  def step_fn():
+    grad = repl.all_reduce(tf.ones([256]), op="mean")
+    v.assign_add(grad)
+    return repl.all_gather(tf.ones([2, 3]), axis=1)
+
+  plan = repl.explain(step_fn)
+  assert [c.kind for c in plan.collectives] == ["all_reduce", "all_gather"]
+  assert plan.collectives[0].nbytes == 1024
+  assert plan.bytes_per_step == 4 * (1024 + 24)
+  text = str(plan)
+  assert "all_reduce(op='mean')" in text and "all_gather(axis=1)" in text and "float32" in text
+  assert "1,024" in text and "one_device" in text and "test_replicator.py" in text
+  assert float(v.numpy()[0]) == 0.0  # explain does not run the step
+  repl.run(step_fn)
+  assert repl.trace_count == 1  # run reuses the step explain built
+  assert float(v.numpy()[0]) == 1.0
+
+
+def test_explain_names_chosen_implementation():
+  repl = replicator.Replicator(cpus(2), implementation="collective_ops")
+  assert repl.explain(lambda: repl.all_sum(tf.ones([3]))).collectives[0].implementation == "collective_ops"
+
+
+def test_current():
+  repl = replicator.Replicator(cpus(2))
+  assert replicator.current() is None
+  seen = []
+
+  def step_fn():
+    seen.append(replicator.current())
+    return tf.constant(0)
+
+  repl.run(step_fn)
+  assert seen == [repl, repl]
+  with repl.context():
+    assert replicator.current() is None  # context() is not a step
+
+
+def test_library_code_communicates_through_current():
+  def global_mean(x):  # e.g. inside a layer: works with or without a replicator
+    repl = replicator.current()
+    return tf.reduce_mean(x) if repl is None else repl.all_reduce(tf.reduce_mean(x), op="mean")
+
+  repl = replicator.Replicator(cpus(4))
+  out = repl.run(lambda x: global_mean(x), inputs=replicator.PerReplica([np.full([3], float(i)) for i in range(4)]))
+  assert [float(v) for v in out] == [1.5] * 4
+  assert float(global_mean(tf.ones([3]))) == 1.0
+
+
+def test_python_control_flow_not_on_replica_is_fine():
+  repl = replicator.Replicator(cpus(2))
+
+  def step_fn(x):
+    if x.shape[0] > 1:  # static: same on every replica
+      x = repl.all_sum(x)
+    return x
+
+  out = repl.run(step_fn, inputs=replicator.PerReplica([np.ones(2), np.ones(2)]))
+  np.testing.assert_allclose(out[0].numpy(), [2.0, 2.0])
+
+
+def test_autograph_tensor_control_flow_without_collectives():
+  repl = replicator.Replicator(cpus(2))
+
+  def step_fn(x):
+    if tf.reduce_sum(x) > 2.5:  # a tensor condition: AutoGraph makes a tf.cond
+      x = x * 10.0
+    return repl.all_sum(x)
+
+  out = repl.run(step_fn, inputs=replicator.PerReplica([np.ones(2), np.full(2, 2.0)]))
+  np.testing.assert_allclose(out[0].numpy(), [21.0, 21.0])
