@@ -12,13 +12,16 @@ setup(
     packages=["replicator", "rewrite", "mesh"],
     package_data={"replicator": ["py.typed"], "rewrite": ["py.typed"], "mesh": ["py.typed"]},
     python_requires=">=3.10",
+    # TensorFlow comes from an extra: `cpu` (tensorflow-cpu) or `gpu`
+    # (tensorflow with CUDA), so an existing TensorFlow install is not replaced.
     install_requires=[
-        "tensorflow>=2.16",
         "numpy",
         "absl-py",
         "dm-tree",
     ],
     extras_require={
+        "cpu": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],
         "examples": ["scikit-learn"],
         "test": ["pytest", "scikit-learn", "dm-sonnet", "ruff"],
     },

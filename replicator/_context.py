@@ -21,6 +21,7 @@ class ReplicaContext:
     graph: the step graph; collectives must be called directly in it.
     placeholders: placeholders recorded so far, in call order.
     calls: number of primitive calls so far (one call may hold several tensors).
+    gradient_names: custom-gradient registrations made while tracing (released after).
   """
 
   replicator: Any
@@ -29,6 +30,7 @@ class ReplicaContext:
   graph: tf.Graph
   placeholders: list = dataclasses.field(default_factory=list)
   calls: int = 0
+  gradient_names: list = dataclasses.field(default_factory=list)
 
 
 _state = threading.local()
@@ -80,3 +82,17 @@ def current():
   """
   ctx = current_context()
   return None if ctx is None else ctx.replicator
+
+
+def no_autograph(cls):
+  """Class decorator: AutoGraph runs this class's public methods as written.
+
+  ``step_fn`` is converted with AutoGraph (as ``tf.function`` does), and
+  AutoGraph converts every function it calls unless told not to. Library
+  methods need no conversion; converting them costs build time and re-reads
+  their source.
+  """
+  for name, value in list(vars(cls).items()):
+    if callable(value) and not name.startswith("__") and not isinstance(value, type):
+      setattr(cls, name, tf.autograph.experimental.do_not_convert(value))
+  return cls

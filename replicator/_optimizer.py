@@ -6,9 +6,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from replicator import _context
+
 REDUCTIONS = ("mean", "sum")
 
 
+@_context.no_autograph
 class ReplicatedOptimizer:
   """An optimizer whose updates use gradients reduced across replicas.
 

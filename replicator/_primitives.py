@@ -17,6 +17,7 @@ import tree
 import rewrite
 from replicator import _context
 from replicator import _errors
+from replicator import _gradient_registry
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -89,7 +90,7 @@ def _emit(ctx, kind, x, params, axes, result_shape, location, call):
   return y
 
 
-def _differentiable(forward, x):
+def _differentiable(ctx, forward, x):
   """Applies forward(x) -> (y, grad_fn) with a custom gradient, for float tensors."""
   if not (x.dtype.is_floating or x.dtype.is_complex):
     y, _ = forward(x)
@@ -99,7 +100,11 @@ def _differentiable(forward, x):
   def op(t):
     return forward(t)
 
-  return op(x)
+  y = op(x)
+  name = _gradient_registry.gradient_name(y)
+  if name:
+    ctx.gradient_names.append(name)
+  return y
 
 
 def _call(ctx, name: str, location: str, x, one):
@@ -122,7 +127,7 @@ def all_reduce(ctx, x, op: str, axes: tuple[str, ...], location: str):
     if t.dtype == tf.bool or t.dtype == tf.string:
       raise TypeError(f"repl.all_reduce() needs numeric tensors, found {t.dtype.name} at {location}. "
                       "Fix: cast to a number first (e.g. tf.cast(x, tf.int32)).")
-    return _differentiable(lambda u: _reduce_with_grad(ctx, u, op, axes, location, call), t)
+    return _differentiable(ctx, lambda u: _reduce_with_grad(ctx, u, op, axes, location, call), t)
 
   return _call(ctx, "all_reduce", location, x, one)
 
@@ -166,7 +171,7 @@ def broadcast(ctx, x, source: int, axes: tuple[str, ...], location: str):
 
       return y, grad
 
-    return _differentiable(forward, t)
+    return _differentiable(ctx, forward, t)
 
   return _call(ctx, "broadcast", location, x, one)
 
@@ -198,6 +203,6 @@ def all_gather(ctx, x, axis: int, axes: tuple[str, ...], location: str):
 
       return y, grad
 
-    return _differentiable(forward, t)
+    return _differentiable(ctx, forward, t)
 
   return _call(ctx, "all_gather", location, x, one)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -11,16 +12,17 @@ import tree
 
 import mesh as mesh_lib
 import rewrite
+from replicator import _context
 from replicator import _inputs
 from replicator import _optimizer
 from replicator import _primitives
 from replicator import _step
+from replicator import _values
 from replicator import _variables
 from replicator._values import PerReplica
 
-IMPLEMENTATIONS = ("auto",)
 
-
+@_context.no_autograph
 class Replicator:
   """Runs a single-device training step on several devices, in one graph.
 
@@ -37,7 +39,7 @@ class Replicator:
   >>> def step_fn():
   ...   v.assign_add(repl.all_sum(tf.cast(repl.replica_id, tf.float32)))
   ...   return v.read_value()
-  >>> [float(x) for x in repl.run(step_fn).values]  # 1 + (0 + 1) on both replicas
+  >>> [float(x) for x in repl.run(step_fn)]  # 1 + (0 + 1) on both replicas
   [2.0, 2.0]
 
   Args:
@@ -119,10 +121,12 @@ class Replicator:
         one nest of tensors per replica.
 
     Returns:
-      A ``PerReplica`` with each replica's return value.
+      The nest ``step_fn`` returns, with a ``PerReplica`` (one value per
+      replica) at each tensor leaf, as ``tf.distribute`` does: a step returning
+      ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
     step, source = self._compiled(step_fn, input_fn, inputs)
-    return PerReplica(step(source.call_args()))
+    return _values.combine(step(source.call_args()))
 
   def explain(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> rewrite.Plan:
     """Returns the rewrite plan of ``step_fn``: every collective, its size and implementation.
@@ -173,7 +177,7 @@ class Replicator:
   def _choose(self, collective: rewrite.Collective) -> str:
     if self._implementation != "auto":
       return self._implementation
-    return "one_device"
+    return rewrite.auto_lowering(collective)
 
   # -- optimizers ------------------------------------------------------------------
 
@@ -220,49 +224,52 @@ class Replicator:
 
   # -- results (outside step_fn) --------------------------------------------------------
 
-  def reduce(self, op: str, per_replica: PerReplica, axis: int | None = None):
-    """Combines a ``PerReplica`` into ordinary tensors.
+  def reduce(self, op: str, per_replica, axis: int | None = None):
+    """Combines ``PerReplica`` values into ordinary tensors.
 
     Args:
       op: "sum", "mean", "max" or "min".
-      per_replica: a value returned by :meth:`run`.
+      per_replica: a ``PerReplica``, or a nest of them (what :meth:`run` returns).
       axis: None reduces across replicas only (elementwise); an int also
         reduces along that dimension of the values concatenated across
         replicas (e.g. the mean over a global batch of per-example losses).
     """
     if op not in _primitives.REDUCE_OPS:
       raise ValueError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS}.")
-    values = self._per_replica_values(per_replica, "reduce")
     reducer = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max,
                "min": tf.reduce_min}[op]
 
-    def one(*leaves):
+    def one(leaves):
       with tf.device(self._host):
         tensors = [tf.convert_to_tensor(t) for t in leaves]
         if axis is None:
           return reducer(tf.stack(tensors), axis=0)
         return reducer(tf.concat(tensors, axis=axis), axis=axis)
 
-    return tree.map_structure(one, *values)
+    return self._map_per_replica(one, per_replica, "reduce")
 
-  def gather(self, per_replica: PerReplica, axis: int = 0):
-    """Concatenates a ``PerReplica``'s values along ``axis`` (any nest)."""
-    values = self._per_replica_values(per_replica, "gather")
+  def gather(self, per_replica, axis: int = 0):
+    """Concatenates ``PerReplica`` values (or a nest of them) along ``axis``."""
 
-    def one(*leaves):
+    def one(leaves):
       with tf.device(self._host):
         return tf.concat([tf.convert_to_tensor(t) for t in leaves], axis=axis)
 
-    return tree.map_structure(one, *values)
+    return self._map_per_replica(one, per_replica, "gather")
 
-  def _per_replica_values(self, per_replica, name):
-    if not isinstance(per_replica, PerReplica):
-      raise TypeError(f"repl.{name}() takes the PerReplica value returned by repl.run, found "
-                      f"{type(per_replica).__name__}.")
-    if len(per_replica) != self.num_replicas:
-      raise ValueError(f"repl.{name}() got a PerReplica of {len(per_replica)} values, but this "
-                       f"Replicator has {self.num_replicas} replicas.")
-    return per_replica.values
+  def _map_per_replica(self, fn, per_replica, name):
+    def leaf(value):
+      if value is None:
+        return None
+      if not isinstance(value, PerReplica):
+        raise TypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a nest of "
+                        f"them), found {type(value).__name__}.")
+      if len(value) != self.num_replicas:
+        raise ValueError(f"repl.{name}() got a PerReplica of {len(value)} values, but this "
+                         f"Replicator has {self.num_replicas} replicas.")
+      return fn(value.values)
+
+    return tree.map_structure(leaf, per_replica)
 
   def __repr__(self):
     return f"Replicator(num_replicas={self.num_replicas}, mesh={self._mesh!r})"

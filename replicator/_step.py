@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import tensorflow as tf
 import tree
@@ -21,6 +22,7 @@ import tree
 import rewrite
 from replicator import _context
 from replicator import _errors
+from replicator import _gradient_registry
 from replicator import _inputs
 from replicator import _variables
 
@@ -71,6 +73,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   devices = replicator.devices
   creator = _variables.make_creator(replicator)
   placeholders = [[] for _ in devices]
+  gradient_names = []
   outputs = [None] * len(devices)
   fn = replicator._convert(step_fn)  # pylint: disable=protected-access
 
@@ -78,12 +81,15 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
     # TF may trace more than once; only the records of the last trace count.
     for records in placeholders:
       del records[:]
+    _gradient_registry.release(gradient_names)
+    del gradient_names[:]
     graph = tf.compat.v1.get_default_graph()
     flat_outputs = []
     with tf.variable_creator_scope(creator):
       for replica, device in enumerate(devices):
         ctx = _context.ReplicaContext(replicator=replicator, replica_id=replica, device=device,
-                                      graph=graph, placeholders=placeholders[replica])
+                                      graph=graph, placeholders=placeholders[replica],
+                                      gradient_names=gradient_names)
         with tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx):
           args = source.replica_args(replica, flat_args)
           result = fn(*args)
@@ -94,8 +100,11 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       flat_outputs.extend(t for t in tree.flatten(result) if t is not None)
     return flat_outputs
 
-  with tf.variable_creator_scope(creator):
-    scratch = tf.function(trace, autograph=False).get_concrete_function(*source.arg_specs)
+  try:
+    with tf.variable_creator_scope(creator):
+      scratch = tf.function(trace, autograph=False).get_concrete_function(*source.arg_specs)
+  finally:
+    _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
   rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
+
+import tree
 
 
 class PerReplica:
   """One value per replica, in replica order (device order of the Replicator).
 
-  Returned by ``repl.run``; turn it into an ordinary tensor with
-  ``repl.reduce`` or ``repl.gather``, or read ``.values``. Also accepted as
+  ``repl.run`` returns the step's nest with a ``PerReplica`` at each tensor
+  leaf; turn one into an ordinary tensor with ``repl.reduce`` or
+  ``repl.gather``, or read ``.values``. Also accepted as
   ``repl.run(..., inputs=PerReplica([...]))`` to give each replica its input.
 
   >>> v = PerReplica([1, 2])
@@ -42,3 +46,26 @@ class PerReplica:
   def __repr__(self) -> str:
     body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
     return f"PerReplica({{\n{body}\n}})"
+
+
+def combine(per_replica_nests: Sequence[Any]) -> Any:
+  """[nest_0, ..., nest_n-1] -> one nest with a PerReplica at each leaf (None stays None)."""
+  def leaf(*values):
+    return None if values[0] is None else PerReplica(values)
+
+  return tree.map_structure(leaf, *per_replica_nests)
+
+
+def split(value: Any, num_replicas: int) -> list[Any] | None:
+  """The per-replica nests of ``value`` if it holds PerReplica leaves, else None.
+
+  Accepts a PerReplica of nests or a nest with PerReplica leaves (what
+  ``repl.run`` returns).
+  """
+  if isinstance(value, PerReplica):
+    return list(value.values)
+  leaves = tree.flatten(value)
+  if not any(isinstance(v, PerReplica) for v in leaves):
+    return None
+  return [tree.map_structure(lambda v, r=r: v[r] if isinstance(v, PerReplica) else v, value)
+          for r in range(num_replicas)]

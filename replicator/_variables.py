@@ -61,6 +61,7 @@ def _new_component(**kwargs) -> tf.Variable:
   return _component_class()(**kwargs)
 
 
+@_context.no_autograph
 class ReplicatedVariable(tf.Variable):
   """A variable with one identical component per replica.
 

@@ -18,6 +18,7 @@ from rewrite._errors import CollectiveMismatchError
 from rewrite._errors import RewriteError
 from rewrite._lowering import Lowering
 from rewrite._lowering import LoweringContext
+from rewrite._lowering import auto as auto_lowering
 from rewrite._lowering import get as get_lowering
 from rewrite._lowering import names as lowering_names
 from rewrite._lowering import register as register_lowering
@@ -45,6 +46,7 @@ __all__ = (
     "RewriteError",
     "Rewritten",
     "apply",
+    "auto_lowering",
     "emit",
     "get_lowering",
     "lowering_names",

@@ -60,6 +60,16 @@ def _split(ref: str) -> tuple[bool, str, str]:
   return False, name, port or "0"
 
 
+def _remap(ref: str, inputs: dict[str, str], renamed: dict[str, str], scope: str) -> str:
+  """Where template input ``ref`` points after splicing under ``scope``."""
+  control, name, port = _split(ref)
+  if name in inputs:
+    _, iname, iport = _split(inputs[name])
+    return f"^{iname}" if control else f"{iname}:{iport}"
+  target = renamed.get(name, f"{scope}/{name}")
+  return f"^{target}" if control else f"{target}:{port}"
+
+
 def _build_template(lowering: _lowering.Lowering, collective: Collective, group: tuple[int, ...]) -> _Template:
   graph = tf.Graph()
   ctx = _lowering.LoweringContext()
@@ -147,14 +157,6 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan) -> Rewritten:
           external_inputs[node.name + ":0"] = lowering.external_value(key)
         renamed[tnode] = external_nodes[key]
 
-      def remap(ref: str) -> str:
-        control, name, port = _split(ref)
-        if name in inputs:
-          _, iname, iport = _split(inputs[name])
-          return f"^{iname}" if control else f"{iname}:{iport}"
-        target = renamed.get(name, f"{scope}/{name}")
-        return f"^{target}" if control else f"{target}:{port}"
-
       for tnode in template.nodes:
         if tnode.name in inputs or tnode.name in template.externals:
           continue
@@ -162,7 +164,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan) -> Rewritten:
         node.CopyFrom(tnode)
         node.name = f"{scope}/{tnode.name}"
         node.ClearField("input")
-        node.input.extend(remap(i) for i in tnode.input)
+        node.input.extend(_remap(i, inputs, renamed, scope) for i in tnode.input)
         if tnode.op in lowering.ordered_op_types:
           previous = last_ordered.get(node.device)
           if previous is not None:
@@ -170,7 +172,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan) -> Rewritten:
           last_ordered[node.device] = node.name
         new_nodes.append(node)
       for r, output in zip(group, template.outputs):
-        replacement[collective.members[r].node] = remap(output)
+        replacement[collective.members[r].node] = _remap(output, inputs, renamed, scope)
 
   for node in graph_def.node:
     if node.name in placeholders:

@@ -41,7 +41,7 @@ def test_all_reduce_ops_dtypes_and_nests(n, impl):
   for r in range(n):
     for op in ops:
       for i, d in enumerate(DTYPES):
-        full, row = out[r][op][d.__name__]
+        full, row = (v[r] for v in out[op][d.__name__])
         want = expected_reduce(op, inputs[i]["a"])
         tol = 1e-6 if d is np.float32 else 1e-12
         np.testing.assert_allclose(full.numpy(), want, rtol=tol, err_msg=f"{op} {d} replica {r}")
@@ -67,21 +67,21 @@ def test_all_sum_broadcast_all_gather(n, impl):
 
   out = repl.run(lambda v: step_fn(*v), inputs=replicator.PerReplica(list(zip(xs, ints))))
   for r in range(n):
-    np.testing.assert_allclose(out[r]["sum"][0].numpy(), np.sum(xs, axis=0), rtol=1e-6)
-    np.testing.assert_array_equal(out[r]["sum"][1].numpy(), np.sum(ints, axis=0))
-    np.testing.assert_array_equal(out[r]["bcast"][0].numpy(), xs[-1])
-    np.testing.assert_array_equal(out[r]["bcast"][1].numpy(), ints[-1])
-    np.testing.assert_array_equal(out[r]["gather0"].numpy(), np.concatenate(xs, axis=0))
-    np.testing.assert_array_equal(out[r]["gather1"]["x"].numpy(), np.concatenate(xs, axis=1))
-    np.testing.assert_array_equal(out[r]["gather_int"].numpy(), np.concatenate(ints))
-    assert int(out[r]["replica_id"]) == r
+    np.testing.assert_allclose(out["sum"][0][r].numpy(), np.sum(xs, axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(out["sum"][1][r].numpy(), np.sum(ints, axis=0))
+    np.testing.assert_array_equal(out["bcast"][0][r].numpy(), xs[-1])
+    np.testing.assert_array_equal(out["bcast"][1][r].numpy(), ints[-1])
+    np.testing.assert_array_equal(out["gather0"][r].numpy(), np.concatenate(xs, axis=0))
+    np.testing.assert_array_equal(out["gather1"]["x"][r].numpy(), np.concatenate(xs, axis=1))
+    np.testing.assert_array_equal(out["gather_int"][r].numpy(), np.concatenate(ints))
+    assert int(out["replica_id"][r]) == r
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_small_float_dtypes(n):
   repl = replicator.Replicator(cpus(n))
   for dtype in (tf.float16, tf.bfloat16):
-    out = repl.run(lambda: repl.all_reduce(tf.ones([3], dtype) * (repl.replica_id + 1), op="max"))
+    out = repl.run(lambda dtype=dtype: repl.all_reduce(tf.ones([3], dtype) * (repl.replica_id + 1), op="max"))
     assert out[0].dtype == dtype
     np.testing.assert_allclose(tf.cast(out[n - 1], tf.float32).numpy(), [n] * 3)
 

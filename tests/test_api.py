@@ -1,0 +1,37 @@
+"""The public API: names exported, private modules not re-exported."""
+
+import mesh
+import replicator
+import rewrite
+
+
+def test_replicator_public_names():
+  assert set(replicator.__all__) == {
+      "CollectiveInControlFlowError", "CollectiveMismatchError", "DeviceError", "InputContext",
+      "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError",
+      "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
+      "VariableCreationError", "current", "virtual_cpus"}
+  for name in replicator.__all__:
+    assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"
+
+
+def test_replicator_methods_documented():
+  for name in ("context", "run", "explain", "reduce", "gather", "wrap_optimizer", "all_reduce",
+               "all_sum", "broadcast", "all_gather", "replica_id", "num_replicas", "devices", "mesh"):
+    assert getattr(replicator.Replicator, name).__doc__, name
+
+
+def test_mesh_and_rewrite_public_names():
+  assert set(mesh.__all__) == {"DeviceError", "Mesh", "MeshError", "canonical_name", "local_devices", "virtual_cpus"}
+  assert {"plan", "apply", "Plan", "Collective", "Placeholder", "Lowering", "register_lowering",
+          "CollectiveMismatchError", "auto_lowering"} <= set(rewrite.__all__)
+  for module in (mesh, rewrite):
+    for name in module.__all__:
+      assert getattr(module, name) is not None
+
+
+def test_errors_subclass_builtins():
+  assert issubclass(replicator.CollectiveMismatchError, ValueError)
+  assert issubclass(replicator.ReplicaContextError, RuntimeError)
+  assert issubclass(replicator.ReplicaContextError, replicator.ReplicatorError)
+  assert issubclass(replicator.DeviceError, ValueError)

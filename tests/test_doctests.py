@@ -1,0 +1,21 @@
+"""Runs the ``>>>`` examples in the public modules' docstrings."""
+
+import doctest
+import importlib
+
+import pytest
+import tensorflow as tf
+
+import replicator
+
+MODULES = ["mesh._devices", "mesh._mesh", "replicator", "replicator._replicator", "replicator._values",
+           "replicator._inputs", "replicator._context"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+  module = importlib.import_module(name)
+  result = doctest.testmod(module, extraglobs={"tf": tf, "replicator": replicator},
+                           optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0, f"{name} has no doctest examples"
+  assert result.failed == 0
