@@ -101,7 +101,7 @@ class ExplicitInputs(Source):
       self._counts.append(len(leaves))
     _check_same_specs([tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
                                           tree.unflatten_as(s, self._leaves_of(r)))
-                       for r, s in enumerate(self._structures)], "inputs=")
+                       for r, s in enumerate(self._structures)], "inputs=", check_shapes=False)
     self.arg_specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in self._flat)
     self.key = ("explicit", tuple(tree.flatten(tree.map_structure(lambda _: 0, self._structures[0]))),
                 self.arg_specs, str(tree.map_structure(lambda _: 0, self._structures[0])))
@@ -132,7 +132,7 @@ class DatasetInputs(Source):
       if not isinstance(ds, tf.data.Dataset):
         raise _errors.InputMismatchError(NOT_A_DATASET.format(replica=replica, found=_describe(ds)))
       datasets.append(ds)
-    _check_same_specs([ds.element_spec for ds in datasets], "input_fn's datasets")
+    _check_same_specs([ds.element_spec for ds in datasets], "input_fn's datasets", check_shapes=True)
     datasets = [_without_autotune_thread(ds) for ds in datasets]
     with tf.device(host_device):
       self._iterators = [iter(ds) for ds in datasets]
@@ -165,18 +165,9 @@ def _describe(value) -> str:
   return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def _check_same_specs(specs: Sequence[Any], what: str) -> None:
-  first = specs[0]
-  for r, spec in enumerate(specs[1:], start=1):
-    try:
-      tree.assert_same_structure(first, spec)
-    except (ValueError, TypeError):
-      raise _errors.InputMismatchError(SPEC_MISMATCH.format(
-          source=what, a=0, b=r, what="structure", spec_a=first, spec_b=spec)) from None
-    for sa, sb in zip(tree.flatten(first), tree.flatten(spec)):
-      if sa.dtype != sb.dtype:
-        raise _errors.InputMismatchError(SPEC_MISMATCH.format(
-            source=what, a=0, b=r, what=f"dtype {sa.dtype.name} vs {sb.dtype.name}", spec_a=first, spec_b=spec))
-      if not sa.shape.is_compatible_with(sb.shape) and what.startswith("input_fn"):
-        raise _errors.InputMismatchError(SPEC_MISMATCH.format(
-            source=what, a=0, b=r, what=f"shape {sa.shape} vs {sb.shape}", spec_a=first, spec_b=spec))
+def _check_same_specs(specs: Sequence[Any], what: str, check_shapes: bool) -> None:
+  mismatch = _values.first_mismatch(specs, check_shapes=check_shapes)
+  if mismatch is not None:
+    r, difference = mismatch
+    raise _errors.InputMismatchError(SPEC_MISMATCH.format(
+        source=what, a=0, b=r, what=difference, spec_a=specs[0], spec_b=specs[r]))

@@ -24,6 +24,7 @@ from replicator import _context
 from replicator import _errors
 from replicator import _gradient_registry
 from replicator import _inputs
+from replicator import _values
 from replicator import _variables
 
 OUTPUT_MISMATCH = (
@@ -133,15 +134,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
 
 
 def _check_outputs(outputs: list) -> None:
-  first = outputs[0]
-  for r, other in enumerate(outputs[1:], start=1):
-    try:
-      tree.assert_same_structure(first, other)
-    except (ValueError, TypeError):
-      raise _errors.OutputMismatchError(OUTPUT_MISMATCH.format(
-          what="structures", r=r, a=_spec_str(first), b=_spec_str(other))) from None
-    for a, b in zip(tree.flatten(first), tree.flatten(other)):
-      if (a is None) != (b is None) or (a is not None and a.dtype != b.dtype):
-        raise _errors.OutputMismatchError(OUTPUT_MISMATCH.format(
-            what="dtypes", r=r, a=_spec_str(first), b=_spec_str(other)))
-
+  mismatch = _values.first_mismatch(outputs)
+  if mismatch is not None:
+    r, difference = mismatch
+    raise _errors.OutputMismatchError(OUTPUT_MISMATCH.format(
+        what=difference.split()[0] + "s", r=r, a=_spec_str(outputs[0]), b=_spec_str(outputs[r])))

@@ -69,3 +69,28 @@ def split(value: Any, num_replicas: int) -> list[Any] | None:
     return None
   return [tree.map_structure(lambda v, r=r: v[r] if isinstance(v, PerReplica) else v, value)
           for r in range(num_replicas)]
+
+
+def first_mismatch(nests: Sequence[Any], check_shapes: bool = False) -> tuple[int, str] | None:
+  """Compares every replica's nest with replica 0's.
+
+  Leaves are tensors, TensorSpecs or None. Returns ``(replica, what)`` for the
+  first replica that differs in structure, dtype (or, with ``check_shapes``,
+  incompatible shape), e.g. ``(2, "dtype float32 vs int32")``; None if all agree.
+  """
+  first = nests[0]
+  for r, other in enumerate(nests[1:], start=1):
+    try:
+      tree.assert_same_structure(first, other)
+    except (ValueError, TypeError):
+      return r, "structure"
+    for a, b in zip(tree.flatten(first), tree.flatten(other)):
+      if (a is None) != (b is None):
+        return r, "structure"
+      if a is None:
+        continue
+      if a.dtype != b.dtype:
+        return r, f"dtype {a.dtype.name} vs {b.dtype.name}"
+      if check_shapes and not a.shape.is_compatible_with(b.shape):
+        return r, f"shape {a.shape} vs {b.shape}"
+  return None
