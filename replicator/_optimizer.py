@@ -12,7 +12,7 @@ REDUCTIONS = ("mean", "sum")
 
 
 @_context.no_autograph
-class ReplicatedOptimizer:
+class ReplicatedOptimizer(tf.Module):
   """An optimizer whose updates use gradients reduced across replicas.
 
   Returned by ``repl.wrap_optimizer(opt)``. ``apply_gradients`` / ``apply``
@@ -25,6 +25,10 @@ class ReplicatedOptimizer:
   Works with Keras 3 optimizers (``apply_gradients(grads_and_vars)``,
   ``apply(grads, variables)``) and Sonnet 2 optimizers (``apply(updates,
   parameters)``).
+
+  For checkpoints the wrapper is transparent: ``tf.train.Checkpoint(optimizer=
+  wrapped)`` writes exactly what the wrapped optimizer would, so it restores
+  into an unwrapped optimizer (one device) and back.
   """
 
   def __init__(self, replicator, optimizer, reduction: str = "mean"):
@@ -55,6 +59,11 @@ class ReplicatedOptimizer:
     reduced = iter(self._replicator.all_reduce(present, op=self._reduction) if present else [])
     return [None if g is None else next(reduced) for g in dense]
 
+  def build(self, variables, *args, **kwargs):
+    """Creates the optimizer's slot variables now, replicated like the model's."""
+    with self._replicator.context():
+      return self._optimizer.build(variables, *args, **kwargs)
+
   def apply_gradients(self, grads_and_vars, *args, **kwargs):
     """Reduces the gradients across replicas, then applies them (Keras API)."""
     grads_and_vars = list(grads_and_vars)
@@ -72,6 +81,18 @@ class ReplicatedOptimizer:
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
     return self._optimizer.apply(grads, variables, *args, **kwargs)
+
+  # -- checkpoints: the wrapper's dependencies are the wrapped optimizer's -----
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    return self._optimizer._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    return self._optimizer._lookup_dependency(name, cached_dependencies)  # pylint: disable=protected-access
+
+  @property
+  def _deferred_dependencies(self):
+    return self._optimizer._deferred_dependencies  # pylint: disable=protected-access
 
   def __getattr__(self, name):
     return getattr(self._optimizer, name)

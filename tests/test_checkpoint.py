@@ -1,0 +1,143 @@
+"""tf.train.Checkpoint with replicated models: one copy stored, any replica count restores."""
+
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+from conftest import cpus
+
+import replicator
+
+X = np.random.RandomState(0).randn(16, 3).astype(np.float32)
+
+
+def make():
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(2)])
+  return model, keras.optimizers.Adam(0.05)
+
+
+def loss_fn(model, x):
+  return tf.reduce_mean(tf.square(model(x)))
+
+
+def replicated(n):
+  repl = replicator.Replicator(cpus(n))
+  with repl.context():
+    model, base = make()
+    opt = repl.wrap_optimizer(base)
+
+  def step_fn(x):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(model, x)
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+  def train(steps):
+    shards = replicator.PerReplica(np.split(X, n))
+    for _ in range(steps):
+      repl.run(step_fn, inputs=shards)
+
+  return model, opt, train
+
+
+def single():
+  model, opt = make()
+
+  def train(steps):
+    for _ in range(steps):
+      with tf.GradientTape() as tape:
+        loss = loss_fn(model, X)
+      opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+  return model, opt, train
+
+
+def values(model, opt):
+  inner = getattr(opt, "optimizer", opt)
+  return [v.numpy() for v in model.trainable_variables] + [v.numpy() for v in inner.variables]
+
+
+def assert_all_components_equal(model, opt, want):
+  inner = getattr(opt, "optimizer", opt)
+  variables = [v.value for v in model.trainable_variables] + [v.value for v in inner.variables]
+  for var, expected in zip(variables, want, strict=True):
+    for component in var.components:
+      np.testing.assert_allclose(component.numpy(), expected, atol=1e-6)
+
+
+def test_replicated_to_single_to_other_replica_count(tmp_path):
+  model, opt, train = replicated(4)
+  train(3)
+  saved = values(model, opt)
+  path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "four"))
+
+  keras.backend.clear_session()
+  plain_model, plain_opt, plain_train = single()
+  plain_opt.build(plain_model.trainable_variables)
+  tf.train.Checkpoint(model=plain_model, optimizer=plain_opt).read(path).assert_consumed()
+  for got, want in zip(values(plain_model, plain_opt), saved, strict=True):
+    np.testing.assert_allclose(got, want, atol=1e-7)
+  plain_train(2)  # training continues from the restored optimizer state
+  path = tf.train.Checkpoint(model=plain_model, optimizer=plain_opt).write(str(tmp_path / "single"))
+
+  keras.backend.clear_session()
+  model2, opt2, train2 = replicated(2)
+  opt2.build(model2.trainable_variables)
+  tf.train.Checkpoint(model=model2, optimizer=opt2).read(path).assert_consumed()
+  assert_all_components_equal(model2, opt2, values(plain_model, plain_opt))
+  train2(1)
+  plain_train(1)
+  assert_all_components_equal(model2, opt2, values(plain_model, plain_opt))
+
+
+def test_restore_before_optimizer_slots_exist(tmp_path):
+  """Slots created lazily in the first step are restored when they appear."""
+  model, opt, train = replicated(2)
+  train(2)
+  path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))
+  reference_model, reference_opt, reference_train = single()
+  reference_opt.build(reference_model.trainable_variables)
+  tf.train.Checkpoint(model=reference_model, optimizer=reference_opt).read(path).assert_consumed()
+  reference_train(1)
+
+  keras.backend.clear_session()
+  model2, opt2, train2 = replicated(4)  # optimizer not built: no slots yet
+  status = tf.train.Checkpoint(model=model2, optimizer=opt2).read(path)
+  train2(1)
+  status.assert_consumed()
+  assert_all_components_equal(model2, opt2, values(reference_model, reference_opt))
+
+
+def test_checkpoint_stores_one_copy_whatever_the_replica_count(tmp_path):
+  sizes, contents = {}, {}
+  for n in (1, 2, 4, 8):
+    keras.backend.clear_session()
+    model, opt, train = replicated(n)
+    train(1)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / f"n{n}"))
+    sizes[n] = os.path.getsize(path + ".data-00000-of-00001")
+    contents[n] = tf.train.list_variables(path)
+  keras.backend.clear_session()
+  plain_model, plain_opt, plain_train = single()
+  plain_train(1)
+  plain = tf.train.list_variables(tf.train.Checkpoint(model=plain_model, optimizer=plain_opt).write(str(tmp_path / "plain")))
+  assert len(set(sizes.values())) == 1, sizes  # bytes do not grow with n
+  for n in sizes:
+    assert contents[n] == plain  # the same variables, names and shapes as one device
+
+
+def test_restore_updates_every_component_of_a_module(tmp_path):
+  class Module(tf.Module):
+    def __init__(self):
+      super().__init__()
+      self.w = tf.Variable([1.0, 2.0])
+
+  plain = Module()
+  plain.w.assign([5.0, 6.0])
+  path = tf.train.Checkpoint(m=plain).write(str(tmp_path / "m"))
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    module = Module()
+  tf.train.Checkpoint(m=module).read(path).assert_consumed()
+  assert [c.numpy().tolist() for c in module.w.components] == [[5.0, 6.0]] * 4
