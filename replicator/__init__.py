@@ -11,6 +11,7 @@ from replicator._context import current
 from replicator._errors import CollectiveInControlFlowError
 from replicator._errors import CollectiveMismatchError
 from replicator._errors import DeviceError
+from replicator._errors import EndOfInput
 from replicator._errors import InputMismatchError
 from replicator._errors import OutputMismatchError
 from replicator._errors import ReplicaContextError
@@ -28,6 +29,7 @@ __all__ = (
     "CollectiveInControlFlowError",
     "CollectiveMismatchError",
     "DeviceError",
+    "EndOfInput",
     "InputContext",
     "InputMismatchError",
     "OutputMismatchError",

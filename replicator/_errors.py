@@ -22,6 +22,13 @@ OTHER_REPLICATOR = (
 )
 
 
+END_OF_INPUT = (
+    "The input is exhausted: an input_fn dataset has no more elements. End the "
+    "loop here (catch replicator.EndOfInput, or StopIteration), or repeat the "
+    "dataset (dataset.repeat()) for more epochs."
+)
+
+
 class ReplicatorError(Exception):
   """Base class of the errors this library raises for user mistakes."""
 
@@ -44,3 +51,7 @@ class OutputMismatchError(ReplicatorError, ValueError):
 
 class VariableCreationError(ReplicatorError, ValueError):
   """A variable cannot be replicated as requested."""
+
+
+class EndOfInput(ReplicatorError, StopIteration):
+  """``repl.run`` found no more input: the epoch is over."""

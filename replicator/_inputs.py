@@ -64,18 +64,38 @@ class InputContext:
 
 
 class Source:
-  """Where a step's per-replica arguments come from."""
+  """Where a step's per-replica inputs come from.
+
+  The traced step graph takes every replica's input element as arguments
+  (``element_specs``, replicas concatenated); :meth:`fetch` produces them inside
+  the executing function, once per step.
+  """
 
   key: Any = None
-  arg_specs: tuple = ()
+  arg_specs: tuple = ()  # arguments of the executing function
+  element_specs: tuple = ()  # flat step inputs, all replicas
+  counts: tuple = ()  # flat inputs per replica
+  structures: tuple = ()  # one nest per replica (leaves are replaced)
 
   def call_args(self) -> list[tf.Tensor]:
-    """Flat tensors passed to the compiled step on each call."""
+    """Flat tensors passed to the executing function on each call."""
     return []
 
-  def replica_args(self, replica: int, flat_args: Sequence[tf.Tensor]) -> tuple:  # pylint: disable=unused-argument
-    """Positional arguments of ``step_fn`` for ``replica``, built inside the trace."""
-    return ()
+  def step_args(self, replica: int, flat_elements: Sequence[tf.Tensor]) -> tuple:
+    """Positional arguments of ``step_fn`` for ``replica``, inside the trace."""
+    if not self.counts:
+      return ()
+    start = sum(self.counts[:replica])
+    leaves = list(flat_elements[start:start + self.counts[replica]])
+    return (tree.unflatten_as(self.structures[replica], leaves),)
+
+  def fetch(self, flat_args: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """The flat step inputs of one step (graph code, in the executing function)."""
+    return list(flat_args)
+
+  def fetch_optional(self, flat_args: Sequence[tf.Tensor]):
+    """``(has_value, get)``: whether another step's inputs exist, and a function returning them."""
+    return tf.constant(True), lambda: self.fetch(flat_args)
 
 
 class NoInputs(Source):
@@ -91,31 +111,21 @@ class ExplicitInputs(Source):
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or len(values) != num_replicas:
       found = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__
       raise _errors.InputMismatchError(WRONG_INPUT_COUNT.format(n=num_replicas, found=found, last=num_replicas - 1))
-    self._structures = []
     self._flat = []
-    self._counts = []
+    counts = []
     for value in values:
       leaves = [tf.convert_to_tensor(v) for v in tree.flatten(value)]
-      self._structures.append(value)
       self._flat.extend(leaves)
-      self._counts.append(len(leaves))
-    _check_same_specs([tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
-                                          tree.unflatten_as(s, self._leaves_of(r)))
-                       for r, s in enumerate(self._structures)], "inputs=", check_shapes=False)
-    self.arg_specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in self._flat)
-    self.key = ("explicit", tuple(tree.flatten(tree.map_structure(lambda _: 0, self._structures[0]))),
-                self.arg_specs, str(tree.map_structure(lambda _: 0, self._structures[0])))
-
-  def _leaves_of(self, replica: int, flat=None):
-    flat = self._flat if flat is None else flat
-    start = sum(self._counts[:replica])
-    return list(flat[start:start + self._counts[replica]])
+      counts.append(len(leaves))
+    self.structures = tuple(values)
+    self.counts = tuple(counts)
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in self._flat]
+    _check_same_specs([self.step_args(r, specs)[0] for r in range(num_replicas)], "inputs=", check_shapes=False)
+    self.arg_specs = self.element_specs = tuple(specs)
+    self.key = ("explicit", self.arg_specs, str(tree.map_structure(lambda _: 0, values[0])))
 
   def call_args(self):
     return self._flat
-
-  def replica_args(self, replica, flat_args):
-    return (tree.unflatten_as(self._structures[replica], self._leaves_of(replica, flat_args)),)
 
 
 class DatasetInputs(Source):
@@ -133,14 +143,32 @@ class DatasetInputs(Source):
         raise _errors.InputMismatchError(NOT_A_DATASET.format(replica=replica, found=_describe(ds)))
       datasets.append(ds)
     _check_same_specs([ds.element_spec for ds in datasets], "input_fn's datasets", check_shapes=True)
+    for leaf in tree.flatten(datasets[0].element_spec):
+      if not isinstance(leaf, tf.TensorSpec):
+        raise _errors.InputMismatchError(
+            f"input_fn's datasets yield a {type(leaf).__name__}; the replicator feeds dense tensors only. "
+            "Fix: convert it in the pipeline (e.g. .map(lambda x: x.to_tensor()) for ragged tensors).")
     datasets = [_without_autotune_thread(ds) for ds in datasets]
     with tf.device(host_device):
       self._iterators = [iter(ds) for ds in datasets]
-    self.element_spec = datasets[0].element_spec
+    self.structures = tuple(ds.element_spec for ds in datasets)
+    self.counts = tuple(len(tree.flatten(s)) for s in self.structures)
+    self.element_specs = tuple(spec for s in self.structures for spec in tree.flatten(s))
 
-  def replica_args(self, replica, flat_args):
+  def fetch(self, flat_args):
     with tf.device(self._host):
-      return (self._iterators[replica].get_next(),)
+      return [t for it in self._iterators for t in tree.flatten(it.get_next())]
+
+  def fetch_optional(self, flat_args):
+    with tf.device(self._host):
+      optionals = [it.get_next_as_optional() for it in self._iterators]
+      has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
+
+    def get():
+      with tf.device(self._host):
+        return [t for o in optionals for t in tree.flatten(o.get_value())]
+
+    return has_value, get
 
 
 def _without_autotune_thread(ds: tf.data.Dataset) -> tf.data.Dataset:

@@ -69,6 +69,7 @@ class Replicator:
     self._converted: dict[Any, Callable] = {}
     self._host = mesh_lib.canonical_name("CPU:0")
     self.trace_count = 0
+    self.steps_run = 0
 
   # -- placement ---------------------------------------------------------------
 
@@ -109,7 +110,8 @@ class Replicator:
 
   # -- running -------------------------------------------------------------------
 
-  def run(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> PerReplica:
+  def run(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None,
+          steps: int = 1, all_steps: bool = False):
     """Runs one step of ``step_fn`` on every replica.
 
     Args:
@@ -119,14 +121,25 @@ class Replicator:
         per replica the first time; its iterators are reused on later calls.
       inputs: explicit per-replica inputs: a ``PerReplica`` (or sequence) with
         one nest of tensors per replica.
+      steps: run this many steps in one graph call (an in-graph loop), paying
+        the per-call overhead once. With an ``input_fn`` each step takes the
+        next elements; the loop stops early when the input ends.
+      all_steps: return every step's results stacked along a new leading
+        dimension (one entry per step run), instead of the last step's.
+
+    Raises:
+      EndOfInput: the input ended before any step ran (a ``StopIteration``).
 
     Returns:
       The nest ``step_fn`` returns, with a ``PerReplica`` (one value per
       replica) at each tensor leaf, as ``tf.distribute`` does: a step returning
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+      raise ValueError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
-    return _values.combine(step(source.call_args()))
+    results, self.steps_run = step(source.call_args(), steps, all_steps)
+    return _values.combine(results)
 
   def explain(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> rewrite.Plan:
     """Returns the rewrite plan of ``step_fn``: every collective, its size and implementation.
@@ -155,6 +168,8 @@ class Replicator:
       source = _inputs.NoInputs()
     key = (step_fn, source.key)
     step = self._steps.get(key)
+    if step is not None and step.source is not source:
+      step.source = source  # same signature, new values (explicit inputs)
     if step is None:
       step = _step.build(self, step_fn, source, self._choose)
       self.trace_count += 1

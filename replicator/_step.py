@@ -49,28 +49,88 @@ def _spec_str(structure) -> str:
 
 @dataclasses.dataclass
 class CompiledStep:
-  """A traced, rewritten and imported step, ready to call."""
+  """A traced and rewritten step; builds (and caches) the functions that run it."""
 
   plan: rewrite.Plan
-  function: Any  # ConcreteFunction
+  graph_def: Any
+  input_names: list[str]  # the step graph's argument tensors (flat step inputs)
+  captures: list[tuple[str, tf.Tensor]]  # step graph tensor name -> eager value to feed
+  output_names: list[str]
+  output_dtypes: list[tf.DType]
   structure: Any  # output nest of replica 0 (leaves: tensors or None)
-  leaves_per_replica: int
   tensor_leaves: list[bool]  # which leaves of one replica's output are tensors
+  source: _inputs.Source
+  _executables: dict = dataclasses.field(default_factory=dict)
 
-  def __call__(self, args: list[tf.Tensor]) -> list[Any]:
-    flat = self.function(*args)
+  def _import(self, flat_elements) -> list[tf.Tensor]:
+    # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
+    input_map = {name: tf.identity(t) for name, t in zip(self.input_names, flat_elements)}
+    for name, external in self.captures:
+      input_map[name] = _capture(external)
+    if not self.output_names:
+      tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, name="step")
+      return []
+    return tf.graph_util.import_graph_def(
+        self.graph_def, input_map=input_map, return_elements=self.output_names, name="step")
+
+  def _build(self, steps: int, all_steps: bool):
+    source = self.source
+
+    def one_step(*flat_args):
+      return self._import(source.fetch(flat_args))
+
+    def loop(*flat_args):
+      arrays = [tf.TensorArray(d, size=0, dynamic_size=True, infer_shape=False) for d in self.output_dtypes]
+
+      def body(i, more, *arrays):
+        has_value, get = source.fetch_optional(flat_args)
+
+        def run():
+          outputs = self._import(get())
+          return [i + 1] + [a.write(i, o) for a, o in zip(arrays, outputs)]
+
+        def stop():
+          return [i] + list(arrays)
+
+        results = tf.cond(has_value, run, stop)
+        return [results[0], has_value] + list(results[1:])
+
+      i, _, *arrays = tf.while_loop(lambda i, more, *_: tf.logical_and(i < steps, more), body,
+                                    [tf.constant(0), tf.constant(True)] + arrays)
+      if all_steps:
+        return [i] + [a.stack() for a in arrays]
+      return [i] + [tf.cond(i > 0, lambda a=a: a.read(i - 1), lambda a=a, d=d: tf.zeros([0], d))
+                    for a, d in zip(arrays, self.output_dtypes)]
+
+    fn = one_step if steps == 1 and not all_steps else loop
+    return tf.function(fn, autograph=False).get_concrete_function(*source.arg_specs)
+
+  def __call__(self, args: list[tf.Tensor], steps: int = 1, all_steps: bool = False) -> tuple[list[Any], int]:
+    """Runs the step; returns each replica's output nest and the number of steps run."""
+    key = (steps, all_steps)
+    function = self._executables.get(key)
+    if function is None:
+      function = self._executables[key] = self._build(steps, all_steps)
+    try:
+      flat = function(*args)
+    except tf.errors.OutOfRangeError:
+      raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+    steps_run = steps
+    if steps != 1 or all_steps:
+      steps_run, flat = int(flat[0]), flat[1:]
+      if steps_run == 0:
+        raise _errors.EndOfInput(_errors.END_OF_INPUT)
     results = []
     it = iter(flat)
-    n = len(self.plan.devices)
-    for _ in range(n):
+    for _ in self.plan.devices:
       leaves = [next(it) if is_tensor else None for is_tensor in self.tensor_leaves]
       results.append(tree.unflatten_as(self.structure, leaves))
-    return results
+    return results, steps_run
 
 
 def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callable) -> CompiledStep:
-  """Traces ``step_fn`` on every replica and returns the compiled step."""
+  """Traces ``step_fn`` on every replica, plans and rewrites it."""
   devices = replicator.devices
   creator = _variables.make_creator(replicator)
   placeholders = [[] for _ in devices]
@@ -78,7 +138,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   outputs = [None] * len(devices)
   fn = replicator._convert(step_fn)  # pylint: disable=protected-access
 
-  def trace(*flat_args):
+  def trace(*flat_elements):
     # TF may trace more than once; only the records of the last trace count.
     for records in placeholders:
       del records[:]
@@ -92,8 +152,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
                                       graph=graph, placeholders=placeholders[replica],
                                       gradient_names=gradient_names)
         with tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx):
-          args = source.replica_args(replica, flat_args)
-          result = fn(*args)
+          result = fn(*source.step_args(replica, flat_elements))
           result = tree.map_structure(
               lambda v: v if v is None else tf.convert_to_tensor(v), result)
         outputs[replica] = result
@@ -103,34 +162,22 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
 
   try:
     with tf.variable_creator_scope(creator):
-      scratch = tf.function(trace, autograph=False).get_concrete_function(*source.arg_specs)
+      scratch = tf.function(trace, autograph=False).get_concrete_function(*source.element_specs)
   finally:
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
   rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan)
-
   graph = scratch.graph
-  arg_names = [t.name for t in graph.inputs[:len(source.arg_specs)]]
-  captures = [(internal.name, external) for external, internal in graph.captures]
-  output_names = [rewritten.output_name(t.name) for t in scratch.outputs]
-  graph_def = rewritten.graph_def
-  externals = list(rewritten.external_inputs.items())
-
-  def execute(*flat_args):
-    input_map = dict(zip(arg_names, flat_args))
-    for name, external in captures + externals:
-      input_map[name] = _capture(external)
-    if not output_names:
-      tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="step")
-      return []
-    return tf.graph_util.import_graph_def(
-        graph_def, input_map=input_map, return_elements=output_names, name="step")
-
-  function = tf.function(execute, autograph=False).get_concrete_function(*source.arg_specs)
   flat0 = tree.flatten(outputs[0])
-  return CompiledStep(plan=plan, function=function, structure=outputs[0],
-                      leaves_per_replica=len(flat0), tensor_leaves=[t is not None for t in flat0])
+  return CompiledStep(
+      plan=plan, graph_def=rewritten.graph_def,
+      input_names=[t.name for t in graph.inputs[:len(source.element_specs)]],
+      captures=[(internal.name, external) for external, internal in graph.captures]
+      + list(rewritten.external_inputs.items()),
+      output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
+      output_dtypes=[t.dtype for t in scratch.outputs],
+      structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source)
 
 
 def _check_outputs(outputs: list) -> None:

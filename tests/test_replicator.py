@@ -60,16 +60,24 @@ def test_input_fn_iterators_created_once_and_reused():
   assert repl.trace_count == 1
 
 
-def test_end_of_input_raises_out_of_range():
+def test_end_of_input_ends_an_epoch_loop():
   repl = replicator.Replicator(cpus(2))
 
   def input_fn(ctx):
-    return tf.data.Dataset.range(2)
+    return tf.data.Dataset.range(3)
 
-  repl.run(lambda e: e, input_fn)
-  repl.run(lambda e: e, input_fn)
-  with pytest.raises(tf.errors.OutOfRangeError):
-    repl.run(lambda e: e, input_fn)
+  def step_fn(element):
+    return element
+
+  seen = []
+  while True:
+    try:
+      seen.append([int(v) for v in repl.run(step_fn, input_fn)])
+    except replicator.EndOfInput as e:
+      assert isinstance(e, StopIteration)
+      assert "input is exhausted" in str(e) and "dataset.repeat()" in str(e)
+      break
+  assert seen == [[0, 0], [1, 1], [2, 2]]
 
 
 def test_explicit_inputs_nests_and_none_outputs():
