@@ -72,6 +72,7 @@ class Source:
   """
 
   key: Any = None
+  stateful = False  # holds iterators: a new source means a new epoch
   arg_specs: tuple = ()  # arguments of the executing function
   element_specs: tuple = ()  # flat step inputs, all replicas
   counts: tuple = ()  # flat inputs per replica
@@ -129,7 +130,9 @@ class ExplicitInputs(Source):
 
 
 class DatasetInputs(Source):
-  """``input_fn(ctx)`` datasets, one iterator per replica, created once."""
+  """``input_fn(ctx)`` datasets, one iterator per replica, created once per epoch."""
+
+  stateful = True
 
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
                host_device: str):
@@ -154,10 +157,6 @@ class DatasetInputs(Source):
     self.structures = tuple(ds.element_spec for ds in datasets)
     self.counts = tuple(len(tree.flatten(s)) for s in self.structures)
     self.element_specs = tuple(spec for s in self.structures for spec in tree.flatten(s))
-
-  def fetch(self, flat_args):
-    with tf.device(self._host):
-      return [t for it in self._iterators for t in tree.flatten(it.get_next())]
 
   def fetch_optional(self, flat_args):
     with tf.device(self._host):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,8 @@ import tree
 import mesh as mesh_lib
 import rewrite
 from replicator import _context
+from replicator import _distributed_dataset
+from replicator import _errors
 from replicator import _inputs
 from replicator import _optimizer
 from replicator import _primitives
@@ -65,7 +68,10 @@ class Replicator:
     self._autograph = autograph
     self._creator = _variables.make_creator(self)
     self._steps: dict[Any, _step.CompiledStep] = {}
-    self._sources: dict[Any, _inputs.DatasetInputs] = {}
+    self._sources: dict[Any, _inputs.Source] = {}
+    # Weak keys: datasets passed once (say, a new one per call) are not kept alive.
+    self._distributed: "weakref.WeakKeyDictionary[tf.data.Dataset, Any]" = weakref.WeakKeyDictionary()
+    self._dataset_sources: "weakref.WeakKeyDictionary[Any, _inputs.Source]" = weakref.WeakKeyDictionary()
     self._converted: dict[Any, Callable] = {}
     self._host = mesh_lib.canonical_name("CPU:0")
     self.trace_count = 0
@@ -118,7 +124,9 @@ class Replicator:
       step_fn: the per-replica step. Called with the replica's input element
         (from ``input_fn``'s dataset or ``inputs``), or with no argument.
       input_fn: ``input_fn(ctx: InputContext) -> tf.data.Dataset``, called once
-        per replica the first time; its iterators are reused on later calls.
+        per replica per epoch; its iterators are reused on later calls until the
+        input ends. Or a dataset of global batches (a ``tf.data.Dataset`` or
+        ``repl.distribute_dataset(...)``), split across the replicas each step.
       inputs: explicit per-replica inputs: a ``PerReplica`` (or sequence) with
         one nest of tensors per replica.
       steps: run this many steps in one graph call (an in-graph loop), paying
@@ -138,8 +146,34 @@ class Replicator:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise ValueError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
-    results, self.steps_run = step(source.call_args(), steps, all_steps)
+    try:
+      results, self.steps_run = step(source.call_args(), steps, all_steps)
+    except _errors.EndOfInput:
+      # The epoch is over: the next run starts a new one with new iterators.
+      if isinstance(input_fn, tf.data.Dataset):
+        input_fn = self._distributed.get(input_fn)
+      for sources in (self._sources, self._dataset_sources):
+        if input_fn in sources:
+          del sources[input_fn]
+      raise
     return _values.combine(results)
+
+  def distribute_dataset(self, dataset: tf.data.Dataset, prefetch: int = 2) -> _distributed_dataset.DistributedDataset:
+    """Splits every global batch of ``dataset`` across the replicas.
+
+    Pass the result as ``repl.run(step_fn, distributed)`` (split in the step's
+    graph, no extra host round trip), or iterate it for ``inputs=``. A partial
+    last batch is split as evenly as possible; replicas without rows run the
+    step on an empty batch. Average a loss over the true global batch with
+    ``tf.reduce_sum(per_example) / repl.all_sum(tf.shape(x)[0])`` and
+    ``wrap_optimizer(..., reduction="sum")``.
+
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> ds = tf.data.Dataset.range(5).batch(5)
+    >>> [b.numpy().tolist() for b in next(iter(repl.distribute_dataset(ds)))]
+    [[0, 1, 2], [3, 4]]
+    """
+    return _distributed_dataset.DistributedDataset(dataset, self.num_replicas, self._host, prefetch)
 
   def explain(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> rewrite.Plan:
     """Returns the rewrite plan of ``step_fn``: every collective, its size and implementation.
@@ -154,7 +188,15 @@ class Replicator:
       raise TypeError(f"repl.run needs a callable step_fn, found {type(step_fn).__name__}.")
     if input_fn is not None and inputs is not None:
       raise ValueError("Pass either input_fn or inputs= to repl.run, not both.")
-    if input_fn is not None:
+    if isinstance(input_fn, tf.data.Dataset):  # global batches: split them across replicas
+      if input_fn not in self._distributed:
+        self._distributed[input_fn] = self.distribute_dataset(input_fn)
+      input_fn = self._distributed[input_fn]
+    if isinstance(input_fn, _distributed_dataset.DistributedDataset):
+      source = self._dataset_sources.get(input_fn)
+      if source is None:
+        source = self._dataset_sources[input_fn] = _distributed_dataset.GlobalBatchInputs(input_fn)
+    elif input_fn is not None:
       if not callable(input_fn):
         raise TypeError(f"input_fn must be callable (input_fn(ctx) -> tf.data.Dataset), found "
                         f"{type(input_fn).__name__}. To pass per-replica values, use inputs=.")
@@ -169,7 +211,9 @@ class Replicator:
     key = (step_fn, source.key)
     step = self._steps.get(key)
     if step is not None and step.source is not source:
-      step.source = source  # same signature, new values (explicit inputs)
+      step.source = source  # same signature; new values, or a new epoch's iterators
+      if source.stateful:
+        step._executables.clear()  # pylint: disable=protected-access
     if step is None:
       step = _step.build(self, step_fn, source, self._choose)
       self.trace_count += 1

@@ -102,7 +102,19 @@ class CompiledStep:
       return [i] + [tf.cond(i > 0, lambda a=a: a.read(i - 1), lambda a=a, d=d: tf.zeros([0], d))
                     for a, d in zip(arrays, self.output_dtypes)]
 
-    fn = one_step if steps == 1 and not all_steps else loop
+    # With iterators, fetch through optionals even for one step: a plain get_next
+    # that hits the end aborts the call after input-independent stateful ops
+    # (an optimizer's step counter) may already have run.
+    def guarded_step(*flat_args):
+      has_value, get = source.fetch_optional(flat_args)
+      outputs = tf.cond(has_value, lambda: [tf.constant(1)] + list(self._import(get())),
+                        lambda: [tf.constant(0)] + [tf.zeros([0], d) for d in self.output_dtypes])
+      return outputs
+
+    if steps == 1 and not all_steps:
+      fn = guarded_step if source.stateful else one_step
+    else:
+      fn = loop
     return tf.function(fn, autograph=False).get_concrete_function(*source.arg_specs)
 
   def __call__(self, args: list[tf.Tensor], steps: int = 1, all_steps: bool = False) -> tuple[list[Any], int]:
@@ -117,7 +129,7 @@ class CompiledStep:
       raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
     steps_run = steps
-    if steps != 1 or all_steps:
+    if steps != 1 or all_steps or self.source.stateful:
       steps_run, flat = int(flat[0]), flat[1:]
       if steps_run == 0:
         raise _errors.EndOfInput(_errors.END_OF_INPUT)

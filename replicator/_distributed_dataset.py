@@ -1,0 +1,117 @@
+"""Datasets of global batches, split along the batch dimension across replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import tensorflow as tf
+import tree
+
+from replicator import _errors
+from replicator import _inputs
+from replicator._values import PerReplica
+
+NO_BATCH_DIMENSION = (
+    "distribute_dataset needs every element leaf to have a batch dimension (rank >= 1) to split "
+    "across replicas, but found {spec}. Fix: batch the dataset (dataset.batch(global_batch_size)) "
+    "before distributing it."
+)
+
+
+def split_sizes(batch: tf.Tensor, num_replicas: int) -> tf.Tensor:
+  """Rows per replica for a global batch of ``batch`` rows: as even as possible.
+
+  The first ``batch % n`` replicas get one extra row; with fewer rows than
+  replicas, the last replicas get none (they still run the step, on an empty batch).
+
+  >>> split_sizes(tf.constant(10), 4).numpy().tolist()
+  [3, 3, 2, 2]
+  >>> split_sizes(tf.constant(2), 4).numpy().tolist()
+  [1, 1, 0, 0]
+  """
+  base = batch // num_replicas
+  extra = tf.cast(tf.range(num_replicas, dtype=batch.dtype) < batch % num_replicas, batch.dtype)
+  return base + extra
+
+
+def split(element: Any, num_replicas: int) -> list[Any]:
+  """One global-batch nest -> a list of per-replica nests (split along axis 0)."""
+  leaves = tree.flatten(element)
+  sizes = split_sizes(tf.shape(leaves[0], out_type=tf.int64)[0], num_replicas)
+  parts = [tf.split(leaf, sizes, axis=0, num=num_replicas) for leaf in leaves]
+  return [tree.unflatten_as(element, [p[r] for p in parts]) for r in range(num_replicas)]
+
+
+def _replica_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
+  if spec.shape.rank is None or spec.shape.rank == 0:
+    raise _errors.InputMismatchError(NO_BATCH_DIMENSION.format(spec=spec))
+  return tf.TensorSpec([None] + spec.shape.as_list()[1:], spec.dtype)
+
+
+class DistributedDataset:
+  """A dataset of global batches whose every batch is split across the replicas.
+
+  Made by ``repl.distribute_dataset(dataset)``. Pass it to ``repl.run(step_fn,
+  distributed)`` (the split happens in the step's graph; each replica gets its
+  rows), or iterate it to get per-replica inputs for ``repl.run(step_fn,
+  inputs=...)``. A last batch smaller than the others (even smaller than the
+  number of replicas) is split as evenly as possible; replicas without rows
+  run the step on an empty batch, so nothing is dropped.
+  """
+
+  def __init__(self, dataset: tf.data.Dataset, num_replicas: int, host_device: str, prefetch: int = 2):
+    if not isinstance(dataset, tf.data.Dataset):
+      raise TypeError(f"distribute_dataset needs a tf.data.Dataset of global batches, found {type(dataset).__name__}.")
+    self._num_replicas = num_replicas
+    self._host = host_device
+    replica_spec = tree.map_structure(_replica_spec, dataset.element_spec)
+    for leaf in tree.flatten(dataset.element_spec):
+      if not isinstance(leaf, tf.TensorSpec):
+        raise _errors.InputMismatchError(
+            f"distribute_dataset feeds dense tensors only, found {type(leaf).__name__}.")
+    self._dataset = _inputs._without_autotune_thread(dataset.prefetch(prefetch))  # pylint: disable=protected-access
+    self.element_spec = replica_spec
+
+  @property
+  def dataset(self) -> tf.data.Dataset:
+    """The dataset of global batches."""
+    return self._dataset
+
+  def __iter__(self) -> Iterator[PerReplica]:
+    """Yields a ``PerReplica`` of per-replica batches for each global batch."""
+    with tf.device(self._host):
+      for element in self._dataset:
+        yield PerReplica(split(element, self._num_replicas))
+
+
+class GlobalBatchInputs(_inputs.Source):
+  """In-graph source for ``repl.run(step_fn, distributed_dataset)``: one iterator, split per step."""
+
+  stateful = True
+
+  def __init__(self, distributed: DistributedDataset):
+    self.key = ("dataset", tuple(tree.flatten(distributed.element_spec)), str(distributed.element_spec))
+    self._distributed = distributed
+    n = distributed._num_replicas  # pylint: disable=protected-access
+    with tf.device(distributed._host):  # pylint: disable=protected-access
+      self._iterator = iter(distributed.dataset)
+    self._n = n
+    self.structures = (distributed.element_spec,) * n
+    flat = tree.flatten(distributed.element_spec)
+    self.counts = (len(flat),) * n
+    self.element_specs = tuple(flat) * n
+
+  def _split_flat(self, element):
+    return [t for part in split(element, self._n) for t in tree.flatten(part)]
+
+  def fetch_optional(self, flat_args):
+    host = self._distributed._host  # pylint: disable=protected-access
+    with tf.device(host):
+      optional = self._iterator.get_next_as_optional()
+
+    def get():
+      with tf.device(host):
+        return self._split_flat(optional.get_value())
+
+    return optional.has_value(), get
