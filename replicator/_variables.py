@@ -63,13 +63,22 @@ def _new_component(**kwargs) -> tf.Variable:
 
 @_context.no_autograph
 class ReplicatedVariable(tf.Variable):
-  """A variable with one identical component per replica.
+  """A variable with one component per replica.
 
   Created for you by every ``tf.Variable`` made inside ``repl.context()`` or a
   step of ``repl.run`` (Keras layers and optimizers, ``tf.Module``, Sonnet).
   To user code it is one variable: inside replica ``i``'s step it reads and
-  writes component ``i``; outside a step it reads component 0 and assigns to
-  every component.
+  writes component ``i``.
+
+  Outside a step it depends on ``synchronization``:
+
+  * on write (the default; weights, optimizer state): the components are kept
+    identical; reads give component 0, writes go to every component.
+  * ``tf.VariableSynchronization.ON_READ`` (Keras metrics, accumulators):
+    each replica keeps its own value, and a read outside a step aggregates
+    them by ``aggregation`` (SUM, MEAN or ONLY_FIRST_REPLICA). A write
+    outside a step is spread so that the aggregated read returns the value
+    written (for SUM: the value on component 0, zeros elsewhere).
   """
 
   # GradientTape, Keras and tf.Module treat objects with this attribute as
@@ -167,11 +176,27 @@ class ReplicatedVariable(tf.Variable):
 
   # -- reads -------------------------------------------------------------------
 
+  @property
+  def _on_read(self) -> bool:
+    return self.synchronization == tf.VariableSynchronization.ON_READ
+
+  def _aggregate(self) -> tf.Tensor:
+    """The value seen outside a step: component 0, or the aggregate of an on-read variable."""
+    aggregation = self.aggregation
+    if not self._on_read or aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.ONLY_FIRST_REPLICA):
+      return self._components[0].read_value()
+    with tf.device(self._components[0].device):
+      total = tf.add_n([c.read_value() for c in self._components])
+      if aggregation == tf.VariableAggregation.MEAN:
+        total = total / tf.cast(len(self._components), total.dtype) if total.dtype.is_floating else \
+            total // len(self._components)
+      return total
+
   def value(self):
-    return self._current().value()
+    return self._current().value() if self._in_replica() or not self._on_read else self._aggregate()
 
   def read_value(self):
-    return self._current().read_value()
+    return self._current().read_value() if self._in_replica() or not self._on_read else self._aggregate()
 
   def sparse_read(self, indices, name=None):
     return self._current().sparse_read(indices, name=name)
@@ -180,12 +205,14 @@ class ReplicatedVariable(tf.Variable):
     return self._current().gather_nd(indices, name=name)
 
   def numpy(self):
-    return self._components[0].numpy()
+    return self._aggregate().numpy() if self._on_read else self._components[0].numpy()
 
   def __array__(self, dtype=None):
     return np.asarray(self.numpy(), dtype=dtype)
 
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+    if self._on_read and not self._in_replica() and not as_ref:
+      return tf.cast(self._aggregate(), dtype) if dtype is not None else self._aggregate()
     return self._current()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)  # pylint: disable=protected-access
 
   # -- writes ------------------------------------------------------------------
@@ -194,8 +221,15 @@ class ReplicatedVariable(tf.Variable):
     if self._in_replica():
       return getattr(self._current(), method)(*args, **kwargs)
     read_value = kwargs.pop("read_value", True)
-    for component in self._components:
-      getattr(component, method)(*args, read_value=False, **kwargs)
+    if self._on_read and method in ("assign_add", "assign_sub") and \
+        self.aggregation == tf.VariableAggregation.SUM:
+      getattr(self._components[0], method)(*args, read_value=False, **kwargs)  # the sum moves by delta
+    elif self._on_read and method == "assign":
+      for component, value in zip(self._components, spread(args[0], self, len(self._components))):
+        component.assign(value, read_value=False)
+    else:
+      for component in self._components:
+        getattr(component, method)(*args, read_value=False, **kwargs)
     return self if read_value else None
 
   def _scatter(self, method: str, *args, **kwargs):
@@ -247,10 +281,16 @@ class ReplicatedVariable(tf.Variable):
   # -- checkpointing: one copy, restored into every component ------------------
 
   def _serialize_to_tensors(self):
+    if self._on_read:
+      return {"VARIABLE_VALUE": self._aggregate()}
     return self._components[0]._serialize_to_tensors()  # pylint: disable=protected-access
 
   def _restore_from_tensors(self, restored_tensors):
-    ops = [c._restore_from_tensors(restored_tensors) for c in self._components]  # pylint: disable=protected-access
+    if self._on_read:
+      (value,) = restored_tensors.values()
+      ops = [c.assign(v) for c, v in zip(self._components, spread(value, self, len(self._components)))]
+    else:
+      ops = [c._restore_from_tensors(restored_tensors) for c in self._components]  # pylint: disable=protected-access
     return tf.group(ops) if not tf.executing_eagerly() else None
 
   def _copy_trackable_to_cpu(self, object_map):
@@ -262,6 +302,14 @@ class ReplicatedVariable(tf.Variable):
       value = f", numpy={np.array2string(self.numpy(), threshold=8, edgeitems=2)}"
     return (f"<ReplicatedVariable {self.name!r} shape={self.shape} dtype={self.dtype.name} "
             f"replicas={len(self._components)}{value}>")
+
+
+def spread(value, like, n: int) -> list:
+  """Per-component values of an on-read variable whose aggregate should be ``value``."""
+  value = tf.convert_to_tensor(value, dtype=like.dtype)
+  if like.aggregation == tf.VariableAggregation.SUM:
+    return [value] + [tf.zeros_like(value)] * (n - 1)
+  return [value] * n
 
 
 tf.register_tensor_conversion_function(
@@ -295,10 +343,13 @@ def make_creator(replicator):
       with tf.device(devices[0]):
         value = _initial_value(initial_value, name, kwargs.get("dtype"))
       kwargs["dtype"] = value.dtype
+      on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
+      sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
       components = []
-      for device in devices:
-        with tf.device(device):
-          components.append(_new_component(initial_value=value, **kwargs))
+      for i, device in enumerate(devices):
+        with tf.device(device):  # an on-read SUM variable starts with its total on replica 0
+          initial = tf.zeros_like(value) if sum_on_read and i > 0 else value
+          components.append(_new_component(initial_value=initial, **kwargs))
     return ReplicatedVariable(components, replicator)
 
   return creator
