@@ -7,6 +7,7 @@
 """
 
 from mesh import virtual_cpus
+from replicator._batch_norm import CrossReplicaBatchNorm
 from replicator._context import current
 from replicator._errors import CollectiveInControlFlowError
 from replicator._errors import CollectiveMismatchError
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = (
     "CollectiveInControlFlowError",
     "CollectiveMismatchError",
+    "CrossReplicaBatchNorm",
     "DeviceError",
     "EndOfInput",
     "InputContext",

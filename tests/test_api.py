@@ -7,7 +7,7 @@ import rewrite
 
 def test_replicator_public_names():
   assert set(replicator.__all__) == {
-      "CollectiveInControlFlowError", "CollectiveMismatchError", "DeviceError", "EndOfInput", "InputContext",
+      "CollectiveInControlFlowError", "CollectiveMismatchError", "CrossReplicaBatchNorm", "DeviceError", "EndOfInput", "InputContext",
       "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError",
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
       "VariableCreationError", "current", "virtual_cpus"}
