@@ -85,9 +85,12 @@ class ReplicatedVariable(tf.Variable):
   # resource variables and differentiate with respect to `.handle`.
   _should_act_as_resource_variable = True
 
-  def __init__(self, components, replicator):  # pylint: disable=super-init-not-called
+  def __init__(self, components, replicator, offsets=None):  # pylint: disable=super-init-not-called
     self._components = tuple(components)
     self._replicator = replicator
+    # Per-replica additive offsets kept by writes from outside a step (random
+    # seed state: each replica draws its own stream). None: no offsets.
+    self._offsets = offsets
 
   # -- which component -----------------------------------------------------
 
@@ -227,6 +230,9 @@ class ReplicatedVariable(tf.Variable):
     elif self._on_read and method == "assign":
       for component, value in zip(self._components, spread(args[0], self, len(self._components))):
         component.assign(value, read_value=False)
+    elif self._offsets is not None and method == "assign":
+      for component, offset in zip(self._components, self._offsets):
+        component.assign(tf.convert_to_tensor(args[0], self.dtype) + offset, read_value=False)
     else:
       for component in self._components:
         getattr(component, method)(*args, read_value=False, **kwargs)
@@ -289,6 +295,9 @@ class ReplicatedVariable(tf.Variable):
     if self._on_read:
       (value,) = restored_tensors.values()
       ops = [c.assign(v) for c, v in zip(self._components, spread(value, self, len(self._components)))]
+    elif self._offsets is not None:
+      (value,) = restored_tensors.values()
+      ops = [c.assign(value + offset) for c, offset in zip(self._components, self._offsets)]
     else:
       ops = [c._restore_from_tensors(restored_tensors) for c in self._components]  # pylint: disable=protected-access
     return tf.group(ops) if not tf.executing_eagerly() else None
@@ -302,6 +311,23 @@ class ReplicatedVariable(tf.Variable):
       value = f", numpy={np.array2string(self.numpy(), threshold=8, edgeitems=2)}"
     return (f"<ReplicatedVariable {self.name!r} shape={self.shape} dtype={self.dtype.name} "
             f"replicas={len(self._components)}{value}>")
+
+
+SEED_STREAM_STRIDE = 1_000_003
+
+
+def seed_offsets(name: str, value: tf.Tensor, n: int) -> list | None:
+  """Per-replica offsets for a Keras random-seed state, so replicas draw different numbers.
+
+  Keras 3 layers draw randomness (dropout, noise) from a ``SeedGenerator``
+  whose state, an int ``[seed, counter]`` variable named
+  ``seed_generator_state``, would otherwise be identical on every replica.
+  Replica ``i`` gets seed ``seed + i * SEED_STREAM_STRIDE``: different
+  streams per replica, the same streams on every run with the same seed.
+  """
+  if not name.endswith("seed_generator_state") or not value.dtype.is_integer or value.shape != (2,):
+    return None
+  return [tf.constant([i * SEED_STREAM_STRIDE, 0], value.dtype) for i in range(n)]
 
 
 def spread(value, like, n: int) -> list:
@@ -345,11 +371,14 @@ def make_creator(replicator):
       kwargs["dtype"] = value.dtype
       on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
+      offsets = seed_offsets(name, value, len(devices))
       components = []
       for i, device in enumerate(devices):
         with tf.device(device):  # an on-read SUM variable starts with its total on replica 0
           initial = tf.zeros_like(value) if sum_on_read and i > 0 else value
+          if offsets is not None:
+            initial = initial + offsets[i]
           components.append(_new_component(initial_value=initial, **kwargs))
-    return ReplicatedVariable(components, replicator)
+    return ReplicatedVariable(components, replicator, offsets)
 
   return creator
