@@ -22,6 +22,7 @@ class ReplicaContext:
     placeholders: placeholders recorded so far, in call order.
     calls: number of primitive calls so far (one call may hold several tensors).
     gradient_names: custom-gradient registrations made while tracing (released after).
+    accumulating: gradient-accumulating optimizers this step uses.
   """
 
   replicator: Any
@@ -31,6 +32,7 @@ class ReplicaContext:
   placeholders: list = dataclasses.field(default_factory=list)
   calls: int = 0
   gradient_names: list = dataclasses.field(default_factory=list)
+  accumulating: set = dataclasses.field(default_factory=set)
 
 
 _state = threading.local()

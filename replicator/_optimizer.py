@@ -31,7 +31,9 @@ class ReplicatedOptimizer(tf.Module):
   into an unwrapped optimizer (one device) and back.
   """
 
-  def __init__(self, replicator, optimizer, reduction: str = "mean"):
+  def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1):
+    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
+      raise ValueError(f"wrap_optimizer(accumulation_steps={accumulation_steps!r}): needs a positive integer.")
     if reduction not in REDUCTIONS:
       raise ValueError(f"wrap_optimizer(reduction={reduction!r}): reduction must be one of {REDUCTIONS}.")
     if not (hasattr(optimizer, "apply_gradients") or hasattr(optimizer, "apply")):
@@ -41,6 +43,22 @@ class ReplicatedOptimizer(tf.Module):
     object.__setattr__(self, "_replicator", replicator)
     object.__setattr__(self, "_optimizer", optimizer)
     object.__setattr__(self, "_reduction", reduction)
+    object.__setattr__(self, "accumulation_steps", accumulation_steps)
+    object.__setattr__(self, "_accumulators", None)
+    object.__setattr__(self, "calls", 0)  # steps run through this optimizer (Python side)
+    object.__setattr__(self, "_apply_now", True)  # set by the Replicator before tracing
+
+  def phase(self) -> bool:
+    """Whether the next step applies (True) or only accumulates (False)."""
+    return self.accumulation_steps == 1 or self.calls % self.accumulation_steps == self.accumulation_steps - 1
+
+  def prepare_trace(self) -> None:
+    """Makes the next trace build the variant of the next step's phase."""
+    object.__setattr__(self, "_apply_now", self.phase())
+
+  def advance(self, steps: int) -> None:
+    """Counts steps that ran through this optimizer."""
+    object.__setattr__(self, "calls", self.calls + steps)
 
   @property
   def optimizer(self):
@@ -64,12 +82,52 @@ class ReplicatedOptimizer(tf.Module):
     with self._replicator.context():
       return self._optimizer.build(variables, *args, **kwargs)
 
+  def _accumulate(self, grads, variables):
+    """Adds this step's local gradients to the accumulators.
+
+    Returns the accumulated sums when this step applies (accumulators are then
+    reset), or None when it only accumulates.
+    """
+    if self.accumulation_steps == 1:
+      return grads
+    ctx = _context.current_context()
+    if ctx is not None:
+      ctx.accumulating.add(self)
+    if self._accumulators is None:
+      # Per-replica sums of local gradients: on-read, so outside a step they
+      # read as the sum over replicas.
+      object.__setattr__(self, "_accumulators", [
+          tf.Variable(lambda v=v: tf.zeros(v.shape, v.dtype), trainable=False,
+                      synchronization=tf.VariableSynchronization.ON_READ,
+                      aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
+          for v in variables])
+    if len(self._accumulators) != len(variables):
+      raise ValueError(f"This optimizer accumulates gradients for {len(self._accumulators)} variables, "
+                       f"but got {len(variables)}. Use one wrapped optimizer per set of variables.")
+    if not self._apply_now:
+      for acc, g in zip(self._accumulators, grads):
+        if g is not None:
+          acc.assign_add(tf.convert_to_tensor(g))
+      return None
+    totals = []
+    for acc, g in zip(self._accumulators, grads):
+      totals.append(None if g is None else (acc.read_value() + tf.convert_to_tensor(g)) / self.accumulation_steps)
+      acc.assign(tf.zeros_like(acc))
+    return totals
+
   def apply_gradients(self, grads_and_vars, *args, **kwargs):
-    """Reduces the gradients across replicas, then applies them (Keras API)."""
+    """Reduces the gradients across replicas, then applies them (Keras API).
+
+    With ``accumulation_steps=k``, only every k-th step reduces and applies
+    the mean of the k steps' gradients; the other steps add them up locally.
+    """
     grads_and_vars = list(grads_and_vars)
-    grads = self.reduce_gradients([g for g, _ in grads_and_vars])
-    return self._optimizer.apply_gradients(
-        list(zip(grads, [v for _, v in grads_and_vars])), *args, **kwargs)
+    variables = [v for _, v in grads_and_vars]
+    grads = self._accumulate([g for g, _ in grads_and_vars], variables)
+    if grads is None:
+      return None
+    grads = self.reduce_gradients(grads)
+    return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
 
   def apply(self, grads, variables=None, *args, **kwargs):
     """Reduces the gradients across replicas, then applies them.
@@ -77,6 +135,12 @@ class ReplicatedOptimizer(tf.Module):
     Keras 3: ``apply(grads, trainable_variables)``. Sonnet 2:
     ``apply(updates, parameters)``.
     """
+    if self.accumulation_steps != 1:
+      if variables is None:
+        raise ValueError("apply(grads) without variables cannot accumulate gradients; pass the variables.")
+      grads = self._accumulate(list(grads), list(variables))
+      if grads is None:
+        return None
     grads = self.reduce_gradients(list(grads))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
@@ -101,4 +165,5 @@ class ReplicatedOptimizer(tf.Module):
     setattr(self._optimizer, name, value)
 
   def __repr__(self):
-    return f"ReplicatedOptimizer({self._optimizer!r}, reduction={self._reduction!r})"
+    return (f"ReplicatedOptimizer({self._optimizer!r}, reduction={self._reduction!r}, "
+            f"accumulation_steps={self.accumulation_steps})")

@@ -73,6 +73,7 @@ class Replicator:
     self._distributed: "weakref.WeakKeyDictionary[tf.data.Dataset, Any]" = weakref.WeakKeyDictionary()
     self._dataset_sources: "weakref.WeakKeyDictionary[Any, _inputs.Source]" = weakref.WeakKeyDictionary()
     self._converted: dict[Any, Callable] = {}
+    self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
     self.trace_count = 0
     self.steps_run = 0
@@ -146,6 +147,10 @@ class Replicator:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise ValueError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
+    if steps > 1 and step.accumulating:
+      raise ValueError(
+          f"repl.run(steps={steps}) with an optimizer wrapped with accumulation_steps > 1 is not "
+          "supported: each step needs its own phase (accumulate or apply). Fix: run one step per call.")
     try:
       results, self.steps_run = step(source.call_args(), steps, all_steps)
     except _errors.EndOfInput:
@@ -156,6 +161,8 @@ class Replicator:
         if input_fn in sources:
           del sources[input_fn]
       raise
+    for optimizer in step.accumulating:
+      optimizer.advance(self.steps_run)
     return _values.combine(results)
 
   def distribute_dataset(self, dataset: tf.data.Dataset, prefetch: int = 2) -> _distributed_dataset.DistributedDataset:
@@ -181,7 +188,7 @@ class Replicator:
     Builds (and caches) the step like :meth:`run` but does not run it. ``print``
     the result for a table.
     """
-    return self._compiled(step_fn, input_fn, inputs)[0].plan
+    return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
 
   def _compiled(self, step_fn, input_fn, inputs):
     if not callable(step_fn):
@@ -208,8 +215,14 @@ class Replicator:
       source = _inputs.ExplicitInputs(inputs, self.num_replicas)
     else:
       source = _inputs.NoInputs()
-    key = (step_fn, source.key)
-    step = self._steps.get(key)
+    # One traced variant per combination of accumulation phases of the
+    # optimizers the step uses (accumulate-only steps have no collectives).
+    variants = self._steps.setdefault((step_fn, source.key), {})
+    used = next(iter(variants.values())).accumulating if variants else tuple(self._accumulating)
+    for optimizer in used:
+      optimizer.prepare_trace()
+    phases = tuple(o.phase() for o in used) if variants else None
+    step = variants.get(phases)
     if step is not None and step.source is not source:
       step.source = source  # same signature; new values, or a new epoch's iterators
       if source.stateful:
@@ -217,7 +230,7 @@ class Replicator:
     if step is None:
       step = _step.build(self, step_fn, source, self._choose)
       self.trace_count += 1
-      self._steps[key] = step
+      variants[tuple(o.phase() for o in step.accumulating)] = step
     return step, source
 
   def _convert(self, fn: Callable) -> Callable:
@@ -240,15 +253,24 @@ class Replicator:
 
   # -- optimizers ------------------------------------------------------------------
 
-  def wrap_optimizer(self, optimizer, reduction: str = "mean") -> _optimizer.ReplicatedOptimizer:
+  def wrap_optimizer(self, optimizer, reduction: str = "mean",
+                     accumulation_steps: int = 1) -> _optimizer.ReplicatedOptimizer:
     """Wraps a Keras 3 or Sonnet 2 optimizer so updates use gradients reduced over replicas.
 
     Args:
       optimizer: the optimizer (create it inside :meth:`context`).
       reduction: ``"mean"`` (default: each replica's loss is a per-replica
         mean) or ``"sum"`` (the loss is already divided by the global batch).
+      accumulation_steps: accumulate gradients locally for this many steps,
+        then reduce them across replicas once and apply their mean: equal to
+        one step on a ``accumulation_steps`` times larger batch. The step is
+        traced twice (an accumulate-only variant without communication, and
+        the applying one); run one step per call.
     """
-    return _optimizer.ReplicatedOptimizer(self, optimizer, reduction)
+    wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps)
+    if accumulation_steps > 1:
+      self._accumulating.add(wrapped)
+    return wrapped
 
   # -- collectives (inside step_fn) -----------------------------------------------------
 

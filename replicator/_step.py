@@ -60,6 +60,7 @@ class CompiledStep:
   structure: Any  # output nest of replica 0 (leaves: tensors or None)
   tensor_leaves: list[bool]  # which leaves of one replica's output are tensors
   source: _inputs.Source
+  accumulating: tuple = ()  # gradient-accumulating optimizers the step uses
   _executables: dict = dataclasses.field(default_factory=dict)
 
   def _import(self, flat_elements) -> list[tf.Tensor]:
@@ -147,6 +148,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   creator = _variables.make_creator(replicator)
   placeholders = [[] for _ in devices]
   gradient_names = []
+  accumulating = set()
   outputs = [None] * len(devices)
   fn = replicator._convert(step_fn)  # pylint: disable=protected-access
 
@@ -162,7 +164,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       for replica, device in enumerate(devices):
         ctx = _context.ReplicaContext(replicator=replicator, replica_id=replica, device=device,
                                       graph=graph, placeholders=placeholders[replica],
-                                      gradient_names=gradient_names)
+                                      gradient_names=gradient_names, accumulating=accumulating)
         with tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx):
           result = fn(*source.step_args(replica, flat_elements))
           result = tree.map_structure(
@@ -189,7 +191,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       + list(rewritten.external_inputs.items()),
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs],
-      structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source)
+      structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
+      accumulating=tuple(sorted(accumulating, key=id)))
 
 
 def _check_outputs(outputs: list) -> None:
