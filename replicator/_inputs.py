@@ -63,6 +63,9 @@ class InputContext:
     return global_batch_size // self.num_replicas
 
 
+_HOST = "/device:CPU:0"
+
+
 class Source:
   """Where a step's per-replica inputs come from.
 
@@ -130,14 +133,20 @@ class ExplicitInputs(Source):
 
 
 class DatasetInputs(Source):
-  """``input_fn(ctx)`` datasets, one iterator per replica, created once per epoch."""
+  """``input_fn(ctx)`` datasets, one iterator per replica, created once per epoch.
+
+  With ``prefetch_to_device > 0`` each replica's iterator lives on the
+  replica's device and prefetches that many elements onto it, so the step
+  does not wait for host-to-device copies; otherwise iterators live on the
+  host CPU.
+  """
 
   stateful = True
 
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
-               host_device: str):
+               prefetch_to_device: int = 0):
     self.key = ("input_fn", input_fn)
-    self._host = host_device
+    self._devices = tuple(devices)
     datasets = []
     for replica in range(len(devices)):
       ds = input_fn(InputContext(replica_id=replica, num_replicas=len(devices),
@@ -151,21 +160,32 @@ class DatasetInputs(Source):
         raise _errors.InputMismatchError(
             f"input_fn's datasets yield a {type(leaf).__name__}; the replicator feeds dense tensors only. "
             "Fix: convert it in the pipeline (e.g. .map(lambda x: x.to_tensor()) for ragged tensors).")
-    datasets = [_without_autotune_thread(ds) for ds in datasets]
-    with tf.device(host_device):
-      self._iterators = [iter(ds) for ds in datasets]
     self.structures = tuple(ds.element_spec for ds in datasets)
+    if not prefetch_to_device:
+      self._devices = (_HOST,) * len(devices)
+    self._iterators = []
+    for ds, device in zip(datasets, self._devices):
+      ds = _without_autotune_thread(ds)  # also the device copy's inner iterator over it
+      if prefetch_to_device:
+        ds = _without_autotune_thread(ds.apply(tf.data.experimental.prefetch_to_device(device, prefetch_to_device)))
+      with tf.device(device):
+        self._iterators.append(iter(ds))
     self.counts = tuple(len(tree.flatten(s)) for s in self.structures)
     self.element_specs = tuple(spec for s in self.structures for spec in tree.flatten(s))
 
   def fetch_optional(self, flat_args):
-    with tf.device(self._host):
-      optionals = [it.get_next_as_optional() for it in self._iterators]
-      has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
+    optionals = []
+    for it, device in zip(self._iterators, self._devices):
+      with tf.device(device):
+        optionals.append(it.get_next_as_optional())
+    has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
 
     def get():
-      with tf.device(self._host):
-        return [t for o in optionals for t in tree.flatten(o.get_value())]
+      values = []
+      for o, device in zip(optionals, self._devices):
+        with tf.device(device):
+          values.extend(tree.flatten(o.get_value()))
+      return values
 
     return has_value, get
 

@@ -216,3 +216,19 @@ def test_autograph_tensor_control_flow_without_collectives():
 
   out = repl.run(step_fn, inputs=replicator.PerReplica([np.ones(2), np.full(2, 2.0)]))
   np.testing.assert_allclose(out[0].numpy(), [21.0, 21.0])
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_input_fn_with_and_without_device_prefetch(prefetch):
+  repl = replicator.Replicator(cpus(4), prefetch_to_device=prefetch)
+
+  def input_fn(ctx):
+    return tf.data.Dataset.range(ctx.replica_id * 10, ctx.replica_id * 10 + 3)
+
+  def step_fn(element):
+    return element + repl.all_sum(tf.constant(0, tf.int64))
+
+  seen = [[int(v) for v in repl.run(step_fn, input_fn)] for _ in range(3)]
+  assert seen == [[0, 10, 20, 30], [1, 11, 21, 31], [2, 12, 22, 32]]
+  with pytest.raises(replicator.EndOfInput):
+    repl.run(step_fn, input_fn)
