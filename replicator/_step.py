@@ -158,6 +158,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       del records[:]
     _gradient_registry.release(gradient_names)
     del gradient_names[:]
+    accumulating.clear()
     graph = tf.compat.v1.get_default_graph()
     flat_outputs = []
     with tf.variable_creator_scope(creator):
