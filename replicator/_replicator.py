@@ -162,12 +162,7 @@ class Replicator:
     try:
       results, self.steps_run = step(source.call_args(), steps, all_steps)
     except _errors.EndOfInput:
-      # The epoch is over: the next run starts a new one with new iterators.
-      if isinstance(input_fn, tf.data.Dataset):
-        input_fn = self._distributed.get(input_fn)
-      for sources in (self._sources, self._dataset_sources):
-        if input_fn in sources:
-          del sources[input_fn]
+      self._forget(source)  # the epoch is over: the next run starts a new one
       raise
     for optimizer in step.accumulating:
       optimizer.advance(self.steps_run)
@@ -197,6 +192,12 @@ class Replicator:
     the result for a table.
     """
     return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
+
+  def _forget(self, source: _inputs.Source) -> None:
+    """Drops an exhausted input source (and its iterators)."""
+    for sources in (self._sources, self._dataset_sources):
+      for key in [k for k, v in sources.items() if v is source]:
+        del sources[key]
 
   def _compiled(self, step_fn, input_fn, inputs):
     if not callable(step_fn):
