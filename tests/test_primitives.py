@@ -150,3 +150,25 @@ def test_max_gradient_splits_ties():
   # d(sum over 2 replicas of y)/dx_r: 2 upstream ones, split over 2 tied replicas.
   np.testing.assert_allclose(out[0].numpy(), [1.0, 1.0])
   np.testing.assert_allclose(out[1].numpy(), [1.0, 1.0])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("shape", [{"batch": 2, "model": 2}, {"batch": 2, "model": 4}])
+def test_collectives_over_named_mesh_axes(shape, impl):
+  import mesh
+  m = mesh.Mesh(shape, cpus(shape["batch"] * shape["model"]))
+  repl = replicator.Replicator(mesh=m, implementation=impl)
+  values = [np.full([2], float(10 * i + 1), np.float32) for i in range(m.size)]
+
+  def step_fn(x):
+    return dict(model_sum=repl.all_reduce(x, axis="model"), batch_max=repl.all_reduce(x, op="max", axis="batch"),
+                all_sum=repl.all_sum(x, axis=("batch", "model")), model_bcast=repl.broadcast(x, source=1, axis="model"))
+
+  out = repl.run(step_fn, inputs=replicator.PerReplica(values))
+  for d in range(m.size):
+    model_group = next(g for g in m.groups("model") if d in g)
+    batch_group = next(g for g in m.groups("batch") if d in g)
+    np.testing.assert_allclose(out["model_sum"][d].numpy(), sum(values[i] for i in model_group))
+    np.testing.assert_allclose(out["batch_max"][d].numpy(), np.max([values[i] for i in batch_group], axis=0))
+    np.testing.assert_allclose(out["all_sum"][d].numpy(), sum(values))
+    np.testing.assert_allclose(out["model_bcast"][d].numpy(), values[model_group[1]])
