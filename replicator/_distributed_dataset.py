@@ -58,19 +58,23 @@ class DistributedDataset:
   inputs=...)``. A last batch smaller than the others (even smaller than the
   number of replicas) is split as evenly as possible; replicas without rows
   run the step on an empty batch, so nothing is dropped.
+
+  Attributes:
+    num_replicas: how many parts each global batch is split into.
+    host_device: where the global batches are read and split.
   """
 
   def __init__(self, dataset: tf.data.Dataset, num_replicas: int, host_device: str, prefetch: int = 2):
     if not isinstance(dataset, tf.data.Dataset):
       raise TypeError(f"distribute_dataset needs a tf.data.Dataset of global batches, found {type(dataset).__name__}.")
-    self._num_replicas = num_replicas
-    self._host = host_device
+    self.num_replicas = num_replicas
+    self.host_device = host_device
     replica_spec = tree.map_structure(_replica_spec, dataset.element_spec)
     for leaf in tree.flatten(dataset.element_spec):
       if not isinstance(leaf, tf.TensorSpec):
         raise _errors.InputMismatchError(
             f"distribute_dataset feeds dense tensors only, found {type(leaf).__name__}.")
-    self._dataset = _inputs._without_autotune_thread(dataset.prefetch(prefetch))  # pylint: disable=protected-access
+    self._dataset = _inputs.without_autotune_thread(dataset.prefetch(prefetch))
     self.element_spec = replica_spec
 
   @property
@@ -80,9 +84,9 @@ class DistributedDataset:
 
   def __iter__(self) -> Iterator[PerReplica]:
     """Yields a ``PerReplica`` of per-replica batches for each global batch."""
-    with tf.device(self._host):
+    with tf.device(self.host_device):
       for element in self._dataset:
-        yield PerReplica(split(element, self._num_replicas))
+        yield PerReplica(split(element, self.num_replicas))
 
 
 class GlobalBatchInputs(_inputs.Source):
@@ -92,11 +96,10 @@ class GlobalBatchInputs(_inputs.Source):
 
   def __init__(self, distributed: DistributedDataset):
     self.key = ("dataset", tuple(tree.flatten(distributed.element_spec)), str(distributed.element_spec))
-    self._distributed = distributed
-    n = distributed._num_replicas  # pylint: disable=protected-access
-    with tf.device(distributed._host):  # pylint: disable=protected-access
+    n = self._n = distributed.num_replicas
+    self._host = distributed.host_device
+    with tf.device(self._host):
       self._iterator = iter(distributed.dataset)
-    self._n = n
     self.structures = (distributed.element_spec,) * n
     flat = tree.flatten(distributed.element_spec)
     self.counts = (len(flat),) * n
@@ -106,7 +109,7 @@ class GlobalBatchInputs(_inputs.Source):
     return [t for part in split(element, self._n) for t in tree.flatten(part)]
 
   def fetch_optional(self, flat_args):
-    host = self._distributed._host  # pylint: disable=protected-access
+    host = self._host
     with tf.device(host):
       optional = self._iterator.get_next_as_optional()
 

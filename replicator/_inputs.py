@@ -63,9 +63,6 @@ class InputContext:
     return global_batch_size // self.num_replicas
 
 
-_HOST = "/device:CPU:0"
-
-
 class Source:
   """Where a step's per-replica inputs come from.
 
@@ -144,7 +141,7 @@ class DatasetInputs(Source):
   stateful = True
 
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
-               prefetch_to_device: int = 0):
+               host_device: str, prefetch_to_device: int = 0):
     self.key = ("input_fn", input_fn)
     self._devices = tuple(devices)
     datasets = []
@@ -162,12 +159,12 @@ class DatasetInputs(Source):
             "Fix: convert it in the pipeline (e.g. .map(lambda x: x.to_tensor()) for ragged tensors).")
     self.structures = tuple(ds.element_spec for ds in datasets)
     if not prefetch_to_device:
-      self._devices = (_HOST,) * len(devices)
+      self._devices = (host_device,) * len(devices)
     self._iterators = []
     for ds, device in zip(datasets, self._devices):
-      ds = _without_autotune_thread(ds)  # also the device copy's inner iterator over it
+      ds = without_autotune_thread(ds)  # also the device copy's inner iterator over it
       if prefetch_to_device:
-        ds = _without_autotune_thread(ds.apply(tf.data.experimental.prefetch_to_device(device, prefetch_to_device)))
+        ds = without_autotune_thread(ds.apply(tf.data.experimental.prefetch_to_device(device, prefetch_to_device)))
       with tf.device(device):
         self._iterators.append(iter(ds))
     self.counts = tuple(len(tree.flatten(s)) for s in self.structures)
@@ -190,7 +187,7 @@ class DatasetInputs(Source):
     return has_value, get
 
 
-def _without_autotune_thread(ds: tf.data.Dataset) -> tf.data.Dataset:
+def without_autotune_thread(ds: tf.data.Dataset) -> tf.data.Dataset:
   """Turns off tf.data autotuning unless the user set it explicitly.
 
   On TF 2.21 (checked with 2.21.0, 2-core CPU), destroying one of many

@@ -218,7 +218,7 @@ class Replicator:
                         f"{type(input_fn).__name__}. To pass per-replica values, use inputs=.")
       source = self._sources.get(input_fn)
       if source is None:
-        source = _inputs.DatasetInputs(input_fn, self.devices, self._prefetch_to_device)
+        source = _inputs.DatasetInputs(input_fn, self.devices, self._host, self._prefetch_to_device)
         self._sources[input_fn] = source
     elif inputs is not None:
       source = _inputs.ExplicitInputs(inputs, self.num_replicas)
@@ -232,11 +232,9 @@ class Replicator:
       optimizer.prepare_trace()
     phases = tuple(o.phase() for o in used) if variants else None
     step = variants.get(phases)
-    if step is not None and step.source is not source:
-      step.source = source  # same signature; new values, or a new epoch's iterators
-      if source.stateful:
-        step._executables.clear()  # pylint: disable=protected-access
-    if step is None:
+    if step is not None:
+      step.use_source(source)
+    else:
       step = _step.build(self, step_fn, source, self._choose)
       self.trace_count += 1
       variants[tuple(o.phase() for o in step.accumulating)] = step

@@ -74,6 +74,17 @@ class CompiledStep:
     return tf.graph_util.import_graph_def(
         self.graph_def, input_map=input_map, return_elements=self.output_names, name="step")
 
+  def use_source(self, source: _inputs.Source) -> None:
+    """Runs on ``source`` from now on (new values, or a new epoch's iterators)."""
+    if source is not self.source:
+      self.source = source
+      if source.stateful:
+        self._executables.clear()  # they captured the old iterators
+
+  def _single(self, steps: int, all_steps: bool) -> bool:
+    """Whether one unguarded step runs (no step count returned)."""
+    return steps == 1 and not all_steps and not self.source.stateful
+
   def _build(self, steps: int, all_steps: bool):
     source = self.source
 
@@ -112,8 +123,10 @@ class CompiledStep:
                         lambda: [tf.constant(0)] + [tf.zeros([0], d) for d in self.output_dtypes])
       return outputs
 
-    if steps == 1 and not all_steps:
-      fn = guarded_step if source.stateful else one_step
+    if self._single(steps, all_steps):
+      fn = one_step
+    elif steps == 1 and not all_steps:
+      fn = guarded_step
     else:
       fn = loop
     return tf.function(fn, autograph=False).get_concrete_function(*source.arg_specs)
@@ -130,7 +143,7 @@ class CompiledStep:
       raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
     steps_run = steps
-    if steps != 1 or all_steps or self.source.stateful:
+    if not self._single(steps, all_steps):
       steps_run, flat = int(flat[0]), flat[1:]
       if steps_run == 0:
         raise _errors.EndOfInput(_errors.END_OF_INPUT)
