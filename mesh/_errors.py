@@ -7,3 +7,7 @@ class MeshError(ValueError):
 
 class DeviceError(MeshError):
   """A device string is unknown, duplicated, or devices cannot be configured."""
+
+
+class LayoutError(MeshError):
+  """A layout cannot be used: unknown or reused mesh axes, or dimensions that do not divide."""

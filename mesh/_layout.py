@@ -1,0 +1,326 @@
+"""Layouts: how each dimension of a tensor is split over the axes of a mesh.
+
+A layout spec has one entry per tensor dimension: a mesh axis name (the
+dimension is split over that axis), a tuple of axis names (split over their
+product, row-major), or None (not split). Mesh axes that no dimension uses
+hold identical copies: the tensor is *replicated* along them.
+
+>>> import mesh
+>>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+>>> layout = mesh.Layout((None, "model"), m)
+>>> layout.shard_shape([6, 8])
+[6, 4]
+>>> layout.replicated_axes, layout.sharded_axes
+(('batch',), ('model',))
+>>> [layout.shard_index(d) for d in range(4)]  # device (b, k) holds column block k
+[(0, 0), (0, 1), (0, 0), (0, 1)]
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Union
+
+from mesh import _errors
+from mesh._mesh import Mesh
+
+SpecEntry = Union[str, Sequence[str], None]
+Spec = Sequence[SpecEntry]
+
+UNKNOWN_AXIS = (
+    "Layout {spec} names mesh axis {axis!r} (for tensor dimension {dim}), but the mesh has "
+    "axes {names} (shape {shape}). Fix: use one of those axis names, or None to replicate "
+    "the dimension."
+)
+AXIS_USED_TWICE = (
+    "Layout {spec} uses mesh axis {axis!r} for tensor dimensions {first} and {second}; a "
+    "mesh axis can split only one dimension of a tensor. Fix: replicate one of them (None) or "
+    "split it over another axis."
+)
+BAD_ENTRY = (
+    "Layout {spec}: entry {dim} is {entry!r}; each entry must be a mesh axis name (str), a "
+    "tuple of axis names, or None (replicated)."
+)
+RANK_MISMATCH = (
+    "Layout {spec} has {entries} entries, but {what} has rank {rank} (shape {shape}). Fix: "
+    "give one entry per tensor dimension (None for dimensions that are not split)."
+)
+NOT_DIVISIBLE = (
+    "Cannot split {what} of shape {shape} with layout {spec}: dimension {dim} has size "
+    "{size}, which is not divisible by {parts}, the size of mesh {axes_word} {axes}. Fix: "
+    "make dimension {dim} a multiple of {parts} (e.g. {suggest}), or do not split it (None)."
+)
+UNKNOWN_SIZE = (
+    "Cannot split {what} of shape {shape} with layout {spec}: dimension {dim} has unknown "
+    "size. Fix: give the tensor a static shape, or do not split that dimension (None)."
+)
+AMBIGUOUS_PATH = (
+    "Variable {path!r} matches {count} LayoutMap patterns: {patterns}. Each variable must "
+    "match exactly one pattern (or an exact key). Fix: make the patterns more specific, "
+    "e.g. anchor them (r'^dense_1/kernel$')."
+)
+
+
+def _spec_str(spec) -> str:
+  return "(" + ", ".join(repr(e) for e in spec) + ("," if len(spec) == 1 else "") + ")"
+
+
+class Layout:
+  """How a tensor is split over a mesh.
+
+  Args:
+    spec: one entry per tensor dimension: a mesh axis name, a tuple of axis
+      names (split over their product, the last varying fastest), or None.
+    mesh: the mesh.
+
+  Raises:
+    LayoutError: an entry names an unknown axis, or one axis splits two
+      dimensions.
+  """
+
+  def __init__(self, spec: Spec, mesh: Mesh):
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Iterable):
+      raise _errors.LayoutError(
+          f"A layout spec is a tuple with one entry per tensor dimension, found {spec!r}. "
+          f"Fix: e.g. (None, 'model') for a matrix split by columns over axis 'model'.")
+    spec = tuple(spec)
+    self._mesh = mesh
+    self._axes: list[tuple[str, ...]] = []
+    used: dict[str, int] = {}
+    for dim, entry in enumerate(spec):
+      if entry is None:
+        axes = ()
+      elif isinstance(entry, str):
+        axes = (entry,)
+      elif isinstance(entry, Sequence) and all(isinstance(a, str) for a in entry):
+        axes = tuple(entry)
+      else:
+        raise _errors.LayoutError(BAD_ENTRY.format(spec=_spec_str(spec), dim=dim, entry=entry))
+      for axis in axes:
+        if axis not in mesh.shape:
+          raise _errors.LayoutError(UNKNOWN_AXIS.format(
+              spec=_spec_str(spec), axis=axis, dim=dim, names=mesh.axis_names, shape=mesh.shape))
+        if axis in used:
+          raise _errors.LayoutError(AXIS_USED_TWICE.format(
+              spec=_spec_str(spec), axis=axis, first=used[axis], second=dim))
+        used[axis] = dim
+      self._axes.append(axes)
+    self._spec = tuple(None if not a else a[0] if len(a) == 1 else a for a in self._axes)
+
+  @classmethod
+  def replicated(cls, mesh: Mesh, rank: int) -> "Layout":
+    """The layout that keeps a whole copy of a rank-``rank`` tensor on every device."""
+    return cls((None,) * rank, mesh)
+
+  @property
+  def spec(self) -> tuple:
+    """The normalised spec: None, an axis name or a tuple of names per dimension."""
+    return self._spec
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  @property
+  def rank(self) -> int:
+    return len(self._axes)
+
+  def axes(self, dim: int) -> tuple[str, ...]:
+    """The mesh axes that split tensor dimension ``dim`` (empty if none)."""
+    return self._axes[dim]
+
+  @property
+  def sharded_axes(self) -> tuple[str, ...]:
+    """Mesh axes that split some dimension, in mesh order."""
+    used = {a for axes in self._axes for a in axes}
+    return tuple(a for a in self._mesh.axis_names if a in used)
+
+  @property
+  def replicated_axes(self) -> tuple[str, ...]:
+    """Mesh axes along which the tensor is copied, in mesh order."""
+    used = set(self.sharded_axes)
+    return tuple(a for a in self._mesh.axis_names if a not in used)
+
+  @property
+  def is_fully_replicated(self) -> bool:
+    """Whether every device holds the whole tensor (no axis, or only size-1 axes, split it)."""
+    return all(self.num_shards(d) == 1 for d in range(self.rank))
+
+  def num_shards(self, dim: int) -> int:
+    """Into how many pieces tensor dimension ``dim`` is split."""
+    return math.prod(self._mesh.shape[a] for a in self._axes[dim])
+
+  @property
+  def shards_per_device(self) -> int:
+    """The fraction 1/k of the tensor each device holds, as k."""
+    return math.prod(self.num_shards(d) for d in range(self.rank))
+
+  def check(self, shape: Sequence[int | None], what: str = "a tensor") -> None:
+    """Raises LayoutError unless a tensor of ``shape`` can be split by this layout."""
+    shape = list(shape)
+    if len(shape) != self.rank:
+      raise _errors.LayoutError(RANK_MISMATCH.format(
+          spec=_spec_str(self._spec), entries=self.rank, what=what, rank=len(shape), shape=shape))
+    for dim, size in enumerate(shape):
+      parts = self.num_shards(dim)
+      if parts == 1:
+        continue
+      if size is None:
+        raise _errors.LayoutError(UNKNOWN_SIZE.format(what=what, shape=shape, spec=_spec_str(self._spec), dim=dim))
+      if size % parts:
+        axes = self._axes[dim]
+        raise _errors.LayoutError(NOT_DIVISIBLE.format(
+            what=what, shape=shape, spec=_spec_str(self._spec), dim=dim, size=size, parts=parts,
+            axes_word="axis" if len(axes) == 1 else "axes",
+            axes=repr(axes[0]) if len(axes) == 1 else axes, suggest=(size // parts + 1) * parts))
+
+  def shard_shape(self, shape: Sequence[int]) -> list[int]:
+    """The shape of each device's piece of a tensor of global ``shape``."""
+    self.check(shape)
+    return [size // self.num_shards(d) for d, size in enumerate(shape)]
+
+  def shard_index(self, device: int) -> tuple[int, ...]:
+    """Which piece (per dimension) the device at flat mesh index ``device`` holds."""
+    return tuple(self._mesh.axis_index(device, axes) if axes else 0 for axes in self._axes)
+
+  def shard_slices(self, device: int, shape: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(begin, size)`` of the device's piece of a tensor of global ``shape``."""
+    size = self.shard_shape(shape)
+    begin = [i * s for i, s in zip(self.shard_index(device), size)]
+    return begin, size
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Layout) and self._spec == other._spec and self._mesh == other._mesh
+
+  def __hash__(self) -> int:
+    return hash((self._spec, self._mesh))
+
+  def __repr__(self) -> str:
+    return f"Layout({_spec_str(self._spec)}, mesh={self._mesh.shape})"
+
+
+class LayoutMap:
+  """Layout specs for variables, chosen by variable path.
+
+  Keys are exact variable paths or regular expressions (``re.search``) over
+  the path (``"dense_1/kernel"`` for a Keras layer's kernel, the variable's
+  name for a ``tf.Variable`` or ``tf.Module``); values are layout specs. An
+  exact key wins; otherwise exactly one pattern may match. Variables that
+  match nothing are replicated.
+
+  >>> layouts = LayoutMap({r"dense_1/kernel": (None, "model"), r"dense_1/bias": ("model",)})
+  >>> layouts.lookup("dense_1/kernel"), layouts.lookup("dense_2/kernel")
+  ((None, 'model'), None)
+  """
+
+  def __init__(self, mapping: Mapping[str, Spec] | None = None):
+    self._entries: dict[str, tuple] = {}
+    for key, spec in (mapping or {}).items():
+      self[key] = spec
+
+  def __setitem__(self, key: str, spec: Spec) -> None:
+    if not isinstance(key, str):
+      raise TypeError(f"LayoutMap keys are variable paths or regular expressions (str), found {key!r}.")
+    re.compile(key)  # a malformed pattern fails here, not at lookup
+    self._entries[key] = tuple(spec)
+
+  def __getitem__(self, key: str) -> tuple:
+    return self._entries[key]
+
+  def __iter__(self):
+    return iter(self._entries)
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def items(self):
+    return self._entries.items()
+
+  def lookup(self, path: str) -> tuple | None:
+    """The spec for the variable at ``path``, or None if no key matches."""
+    if path in self._entries:
+      return self._entries[path]
+    matches = [k for k in self._entries if re.search(k, path)]
+    if len(matches) > 1:
+      raise _errors.LayoutError(AMBIGUOUS_PATH.format(path=path, count=len(matches), patterns=matches))
+    return self._entries[matches[0]] if matches else None
+
+  def __repr__(self) -> str:
+    return f"LayoutMap({self._entries!r})"
+
+
+class LayoutRules:
+  """Mesh-TensorFlow-style rules: named tensor dimensions -> mesh axes.
+
+  Name the dimensions of each tensor once (``("batch", "hidden")``) and say
+  once, in the rules, how each name is split. Changing the parallelism of a
+  model is then a change of rules only.
+
+  >>> rules = LayoutRules([("batch", "batch"), ("hidden", "model")])
+  >>> rules.spec(("rows", "cols", "hidden"))
+  (None, None, 'model')
+  >>> rules.mesh_axes("batch")
+  ('batch',)
+
+  Args:
+    rules: ``(dimension name, mesh axis | tuple of axes | None)`` pairs. A
+      dimension without a rule is not split.
+  """
+
+  def __init__(self, rules: Iterable[tuple[str, SpecEntry]] | Mapping[str, SpecEntry]):
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    self._rules: dict[str, SpecEntry] = {}
+    for pair in pairs:
+      if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+        raise _errors.LayoutError(
+            f"LayoutRules takes (dimension name, mesh axis) pairs, found {pair!r}. "
+            f"Fix: e.g. LayoutRules([('batch', 'batch'), ('hidden', 'model')]).")
+      name, axes = pair
+      if name in self._rules:
+        raise _errors.LayoutError(f"LayoutRules has two rules for dimension {name!r}; give one.")
+      self._rules[name] = tuple(axes) if isinstance(axes, (list, tuple)) else axes
+    # rules map to mesh axes; a split dimension name may not be an axis twice
+    seen: dict[str, str] = {}
+    for name, axes in self._rules.items():
+      for axis in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
+        if axis in seen:
+          raise _errors.LayoutError(
+              f"LayoutRules map dimensions {seen[axis]!r} and {name!r} to the same mesh axis "
+              f"{axis!r}; a tensor with both dimensions could not be laid out. Fix: map them to "
+              f"different mesh axes.")
+        seen[axis] = name
+
+  @property
+  def rules(self) -> dict[str, SpecEntry]:
+    return dict(self._rules)
+
+  def mesh_axes(self, name: str) -> tuple[str, ...]:
+    """The mesh axes dimension ``name`` is split over (empty if not split)."""
+    axes = self._rules.get(name)
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+  def spec(self, dims: Sequence[str]) -> tuple:
+    """The layout spec of a tensor whose dimensions are named ``dims``."""
+    if isinstance(dims, str):
+      dims = (dims,)
+    return tuple(self._rules.get(d) for d in dims)
+
+  def layout(self, dims: Sequence[str], mesh: Mesh) -> Layout:
+    """The :class:`Layout` of a tensor whose dimensions are named ``dims``."""
+    return Layout(self.spec(dims), mesh)
+
+  def layout_map(self, dimensions: Mapping[str, Sequence[str]]) -> LayoutMap:
+    """A :class:`LayoutMap` from variable path patterns to named dimensions.
+
+    >>> rules = LayoutRules([("hidden", "model")])
+    >>> rules.layout_map({"w1": ("rows", "cols", "hidden"), "b1": ("hidden",)})["w1"]
+    (None, None, 'model')
+    """
+    return LayoutMap({key: self.spec(dims) for key, dims in dimensions.items()})
+
+  def __repr__(self) -> str:
+    return f"LayoutRules({list(self._rules.items())!r})"
