@@ -20,9 +20,12 @@ from mesh._layout import LayoutMap
 from mesh._layout import LayoutRules
 from mesh._mesh import Mesh
 from mesh._sharded import ShardedTensor
+from mesh._sharded import assemble
+from mesh._sharded import global_shape
 from mesh._sharded import pack
 from mesh._sharded import relayout
 from mesh._sharded import shard
+from mesh._sharded import split
 from mesh._sharded import unpack
 
 __all__ = (
@@ -34,11 +37,14 @@ __all__ = (
     "Mesh",
     "MeshError",
     "ShardedTensor",
+    "assemble",
     "canonical_name",
+    "global_shape",
     "local_devices",
     "pack",
     "relayout",
     "shard",
+    "split",
     "unpack",
     "virtual_cpus",
 )

@@ -23,6 +23,7 @@ from replicator._optimizer import ReplicatedOptimizer
 from replicator._replicator import Replicator
 from replicator._values import PerReplica
 from replicator._variables import ReplicatedVariable
+from replicator._variables import bytes_per_device
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = (
     "Replicator",
     "ReplicatorError",
     "VariableCreationError",
+    "bytes_per_device",
     "current",
     "virtual_cpus",
 )

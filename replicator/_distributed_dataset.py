@@ -59,15 +59,23 @@ class DistributedDataset:
   number of replicas) is split as evenly as possible; replicas without rows
   run the step on an empty batch, so nothing is dropped.
 
+  On a mesh, each global batch is split into one part per input pipeline
+  (position along the replicator's ``batch_axes``); devices that differ only
+  along the other mesh axes get the same part.
+
   Attributes:
-    num_replicas: how many parts each global batch is split into.
+    num_replicas: how many replicas take a part.
+    pipelines: for each replica, which part it takes.
+    num_pipelines: how many parts each global batch is split into.
     host_device: where the global batches are read and split.
   """
 
-  def __init__(self, dataset: tf.data.Dataset, num_replicas: int, host_device: str, prefetch: int = 2):
+  def __init__(self, dataset: tf.data.Dataset, pipelines, host_device: str, prefetch: int = 2):
     if not isinstance(dataset, tf.data.Dataset):
       raise TypeError(f"distribute_dataset needs a tf.data.Dataset of global batches, found {type(dataset).__name__}.")
-    self.num_replicas = num_replicas
+    self.pipelines = tuple(range(pipelines)) if isinstance(pipelines, int) else tuple(pipelines)
+    self.num_replicas = len(self.pipelines)
+    self.num_pipelines = max(self.pipelines) + 1
     self.host_device = host_device
     replica_spec = tree.map_structure(_replica_spec, dataset.element_spec)
     for leaf in tree.flatten(dataset.element_spec):
@@ -86,7 +94,8 @@ class DistributedDataset:
     """Yields a ``PerReplica`` of per-replica batches for each global batch."""
     with tf.device(self.host_device):
       for element in self._dataset:
-        yield PerReplica(split(element, self.num_replicas))
+        parts = split(element, self.num_pipelines)
+        yield PerReplica([parts[p] for p in self.pipelines])
 
 
 class GlobalBatchInputs(_inputs.Source):
@@ -96,7 +105,8 @@ class GlobalBatchInputs(_inputs.Source):
 
   def __init__(self, distributed: DistributedDataset):
     self.key = ("dataset", tuple(tree.flatten(distributed.element_spec)), str(distributed.element_spec))
-    n = self._n = distributed.num_replicas
+    n = self._n = distributed.num_pipelines
+    self.slots = distributed.pipelines
     self._host = distributed.host_device
     with tf.device(self._host):
       self._iterator = iter(distributed.dataset)

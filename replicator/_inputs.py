@@ -37,9 +37,13 @@ WRONG_INPUT_COUNT = (
 class InputContext:
   """What ``input_fn`` knows about the replica it builds input for.
 
+  On a mesh, a "replica" here is a data-parallel replica: one position along
+  the batch axes (an input pipeline), whose elements every device that
+  differs only along the other axes receives.
+
   Attributes:
     replica_id: the replica whose dataset is being built.
-    num_replicas: total number of replicas.
+    num_replicas: total number of (data-parallel) replicas.
     input_pipeline_id: index of this input pipeline.
     num_input_pipelines: total number of input pipelines.
   """
@@ -66,9 +70,11 @@ class InputContext:
 class Source:
   """Where a step's per-replica inputs come from.
 
-  The traced step graph takes every replica's input element as arguments
-  (``element_specs``, replicas concatenated); :meth:`fetch` produces them inside
-  the executing function, once per step.
+  The traced step graph takes every input *slot*'s element as arguments
+  (``element_specs``, slots concatenated); :meth:`fetch` produces them inside
+  the executing function, once per step. A slot is one replica's input, or
+  on a mesh one input pipeline's, shared by the replicas that ``slots`` maps
+  to it.
   """
 
   key: Any = None
@@ -76,7 +82,8 @@ class Source:
   arg_specs: tuple = ()  # arguments of the executing function
   element_specs: tuple = ()  # flat step inputs, all replicas
   counts: tuple = ()  # flat inputs per replica
-  structures: tuple = ()  # one nest per replica (leaves are replaced)
+  structures: tuple = ()  # one nest per slot (leaves are replaced)
+  slots: tuple | None = None  # which slot of inputs feeds each replica (None: its own)
 
   def call_args(self) -> list[tf.Tensor]:
     """Flat tensors passed to the executing function on each call."""
@@ -86,9 +93,10 @@ class Source:
     """Positional arguments of ``step_fn`` for ``replica``, inside the trace."""
     if not self.counts:
       return ()
-    start = sum(self.counts[:replica])
-    leaves = list(flat_elements[start:start + self.counts[replica]])
-    return (tree.unflatten_as(self.structures[replica], leaves),)
+    slot = replica if self.slots is None else self.slots[replica]
+    start = sum(self.counts[:slot])
+    leaves = list(flat_elements[start:start + self.counts[slot]])
+    return (tree.unflatten_as(self.structures[slot], leaves),)
 
   def fetch(self, flat_args: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """The flat step inputs of one step (graph code, in the executing function)."""
@@ -130,9 +138,14 @@ class ExplicitInputs(Source):
 
 
 class DatasetInputs(Source):
-  """``input_fn(ctx)`` datasets, one iterator per replica, created once per epoch.
+  """``input_fn(ctx)`` datasets, one iterator per input pipeline, created once per epoch.
 
-  With ``prefetch_to_device > 0`` each replica's iterator lives on the
+  Without a mesh every replica is its own pipeline. On a mesh, ``pipelines``
+  maps each replica to its position along the batch axes; ``input_fn`` is
+  called once per pipeline, and the replicas of a pipeline share its
+  elements.
+
+  With ``prefetch_to_device > 0`` each pipeline's iterator lives on its first
   replica's device and prefetches that many elements onto it, so the step
   does not wait for host-to-device copies; otherwise iterators live on the
   host CPU.
@@ -141,13 +154,16 @@ class DatasetInputs(Source):
   stateful = True
 
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
-               host_device: str, prefetch_to_device: int = 0):
+               host_device: str, prefetch_to_device: int = 0, pipelines: Sequence[int] | None = None):
     self.key = ("input_fn", input_fn)
-    self._devices = tuple(devices)
+    pipelines = tuple(range(len(devices)) if pipelines is None else pipelines)
+    n = max(pipelines) + 1
+    self.slots = pipelines
+    self._devices = tuple(devices[pipelines.index(p)] for p in range(n))
     datasets = []
-    for replica in range(len(devices)):
-      ds = input_fn(InputContext(replica_id=replica, num_replicas=len(devices),
-                                 input_pipeline_id=replica, num_input_pipelines=len(devices)))
+    for replica in range(n):
+      ds = input_fn(InputContext(replica_id=replica, num_replicas=n,
+                                 input_pipeline_id=replica, num_input_pipelines=n))
       if not isinstance(ds, tf.data.Dataset):
         raise _errors.InputMismatchError(NOT_A_DATASET.format(replica=replica, found=_describe(ds)))
       datasets.append(ds)
@@ -159,7 +175,7 @@ class DatasetInputs(Source):
             "Fix: convert it in the pipeline (e.g. .map(lambda x: x.to_tensor()) for ragged tensors).")
     self.structures = tuple(ds.element_spec for ds in datasets)
     if not prefetch_to_device:
-      self._devices = (host_device,) * len(devices)
+      self._devices = (host_device,) * n
     self._iterators = []
     for ds, device in zip(datasets, self._devices):
       ds = without_autotune_thread(ds)  # also the device copy's inner iterator over it

@@ -7,6 +7,7 @@ from typing import Any
 import tensorflow as tf
 
 from replicator import _context
+from replicator import _variables
 
 REDUCTIONS = ("mean", "sum")
 
@@ -29,6 +30,14 @@ class ReplicatedOptimizer(tf.Module):
   For checkpoints the wrapper is transparent: ``tf.train.Checkpoint(optimizer=
   wrapped)`` writes exactly what the wrapped optimizer would, so it restores
   into an unwrapped optimizer (one device) and back.
+
+  On a mesh, a gradient is reduced only over the mesh axes its variable is
+  replicated on, never over the axes it is sharded on. The step's objective is
+  the mean of every device's loss, so with ``"mean"`` the reduced gradient is
+  divided by the number of devices (the mean over the replicated axes, divided
+  by the number of pieces); with ``"sum"`` (a loss already divided by the
+  global batch) by the number of devices that share each batch shard. Keras
+  optimizer slots take the layout of their variable.
   """
 
   def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1):
@@ -47,6 +56,7 @@ class ReplicatedOptimizer(tf.Module):
     object.__setattr__(self, "_accumulators", None)
     object.__setattr__(self, "calls", 0)  # steps run through this optimizer (Python side)
     object.__setattr__(self, "_apply_now", True)  # set by the Replicator before tracing
+    _give_slots_their_variables_layout(optimizer)
 
   def phase(self) -> bool:
     """Whether the next step applies (True) or only accumulates (False)."""
@@ -70,12 +80,43 @@ class ReplicatedOptimizer(tf.Module):
     """How gradients are combined across replicas: "mean" or "sum"."""
     return self._reduction
 
-  def reduce_gradients(self, grads: list[Any]) -> list[Any]:
-    """All-reduces ``grads`` across replicas; ``None`` entries stay ``None``."""
+  def reduce_gradients(self, grads: list[Any], variables: list[Any] | None = None) -> list[Any]:
+    """All-reduces ``grads`` across replicas; ``None`` entries stay ``None``.
+
+    With ``variables``, each gradient is reduced over the mesh axes its
+    variable is replicated on (see the class docstring); one all-reduce call
+    per distinct set of axes.
+    """
+    repl = self._replicator
+    mesh = repl.mesh
     dense = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-    present = [g for g in dense if g is not None]
-    reduced = iter(self._replicator.all_reduce(present, op=self._reduction) if present else [])
-    return [None if g is None else next(reduced) for g in dense]
+    variables = [None] * len(dense) if variables is None else list(variables)
+    if len(variables) != len(dense):
+      raise ValueError(f"reduce_gradients got {len(dense)} gradients for {len(variables)} variables.")
+    # "sum": every device that differs only along non-batch axes computes the
+    # same batch shard's loss; count it once.
+    batch_axes = repl._batch_axes if repl._batch_axes is not None else mesh.axis_names  # pylint: disable=protected-access
+    copies = mesh.axis_size(tuple(a for a in mesh.axis_names if a not in batch_axes))
+    plans = []  # (replicated axes, divisor) per gradient
+    for v in variables:
+      layout = None if v is None else _variables.layout_of(v)
+      axes = mesh.axis_names if layout is None else layout.replicated_axes
+      axes = tuple(a for a in axes if mesh.shape[a] > 1)  # nothing to reduce along size-1 axes
+      pieces = 1 if layout is None else mesh.axis_size(layout.sharded_axes)
+      plans.append((axes, copies if self._reduction == "sum" else pieces))
+    reduced: list[Any] = [None] * len(dense)
+    by_axes: dict[tuple[str, ...], list[int]] = {}
+    for i, (g, (axes, _)) in enumerate(zip(dense, plans)):
+      if g is not None:
+        by_axes.setdefault(axes, []).append(i)
+    for axes, indices in by_axes.items():
+      values = [dense[i] for i in indices]
+      if axes:
+        values = repl.all_reduce(values, op=self._reduction, axis=axes)
+      for i, value in zip(indices, values):
+        divisor = plans[i][1]
+        reduced[i] = value if divisor == 1 else value / tf.cast(divisor, value.dtype)
+    return reduced
 
   def build(self, variables, *args, **kwargs):
     """Creates the optimizer's slot variables now, replicated like the model's."""
@@ -126,7 +167,7 @@ class ReplicatedOptimizer(tf.Module):
     grads = self._accumulate([g for g, _ in grads_and_vars], variables)
     if grads is None:
       return None
-    grads = self.reduce_gradients(grads)
+    grads = self.reduce_gradients(grads, variables)
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
 
   def apply(self, grads, variables=None, *args, **kwargs):
@@ -141,7 +182,7 @@ class ReplicatedOptimizer(tf.Module):
       grads = self._accumulate(list(grads), list(variables))
       if grads is None:
         return None
-    grads = self.reduce_gradients(list(grads))
+    grads = self.reduce_gradients(list(grads), None if variables is None else list(variables))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
     return self._optimizer.apply(grads, variables, *args, **kwargs)
@@ -167,3 +208,23 @@ class ReplicatedOptimizer(tf.Module):
   def __repr__(self):
     return (f"ReplicatedOptimizer({self._optimizer!r}, reduction={self._reduction!r}, "
             f"accumulation_steps={self.accumulation_steps})")
+
+
+def _give_slots_their_variables_layout(optimizer) -> None:
+  """Makes a Keras optimizer's slots (``add_variable_from_reference``) inherit their variable's layout.
+
+  Keras names a slot after its variable (``adam/dense_1_kernel_momentum``), so a
+  LayoutMap pattern for ``dense_1/kernel`` does not match it. The optimizer's
+  own method is wrapped, on this instance only, to create the slot inside
+  :func:`replicator._variables.reference_scope`.
+  """
+  original = getattr(optimizer, "add_variable_from_reference", None)
+  if original is None or getattr(original, "_replicator_wrapped", False):
+    return
+
+  def add_variable_from_reference(reference_variable, *args, **kwargs):
+    with _variables.reference_scope(reference_variable):
+      return original(reference_variable, *args, **kwargs)
+
+  add_variable_from_reference._replicator_wrapped = True  # pylint: disable=protected-access
+  object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)

@@ -8,6 +8,7 @@ backward pass's communication also goes through placeholders and the rewrite.
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 
@@ -20,6 +21,12 @@ from replicator import _errors
 from replicator import _gradient_registry
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
+
+ALL_GATHER_INT_AXIS = (
+    "repl.all_gather(x, axis={axis!r}): `axis` names mesh axes, as for every collective (an axis "
+    "name of {names}, a tuple of them, or None for all), but found the int {axis!r}. The tensor "
+    "dimension to concatenate along is `concat_dimension`. Fix: repl.all_gather(x, concat_dimension={axis!r})."
+)
 
 _INTERNAL_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -83,6 +90,11 @@ def _leaves(x, name: str):
 
 
 def _emit(ctx, kind, x, params, axes, result_shape, location, call):
+  if x.op.type == "Placeholder" and any(p.node == x.op.name for p in ctx.placeholders):
+    # The input is an earlier collective's placeholder (say, in the gradient of
+    # chained collectives). The rewrite removes that node, so read it through
+    # an identity that the rewrite rewires like any other consumer.
+    x = tf.identity(x)
   y, record = rewrite.emit(
       x, replica=ctx.replica_id, index=len(ctx.placeholders), kind=kind, params=params,
       axes=axes, result_shape=result_shape, device=ctx.device, location=location, call=call)
@@ -176,25 +188,63 @@ def broadcast(ctx, x, source: int, axes: tuple[str, ...], location: str):
   return _call(ctx, "broadcast", location, x, one)
 
 
-def all_gather(ctx, x, axis: int, axes: tuple[str, ...], location: str):
-  """Concatenates the group's tensors along tensor dimension ``axis``."""
+def _group_str(axes: tuple[str, ...], size: int) -> str:
+  where = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
+  return f"the {size} replica(s) of each group along {where}"
+
+
+def _dimension(name: str, param: str, value, t: tf.Tensor, location: str) -> int:
+  """Checks tensor dimension ``value`` of ``t`` for ``repl.name(param=value)``; returns it >= 0."""
+  rank = t.shape.rank
+  if rank is None or rank == 0:
+    raise ValueError(f"repl.{name}() needs tensors of known rank >= 1, found shape {t.shape} "
+                     f"at {location}. Fix: reshape scalars to [1] first (tf.reshape(x, [1])).")
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise TypeError(f"repl.{name}({param}={value!r}): {param} must be an int (a tensor dimension), "
+                    f"found {type(value).__name__}.")
+  if not -rank <= value < rank:
+    raise ValueError(f"repl.{name}({param}={value}) is out of range for a tensor of rank {rank} "
+                     f"(shape {t.shape}) at {location}. Fix: pass a dimension in [{-rank}, {rank}).")
+  return value % rank
+
+
+def _check_divisible(name: str, param: str, dim: int, t: tf.Tensor, axes, size: int, location: str) -> None:
+  """The static size of dimension ``dim`` of ``t`` must be a multiple of the group size."""
+  length = t.shape[dim]
+  if length is None:
+    raise ValueError(
+        f"repl.{name}({param}={dim}) splits dimension {dim} of a {t.dtype.name} tensor of shape "
+        f"{t.shape} among {_group_str(axes, size)}, but that dimension has no static size at "
+        f"{location}. Fix: give it a static size (e.g. tf.ensure_shape), or split another dimension.")
+  if length % size:
+    raise ValueError(
+        f"repl.{name}({param}={dim}) splits dimension {dim} (of size {length}) of a {t.dtype.name} "
+        f"tensor of shape {t.shape} among {_group_str(axes, size)}, but {size} does not evenly "
+        f"divide {length} at {location}. Fix: pad dimension {dim} to a multiple of {size} "
+        f"(e.g. {-(-length // size) * size}), or split another dimension.")
+
+
+def _resized(shape: tf.TensorShape, dim: int, multiply: int = 1, divide: int = 1) -> tf.TensorShape:
+  dims = shape.as_list()
+  dims[dim] = None if dims[dim] is None else dims[dim] * multiply // divide
+  return tf.TensorShape(dims)
+
+
+def _gather_leaf(ctx, t, dim, axes, location, call):
   size = ctx.replicator.mesh.axis_size(axes)
+  return _emit(ctx, "all_gather", t, {"concat_dimension": dim}, axes, _resized(t.shape, dim, size),
+               location, call)
+
+
+def all_gather(ctx, x, concat_dimension: int, axes: tuple[str, ...], location: str):
+  """Concatenates the group's tensors along tensor dimension ``concat_dimension``."""
   position = ctx.replicator.mesh.axis_index(ctx.replica_id, axes)
 
   def one(t, call):
-    rank = t.shape.rank
-    if rank is None or rank == 0:
-      raise ValueError(f"repl.all_gather() needs tensors of known rank >= 1, found shape {t.shape} "
-                       f"at {location}. Fix: reshape scalars to [1] first (tf.reshape(x, [1])).")
-    if not -rank <= axis < rank:
-      raise ValueError(f"repl.all_gather(axis={axis}) is out of range for a tensor of rank {rank} "
-                       f"(shape {t.shape}) at {location}.")
-    dim = axis % rank
-    shape = t.shape.as_list()
-    shape[dim] = None if shape[dim] is None else shape[dim] * size
+    dim = _dimension("all_gather", "concat_dimension", concat_dimension, t, location)
 
     def forward(u):
-      y = _emit(ctx, "all_gather", u, {"axis": dim}, axes, tf.TensorShape(shape), location, call)
+      y = _gather_leaf(ctx, u, dim, axes, location, call)
 
       def grad(dy):
         total = _reduce_leaf(ctx, dy, "sum", axes, f"gradient of all_gather at {location}", call)
@@ -206,3 +256,130 @@ def all_gather(ctx, x, axis: int, axes: tuple[str, ...], location: str):
     return _differentiable(ctx, forward, t)
 
   return _call(ctx, "all_gather", location, x, one)
+
+
+def _reduce_scatter_leaf(ctx, t, op, dim, axes, location, call):
+  size = ctx.replicator.mesh.axis_size(axes)
+  return _emit(ctx, "reduce_scatter", t, {"op": op, "scatter_dimension": dim}, axes,
+               _resized(t.shape, dim, divide=size), location, call)
+
+
+def reduce_scatter(ctx, x, op: str, scatter_dimension: int, axes: tuple[str, ...], location: str):
+  """Reduces over the group; group member i gets chunk i of the result along ``scatter_dimension``."""
+  if op not in REDUCE_OPS:
+    raise ValueError(f"repl.reduce_scatter(op={op!r}): op must be one of {REDUCE_OPS}.")
+  size = ctx.replicator.mesh.axis_size(axes)
+
+  def one(t, call):
+    if t.dtype == tf.bool or t.dtype == tf.string:
+      raise TypeError(f"repl.reduce_scatter() needs numeric tensors, found {t.dtype.name} at {location}. "
+                      "Fix: cast to a number first (e.g. tf.cast(x, tf.int32)).")
+    dim = _dimension("reduce_scatter", "scatter_dimension", scatter_dimension, t, location)
+    _check_divisible("reduce_scatter", "scatter_dimension", dim, t, axes, size, location)
+
+    def forward(u):
+      y = _reduce_scatter_leaf(ctx, u, op, dim, axes, location, call)
+
+      def grad(dy):
+        # Every member's input reaches every chunk: the gradient of the full
+        # reduction is the members' upstream chunks gathered in group order.
+        where = f"gradient of reduce_scatter({op}) at {location}"
+        full_dy = _gather_leaf(ctx, dy, dim, axes, where, call)
+        if op == "sum":
+          return full_dy
+        if op == "mean":
+          return full_dy / tf.cast(size, dy.dtype)
+        # max/min, as all_reduce: to the members holding the extreme value, split between ties.
+        mask = tf.cast(tf.equal(u, _gather_leaf(ctx, y, dim, axes, where, call)), dy.dtype)
+        ties = _reduce_leaf(ctx, mask, "sum", axes, where, call)
+        return mask * full_dy / ties
+
+      return y, grad
+
+    return _differentiable(ctx, forward, t)
+
+  return _call(ctx, "reduce_scatter", location, x, one)
+
+
+def _all_to_all_leaf(ctx, t, split, concat, axes, location, call):
+  size = ctx.replicator.mesh.axis_size(axes)
+  shape = _resized(_resized(t.shape, split, divide=size), concat, multiply=size)
+  return _emit(ctx, "all_to_all", t, {"split_dimension": split, "concat_dimension": concat}, axes,
+               shape, location, call)
+
+
+def all_to_all(ctx, x, split_dimension: int, concat_dimension: int, axes: tuple[str, ...], location: str):
+  """Member i sends chunk j (along ``split_dimension``) to member j, which concatenates what it gets."""
+  size = ctx.replicator.mesh.axis_size(axes)
+
+  def one(t, call):
+    split = _dimension("all_to_all", "split_dimension", split_dimension, t, location)
+    concat = _dimension("all_to_all", "concat_dimension", concat_dimension, t, location)
+    _check_divisible("all_to_all", "split_dimension", split, t, axes, size, location)
+
+    def forward(u):
+      y = _all_to_all_leaf(ctx, u, split, concat, axes, location, call)
+
+      def grad(dy):  # the inverse exchange: split where the forward concatenated, and back
+        return _all_to_all_leaf(ctx, dy, concat, split, axes, f"gradient of all_to_all at {location}", call)
+
+      return y, grad
+
+    return _differentiable(ctx, forward, t)
+
+  return _call(ctx, "all_to_all", location, x, one)
+
+
+def _check_perm(perm, size: int, axes) -> tuple[tuple[int, int], ...]:
+  """``perm`` as sorted (source, destination) pairs, or a clear error."""
+  try:
+    pairs = tuple((s, d) for s, d in perm)
+  except (TypeError, ValueError):
+    pairs = None
+  if pairs is None or not all(isinstance(p, numbers.Integral) and not isinstance(p, bool)
+                              for pair in pairs for p in pair):
+    raise TypeError(f"repl.permute(perm={perm!r}): perm must be a list of (source, destination) "
+                    "pairs of group positions (ints), e.g. [(0, 1), (1, 0)].")
+  pairs = tuple((int(s), int(d)) for s, d in pairs)
+  for s, d in pairs:
+    if not (0 <= s < size and 0 <= d < size):
+      raise ValueError(f"repl.permute(perm={perm!r}): the pair ({s}, {d}) names a position outside "
+                       f"[0, {size}) ({_group_str(axes, size)}). Fix: use group positions "
+                       f"0..{size - 1} (see repl.axis_index).")
+  for which, index in (("source", 0), ("destination", 1)):
+    positions = [pair[index] for pair in pairs]
+    repeated = sorted({p for p in positions if positions.count(p) > 1})
+    if repeated:
+      raise ValueError(f"repl.permute(perm={perm!r}): {which} position(s) {repeated} appear more than "
+                       f"once. Each member sends to at most one destination and receives from at "
+                       f"most one source. Fix: list each {which} once (use several permute calls "
+                       f"or repl.all_gather to send one value to several members).")
+  return tuple(sorted(pairs))
+
+
+def _permute_leaf(ctx, t, pairs, axes, location, call):
+  return _emit(ctx, "permute", t, {"perm": pairs}, axes, t.shape, location, call)
+
+
+def permute(ctx, x, perm, axes: tuple[str, ...], location: str):
+  """Group member ``destination`` gets member ``source``'s value; others get zeros."""
+  pairs = _check_perm(perm, ctx.replicator.mesh.axis_size(axes), axes)
+  inverse = tuple(sorted((d, s) for s, d in pairs))
+
+  def one(t, call):
+    def forward(u):
+      y = _permute_leaf(ctx, u, pairs, axes, location, call)
+
+      def grad(dy):  # each source gets its destination's upstream gradient
+        return _permute_leaf(ctx, dy, inverse, axes, f"gradient of permute at {location}", call)
+
+      return y, grad
+
+    return _differentiable(ctx, forward, t)
+
+  return _call(ctx, "permute", location, x, one)
+
+
+def axis_index(ctx, axes: tuple[str, ...]) -> tf.Tensor:
+  """This replica's position within its group along ``axes``: an int32 constant."""
+  return tf.constant(ctx.replicator.mesh.axis_index(ctx.replica_id, axes), tf.int32)

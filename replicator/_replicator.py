@@ -24,6 +24,22 @@ from replicator import _values
 from replicator import _variables
 from replicator._values import PerReplica
 
+NO_BATCH_AXES = (
+    "This Replicator's mesh {shape} has no 'batch' or 'replica' axis, so it cannot tell how "
+    "to split input batches across devices. Fix: pass Replicator(mesh=..., batch_axes=...) "
+    "naming the axes to split the batch over (one of {names}), or batch_axes=() to give "
+    "every device the same input."
+)
+
+
+def _as_layout_map(layouts):
+  if layouts is None or isinstance(layouts, mesh_lib.LayoutMap):
+    return layouts
+  if isinstance(layouts, dict):
+    return mesh_lib.LayoutMap(layouts)
+  raise TypeError(f"layouts must be a mesh.LayoutMap or a dict of variable path pattern to layout spec, "
+                  f"found {type(layouts).__name__}.")
+
 
 @_context.no_autograph
 class Replicator:
@@ -32,9 +48,12 @@ class Replicator:
   Variables created in :meth:`context` get one identical component per
   device. :meth:`run` traces ``step_fn`` once per replica, each trace under its
   device; collectives called inside it (:meth:`all_reduce`, :meth:`broadcast`,
-  :meth:`all_gather`, ``wrap_optimizer``'s gradient reduction) leave
+  :meth:`all_gather`, :meth:`reduce_scatter`, :meth:`all_to_all`,
+  :meth:`permute`, ``wrap_optimizer``'s gradient reduction) leave
   placeholders that a rewrite pass replaces with real cross-device
   communication. The result is cached: later calls run one graph.
+  Collectives take ``axis=``: the mesh axis name (or tuple of names) whose
+  groups communicate; by default all replicas do.
 
   >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
   >>> with repl.context():
@@ -58,14 +77,26 @@ class Replicator:
       its replica's device (0: iterate on the host). By default 2 on
       accelerators and 0 on CPUs, where device memory is host memory (on 4
       logical CPUs it made an overhead-bound step 1.37x slower).
+    batch_axes: mesh axes the input batch is split over (input pipelines are
+      one per position along them; devices that differ only along the other
+      axes get the same elements). By default the mesh's ``"batch"`` axis, or
+      its ``"replica"`` axis (the default one-dimensional mesh); ``()`` gives
+      every device the same input.
+    layouts: a :class:`mesh.LayoutMap` (or dict) choosing the layout of
+      variables created in :meth:`context` and in steps; see :meth:`context`.
   """
 
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
-               implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None):
+               implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
+               batch_axes: str | Sequence[str] | None = None, layouts=None):
     if mesh is not None and devices is not None:
       raise ValueError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
+    if batch_axes is None:
+      batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
+    self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
+    self._layouts = _as_layout_map(layouts)
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
     self._implementation = implementation
@@ -104,6 +135,22 @@ class Replicator:
     return self._mesh.size
 
   @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """Mesh axes the input batch is split over (see the constructor)."""
+    if self._batch_axes is None:
+      raise ValueError(NO_BATCH_AXES.format(shape=self._mesh.shape, names=self._mesh.axis_names))
+    return self._batch_axes
+
+  @property
+  def num_input_pipelines(self) -> int:
+    """How many different input streams feed the replicas: the size of ``batch_axes``."""
+    return self._mesh.axis_size(self.batch_axes)
+
+  def input_pipeline(self, replica: int) -> int:
+    """The input pipeline (batch shard) that feeds ``replica``."""
+    return self._mesh.axis_index(replica, self.batch_axes) if self.batch_axes else 0
+
+  @property
   def replica_id(self) -> int:
     """The replica being built (inside ``step_fn`` only), a Python int."""
     return _primitives.require_context(self, "replica_id").replica_id
@@ -111,17 +158,41 @@ class Replicator:
   # -- variables ---------------------------------------------------------------
 
   @contextlib.contextmanager
-  def context(self):
-    """Replicates every variable created inside (Keras, tf.Module, Sonnet, tf.Variable).
+  def context(self, layouts=None):
+    """Replicates (or shards) every variable created inside (Keras, tf.Module, Sonnet, tf.Variable).
 
     >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
     >>> with repl.context():
     ...   v = tf.Variable([1.0, 2.0])
     >>> len(v.components), v.components[1].device
     (2, '/job:localhost/replica:0/task:0/device:CPU:1')
+
+    With ``layouts``, a variable whose path matches is sharded: its global
+    initial value is computed once and each device keeps its piece.
+
+    >>> import mesh
+    >>> m = mesh.Mesh({"model": 2}, devices=["cpu:0", "cpu:1"])
+    >>> repl = Replicator(mesh=m)
+    >>> with repl.context(layouts=mesh.LayoutMap({"w": (None, "model")})):
+    ...   w = tf.Variable(tf.reshape(tf.range(8.0), [2, 4]), name="w")
+    >>> [c.shape.as_list() for c in w.components], w.shape.as_list()
+    ([[2, 2], [2, 2]], [2, 4])
+
+    Args:
+      layouts: a :class:`mesh.LayoutMap` (or a dict of path pattern to layout
+        spec). It stays in effect after the block for variables that steps
+        create later (Keras layers built on first call, optimizer slots);
+        optimizer slots made through ``wrap_optimizer`` take the layout of the
+        variable they belong to.
     """
+    if layouts is not None:
+      self._layouts = _as_layout_map(layouts)
     with tf.variable_creator_scope(self._creator):
       yield self
+
+  def layout_spec(self, path: str):
+    """The layout spec the LayoutMap gives the variable at ``path`` (None: replicated)."""
+    return None if self._layouts is None else self._layouts.lookup(path)
 
   # -- running -------------------------------------------------------------------
 
@@ -183,7 +254,8 @@ class Replicator:
     >>> [b.numpy().tolist() for b in next(iter(repl.distribute_dataset(ds)))]
     [[0, 1, 2], [3, 4]]
     """
-    return _distributed_dataset.DistributedDataset(dataset, self.num_replicas, self._host, prefetch)
+    pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
+    return _distributed_dataset.DistributedDataset(dataset, pipelines, self._host, prefetch)
 
   def explain(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> rewrite.Plan:
     """Returns the rewrite plan of ``step_fn``: every collective, its size and implementation.
@@ -218,7 +290,8 @@ class Replicator:
                         f"{type(input_fn).__name__}. To pass per-replica values, use inputs=.")
       source = self._sources.get(input_fn)
       if source is None:
-        source = _inputs.DatasetInputs(input_fn, self.devices, self._host, self._prefetch_to_device)
+        source = _inputs.DatasetInputs(input_fn, self.devices, self._host, self._prefetch_to_device,
+                                       [self.input_pipeline(r) for r in range(self.num_replicas)])
         self._sources[input_fn] = source
     elif inputs is not None:
       source = _inputs.ExplicitInputs(inputs, self.num_replicas)
@@ -305,10 +378,126 @@ class Replicator:
     ctx = _primitives.require_context(self, "broadcast")
     return _primitives.broadcast(ctx, x, source, self._axes(axis), _primitives.user_location())
 
-  def all_gather(self, x, axis: int = 0):
-    """Concatenates every replica's ``x`` (any nest) along tensor dimension ``axis``."""
+  def all_gather(self, x, axis=None, *, concat_dimension: int = 0):
+    """Concatenates the group's ``x`` (any nest) along tensor dimension ``concat_dimension``.
+
+    Every member of a group gets the members' values in group order (see
+    :meth:`axis_index`).
+
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> out = repl.run(lambda: repl.all_gather(tf.fill([1, 2], repl.replica_id)))
+    >>> out[1].numpy().tolist()
+    [[0, 0], [1, 1]]
+
+    Args:
+      x: a tensor or nest of tensors of rank >= 1.
+      axis: mesh axis name or tuple of names to gather over (default: all).
+      concat_dimension: the tensor dimension to concatenate along.
+
+    Raises:
+      TypeError: ``axis`` is an int. ``axis`` names mesh axes, as for every
+        collective; the tensor dimension is ``concat_dimension``.
+    """
     ctx = _primitives.require_context(self, "all_gather")
-    return _primitives.all_gather(ctx, x, axis, self._axes(None), _primitives.user_location())
+    if isinstance(axis, int):
+      raise TypeError(_primitives.ALL_GATHER_INT_AXIS.format(axis=axis, names=self._mesh.axis_names))
+    return _primitives.all_gather(ctx, x, concat_dimension, self._axes(axis), _primitives.user_location())
+
+  def reduce_scatter(self, x, op: str = "sum", *, axis=None, scatter_dimension: int = 0):
+    """Reduces ``x`` (any nest) over the group; member i gets chunk i of the result.
+
+    The result is split into as many equal chunks along ``scatter_dimension``
+    as the group has members; the member at group position i (see
+    :meth:`axis_index`) gets chunk i. Equal to slicing :meth:`all_reduce`'s
+    result, with less communication.
+
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> out = repl.run(lambda: repl.reduce_scatter(tf.range(4) * (repl.replica_id + 1)))
+    >>> [t.numpy().tolist() for t in out]  # [0, 1, 2, 3] + [0, 2, 4, 6], split in two
+    [[0, 3], [6, 9]]
+
+    The gradient is the members' upstream gradients gathered (for ``"mean"``
+    divided by the group size); for ``"max"``/``"min"`` it flows to the members
+    holding the extreme value, split equally between ties, as for
+    :meth:`all_reduce`.
+
+    Args:
+      x: a tensor or nest of numeric tensors of rank >= 1.
+      op: "sum", "mean", "max" or "min".
+      axis: mesh axis name or tuple of names to reduce over (default: all).
+      scatter_dimension: the tensor dimension to split; its static size must
+        be a multiple of the group size.
+    """
+    ctx = _primitives.require_context(self, "reduce_scatter")
+    return _primitives.reduce_scatter(ctx, x, op, scatter_dimension, self._axes(axis), _primitives.user_location())
+
+  def all_to_all(self, x, *, axis=None, split_dimension: int = 0, concat_dimension: int = 0):
+    """Exchanges chunks of ``x`` (any nest) between all members of the group.
+
+    Member i splits its ``x`` into as many equal chunks along
+    ``split_dimension`` as the group has members and sends chunk j to member
+    j; every member concatenates the chunks it receives, in the order of their
+    sources' group positions, along ``concat_dimension``.
+
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> out = repl.run(lambda: repl.all_to_all(tf.constant([10, 20]) + repl.replica_id))
+    >>> [t.numpy().tolist() for t in out]  # [10, 20] and [11, 21] exchange halves
+    [[10, 11], [20, 21]]
+
+    Args:
+      x: a tensor or nest of tensors of rank >= 1.
+      axis: mesh axis name or tuple of names to exchange over (default: all).
+      split_dimension: the tensor dimension to split; its static size must be
+        a multiple of the group size.
+      concat_dimension: the tensor dimension to concatenate the received
+        chunks along.
+    """
+    ctx = _primitives.require_context(self, "all_to_all")
+    return _primitives.all_to_all(ctx, x, split_dimension, concat_dimension, self._axes(axis),
+                                  _primitives.user_location())
+
+  def permute(self, x, *, axis=None, perm):
+    """Sends ``x`` (any nest) from group members to others, as listed in ``perm``.
+
+    For every pair ``(source, destination)`` of group positions (see
+    :meth:`axis_index`) in ``perm``, the member at ``destination`` gets the
+    value of the member at ``source``. Members that are no destination get
+    zeros. Each position may be a source once and a destination once.
+
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> out = repl.run(lambda: repl.permute(tf.fill([2], repl.replica_id + 1), perm=[(0, 1)]))
+    >>> [t.numpy().tolist() for t in out]  # replica 1 gets replica 0's value
+    [[0, 0], [1, 1]]
+
+    Args:
+      x: a tensor or nest of tensors.
+      axis: mesh axis name or tuple of names whose groups the positions refer
+        to (default: all).
+      perm: a list of ``(source, destination)`` pairs, e.g. a ring shift
+        ``[(i, (i + 1) % n) for i in range(n)]``.
+    """
+    ctx = _primitives.require_context(self, "permute")
+    return _primitives.permute(ctx, x, perm, self._axes(axis), _primitives.user_location())
+
+  def axis_index(self, axis=None) -> tf.Tensor:
+    """This replica's position in its group along ``axis``: an int32 scalar tensor.
+
+    Positions are row-major over a tuple of axes (the last varies fastest) and
+    match the group order of the collectives. No communication: the value is
+    a constant known while the step is built.
+
+    >>> import mesh
+    >>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+    >>> repl = Replicator(mesh=m)
+    >>> [int(i) for i in repl.run(lambda: repl.axis_index("model"))]
+    [0, 1, 0, 1]
+
+    Args:
+      axis: mesh axis name or tuple of names (default: all, which gives the
+        replica id).
+    """
+    ctx = _primitives.require_context(self, "axis_index")
+    return _primitives.axis_index(ctx, self._axes(axis))
 
   # -- results (outside step_fn) --------------------------------------------------------
 

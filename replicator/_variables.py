@@ -8,11 +8,13 @@ components stay identical.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import numpy as np
 import tensorflow as tf
 
+import mesh as mesh_lib
 from replicator import _context
 from replicator import _errors
 
@@ -24,8 +26,54 @@ SYMBOLIC_INITIAL_VALUE = (
     "as Keras layers and optimizers do."
 )
 
+SHARDED_ON_READ = (
+    "Variable {name!r} matches a layout ({spec}) but is an on-read (sync-on-read) "
+    "variable, such as a metric's or an accumulator's; those cannot be sharded. Fix: "
+    "narrow the LayoutMap pattern so it matches only model weights."
+)
+SHARDED_SCATTER = (
+    "{method}() outside a step is not supported for the sharded variable {name!r} "
+    "(layout {spec}). Fix: assign the whole global value with assign(), or scatter inside "
+    "step_fn, where each replica updates its own shard."
+)
+
 _creating = threading.local()
 _plain_class = []
+_references = threading.local()
+_REPLICA_SCOPE = re.compile(r"^replica_\d+(/|$)")
+
+
+@contextlib.contextmanager
+def reference_scope(variable):
+  """Variables created inside are slots of ``variable`` and get its layout (same shape only)."""
+  stack = _references.__dict__.setdefault("stack", [])
+  stack.append(variable)
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def _current_reference():
+  stack = getattr(_references, "stack", None)
+  return stack[-1] if stack else None
+
+
+def underlying(variable):
+  """The ReplicatedVariable behind ``variable`` (a Keras 3 variable wraps one), or None."""
+  if isinstance(variable, ReplicatedVariable):
+    return variable
+  if not isinstance(variable, tf.Variable):
+    inner = getattr(variable, "value", None)  # keras.Variable.value: its tf.Variable
+    if isinstance(inner, ReplicatedVariable):
+      return inner
+  return None
+
+
+def layout_of(variable) -> mesh_lib.Layout | None:
+  """The layout of a sharded variable, or None for replicated and ordinary variables."""
+  replicated = underlying(variable)
+  return None if replicated is None else replicated.sharding
 
 
 @contextlib.contextmanager
@@ -79,15 +127,26 @@ class ReplicatedVariable(tf.Variable):
     them by ``aggregation`` (SUM, MEAN or ONLY_FIRST_REPLICA). A write
     outside a step is spread so that the aggregated read returns the value
     written (for SUM: the value on component 0, zeros elsewhere).
+
+  A *sharded* variable (one that matched a layout of ``repl.context(layouts=...)``)
+  keeps only its piece on each device: inside a step it reads and writes the
+  local piece (``shape`` stays the global shape); outside a step it reads as the
+  global value, writes split the global value, and checkpoints hold the
+  global value, so they restore on any layout, mesh or a single device.
   """
 
   # GradientTape, Keras and tf.Module treat objects with this attribute as
   # resource variables and differentiate with respect to `.handle`.
   _should_act_as_resource_variable = True
 
-  def __init__(self, components, replicator, offsets=None):  # pylint: disable=super-init-not-called
+  def __init__(self, components, replicator, offsets=None, layout=None):  # pylint: disable=super-init-not-called
     self._components = tuple(components)
     self._replicator = replicator
+    # None: every component is the whole variable (replicated).
+    self._sharding = None if layout is None or layout.is_fully_replicated else layout
+    self._global_shape = None
+    if self._sharding is not None:
+      self._global_shape = tf.TensorShape(mesh_lib.global_shape(self._components[0].shape.as_list(), layout))
     # Per-replica additive offsets kept by writes from outside a step (random
     # seed state: each replica draws its own stream). None: no offsets.
     self._offsets = offsets
@@ -98,6 +157,18 @@ class ReplicatedVariable(tf.Variable):
   def components(self) -> tuple[tf.Variable, ...]:
     """The per-replica component variables, in replica order."""
     return self._components
+
+  @property
+  def sharding(self) -> mesh_lib.Layout | None:
+    """The layout of a sharded variable; None if every component holds the whole value."""
+    return self._sharding
+
+  @property
+  def layout(self) -> mesh_lib.Layout:
+    """How the variable is laid out over the replicator's mesh (replicated if not sharded)."""
+    if self._sharding is not None:
+      return self._sharding
+    return mesh_lib.Layout.replicated(self._replicator.mesh, self._components[0].shape.rank)
 
   def _current(self) -> tf.Variable:
     ctx = _context.current_context()
@@ -129,7 +200,12 @@ class ReplicatedVariable(tf.Variable):
 
   @property
   def shape(self):
-    return self._components[0].shape
+    """The global shape (also inside a step, where reads give the replica's piece).
+
+    Code that creates variables "like" this one (optimizer slots) therefore
+    creates global-shaped variables, which take this variable's layout.
+    """
+    return self._components[0].shape if self._sharding is None else self._global_shape
 
   def get_shape(self):
     return self.shape
@@ -184,7 +260,11 @@ class ReplicatedVariable(tf.Variable):
     return self.synchronization == tf.VariableSynchronization.ON_READ
 
   def _aggregate(self) -> tf.Tensor:
-    """The value seen outside a step: component 0, or the aggregate of an on-read variable."""
+    """The value seen outside a step: component 0, the global value of a sharded
+    variable, or the aggregate of an on-read variable."""
+    if self._sharding is not None:
+      with tf.device(self._components[0].device):
+        return mesh_lib.assemble([c.read_value() for c in self._components], self._sharding)
     aggregation = self.aggregation
     if not self._on_read or aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.ONLY_FIRST_REPLICA):
       return self._components[0].read_value()
@@ -195,11 +275,16 @@ class ReplicatedVariable(tf.Variable):
             total // len(self._components)
       return total
 
+  @property
+  def _whole_on_each(self) -> bool:
+    """Whether outside a step component 0 is the value (not on-read, not sharded)."""
+    return not self._on_read and self._sharding is None
+
   def value(self):
-    return self._current().value() if self._in_replica() or not self._on_read else self._aggregate()
+    return self._current().value() if self._in_replica() or self._whole_on_each else self._aggregate()
 
   def read_value(self):
-    return self._current().read_value() if self._in_replica() or not self._on_read else self._aggregate()
+    return self._current().read_value() if self._in_replica() or self._whole_on_each else self._aggregate()
 
   def sparse_read(self, indices, name=None):
     return self._current().sparse_read(indices, name=name)
@@ -208,13 +293,13 @@ class ReplicatedVariable(tf.Variable):
     return self._current().gather_nd(indices, name=name)
 
   def numpy(self):
-    return self._aggregate().numpy() if self._on_read else self._components[0].numpy()
+    return self._components[0].numpy() if self._whole_on_each else self._aggregate().numpy()
 
   def __array__(self, dtype=None):
     return np.asarray(self.numpy(), dtype=dtype)
 
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-    if self._on_read and not self._in_replica() and not as_ref:
+    if not self._whole_on_each and not self._in_replica() and not as_ref:
       return tf.cast(self._aggregate(), dtype) if dtype is not None else self._aggregate()
     return self._current()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)  # pylint: disable=protected-access
 
@@ -224,7 +309,13 @@ class ReplicatedVariable(tf.Variable):
     if self._in_replica():
       return getattr(self._current(), method)(*args, **kwargs)
     read_value = kwargs.pop("read_value", True)
-    if self._on_read and method in ("assign_add", "assign_sub") and \
+    if self._sharding is not None:
+      value = tf.convert_to_tensor(args[0], self.dtype)
+      with tf.device(self._components[0].device):
+        pieces = mesh_lib.split(value, self._sharding)
+      for component, piece in zip(self._components, pieces):
+        getattr(component, method)(piece, *args[1:], read_value=False, **kwargs)
+    elif self._on_read and method in ("assign_add", "assign_sub") and \
         self.aggregation == tf.VariableAggregation.SUM:
       getattr(self._components[0], method)(*args, read_value=False, **kwargs)  # the sum moves by delta
     elif self._on_read and method == "assign":
@@ -241,6 +332,8 @@ class ReplicatedVariable(tf.Variable):
   def _scatter(self, method: str, *args, **kwargs):
     if self._in_replica():
       return getattr(self._current(), method)(*args, **kwargs)
+    if self._sharding is not None:
+      raise NotImplementedError(SHARDED_SCATTER.format(method=method, name=self.name, spec=self._sharding.spec))
     for component in self._components:
       getattr(component, method)(*args, **kwargs)
     return self
@@ -287,12 +380,17 @@ class ReplicatedVariable(tf.Variable):
   # -- checkpointing: one copy, restored into every component ------------------
 
   def _serialize_to_tensors(self):
-    if self._on_read:
+    if not self._whole_on_each:  # the global value: restorable on any layout
       return {"VARIABLE_VALUE": self._aggregate()}
     return self._components[0]._serialize_to_tensors()  # pylint: disable=protected-access
 
   def _restore_from_tensors(self, restored_tensors):
-    if self._on_read:
+    if self._sharding is not None:
+      (value,) = restored_tensors.values()
+      with tf.device(self._components[0].device):
+        pieces = mesh_lib.split(tf.convert_to_tensor(value, self.dtype), self._sharding)
+      ops = [c.assign(p) for c, p in zip(self._components, pieces)]
+    elif self._on_read:
       (value,) = restored_tensors.values()
       ops = [c.assign(v) for c, v in zip(self._components, spread(value, self, len(self._components)))]
     elif self._offsets is not None:
@@ -309,8 +407,9 @@ class ReplicatedVariable(tf.Variable):
     value = ""
     if tf.executing_eagerly():
       value = f", numpy={np.array2string(self.numpy(), threshold=8, edgeitems=2)}"
+    sharding = "" if self._sharding is None else f" layout={self._sharding.spec}"
     return (f"<ReplicatedVariable {self.name!r} shape={self.shape} dtype={self.dtype.name} "
-            f"replicas={len(self._components)}{value}>")
+            f"replicas={len(self._components)}{sharding}{value}>")
 
 
 SEED_STREAM_STRIDE = 1_000_003
@@ -355,6 +454,56 @@ def _initial_value(initial_value, name, dtype):
   return tf.convert_to_tensor(initial_value, dtype=dtype)
 
 
+def variable_path(name: str) -> str:
+  """``"dense_1/kernel"``: the current name scope (without the replica's) and ``name``."""
+  scope = _REPLICA_SCOPE.sub("", tf.get_current_name_scope()).strip("/")
+  name = name.split(":")[0]
+  return f"{scope}/{name}" if scope and not name.startswith(scope + "/") else name
+
+
+def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> mesh_lib.Layout | None:
+  """The layout of a new variable: its reference's (optimizer slots), else the LayoutMap's."""
+  reference = underlying(reference) if reference is not None else None
+  if reference is not None:
+    if reference.sharding is not None and shape == reference.shape:
+      return reference.sharding
+    return None
+  spec = replicator.layout_spec(path)
+  if spec is None:
+    return None
+  layout = mesh_lib.Layout(spec, replicator.mesh)
+  layout.check(shape.as_list(), what=f"variable {path!r}")
+  return None if layout.is_fully_replicated else layout
+
+
+def bytes_per_device(variables) -> dict[str, int]:
+  """Bytes of variable storage resident on each device.
+
+  Counts, for each variable, the components (or, for ordinary variables, the
+  variable) where their buffers live: a replicated variable costs its full
+  size on every device, a variable sharded k ways 1/k of it.
+
+  Args:
+    variables: variables (``tf.Variable``, Keras variables), e.g.
+      ``model.variables + optimizer.variables``.
+
+  Returns:
+    Device name to bytes.
+  """
+  totals: dict[str, int] = {}
+  seen = set()
+  for variable in variables:
+    replicated = underlying(variable)
+    parts = replicated.components if replicated is not None else (variable,)
+    for part in parts:
+      if id(part) in seen:
+        continue
+      seen.add(id(part))
+      device = mesh_lib.canonical_name(part.handle.device)
+      totals[device] = totals.get(device, 0) + part.shape.num_elements() * part.dtype.size
+  return totals
+
+
 def make_creator(replicator):
   """A ``tf.variable_creator_scope`` creator that replicates every new variable."""
   _component_class()  # probe eagerly now, not later inside a trace
@@ -363,22 +512,32 @@ def make_creator(replicator):
     if _is_creating() or kwargs.get("variable_def") is not None:
       return next_creator(**kwargs)
     name = kwargs.get("name") or "Variable"
+    path = variable_path(name)
     devices = replicator.devices
     initial_value = kwargs.pop("initial_value")
+    reference = _current_reference()
     with tf.init_scope(), _context.cross_replica_scope():
-      with tf.device(devices[0]):
+      with tf.device(devices[0]):  # the global value, computed once
         value = _initial_value(initial_value, name, kwargs.get("dtype"))
       kwargs["dtype"] = value.dtype
       on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
+      layout = _choose_layout(replicator, path, value.shape, reference)
+      if layout is not None and on_read:
+        raise _errors.VariableCreationError(SHARDED_ON_READ.format(name=path, spec=layout.spec))
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
       offsets = seed_offsets(name, value, len(devices))
+      if layout is not None:
+        with tf.device(devices[0]):  # slice where the value is; copy only the pieces
+          pieces = mesh_lib.split(value, layout)
       components = []
       for i, device in enumerate(devices):
         with tf.device(device):  # an on-read SUM variable starts with its total on replica 0
-          initial = tf.zeros_like(value) if sum_on_read and i > 0 else value
+          initial = pieces[i] if layout is not None else value
+          if sum_on_read and i > 0:
+            initial = tf.zeros_like(value)
           if offsets is not None:
             initial = initial + offsets[i]
           components.append(_new_component(initial_value=initial, **kwargs))
-    return ReplicatedVariable(components, replicator, offsets)
+    return ReplicatedVariable(components, replicator, offsets, layout)
 
   return creator

@@ -5,6 +5,22 @@ group and instance key. On logical CPUs they need an ordering token per device
 (without one they can hang), and the rewrite pass chains them per device in
 plan order (``ordered_op_types``) so every device launches them in the same order.
 This is the implementation that also works across worker processes.
+
+Kinds and the ops they use (TF 2.21, measured on logical CPUs):
+
+* all_reduce: ``CollectiveReduceV2``; broadcast: ``CollectiveReduceV2`` of the
+  source's value and zeros; all_gather: ``CollectiveGatherV2``.
+* all_to_all: ``CollectiveAllToAllV2``, which has a CPU kernel and works with
+  ordering tokens. It exchanges slices along dimension 0 and needs dimension 0
+  to equal the group size, so inputs are transposed and reshaped to
+  ``[group_size, -1]`` around it.
+* reduce_scatter: ``CollectiveReduceScatterV2`` has no CPU implementation
+  (it fails with "CollectiveRegistry::Lookup did not find collective
+  implementation" and aborts the process's collective executor), so it is an
+  all-to-all of the chunks followed by a local reduction: half the traffic of
+  all-reduce-then-slice, and about 2x faster on 4 logical CPUs (4 MB and 64 MB).
+* permute: ``CollectivePermute`` is XLA/TPU-only; it is a ``CollectiveGatherV2``
+  of every member's value, from which each destination takes its source's.
 """
 
 from __future__ import annotations
@@ -28,7 +44,7 @@ class CollectiveOps(_lowering.Lowering):
   """
 
   name = "collective_ops"
-  ordered_op_types = frozenset({"CollectiveReduceV2", "CollectiveGatherV2"})
+  ordered_op_types = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})
 
   def __init__(self, timeout_seconds: float = 0.0):
     self.timeout_seconds = timeout_seconds
@@ -78,7 +94,7 @@ class CollectiveOps(_lowering.Lowering):
           masked = x if i == params["source"] else tf.zeros_like(x)
           y = tf.raw_ops.CollectiveReduceV2(input=masked, merge_op="Add", final_op="Id", **common)
         elif collective.kind == "all_gather":
-          axis = params["axis"]
+          axis = params["concat_dimension"]
           rank = x.shape.rank
           if axis == 0:
             y = tf.raw_ops.CollectiveGatherV2(input=x, **common)
@@ -86,10 +102,63 @@ class CollectiveOps(_lowering.Lowering):
             perm = [axis] + [d for d in range(rank) if d != axis]
             inverse = [perm.index(d) for d in range(rank)]
             y = tf.transpose(tf.raw_ops.CollectiveGatherV2(input=tf.transpose(x, perm), **common), inverse)
+        elif collective.kind == "reduce_scatter":
+          received, inverse = _exchange(x, params["scatter_dimension"], n, common)
+          y = _transpose(_reduce_first(params["op"], received, n), inverse)
+        elif collective.kind == "all_to_all":
+          received, inverse = _exchange(x, params["split_dimension"], n, common)
+          y = tf.concat([_transpose(c, inverse) for c in tf.unstack(received, n)],
+                        axis=params["concat_dimension"])
+        elif collective.kind == "permute":
+          sources = {d: s for s, d in params["perm"]}
+          if not sources:
+            y = tf.zeros_like(x)
+          else:  # every member must join the gather, even if it is no source or destination
+            everyone = tf.raw_ops.CollectiveGatherV2(input=tf.expand_dims(x, 0), **common)
+            y = everyone[sources[i]] if i in sources else tf.zeros_like(x)
         else:
           raise NotImplementedError(f"{self.name} cannot lower {collective.kind}.")
         outputs.append(y)
     return outputs
+
+
+def _transpose(x: tf.Tensor, perm: list[int] | None) -> tf.Tensor:
+  return x if perm is None else tf.transpose(x, perm)
+
+
+def _exchange(x: tf.Tensor, split: int, n: int, common: dict) -> tuple[tf.Tensor, list[int] | None]:
+  """All-to-all of ``x``'s n chunks along ``split``.
+
+  Returns:
+    The received chunks stacked in source order, ``[n, chunk...]`` with the
+    split dimension moved first, and the permutation that moves it back
+    (None if it was first already).
+  """
+  rank = x.shape.rank
+  perm = None if split == 0 else [split] + [d for d in range(rank) if d != split]
+  front = _transpose(x, perm)
+  shape = tf.shape(front)
+  # CollectiveAllToAllV2 needs dimension 0 to equal the group size.
+  flat = tf.reshape(front, [n, -1])
+  received = tf.raw_ops.CollectiveAllToAllV2(input=flat, **common)
+  received = tf.reshape(received, tf.concat([[n, shape[0] // n], shape[1:]], 0))
+  chunk = None if front.shape[0] is None else front.shape[0] // n
+  received.set_shape([n, chunk] + front.shape[1:].as_list())
+  return received, None if perm is None else [perm.index(d) for d in range(rank)]
+
+
+def _reduce_first(op: str, stacked: tf.Tensor, n: int) -> tf.Tensor:
+  """Reduces over dimension 0 with op sum/mean/max/min (integer mean truncates)."""
+  if op == "max":
+    return tf.reduce_max(stacked, axis=0)
+  if op == "min":
+    return tf.reduce_min(stacked, axis=0)
+  total = tf.reduce_sum(stacked, axis=0)
+  if op == "sum":
+    return total
+  if total.dtype.is_integer:  # truncates toward zero, like tf.reduce_mean
+    return tf.truncatediv(total, tf.constant(n, total.dtype))
+  return total / tf.constant(n, total.dtype)
 
 
 _lowering.register(CollectiveOps())

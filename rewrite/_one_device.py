@@ -2,7 +2,10 @@
 
 Within one process, copies between logical devices of the same host share
 memory, so this is one pass over the inputs plus cheap hand-offs. It builds
-pure dataflow (no blocking ops), so it can never deadlock.
+pure dataflow (no blocking ops), so it can never deadlock. The exchanges need
+no central device: reduce_scatter and all_to_all split each input on its own
+device and reduce or concatenate the chunks on the receiving device; permute
+copies each source's value to its destination.
 """
 
 from __future__ import annotations
@@ -32,21 +35,48 @@ def reduce_values(op: str, values: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 class OneDevice(_lowering.Lowering):
-  """All-reduce/gather on the first device of each group, then identity copies."""
+  """All-reduce/gather on the first device of each group, then identity copies.
+
+  reduce_scatter, all_to_all and permute are point-to-point dataflow between
+  the members' devices (no central device).
+  """
 
   name = "one_device"
 
   def lower_group(self, collective: Collective, inputs, devices, ctx):
     _lowering.check_group_inputs(collective, inputs, devices)
     params = collective.param_dict
+    n = len(devices)
     if collective.kind == "broadcast":
       source = inputs[params["source"]]
       return [source if i == params["source"] else _copy(source, d) for i, d in enumerate(devices)]
+    if collective.kind == "permute":
+      sources = {d: s for s, d in params["perm"]}
+      outputs = []
+      for i, (x, device) in enumerate(zip(inputs, devices)):
+        with tf.device(device):
+          outputs.append(tf.identity(inputs[sources[i]]) if i in sources else tf.zeros_like(x))
+      return outputs
+    if collective.kind in ("reduce_scatter", "all_to_all"):
+      split = params["scatter_dimension" if collective.kind == "reduce_scatter" else "split_dimension"]
+      chunks = []  # chunks[i][j]: member i's chunk for member j, on member i's device
+      for x, device in zip(inputs, devices):
+        with tf.device(device):
+          chunks.append(tf.split(x, n, axis=split) if n > 1 else [x])
+      outputs = []
+      for j, device in enumerate(devices):
+        with tf.device(device):
+          received = [chunks[i][j] for i in range(n)]
+          if collective.kind == "reduce_scatter":
+            outputs.append(reduce_values(params["op"], received))
+          else:
+            outputs.append(tf.concat(received, axis=params["concat_dimension"]))
+      return outputs
     with tf.device(devices[0]):
       if collective.kind == "all_reduce":
         result = reduce_values(params["op"], inputs)
       elif collective.kind == "all_gather":
-        result = tf.concat(list(inputs), axis=params["axis"])
+        result = tf.concat(list(inputs), axis=params["concat_dimension"])
       else:
         raise NotImplementedError(f"{self.name} cannot lower {collective.kind}.")
     return [_copy(result, d) for d in devices]

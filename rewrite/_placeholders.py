@@ -16,9 +16,11 @@ import tensorflow as tf
 
 PLACEHOLDER_SCOPE = "replicator_placeholder"
 
-# What each kind of collective needs besides its input, and how its result
-# shape follows from the input shape.
-KINDS = ("all_reduce", "broadcast", "all_gather")
+# The kinds of collective and their params (the primitive computes the result
+# shape): all_reduce(op), broadcast(source), all_gather(concat_dimension),
+# reduce_scatter(op, scatter_dimension), all_to_all(split_dimension,
+# concat_dimension), permute(perm: sorted (source, destination) group positions).
+KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "permute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Placeholder:
   Attributes:
     replica: the replica (device position) whose subgraph holds the node.
     index: position among this replica's placeholders, in call order.
-    kind: "all_reduce", "broadcast" or "all_gather".
+    kind: one of :data:`KINDS`.
     params: sorted ``(name, value)`` pairs, e.g. ``(("op", "sum"),)``.
     axes: mesh axes the collective communicates over.
     dtype: dtype of input and result.

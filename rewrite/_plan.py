@@ -21,7 +21,8 @@ class Collective:
 
   Attributes:
     index: position in call order.
-    kind: "all_reduce", "broadcast" or "all_gather".
+    kind: one of ``rewrite.KINDS`` ("all_reduce", "broadcast", "all_gather",
+      "reduce_scatter", "all_to_all", "permute").
     params: kind-specific parameters.
     axes: mesh axes communicated over.
     dtype: dtype of the payload.
@@ -149,7 +150,6 @@ def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
   collectives = []
   for index, members in enumerate(zip(*placeholders)):
     first = members[0]
-    shape = first.input_shape
     for other in members[1:]:
       if (first.kind, first.params) != (other.kind, other.params):
         raise _mismatch(first, other, "kind or parameters")
@@ -157,10 +157,23 @@ def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
         raise _mismatch(first, other, "axes")
       if first.dtype != other.dtype:
         raise _mismatch(first, other, "dtype")
-      if not shape.is_compatible_with(other.input_shape):
-        raise _mismatch(first, other, "shape")
-      shape = shape.merge_with(other.input_shape)
+    # Shapes must agree within each device group; different groups (say, batch
+    # shards of different sizes) may differ, which the plan shows as unknown.
     groups = mesh.groups(first.axes)
+    shape = None
+    for group in groups:
+      lead = members[group[0]]
+      group_shape = lead.input_shape
+      for r in group[1:]:
+        if not group_shape.is_compatible_with(members[r].input_shape):
+          raise _mismatch(lead, members[r], "shape")
+        group_shape = group_shape.merge_with(members[r].input_shape)
+      if shape is None:
+        shape = group_shape
+      elif shape.rank != group_shape.rank:
+        raise _mismatch(first, lead, "rank")
+      else:
+        shape = shape.most_specific_compatible_shape(group_shape)
     draft = Collective(index=index, kind=first.kind, params=first.params, axes=first.axes,
                        dtype=first.dtype, shape=shape, members=tuple(members),
                        groups=groups, implementation="")

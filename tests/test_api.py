@@ -10,19 +10,23 @@ def test_replicator_public_names():
       "CollectiveInControlFlowError", "CollectiveMismatchError", "CrossReplicaBatchNorm", "DeviceError", "EndOfInput", "InputContext",
       "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError",
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
-      "VariableCreationError", "current", "virtual_cpus"}
+      "VariableCreationError", "bytes_per_device", "current", "virtual_cpus"}
   for name in replicator.__all__:
     assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"
 
 
 def test_replicator_methods_documented():
   for name in ("context", "run", "explain", "reduce", "gather", "wrap_optimizer", "all_reduce",
-               "all_sum", "broadcast", "all_gather", "replica_id", "num_replicas", "devices", "mesh"):
+               "all_sum", "broadcast", "all_gather", "replica_id", "num_replicas", "devices", "mesh",
+               "batch_axes", "num_input_pipelines", "input_pipeline", "layout_spec"):
     assert getattr(replicator.Replicator, name).__doc__, name
 
 
 def test_mesh_and_rewrite_public_names():
-  assert set(mesh.__all__) == {"DeviceError", "Mesh", "MeshError", "canonical_name", "local_devices", "virtual_cpus"}
+  assert set(mesh.__all__) == {
+      "DeviceError", "Layout", "LayoutError", "LayoutMap", "LayoutRules", "Mesh", "MeshError", "ShardedTensor",
+      "assemble", "canonical_name", "global_shape", "local_devices", "pack", "relayout", "shard", "split",
+      "unpack", "virtual_cpus"}
   assert {"plan", "apply", "Plan", "Collective", "Placeholder", "Lowering", "register_lowering",
           "CollectiveMismatchError", "auto_lowering"} <= set(rewrite.__all__)
   for module in (mesh, rewrite):

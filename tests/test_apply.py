@@ -71,11 +71,37 @@ def test_all_gather_shapes():
   def gathered(s):
     return tf.TensorShape([s[0] * n])
 
-  concrete, records = traced(n, [("all_gather", {"axis": 0}, gathered)])
+  concrete, records = traced(n, [("all_gather", {"concat_dimension": 0}, gathered)])
   plan = rewrite.plan(records, mesh.Mesh({"replica": n}, cpus(n)), lambda c: "one_device")
   rewritten = rewrite.apply(concrete.graph.as_graph_def(), plan)
   out = run_rewritten(concrete, rewritten, tf.constant([1.0, 2.0]))
   np.testing.assert_allclose(out[1], [1.0, 2.0, 2.0, 4.0])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_exchange_kinds(impl):
+  n = 2
+  same = lambda s: s  # noqa: E731
+  concrete, records = traced(n, [("all_to_all", {"split_dimension": 0, "concat_dimension": 0}, same),
+                                 ("permute", {"perm": ((0, 1), (1, 0))}, same),
+                                 ("reduce_scatter", {"op": "sum", "scatter_dimension": 0},
+                                  lambda s: tf.TensorShape([s[0] // n]))])
+  plan = rewrite.plan(records, mesh.Mesh({"replica": n}, cpus(n)), lambda c: impl)
+  rewritten = rewrite.apply(concrete.graph.as_graph_def(), plan)
+  graph_def = rewritten.graph_def
+  out = run_rewritten(concrete, rewritten, tf.constant([1.0, -2.0]))
+  # Inputs [1, -2] and [2, -4]; exchanged: [1, 2] and [-2, -4]; swapped; summed and split.
+  np.testing.assert_allclose(out[0], [-1.0])
+  np.testing.assert_allclose(out[1], [-2.0])
+  if impl == "collective_ops":
+    ordered = rewrite.get_lowering(impl).ordered_op_types
+    for device in cpus(n):
+      chain = [node for node in graph_def.node if node.op in ordered and node.device == device]
+      assert [node.op for node in chain] == ["CollectiveAllToAllV2", "CollectiveGatherV2", "CollectiveAllToAllV2"]
+      for before, after in zip(chain, chain[1:]):
+        assert f"^{before.name}" in after.input
+  else:
+    assert not any(node.op.startswith("Collective") for node in graph_def.node)
 
 
 def test_collective_ops_are_chained_per_device():

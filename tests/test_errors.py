@@ -1,5 +1,6 @@
 """Every error a user can cause: raised at build time, with its message pinned."""
 
+import re
 import signal
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import tensorflow as tf
 from conftest import cpus
 
+import mesh
 import replicator
 
 THIS_FILE = __file__.rsplit("/", 1)[-1]
@@ -80,6 +82,8 @@ def test_different_shape_and_dtype_per_replica(repl):
 def test_primitives_outside_a_step(repl):
   for call in (lambda: repl.all_reduce(tf.ones([1])), lambda: repl.all_sum(1.0),
                lambda: repl.broadcast(1.0), lambda: repl.all_gather(tf.ones([1])),
+               lambda: repl.reduce_scatter(tf.ones([2])), lambda: repl.all_to_all(tf.ones([2])),
+               lambda: repl.permute(tf.ones([2]), perm=[(0, 1)]), lambda: repl.axis_index(),
                lambda: repl.replica_id):
     with pytest.raises(replicator.ReplicaContextError,
                        match=r"was called outside a replica context\. .*Fix: call it from inside step_fn"):
@@ -195,6 +199,59 @@ def test_bad_arguments():
     repl.reduce("sum", tf.ones([2]))
   with pytest.raises(ValueError, match="reduction must be one of"):
     repl.wrap_optimizer(object(), reduction="max")
+
+
+def test_all_gather_with_an_int_axis():
+  repl = replicator.Replicator(cpus(2))
+  with pytest.raises(TypeError, match=re.escape(
+      "repl.all_gather(x, axis=1): `axis` names mesh axes, as for every collective (an axis name of "
+      "('replica',), a tuple of them, or None for all), but found the int 1. The tensor dimension to "
+      "concatenate along is `concat_dimension`. Fix: repl.all_gather(x, concat_dimension=1).")):
+    repl.run(lambda: repl.all_gather(tf.ones([2, 3]), 1))
+
+
+def test_axis_collective_bad_arguments():
+  m = mesh.Mesh({"batch": 2, "model": 2}, cpus(4))
+  repl = replicator.Replicator(mesh=m)
+  with pytest.raises(ValueError, match=re.escape(
+      "repl.reduce_scatter(scatter_dimension=0) splits dimension 0 (of size 3) of a float32 tensor of "
+      "shape (3, 2) among the 4 replica(s) of each group along mesh axes ('batch', 'model'), but 4 does "
+      "not evenly divide 3 at ") + rf".*{THIS_FILE}:\d+ in .*\. Fix: pad dimension 0 to a multiple of 4 \(e\.g\. 4\), or split another dimension\."):
+    repl.run(lambda: repl.reduce_scatter(tf.ones([3, 2])))
+  with pytest.raises(ValueError, match=re.escape(
+      "repl.all_to_all(split_dimension=1) splits dimension 1 (of size 3) of a float32 tensor of shape "
+      "(2, 3) among the 2 replica(s) of each group along mesh axis 'model', but 2 does not evenly divide 3") +
+      r".*Fix: pad dimension 1 to a multiple of 2 \(e\.g\. 4\)"):
+    repl.run(lambda: repl.all_to_all(tf.ones([2, 3]), axis="model", split_dimension=1))
+  with pytest.raises(ValueError, match=r"repl\.reduce_scatter\(scatter_dimension=0\) splits dimension 0 of a "
+                                       r"float32 tensor of shape \(None,\) among .* but that dimension has no "
+                                       r"static size at .*Fix: give it a static size \(e\.g\. tf\.ensure_shape\)"):
+    repl.run(lambda: repl.reduce_scatter(tf.unique(tf.ones([4]))[0], axis="batch"))
+  with pytest.raises(ValueError, match=r"reduce_scatter\(scatter_dimension=2\) is out of range for a tensor of rank 2 .*Fix: pass a dimension in \[-2, 2\)"):
+    repl.run(lambda: repl.reduce_scatter(tf.ones([4, 4]), scatter_dimension=2))
+  with pytest.raises(ValueError, match=r"reduce_scatter\(op='prod'\): op must be one of \('sum', 'mean', 'max', 'min'\)"):
+    repl.run(lambda: repl.reduce_scatter(tf.ones([4]), "prod"))
+  with pytest.raises(ValueError, match=r"all_to_all\(\) needs tensors of known rank >= 1"):
+    repl.run(lambda: repl.all_to_all(tf.ones([])))
+
+
+def test_permute_bad_perm():
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, cpus(4)))
+  with pytest.raises(ValueError, match=re.escape(
+      "repl.permute(perm=[(0, 2)]): the pair (0, 2) names a position outside [0, 2) (the 2 replica(s) of "
+      "each group along mesh axis 'model'). Fix: use group positions 0..1 (see repl.axis_index).")):
+    repl.run(lambda: repl.permute(tf.ones([2]), axis="model", perm=[(0, 2)]))
+  with pytest.raises(ValueError, match=re.escape(
+      "repl.permute(perm=[(0, 1), (0, 2)]): source position(s) [0] appear more than once. Each member "
+      "sends to at most one destination and receives from at most one source. Fix: list each source once "
+      "(use several permute calls or repl.all_gather to send one value to several members).")):
+    repl.run(lambda: repl.permute(tf.ones([2]), perm=[(0, 1), (0, 2)]))
+  with pytest.raises(ValueError, match=r"destination position\(s\) \[3\] appear more than once.*Fix: list each destination once"):
+    repl.run(lambda: repl.permute(tf.ones([2]), perm=[(0, 3), (1, 3)]))
+  with pytest.raises(TypeError, match=re.escape(
+      "repl.permute(perm=[0, 1]): perm must be a list of (source, destination) pairs of group positions "
+      "(ints), e.g. [(0, 1), (1, 0)].")):
+    repl.run(lambda: repl.permute(tf.ones([2]), perm=[0, 1]))
 
 
 def test_variable_with_step_computed_initial_value(repl):

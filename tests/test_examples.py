@@ -23,3 +23,19 @@ def test_convnet_learns_and_resumes_from_a_checkpoint(tmp_path):
   assert [h["epoch"] for h in result["history"]] == [1, 2, 3, 4]  # resumed after epoch 2, no epoch repeated
   assert result["test_accuracy"] > 0.75
   assert (tmp_path / "checkpoint").exists()
+
+
+def test_mnist_on_a_2d_mesh_with_layout_rules():
+  pytest.importorskip("sklearn")
+  # conftest made 8 CPUs; the meshes take the first 2 and 4.
+  dp = mnist.main(["--devices", "8", "--mesh", "batch:2", "--layout", "batch:batch", "--epochs", "3"])
+  result = mnist.main(["--devices", "8", "--mesh", "batch:2,model:2", "--layout", "batch:batch,hidden:model",
+                       "--epochs", "3"])
+  assert result["replicas"] == 4 and dp["replicas"] == 2
+  # The same model, data order and math: the same accuracy as data-parallel training.
+  assert abs(result["test_accuracy"] - dp["test_accuracy"]) <= 0.01
+  assert [round(h["loss"], 3) for h in result["history"]] == [round(h["loss"], 3) for h in dp["history"]]
+  # w1, b1 and w2 are split in two along "model": each device holds half of them plus all of b2.
+  full = (8 * 8 * 1024 + 1024 + 1024 * 10) * 4
+  assert set(result["bytes_per_device"].values()) == {full // 2 + 10 * 4}
+  assert set(dp["bytes_per_device"].values()) == {full + 10 * 4}

@@ -67,3 +67,14 @@ def test_first_disagreement_reported_before_count():
   m = mesh.Mesh({"replica": 2}, cpus(2))
   with pytest.raises(rewrite.CollectiveMismatchError, match="its dtype differs"):
     rewrite.plan([[record(0, 0), record(0, 1)], [record(1, 0, dtype=tf.int64)]], m, one_device)
+
+
+def test_shapes_must_agree_within_groups_only():
+  m = mesh.Mesh({"batch": 2, "model": 2}, cpus(4))
+  shapes = [(3, 2), (3, 2), (5, 2), (5, 2)]  # batch shards of different sizes
+  p = rewrite.plan([[record(r, 0, shape=s, axes=("model",))] for r, s in enumerate(shapes)], m, one_device)
+  assert p.collectives[0].shape.as_list() == [None, 2]
+  assert p.collectives[0].groups == ((0, 1), (2, 3))
+  shapes = [(3, 2), (5, 2), (3, 2), (5, 2)]  # but members of one group must agree
+  with pytest.raises(rewrite.CollectiveMismatchError, match=r"Replicas 0 and 1 disagree on collective #0 \(its shape differs\)"):
+    rewrite.plan([[record(r, 0, shape=s, axes=("model",))] for r, s in enumerate(shapes)], m, one_device)

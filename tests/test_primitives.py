@@ -60,8 +60,8 @@ def test_all_sum_broadcast_all_gather(n, impl):
     return dict(
         sum=repl.all_sum([x, i]),
         bcast=repl.broadcast((x, i), source=n - 1),
-        gather0=repl.all_gather(x, axis=0),
-        gather1=repl.all_gather({"x": x}, axis=-1),
+        gather0=repl.all_gather(x, concat_dimension=0),
+        gather1=repl.all_gather({"x": x}, concat_dimension=-1),
         gather_int=repl.all_gather(i),
         replica_id=tf.constant(repl.replica_id))
 
@@ -99,7 +99,7 @@ def collective_fns(kind, n, source=1):
   if kind == "broadcast":
     return lambda repl, x: repl.broadcast(x, source=source), lambda xs: [xs[source]] * n
   if kind == "all_gather":
-    return lambda repl, x: repl.all_gather(x, axis=1), lambda xs: [tf.concat(xs, axis=1)] * n
+    return lambda repl, x: repl.all_gather(x, concat_dimension=1), lambda xs: [tf.concat(xs, axis=1)] * n
   raise ValueError(kind)
 
 

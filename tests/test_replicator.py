@@ -148,14 +148,14 @@ def test_explain_lists_collectives_without_running():
   def step_fn():
     grad = repl.all_reduce(tf.ones([256]), op="mean")
     v.assign_add(grad)
-    return repl.all_gather(tf.ones([2, 3]), axis=1)
+    return repl.all_gather(tf.ones([2, 3]), concat_dimension=1)
 
   plan = repl.explain(step_fn)
   assert [c.kind for c in plan.collectives] == ["all_reduce", "all_gather"]
   assert plan.collectives[0].nbytes == 1024
   assert plan.bytes_per_step == 4 * (1024 + 24)
   text = str(plan)
-  assert "all_reduce(op='mean')" in text and "all_gather(axis=1)" in text and "float32" in text
+  assert "all_reduce(op='mean')" in text and "all_gather(concat_dimension=1)" in text and "float32" in text
   assert "1,024" in text and "one_device" in text and "test_replicator.py" in text
   assert float(v.numpy()[0]) == 0.0  # explain does not run the step
   repl.run(step_fn)
