@@ -268,7 +268,9 @@ class LayoutRules:
 
   Args:
     rules: ``(dimension name, mesh axis | tuple of axes | None)`` pairs. A
-      dimension without a rule is not split.
+      dimension without a rule is not split. Several dimensions may map to
+      one mesh axis (Megatron: "heads" and "ff" both over "model") as long as
+      no single tensor has two of them; :class:`Layout` rejects one that does.
   """
 
   def __init__(self, rules: Iterable[tuple[str, SpecEntry]] | Mapping[str, SpecEntry]):
@@ -283,16 +285,6 @@ class LayoutRules:
       if name in self._rules:
         raise _errors.LayoutError(f"LayoutRules has two rules for dimension {name!r}; give one.")
       self._rules[name] = tuple(axes) if isinstance(axes, (list, tuple)) else axes
-    # rules map to mesh axes; a split dimension name may not be an axis twice
-    seen: dict[str, str] = {}
-    for name, axes in self._rules.items():
-      for axis in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
-        if axis in seen:
-          raise _errors.LayoutError(
-              f"LayoutRules map dimensions {seen[axis]!r} and {name!r} to the same mesh axis "
-              f"{axis!r}; a tensor with both dimensions could not be laid out. Fix: map them to "
-              f"different mesh axes.")
-        seen[axis] = name
 
   @property
   def rules(self) -> dict[str, SpecEntry]:

@@ -75,6 +75,17 @@ class ReplicatedOptimizer(tf.Module):
     """The wrapped optimizer."""
     return self._optimizer
 
+  # tf.Module defines these, which would hide the wrapped optimizer's.
+  @property
+  def variables(self):
+    """The wrapped optimizer's variables."""
+    return self._optimizer.variables
+
+  @property
+  def trainable_variables(self):
+    """The wrapped optimizer's trainable variables."""
+    return self._optimizer.trainable_variables
+
   @property
   def reduction(self) -> str:
     """How gradients are combined across replicas: "mean" or "sum"."""

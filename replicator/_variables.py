@@ -287,10 +287,14 @@ class ReplicatedVariable(tf.Variable):
     return self._current().read_value() if self._in_replica() or self._whole_on_each else self._aggregate()
 
   def sparse_read(self, indices, name=None):
-    return self._current().sparse_read(indices, name=name)
+    if self._in_replica() or self._whole_on_each:
+      return self._current().sparse_read(indices, name=name)
+    return tf.gather(self._aggregate(), indices, name=name)
 
   def gather_nd(self, indices, name=None):
-    return self._current().gather_nd(indices, name=name)
+    if self._in_replica() or self._whole_on_each:
+      return self._current().gather_nd(indices, name=name)
+    return tf.gather_nd(self._aggregate(), indices, name=name)
 
   def numpy(self):
     return self._components[0].numpy() if self._whole_on_each else self._aggregate().numpy()

@@ -97,7 +97,9 @@ def test_layout_rules(m):
   assert rules.mesh_axes("hidden") == ("model",) and rules.mesh_axes("embed") == ()
   layouts = rules.layout_map({"w1": ("rows", "cols", "hidden"), "w2": ("hidden", "classes")})
   assert layouts.lookup("mnist/w2") == ("model", None)
-  with pytest.raises(mesh.LayoutError, match="map dimensions 'hidden' and 'heads' to the same mesh axis 'model'"):
-    mesh.LayoutRules([("hidden", "model"), ("heads", "model")])
+  shared = mesh.LayoutRules([("ff", "model"), ("heads", "model")])  # Megatron: both over "model"
+  assert shared.spec(("embed", "heads")) == (None, "model") and shared.spec(("ff", "embed")) == ("model", None)
+  with pytest.raises(mesh.LayoutError, match="uses mesh axis 'model' for tensor dimensions 0 and 1"):
+    shared.layout(("heads", "ff"), m)  # but not in one tensor
   with pytest.raises(mesh.LayoutError, match="takes \\(dimension name, mesh axis\\) pairs"):
     mesh.LayoutRules(["hidden"])

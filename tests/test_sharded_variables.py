@@ -238,3 +238,25 @@ def test_sonnet_optimizer_slots_follow_the_layout_map():
   slots = optimizer.optimizer.m + optimizer.optimizer.v  # named after the parameter: they match "w1$"
   assert [s.sharding for s in slots] == [w1.sharding] * 2
   assert [c.shape.as_list() for c in slots[0].components] == [[4, 4]] * 4
+
+
+def test_gather_outside_a_step_reads_the_global_value():
+  repl = _repl({"model": 4})
+  table = np.arange(16, dtype=np.float32).reshape(8, 2)
+  with repl.context(layouts={"emb": ("model", None)}):
+    emb = tf.Variable(table, name="emb")
+  np.testing.assert_array_equal(tf.gather(emb, [7, 0]).numpy(), table[[7, 0]])
+  np.testing.assert_array_equal(emb.sparse_read([5]).numpy(), table[[5]])
+  np.testing.assert_array_equal(emb.gather_nd([[6, 1]]).numpy(), [table[6, 1]])
+  # inside a step each device gathers from its own rows
+  rows = repl.run(lambda: tf.gather(emb, [1]))
+  assert [r.numpy().tolist() for r in rows] == [[table[2 * d + 1].tolist()] for d in range(4)]
+
+
+def test_wrapped_optimizer_variables_are_the_wrapped_optimizers():
+  repl = _repl({"batch": 2})
+  with repl.context():
+    w = tf.Variable(tf.ones([2]))
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.1))
+  optimizer.build([w])
+  assert len(optimizer.variables) == len(optimizer.optimizer.variables) == 4
