@@ -7,8 +7,10 @@
 """
 
 from mesh import virtual_cpus
+from replicator import testing
 from replicator._batch_norm import CrossReplicaBatchNorm
 from replicator._context import current
+from replicator._errors import ClusterConfigError
 from replicator._errors import CollectiveInControlFlowError
 from replicator._errors import CollectiveMismatchError
 from replicator._errors import DeviceError
@@ -18,7 +20,9 @@ from replicator._errors import OutputMismatchError
 from replicator._errors import ReplicaContextError
 from replicator._errors import ReplicatorError
 from replicator._errors import VariableCreationError
+from replicator._errors import WorkerUnavailableError
 from replicator._inputs import InputContext
+from replicator._multiworker import MultiWorkerReplicator
 from replicator._optimizer import ReplicatedOptimizer
 from replicator._replicator import Replicator
 from replicator._values import PerReplica
@@ -28,6 +32,7 @@ from replicator._variables import bytes_per_device
 __version__ = "0.1.0"
 
 __all__ = (
+    "ClusterConfigError",
     "CollectiveInControlFlowError",
     "CollectiveMismatchError",
     "CrossReplicaBatchNorm",
@@ -35,6 +40,7 @@ __all__ = (
     "EndOfInput",
     "InputContext",
     "InputMismatchError",
+    "MultiWorkerReplicator",
     "OutputMismatchError",
     "PerReplica",
     "ReplicaContextError",
@@ -43,7 +49,9 @@ __all__ = (
     "Replicator",
     "ReplicatorError",
     "VariableCreationError",
+    "WorkerUnavailableError",
     "bytes_per_device",
     "current",
+    "testing",
     "virtual_cpus",
 )

@@ -55,3 +55,21 @@ class VariableCreationError(ReplicatorError, ValueError):
 
 class EndOfInput(ReplicatorError, StopIteration):
   """``repl.run`` found no more input: the epoch is over."""
+
+
+class ClusterConfigError(ReplicatorError, ValueError):
+  """A cluster specification or TF_CONFIG is malformed or inconsistent."""
+
+
+class WorkerUnavailableError(ReplicatorError, RuntimeError):
+  """A worker process is dead or unreachable.
+
+  Attributes:
+    task: the worker's task index (None if unknown).
+    address: its ``host:port`` (None if unknown).
+  """
+
+  def __init__(self, message: str, task: int | None = None, address: str | None = None):
+    super().__init__(message)
+    self.task = task
+    self.address = address

@@ -154,16 +154,21 @@ class DatasetInputs(Source):
   stateful = True
 
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
-               host_device: str, prefetch_to_device: int = 0, pipelines: Sequence[int] | None = None):
+               host_device: str | Sequence[str], prefetch_to_device: int = 0,
+               pipelines: Sequence[int] | None = None):
     self.key = ("input_fn", input_fn)
     pipelines = tuple(range(len(devices)) if pipelines is None else pipelines)
     n = max(pipelines) + 1
     self.slots = pipelines
     self._devices = tuple(devices[pipelines.index(p)] for p in range(n))
+    # One host per pipeline: where its dataset is built and iterated (a
+    # worker's own CPU in a multi-worker run, so data never passes the client).
+    hosts = (host_device,) * n if isinstance(host_device, str) else tuple(host_device)
     datasets = []
     for replica in range(n):
-      ds = input_fn(InputContext(replica_id=replica, num_replicas=n,
-                                 input_pipeline_id=replica, num_input_pipelines=n))
+      with tf.device(hosts[replica]):
+        ds = input_fn(InputContext(replica_id=replica, num_replicas=n,
+                                   input_pipeline_id=replica, num_input_pipelines=n))
       if not isinstance(ds, tf.data.Dataset):
         raise _errors.InputMismatchError(NOT_A_DATASET.format(replica=replica, found=_describe(ds)))
       datasets.append(ds)
@@ -175,12 +180,13 @@ class DatasetInputs(Source):
             "Fix: convert it in the pipeline (e.g. .map(lambda x: x.to_tensor()) for ragged tensors).")
     self.structures = tuple(ds.element_spec for ds in datasets)
     if not prefetch_to_device:
-      self._devices = (host_device,) * n
+      self._devices = hosts
     self._iterators = []
-    for ds, device in zip(datasets, self._devices):
-      ds = without_autotune_thread(ds)  # also the device copy's inner iterator over it
-      if prefetch_to_device:
-        ds = without_autotune_thread(ds.apply(tf.data.experimental.prefetch_to_device(device, prefetch_to_device)))
+    for ds, host, device in zip(datasets, hosts, self._devices):
+      with tf.device(host):  # dataset ops run where the dataset lives
+        ds = without_autotune_thread(ds)  # also the device copy's inner iterator over it
+        if prefetch_to_device:
+          ds = without_autotune_thread(ds.apply(tf.data.experimental.prefetch_to_device(device, prefetch_to_device)))
       with tf.device(device):
         self._iterators.append(iter(ds))
     self.counts = tuple(len(tree.flatten(s)) for s in self.structures)

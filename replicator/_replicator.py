@@ -110,6 +110,7 @@ class Replicator:
     self._converted: dict[Any, Callable] = {}
     self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
+    self._lowerings: dict[str, rewrite.Lowering] = {}  # per-Replicator instances by name
     if prefetch_to_device is None:
       on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self.devices)
       prefetch_to_device = 0 if on_cpu else 2
@@ -265,6 +266,10 @@ class Replicator:
     """
     return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
 
+  def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
+    """The device each input pipeline's dataset is built and iterated on."""
+    return [self._host] * (max(pipelines) + 1)
+
   def _forget(self, source: _inputs.Source) -> None:
     """Drops an exhausted input source (and its iterators)."""
     for sources in (self._sources, self._dataset_sources):
@@ -290,8 +295,9 @@ class Replicator:
                         f"{type(input_fn).__name__}. To pass per-replica values, use inputs=.")
       source = self._sources.get(input_fn)
       if source is None:
-        source = _inputs.DatasetInputs(input_fn, self.devices, self._host, self._prefetch_to_device,
-                                       [self.input_pipeline(r) for r in range(self.num_replicas)])
+        pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
+        source = _inputs.DatasetInputs(input_fn, self.devices, self._input_hosts(pipelines),
+                                       self._prefetch_to_device, pipelines)
         self._sources[input_fn] = source
     elif inputs is not None:
       source = _inputs.ExplicitInputs(inputs, self.num_replicas)

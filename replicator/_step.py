@@ -195,7 +195,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
-  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan)
+  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, replicator._lowerings)  # pylint: disable=protected-access
   graph = scratch.graph
   flat0 = tree.flatten(outputs[0])
   return CompiledStep(

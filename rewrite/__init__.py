@@ -11,6 +11,7 @@ This package knows nothing about Keras or about how a step was traced.
 """
 
 from rewrite import _collective_ops  # registers "collective_ops"
+from rewrite import _hierarchical  # registers "hierarchical"
 from rewrite import _one_device  # registers "one_device"
 from rewrite._apply import Rewritten
 from rewrite._apply import apply
@@ -30,14 +31,17 @@ from rewrite._plan import Plan
 from rewrite._plan import plan
 
 CollectiveOps = _collective_ops.CollectiveOps
+Hierarchical = _hierarchical.Hierarchical
 OneDevice = _one_device.OneDevice
-del _collective_ops, _one_device
+task_of = _hierarchical.task_of
+del _collective_ops, _hierarchical, _one_device
 
 __all__ = (
     "KINDS",
     "Collective",
     "CollectiveMismatchError",
     "CollectiveOps",
+    "Hierarchical",
     "Lowering",
     "LoweringContext",
     "OneDevice",
@@ -52,4 +56,5 @@ __all__ = (
     "lowering_names",
     "plan",
     "register_lowering",
+    "task_of",
 )

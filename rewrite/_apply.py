@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 
 import tensorflow as tf
 
@@ -108,12 +109,15 @@ def _template(lowering, collective, group) -> _Template:
   return template
 
 
-def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan) -> Rewritten:
+def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
+          lowerings: Mapping[str, _lowering.Lowering] | None = None) -> Rewritten:
   """Replaces every placeholder in ``graph_def`` with its planned collective.
 
   Args:
     graph_def: the traced step, holding the placeholder nodes named in ``plan``.
     plan: the plan from :func:`rewrite.plan`.
+    lowerings: lowering instances to use by name instead of the registered
+      ones (say, collective ops with a timeout for one multi-worker run).
 
   Returns:
     The rewritten graph and how its tensors map to the traced graph's.
@@ -140,7 +144,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan) -> Rewritten:
   last_ordered: dict[str, str] = {}  # device -> last ordered op node name
 
   for collective in plan.collectives:
-    lowering = _lowering.get(collective.implementation)
+    lowering = (lowerings or {}).get(collective.implementation) or _lowering.get(collective.implementation)
     for g, group in enumerate(collective.groups):
       template = _template(lowering, collective, group)
       scope = f"{prefix}/{collective.index}_{collective.kind}" + (f"/group_{g}" if len(collective.groups) > 1 else "")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import random
 import threading
 from collections.abc import Sequence
 
@@ -19,7 +20,10 @@ import tensorflow as tf
 from rewrite._plan import Collective
 
 _REGISTRY: dict[str, "Lowering"] = {}
-_KEYS = itertools.count(1)
+# Keys start at a random offset: a new client process must not reuse the group
+# keys an earlier client used on long-lived workers (their resolved groups
+# remember the old devices). int32 attributes, so stay below 2**31.
+_KEYS = itertools.count(random.SystemRandom().randrange(1, 2**30))
 _KEYS_LOCK = threading.Lock()
 
 
@@ -115,15 +119,25 @@ def names() -> list[str]:
 
 
 def auto(collective: Collective) -> str:
-  """The default choice: "one_device" within one process, "collective_ops" across tasks.
+  """The default choice, per collective.
 
-  Measured with ``benchmarks/collectives.py`` on a 2-core CPU machine (TF 2.21):
-  for all-reduce of 4 KB to 64 MB per replica on 4 and 8 logical CPUs,
-  one_device took 1/3 to 1/11 of collective_ops' step time at every size.
+  * Within one process: "one_device". Measured with ``benchmarks/collectives.py``
+    on a 2-core CPU machine (TF 2.21): for all-reduce of 4 KB to 64 MB per
+    replica on 4 and 8 logical CPUs, it took 1/3 to 1/11 of collective_ops'
+    step time at every size.
+  * Groups spanning several tasks (worker processes): "hierarchical" for
+    all-reduce and broadcast (one network transfer per worker), else
+    "collective_ops".
   """
-  tasks = {tf.DeviceSpec.from_string(m.device).replace(device_type=None, device_index=None).to_string()
-           for m in collective.members}
-  return "one_device" if len(tasks) == 1 else "collective_ops"
+  spans_tasks = any(
+      len({_task(collective.members[r].device) for r in group}) > 1 for group in collective.groups)
+  if not spans_tasks:
+    return "one_device"
+  return "hierarchical" if get("hierarchical").supports(collective) else "collective_ops"
+
+
+def _task(device: str) -> str:
+  return tf.DeviceSpec.from_string(device).replace(device_type=None, device_index=None).to_string()
 
 
 def check_group_inputs(collective: Collective, inputs: Sequence[tf.Tensor], devices: Sequence[str]) -> None:

@@ -1,0 +1,157 @@
+"""Replicas on several worker processes, over TensorFlow's gRPC runtime.
+
+In-graph replication across machines: this (client) process connects to the
+workers' TensorFlow servers, traces and rewrites the step exactly as on one
+machine, with replicas on ``/job:worker/task:i/device:CPU:j``, and runs it as
+one distributed graph call. The workers only run a server
+(``python -m replicator.worker``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+import mesh as mesh_lib
+import rewrite
+from replicator import _cluster
+from replicator import _context
+from replicator import _errors
+from replicator._replicator import Replicator
+
+DEVICE_COUNT_MISMATCH = (
+    "devices_per_worker={wanted} but worker {task} ({address}) has only {found} CPU device(s). "
+    "Fix: start the workers with --devices {wanted} (python -m replicator.worker ... --devices {wanted}) "
+    "or ask for fewer devices per worker."
+)
+UNEQUAL_WORKERS = (
+    "The workers offer different numbers of CPU devices ({counts}); every worker must run the "
+    "same number of replicas. Fix: pass devices_per_worker={smallest}, or start every worker with "
+    "the same --devices."
+)
+WORKER_LOST = (
+    "Worker {task} at {address} is unavailable: it does not accept connections (the process "
+    "died or the network is down). The step failed with {error_type}: {error}. Fix: restart the "
+    "worker, create a new MultiWorkerReplicator (and model) and restore the last checkpoint."
+)
+
+
+def _connect(cluster: _cluster.Cluster) -> None:
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(cluster.spec, rpc_layer="grpc")
+  tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)
+
+
+def _worker_devices(cluster: _cluster.Cluster) -> list[list[str]]:
+  """Each task's CPU devices, in device index order."""
+  per_task: list[list[tuple[int, str]]] = [[] for _ in cluster.workers]
+  for device in tf.config.list_logical_devices("CPU"):
+    spec = tf.DeviceSpec.from_string(device.name)
+    if spec.job == _cluster.JOB and spec.task is not None and spec.task < len(per_task):
+      per_task[spec.task].append((spec.device_index, mesh_lib.canonical_name(device.name)))
+  return [[name for _, name in sorted(devices)] for devices in per_task]
+
+
+@_context.no_autograph
+class MultiWorkerReplicator(Replicator):
+  """A :class:`Replicator` whose replicas live on several worker processes.
+
+  >>> with replicator.testing.local_cluster(2, devices_per_worker=2) as cluster:  # doctest: +SKIP
+  ...   repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
+  ...   repl.mesh.shape
+  {'worker': 2, 'device': 2}
+
+  The mesh is ``{"worker": W, "device": D}`` (D replicas per worker); the
+  batch is split over both axes, so ``input_fn`` runs once per replica, on its
+  worker's CPU (``ctx.input_pipeline_id``), and data never passes through this
+  process. Collectives whose groups span workers are lowered "hierarchical"
+  (reduced within each worker, one TF collective op across workers, copied
+  back; see ``repl.explain``), with a timeout: a dead or unreachable worker
+  makes ``run`` raise :class:`replicator.WorkerUnavailableError` naming it.
+
+  Args:
+    cluster: ``{"worker": ["host:port", ...]}``, a ``tf.train.ClusterSpec``, a
+      cluster resolver, or a JSON string of one.
+    devices_per_worker: replicas per worker (default: every CPU device the
+      workers offer; they must offer the same number).
+    connect_timeout: seconds to wait for every worker to accept connections.
+    collective_timeout: seconds a cross-worker collective waits for its peers
+      before failing (bounds how long a dead worker can stall a step).
+    **kwargs: other :class:`Replicator` arguments (``implementation``, ...).
+
+  Raises:
+    ClusterConfigError: a malformed cluster (before anything connects).
+    WorkerUnavailableError: a worker is unreachable within ``connect_timeout``.
+  """
+
+  def __init__(self, cluster, devices_per_worker: int | None = None, *, connect_timeout: float = 30.0,
+               collective_timeout: float = 30.0, **kwargs):
+    if "devices" in kwargs or "mesh" in kwargs:
+      raise ValueError("MultiWorkerReplicator places replicas on the cluster's workers; do not pass "
+                       "`devices` or `mesh`.")
+    self._cluster = _cluster.parse(cluster)
+    _cluster.wait_reachable(self._cluster, connect_timeout)
+    _connect(self._cluster)
+    per_task = _worker_devices(self._cluster)
+    counts = [len(d) for d in per_task]
+    if devices_per_worker is None:
+      if len(set(counts)) != 1:
+        raise _errors.ClusterConfigError(UNEQUAL_WORKERS.format(counts=counts, smallest=min(counts)))
+      devices_per_worker = counts[0]
+    for task, found in enumerate(counts):
+      if found < devices_per_worker:
+        raise _errors.ClusterConfigError(DEVICE_COUNT_MISMATCH.format(
+            wanted=devices_per_worker, task=task, address=self._cluster.workers[task], found=found))
+    devices = [d for task_devices in per_task for d in task_devices[:devices_per_worker]]
+    m = mesh_lib.Mesh({"worker": len(per_task), "device": devices_per_worker}, devices)
+    kwargs.setdefault("batch_axes", ("worker", "device"))
+    super().__init__(mesh=m, **kwargs)
+    self.collective_timeout = collective_timeout
+    self._lowerings = {"collective_ops": rewrite.CollectiveOps(collective_timeout),
+                       "hierarchical": rewrite.Hierarchical(collective_timeout)}
+
+  @classmethod
+  def from_tf_config(cls, tf_config: str | None = None, **kwargs) -> "MultiWorkerReplicator":
+    """A MultiWorkerReplicator for the cluster in ``TF_CONFIG`` (or the given JSON)."""
+    cluster, _ = _cluster.from_tf_config(tf_config)
+    return cls(cluster=cluster.spec, **kwargs)
+
+  @property
+  def cluster(self) -> dict:
+    """The cluster: ``{"worker": [addresses]}``."""
+    return self._cluster.spec.as_dict()
+
+  @property
+  def num_workers(self) -> int:
+    return len(self._cluster.workers)
+
+  def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
+    hosts = {}
+    for replica, pipeline in enumerate(pipelines):
+      if pipeline not in hosts:
+        hosts[pipeline] = rewrite.task_of(self.devices[replica]) + "/device:CPU:0"
+    return [hosts[p] for p in range(len(hosts))]
+
+  def run(self, *args, **kwargs):
+    """:meth:`Replicator.run`, reporting a lost worker as ``WorkerUnavailableError``."""
+    dead = _cluster.unreachable(self._cluster, timeout=1.0)
+    if dead:
+      raise self._lost(dead[0], tf.errors.UnavailableError(None, None, "the worker refused the connection"))
+    try:
+      return super().run(*args, **kwargs)
+    except tf.errors.OpError as e:
+      dead = _cluster.unreachable(self._cluster, timeout=1.0)
+      if dead:
+        raise self._lost(dead[0], e) from e
+      raise
+
+  def _lost(self, task: int, error: Exception) -> _errors.WorkerUnavailableError:
+    lines = [line.strip() for line in str(getattr(error, "message", error)).splitlines()]
+    useful = [line for line in lines if line and not line.startswith(("Graph execution error", "Detected at node", "File "))]
+    detail = (useful[0] if useful else lines[0] if lines else "")[:300]
+    return _errors.WorkerUnavailableError(WORKER_LOST.format(
+        task=task, address=self._cluster.workers[task], error_type=type(error).__name__,
+        error=detail), task, self._cluster.workers[task])
+
+  def __repr__(self):
+    return f"MultiWorkerReplicator(workers={list(self._cluster.workers)}, mesh={self.mesh!r})"

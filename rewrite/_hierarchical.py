@@ -1,0 +1,102 @@
+"""Hierarchical lowering for groups that span worker processes.
+
+Across a network the cost is the bytes each worker sends, not the number of
+devices. So a group is reduced in two levels: the members on one task
+(worker process) are combined on the task's first member device (pure
+dataflow, as in ``one_device``), the task leaders run one TF collective op
+across tasks (``collective_ops``, with its timeout), and each leader copies
+the result to its task's members. Each worker sends one tensor per collective
+instead of one per device.
+
+Kinds: all_reduce and broadcast. Other kinds use ``collective_ops`` for the
+whole group (the plan picks per collective).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from rewrite import _lowering
+from rewrite._collective_ops import CollectiveOps
+from rewrite._one_device import reduce_values
+from rewrite._plan import Collective
+
+_CROSS_TASK_OP = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
+
+
+def task_of(device: str) -> str:
+  """``/job:worker/replica:0/task:1`` for a device string of that task."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type=None, device_index=None).to_string()
+
+
+class Hierarchical(_lowering.Lowering):
+  """Reduce within each task, one collective op across tasks, copy back.
+
+  Args:
+    timeout_seconds: timeout of the cross-task collective op (0: none).
+  """
+
+  name = "hierarchical"
+
+  def __init__(self, timeout_seconds: float = 0.0):
+    self._across = CollectiveOps(timeout_seconds)
+    self.ordered_op_types = self._across.ordered_op_types
+
+  @property
+  def timeout_seconds(self) -> float:
+    return self._across.timeout_seconds
+
+  def supports(self, collective: Collective) -> bool:
+    return collective.kind in ("all_reduce", "broadcast") and self._across.supports(collective)
+
+  def cache_key(self, collective):
+    return None  # the cross-task op needs its own instance key
+
+  def external_value(self, key: str) -> tf.Tensor:
+    return self._across.external_value(key)
+
+  def lower_group(self, collective: Collective, inputs, devices, ctx):
+    _lowering.check_group_inputs(collective, inputs, devices)
+    if not self.supports(collective):
+      raise NotImplementedError(f"{self.name} cannot lower {collective.kind} of {collective.dtype.name}.")
+    params = collective.param_dict
+    tasks: dict[str, list[int]] = {}
+    for i, device in enumerate(devices):
+      tasks.setdefault(task_of(device), []).append(i)
+    leaders = [members[0] for members in tasks.values()]
+    if collective.kind == "broadcast":
+      source = params["source"]
+      op = "sum"
+      local = []
+      for members in tasks.values():
+        with tf.device(devices[members[0]]):
+          local.append(tf.identity(inputs[source]) if source in members else tf.zeros_like(inputs[members[0]]))
+    else:
+      op = params["op"]
+      local = []
+      for members in tasks.values():
+        with tf.device(devices[members[0]]):
+          local.append(reduce_values("sum" if op == "mean" else op, [inputs[i] for i in members]))
+    across = Collective(index=collective.index, kind="all_reduce", params=(("op", _CROSS_TASK_OP[op]),),
+                        axes=collective.axes, dtype=collective.dtype, shape=collective.shape,
+                        members=collective.members, groups=collective.groups, implementation=self.name)
+    combined = self._across.lower_group(across, local, [devices[i] for i in leaders], ctx)
+    outputs = [None] * len(devices)
+    for members, value in zip(tasks.values(), combined):
+      with tf.device(devices[members[0]]):
+        if collective.kind == "all_reduce" and op == "mean":
+          value = _divide(value, len(devices))
+      for i in members:
+        with tf.device(devices[i]):
+          outputs[i] = tf.identity(value)
+    return outputs
+
+
+def _divide(total: tf.Tensor, n: int) -> tf.Tensor:
+  if total.dtype.is_integer:  # truncates toward zero, like tf.reduce_mean
+    return tf.truncatediv(total, tf.constant(n, total.dtype))
+  return total / tf.constant(n, total.dtype)
+
+
+_lowering.register(Hierarchical())

@@ -1,0 +1,133 @@
+"""Multi-worker scenarios, each run in a fresh client process by tests/test_multiworker.py.
+
+Connecting to a cluster changes TensorFlow's process-wide eager context, so
+each scenario runs as ``python tests/multiworker_scenarios.py NAME`` and
+prints one JSON line of results. Each starts its own local cluster of 2
+workers x 2 logical CPUs on loopback ports.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import replicator  # noqa: E402
+from replicator import testing  # noqa: E402
+
+replicator.virtual_cpus(1)
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
+Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
+GLOBAL_BATCH = 16
+
+
+def _model():
+  keras.utils.set_random_seed(3)
+  return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+
+
+def _step(model, optimizer):
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+  return step
+
+
+def _input_fn(ctx):
+  b = GLOBAL_BATCH // ctx.num_replicas
+  ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+  return ds.map(lambda x, y: (x[ctx.replica_id * b:(ctx.replica_id + 1) * b],
+                              y[ctx.replica_id * b:(ctx.replica_id + 1) * b]))
+
+
+def train_equivalence():
+  model = _model()  # one device, this process, before connecting
+  step = tf.function(_step(model, keras.optimizers.Adam(0.05)))
+  for batch in tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH):
+    step(batch)
+  expected = [v.numpy() for v in model.trainable_variables]
+  with testing.local_cluster(2, devices_per_worker=2) as cluster:
+    repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
+    with repl.context():
+      model = _model()
+      optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.05))
+    step = _step(model, optimizer)
+    while True:
+      try:
+        repl.run(step, _input_fn)
+      except replicator.EndOfInput:
+        break
+    got = [v.numpy() for v in model.trainable_variables]
+    plan = repl.explain(step, _input_fn)
+    hosts = [str(d) for d in repl._input_hosts([repl.input_pipeline(r) for r in range(4)])]  # pylint: disable=protected-access
+    return dict(max_abs_diff=max(float(np.abs(a - b).max()) for a, b in zip(got, expected)),
+                implementations=sorted({c.implementation for c in plan.collectives}),
+                devices=list(repl.devices), mesh=repl.mesh.shape, input_hosts=hosts,
+                components=[c.device for c in model.trainable_variables[0].value.components])
+
+
+def collectives():
+  n = 4
+  values = [np.arange(8, dtype=np.float32).reshape(4, 2) + 10 * r for r in range(n)]
+  results = {}
+  with testing.local_cluster(2, devices_per_worker=2) as cluster:
+    for implementation in ("auto", "collective_ops"):
+      repl = replicator.MultiWorkerReplicator(cluster=cluster.spec, implementation=implementation)
+      inputs = replicator.PerReplica([tf.constant(v) for v in values])
+
+      def step(x, repl=repl):
+        return dict(sum=repl.all_sum(x), mean=repl.all_reduce(x, "mean"), max=repl.all_reduce(x, "max"),
+                    worker_sum=repl.all_sum(x, axis="worker"), device_sum=repl.all_sum(x, axis="device"),
+                    broadcast=repl.broadcast(x, source=3), gather=repl.all_gather(x, concat_dimension=1),
+                    scatter=repl.reduce_scatter(x, scatter_dimension=0),
+                    to_all=repl.all_to_all(x, split_dimension=0, concat_dimension=1),
+                    permute=repl.permute(x, perm=[(0, 3), (3, 0), (1, 2)]))
+
+      out = repl.run(step, inputs=inputs)
+      results[implementation] = {k: [v.numpy().tolist() for v in per.values] for k, per in out.items()}
+      results[implementation + "_plan"] = sorted({c.implementation for c in repl.explain(step, inputs=inputs).collectives})
+  results["inputs"] = [v.tolist() for v in values]
+  return results
+
+
+def kill_mid_step():
+  with testing.local_cluster(2, devices_per_worker=2) as cluster:
+    repl = replicator.MultiWorkerReplicator(cluster=cluster.spec, collective_timeout=10.0)
+    with repl.context():
+      v = tf.Variable(tf.zeros([256, 256]))
+
+    def step():
+      v.assign_add(repl.all_reduce(tf.random.normal([256, 256]), "mean") * 1e-3)
+      return tf.reduce_sum(v)
+
+    repl.run(step, steps=10)  # built and warm
+    killer = threading.Timer(1.0, cluster.kill, args=(1,))
+    killer.start()
+    start = time.monotonic()
+    try:
+      for _ in range(100000):
+        repl.run(step, steps=50)
+      outcome = dict(error=None)
+    except replicator.WorkerUnavailableError as e:
+      outcome = dict(error=type(e).__name__, task=e.task, message=str(e))
+    except Exception as e:  # pylint: disable=broad-except
+      outcome = dict(error=type(e).__name__, task=None, message=str(e)[:500])
+    outcome["seconds_after_kill"] = time.monotonic() - start - 1.0
+    killer.join()
+    return outcome
+
+
+if __name__ == "__main__":
+  result = globals()[sys.argv[1]]()
+  print("RESULT " + json.dumps(result), flush=True)
+  os._exit(0)  # do not wait for TensorFlow's remote-context teardown

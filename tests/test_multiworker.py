@@ -1,0 +1,112 @@
+"""Multi-worker training over TensorFlow's gRPC runtime, on loopback.
+
+Scenarios that connect to a cluster run in their own client process
+(tests/multiworker_scenarios.py): connecting changes TensorFlow's
+process-wide context. Configuration errors are raised before anything
+connects, so they are tested here directly.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import replicator
+from replicator import testing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _scenario(name: str, timeout: float = 240.0) -> dict:
+  process = subprocess.run([sys.executable, os.path.join(HERE, "multiworker_scenarios.py"), name],
+                           capture_output=True, text=True, timeout=timeout)
+  lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+  assert lines, f"scenario {name} failed (exit {process.returncode}):\n{process.stderr[-4000:]}"
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_training_on_two_workers_equals_one_device():
+  result = _scenario("train_equivalence")
+  assert result["max_abs_diff"] <= 1e-5
+  assert result["mesh"] == {"worker": 2, "device": 2}
+  assert result["implementations"] == ["hierarchical"]  # reduce within each worker, then across
+  # Replicas and their input pipelines live on the workers, not on this client.
+  assert [d.split("/device:")[0] for d in result["devices"]] == ["/job:worker/replica:0/task:0"] * 2 + [
+      "/job:worker/replica:0/task:1"] * 2
+  assert result["input_hosts"] == ["/job:worker/replica:0/task:0/device:CPU:0"] * 2 + [
+      "/job:worker/replica:0/task:1/device:CPU:0"] * 2
+  assert result["components"] == result["devices"]
+
+
+def test_collectives_across_workers_against_numpy():
+  result = _scenario("collectives")
+  x = np.array(result["inputs"])  # replica r at worker r // 2, device r % 2
+  for implementation in ("auto", "collective_ops"):
+    out = {k: np.array(v) for k, v in result[implementation].items()}
+    np.testing.assert_allclose(out["sum"], [x.sum(0)] * 4)
+    np.testing.assert_allclose(out["mean"], [x.mean(0)] * 4)
+    np.testing.assert_allclose(out["max"], [x.max(0)] * 4)
+    np.testing.assert_allclose(out["worker_sum"], [x[0] + x[2], x[1] + x[3]] * 2)
+    np.testing.assert_allclose(out["device_sum"], [x[0] + x[1]] * 2 + [x[2] + x[3]] * 2)
+    np.testing.assert_allclose(out["broadcast"], [x[3]] * 4)
+    np.testing.assert_allclose(out["gather"], [np.concatenate(list(x), 1)] * 4)
+    np.testing.assert_allclose(out["scatter"], [x.sum(0)[r:r + 1] for r in range(4)])
+    np.testing.assert_allclose(out["to_all"], [np.concatenate([x[s][r:r + 1] for s in range(4)], 1) for r in range(4)])
+    np.testing.assert_allclose(out["permute"], [x[3], np.zeros_like(x[0]), x[1], x[0]])
+  # auto: hierarchical across workers, one_device within one, collective_ops for the rest
+  assert result["auto_plan"] == ["collective_ops", "hierarchical", "one_device"]
+  assert result["collective_ops_plan"] == ["collective_ops"]
+
+
+def test_killing_a_worker_gives_the_named_error_within_the_timeout():
+  result = _scenario("kill_mid_step")
+  assert result["error"] == "WorkerUnavailableError", result
+  assert result["task"] == 1
+  assert "Worker 1 at localhost:" in result["message"] and "is unavailable" in result["message"]
+  assert "restore the last checkpoint" in result["message"]
+  assert result["seconds_after_kill"] < 10.0 + 5.0  # the collective timeout, plus slack
+
+
+def test_kill_and_resume_example_matches_the_uninterrupted_run():
+  pytest.importorskip("sklearn")
+  from examples import multiworker
+  result = multiworker.main(["--steps", "16", "--checkpoint-every", "5", "--kill-at", "7"])
+  assert result["restarts"] == 1 and result["killed_at"] >= 7
+  assert len(result["lost_reports"]) == 1 and "worker 1 lost" in result["lost_reports"][0]
+  assert result["restored"] == [5]  # the last checkpoint before the failure
+  assert result["max_abs_diff"] <= 1e-6
+
+
+# -- configuration errors: before anything connects -------------------------------------
+
+
+def test_malformed_tf_config():
+  with pytest.raises(replicator.ClusterConfigError, match=r"TF_CONFIG is not valid JSON \(.*\): '\{cluster'\. Expected e\.g\."):
+    replicator.MultiWorkerReplicator.from_tf_config("{cluster")
+  with pytest.raises(replicator.ClusterConfigError, match="no 'cluster' key"):
+    replicator.MultiWorkerReplicator.from_tf_config('{"task": {"type": "worker", "index": 0}}')
+  with pytest.raises(replicator.ClusterConfigError, match=r"has no 'worker' job with at least one address"):
+    replicator.MultiWorkerReplicator.from_tf_config('{"cluster": {"chief": ["localhost:1"]}}')
+  with pytest.raises(replicator.ClusterConfigError, match=r"Worker 1's address 'localhost' is not 'host:port'"):
+    replicator.MultiWorkerReplicator(cluster={"worker": ["localhost:2222", "localhost"]})
+
+
+def test_task_index_out_of_range():
+  config = json.dumps({"cluster": {"worker": ["localhost:2222", "localhost:2223"]}, "task": {"type": "worker", "index": 2}})
+  with pytest.raises(replicator.ClusterConfigError, match=r"Task index 2 is out of range: the cluster has 2 worker\(s\), indices 0\.\.1"):
+    replicator.MultiWorkerReplicator.from_tf_config(config)
+  process = subprocess.run([sys.executable, "-m", "replicator.worker", "--cluster", '{"worker": ["localhost:2222"]}',
+                            "--task", "3"], capture_output=True, text=True, timeout=120)
+  assert process.returncode != 0
+  assert "Task index 3 is out of range: the cluster has 1 worker(s)" in process.stderr
+
+
+def test_unreachable_worker_is_reported_before_training():
+  (port,) = testing.free_ports(1)  # nothing listens there
+  with pytest.raises(replicator.WorkerUnavailableError, match=rf"Worker 0 at localhost:{port} is unreachable \(.*\) after "
+                     r"\d+\.\d s\. Fix: start it first \(python -m replicator.worker --cluster \.\.\. --task 0\)") as info:
+    replicator.MultiWorkerReplicator(cluster={"worker": [f"localhost:{port}"]}, connect_timeout=1.0)
+  assert info.value.task == 0 and info.value.address == f"localhost:{port}"
