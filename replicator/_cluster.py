@@ -137,6 +137,3 @@ def wait_reachable(cluster: Cluster, timeout: float, tasks=None) -> None:
       time.sleep(0.1)
 
 
-def unreachable(cluster: Cluster, timeout: float = 1.0) -> list[int]:
-  """The tasks that do not accept a connection now."""
-  return [t for t, address in enumerate(cluster.workers) if probe(address, timeout) is not None]

@@ -37,9 +37,25 @@ WORKER_LOST = (
 )
 
 
+ALREADY_CONNECTED = (
+    "This process is already connected to the cluster {old}; it cannot connect to {new} as well "
+    "(TensorFlow keeps one cluster per process, and re-forming it in-process fails on TF 2.21). Fix: "
+    "list every worker in one cluster and choose a subset per replicator with tasks=[...], or use "
+    "another client process."
+)
+_connected: list[_cluster.Cluster] = []
+
+
 def _connect(cluster: _cluster.Cluster) -> None:
+  """Connects this process to ``cluster`` once (later calls with the same cluster do nothing)."""
+  if _connected:
+    if _connected[0] != cluster:
+      raise _errors.ClusterConfigError(ALREADY_CONNECTED.format(old=list(_connected[0].workers),
+                                                                new=list(cluster.workers)))
+    return
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(cluster.spec, rpc_layer="grpc")
   tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)
+  _connected.append(cluster)
 
 
 def _worker_devices(cluster: _cluster.Cluster) -> list[list[str]]:
@@ -74,6 +90,9 @@ class MultiWorkerReplicator(Replicator):
       cluster resolver, or a JSON string of one.
     devices_per_worker: replicas per worker (default: every CPU device the
       workers offer; they must offer the same number).
+    tasks: the worker tasks to place replicas on (default: all). One client
+      process connects to one cluster; replicators over different subsets of
+      its workers can coexist.
     connect_timeout: seconds to wait for every worker to accept connections.
     collective_timeout: seconds a cross-worker collective waits for its peers
       before failing (bounds how long a dead worker can stall a step).
@@ -84,21 +103,24 @@ class MultiWorkerReplicator(Replicator):
     WorkerUnavailableError: a worker is unreachable within ``connect_timeout``.
   """
 
-  def __init__(self, cluster, devices_per_worker: int | None = None, *, connect_timeout: float = 30.0,
-               collective_timeout: float = 30.0, **kwargs):
+  def __init__(self, cluster, devices_per_worker: int | None = None, *, tasks: Sequence[int] | None = None,
+               connect_timeout: float = 30.0, collective_timeout: float = 30.0, **kwargs):
     if "devices" in kwargs or "mesh" in kwargs:
       raise ValueError("MultiWorkerReplicator places replicas on the cluster's workers; do not pass "
                        "`devices` or `mesh`.")
     self._cluster = _cluster.parse(cluster)
-    _cluster.wait_reachable(self._cluster, connect_timeout)
+    self._tasks = tuple(range(len(self._cluster.workers)) if tasks is None else
+                        [self._cluster.check_task(t) for t in tasks])
+    _cluster.wait_reachable(self._cluster, connect_timeout, self._tasks)
     _connect(self._cluster)
-    per_task = _worker_devices(self._cluster)
+    everywhere = _worker_devices(self._cluster)
+    per_task = [everywhere[t] for t in self._tasks]
     counts = [len(d) for d in per_task]
     if devices_per_worker is None:
       if len(set(counts)) != 1:
         raise _errors.ClusterConfigError(UNEQUAL_WORKERS.format(counts=counts, smallest=min(counts)))
       devices_per_worker = counts[0]
-    for task, found in enumerate(counts):
+    for task, found in zip(self._tasks, counts):
       if found < devices_per_worker:
         raise _errors.ClusterConfigError(DEVICE_COUNT_MISMATCH.format(
             wanted=devices_per_worker, task=task, address=self._cluster.workers[task], found=found))
@@ -123,7 +145,8 @@ class MultiWorkerReplicator(Replicator):
 
   @property
   def num_workers(self) -> int:
-    return len(self._cluster.workers)
+    """Workers this replicator places replicas on."""
+    return len(self._tasks)
 
   def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
     hosts = {}
@@ -134,20 +157,23 @@ class MultiWorkerReplicator(Replicator):
 
   def run(self, *args, **kwargs):
     """:meth:`Replicator.run`, reporting a lost worker as ``WorkerUnavailableError``."""
-    dead = _cluster.unreachable(self._cluster, timeout=1.0)
+    dead = self._unreachable()
     if dead:
       raise self._lost(dead[0], tf.errors.UnavailableError(None, None, "the worker refused the connection"))
     try:
       return super().run(*args, **kwargs)
     except tf.errors.OpError as e:
-      dead = _cluster.unreachable(self._cluster, timeout=1.0)
+      dead = self._unreachable()
       if dead:
         raise self._lost(dead[0], e) from e
       raise
 
+  def _unreachable(self) -> list[int]:
+    return [t for t in self._tasks if _cluster.probe(self._cluster.workers[t], timeout=1.0) is not None]
+
   def _lost(self, task: int, error: Exception) -> _errors.WorkerUnavailableError:
     lines = [line.strip() for line in str(getattr(error, "message", error)).splitlines()]
-    useful = [line for line in lines if line and not line.startswith(("Graph execution error", "Detected at node", "File "))]
+    useful = [line for line in lines if line and not line.startswith(("Graph execution error", "Detected at node", "File ", "<stack traces"))]
     detail = (useful[0] if useful else lines[0] if lines else "")[:300]
     return _errors.WorkerUnavailableError(WORKER_LOST.format(
         task=task, address=self._cluster.workers[task], error_type=type(error).__name__,

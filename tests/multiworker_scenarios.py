@@ -26,6 +26,7 @@ import tensorflow as tf  # noqa: E402
 X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
 Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
 GLOBAL_BATCH = 16
+_KEEP = []
 
 
 def _model():
@@ -52,10 +53,14 @@ def _input_fn(ctx):
 
 def train_equivalence():
   model = _model()  # one device, this process, before connecting
-  step = tf.function(_step(model, keras.optimizers.Adam(0.05)))
+  reference_step = tf.function(_step(model, keras.optimizers.Adam(0.05)))
   for batch in tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH):
-    step(batch)
+    reference_step(batch)
   expected = [v.numpy() for v in model.trainable_variables]
+  # Keep the function alive: on TF 2.21, a tf.function traced before connecting
+  # and garbage-collected after it fails a later remote op ("Tried to remove
+  # non-existent function").
+  _KEEP.append(reference_step)
   with testing.local_cluster(2, devices_per_worker=2) as cluster:
     repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
     with repl.context():

@@ -64,10 +64,10 @@ def test_collectives_across_workers_against_numpy():
 def test_killing_a_worker_gives_the_named_error_within_the_timeout():
   result = _scenario("kill_mid_step")
   assert result["error"] == "WorkerUnavailableError", result
-  assert result["task"] == 1
+  assert result["task"] == 1, result
   assert "Worker 1 at localhost:" in result["message"] and "is unavailable" in result["message"]
   assert "restore the last checkpoint" in result["message"]
-  assert result["seconds_after_kill"] < 10.0 + 5.0  # the collective timeout, plus slack
+  assert result["seconds_after_kill"] < 10.0 + 5.0, result  # the collective timeout, plus slack
 
 
 def test_kill_and_resume_example_matches_the_uninterrupted_run():
