@@ -36,11 +36,11 @@ MODELS = {  # name: (layer widths, global batch)
 }
 
 
-def _setup(repl, widths, batch, tf, keras):
+def _setup(repl, widths, batch, tf, keras, bucket_bytes=None):
   with repl.context():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((widths[-1],))] + [keras.layers.Dense(w, activation="relu") for w in widths])
-    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3), bucket_bytes=bucket_bytes)
   x = np.random.RandomState(0).randn(batch, widths[-1]).astype(np.float32)
 
   def input_fn(ctx):
@@ -60,6 +60,7 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--json", default=None)
+  parser.add_argument("--bucket-bytes", type=int, default=None, help="wrap_optimizer(bucket_bytes=...)")
   args = parser.parse_args(argv)
   replicator.virtual_cpus(4)
   import keras
@@ -73,7 +74,7 @@ def main(argv=None) -> list[dict]:
                   "2 workers x 2": replicator.MultiWorkerReplicator(cluster, devices_per_worker=2, tasks=[0, 1]),
                   "1 worker x 4": replicator.MultiWorkerReplicator(cluster, devices_per_worker=4, tasks=[2])}
     for name, (widths, batch) in MODELS.items():
-      runs = {p: _setup(r, widths, batch, tf, keras) for p, r in placements.items()}
+      runs = {p: _setup(r, widths, batch, tf, keras, args.bucket_bytes) for p, r in placements.items()}
       for run in runs.values():
         run()
         run()

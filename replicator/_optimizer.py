@@ -40,7 +40,8 @@ class ReplicatedOptimizer(tf.Module):
   optimizer slots take the layout of their variable.
   """
 
-  def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1):
+  def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
+               bucket_bytes: int | None = None):
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
       raise ValueError(f"wrap_optimizer(accumulation_steps={accumulation_steps!r}): needs a positive integer.")
     if reduction not in REDUCTIONS:
@@ -53,6 +54,9 @@ class ReplicatedOptimizer(tf.Module):
     object.__setattr__(self, "_optimizer", optimizer)
     object.__setattr__(self, "_reduction", reduction)
     object.__setattr__(self, "accumulation_steps", accumulation_steps)
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 0):
+      raise ValueError(f"wrap_optimizer(bucket_bytes={bucket_bytes!r}): needs None or a byte count >= 0.")
+    object.__setattr__(self, "bucket_bytes", bucket_bytes)
     object.__setattr__(self, "_accumulators", None)
     object.__setattr__(self, "calls", 0)  # steps run through this optimizer (Python side)
     object.__setattr__(self, "_apply_now", True)  # set by the Replicator before tracing
@@ -123,7 +127,7 @@ class ReplicatedOptimizer(tf.Module):
     for axes, indices in by_axes.items():
       values = [dense[i] for i in indices]
       if axes:
-        values = repl.all_reduce(values, op=self._reduction, axis=axes)
+        values = fused_all_reduce(repl, values, self._reduction, axes, self.bucket_bytes)
       for i, value in zip(indices, values):
         divisor = plans[i][1]
         reduced[i] = value if divisor == 1 else value / tf.cast(divisor, value.dtype)
@@ -239,3 +243,41 @@ def _give_slots_their_variables_layout(optimizer) -> None:
 
   add_variable_from_reference._replicator_wrapped = True  # pylint: disable=protected-access
   object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+
+
+def fused_all_reduce(repl, values: list[tf.Tensor], op: str, axes: tuple[str, ...],
+                     bucket_bytes: int | None) -> list[tf.Tensor]:
+  """``repl.all_reduce(values, op, axis=axes)``, fusing small tensors into buckets.
+
+  Tensors of one dtype and static shape are flattened and concatenated into
+  buckets of at most ``bucket_bytes`` (a tensor larger than that is a bucket
+  of its own), each bucket is reduced as one tensor, and the results are
+  split back. Fewer, larger collectives pay the per-collective cost (a
+  network round trip across workers) once per bucket. None or 0: no fusion.
+  """
+  if not bucket_bytes:
+    return repl.all_reduce(values, op=op, axis=axes)
+  buckets: list[list[int]] = []
+  open_bucket: dict[tf.DType, tuple[list[int], int]] = {}
+  for i, v in enumerate(values):
+    if not v.shape.is_fully_defined():
+      buckets.append([i])
+      continue
+    nbytes = v.shape.num_elements() * v.dtype.size
+    members, size = open_bucket.get(v.dtype, (None, 0))
+    if members is None or size + nbytes > bucket_bytes:
+      members, size = [], 0
+      buckets.append(members)
+    members.append(i)
+    open_bucket[v.dtype] = (members, size + nbytes)
+  fused = [values[b[0]] if len(b) == 1 else tf.concat([tf.reshape(values[i], [-1]) for i in b], 0) for b in buckets]
+  reduced = repl.all_reduce(fused, op=op, axis=axes)
+  results: list[tf.Tensor] = [None] * len(values)
+  for bucket, r in zip(buckets, reduced):
+    if len(bucket) == 1:
+      results[bucket[0]] = r
+      continue
+    sizes = [values[i].shape.num_elements() for i in bucket]
+    for i, piece in zip(bucket, tf.split(r, sizes)):
+      results[i] = tf.reshape(piece, values[i].shape)
+  return results

@@ -339,8 +339,8 @@ class Replicator:
 
   # -- optimizers ------------------------------------------------------------------
 
-  def wrap_optimizer(self, optimizer, reduction: str = "mean",
-                     accumulation_steps: int = 1) -> _optimizer.ReplicatedOptimizer:
+  def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
+                     bucket_bytes: int | None = None) -> _optimizer.ReplicatedOptimizer:
     """Wraps a Keras 3 or Sonnet 2 optimizer so updates use gradients reduced over replicas.
 
     Args:
@@ -352,8 +352,10 @@ class Replicator:
         one step on a ``accumulation_steps`` times larger batch. The step is
         traced twice (an accumulate-only variant without communication, and
         the applying one); run one step per call.
+      bucket_bytes: fuse gradients of one dtype into buckets of at most this
+        many bytes, one all-reduce per bucket (None: one per gradient).
     """
-    wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps)
+    wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps, bucket_bytes)
     if accumulation_steps > 1:
       self._accumulating.add(wrapped)
     return wrapped

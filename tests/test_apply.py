@@ -127,7 +127,7 @@ def test_missing_placeholder_is_an_error():
 
 
 def test_unknown_lowering():
-  with pytest.raises(ValueError, match=r"Unknown collective implementation 'nccl'\. Registered implementations: \['collective_ops', 'one_device'\]"):
+  with pytest.raises(ValueError, match=r"Unknown collective implementation 'nccl'\. Registered implementations: \['collective_ops', 'hierarchical', 'one_device'\]"):
     rewrite.get_lowering("nccl")
 
 
