@@ -24,5 +24,6 @@ setup(
         "gpu": ["tensorflow[and-cuda]>=2.16"],
         "examples": ["scikit-learn"],
         "test": ["pytest", "scikit-learn", "dm-sonnet", "ruff"],
+        "benchmarks": ["matplotlib"],
     },
 )

