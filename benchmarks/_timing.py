@@ -1,0 +1,79 @@
+"""Interleaved timing and robust summaries (medians and interquartile ranges).
+
+Timings on a shared 2-core machine drift (thermal, other processes), so
+configurations are never timed one after the other: every round calls each
+configuration once, in an order rotated from round to round, and the summary
+is the median with its interquartile range.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Mapping
+
+import numpy as np
+
+
+def interleaved(calls: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2,
+                per_call: Mapping[str, int] | None = None, every: Mapping[str, int] | None = None,
+                budget_seconds: float | None = None) -> dict[str, list[float]]:
+  """Times ``calls`` round-robin; returns seconds per step of every timed call, by name.
+
+  Args:
+    calls: name -> a function that runs (and waits for) one call.
+    rounds: timed rounds; each round calls every function once.
+    warmup: untimed rounds first (the first call of a step builds it).
+    per_call: name -> steps one call runs (time per call is divided by it).
+    every: name -> call it only every k-th round (for calls that run many steps).
+    budget_seconds: stop early (after at least 5 timed rounds) once the
+      timed rounds have taken this long.
+  """
+  names = list(calls)
+  per_call, every = per_call or {}, every or {}
+  for _ in range(warmup):
+    for name in names:
+      calls[name]()
+  times: dict[str, list[float]] = {name: [] for name in names}
+  start = time.perf_counter()
+  for r in range(rounds):
+    shift = r % len(names)
+    for name in names[shift:] + names[:shift]:  # rotate who goes first
+      if r % every.get(name, 1):
+        continue
+      t0 = time.perf_counter()
+      calls[name]()
+      times[name].append((time.perf_counter() - t0) / per_call.get(name, 1))
+    if budget_seconds is not None and r >= 4 and time.perf_counter() - start > budget_seconds:
+      break
+  return times
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+  """``(seconds, result)`` of one call."""
+  t0 = time.perf_counter()
+  result = fn()
+  return time.perf_counter() - t0, result
+
+
+def summary(samples) -> dict[str, float]:
+  """Median, quartiles, IQR, min and count of ``samples`` (seconds)."""
+  a = np.asarray(samples, dtype=np.float64)
+  q1, median, q3 = np.percentile(a, [25, 50, 75])
+  return dict(median=float(median), q1=float(q1), q3=float(q3), iqr=float(q3 - q1), min=float(a.min()), n=int(a.size))
+
+
+def ms(seconds: float) -> str:
+  """Seconds as a short millisecond string: 0.62 ms, 20.7 ms, 148 ms."""
+  v = seconds * 1e3
+  return f"{v:.3g} ms" if v < 100 else f"{v:.0f} ms"
+
+
+def table(header: list[str], rows: list[list[object]], align: str | None = None) -> str:
+  """A markdown table; ``align`` has one character per column (l or r, default r but the first)."""
+  align = align or "l" + "r" * (len(header) - 1)
+  cells = [[str(c) for c in row] for row in rows]
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+  lines += ["| " + " | ".join(row) + " |" for row in cells]
+  return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""Where the time goes: a training step and a first call, timed in pieces.
+
+Run by hand (not part of ``benchmarks.run``):
+
+  python -m benchmarks.breakdown step --model mlp_deep   # step pieces, interleaved medians
+  python -m benchmarks.breakdown build --replicas 8,16   # phases of the first call
+
+``step`` times cumulative pieces of the same step on 4 logical CPUs: forward
+only; forward and backward; plus an all-reduce of the gradients; the Adam
+update *without* the all-reduce (an unwrapped optimizer: replicas drift apart,
+for timing only); the full step. The single device runs the same pieces.
+
+``build`` splits the replicator's first call into trace (+ plan + rewrite),
+making the executable (importing the rewritten GraphDef into a
+``tf.function``) and the first run, by wrapping ``replicator._step``
+internals with timers in this process only; and MirroredStrategy's into
+creating the distributed iterator, tracing, and the first run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import replicator  # noqa: E402
+
+PIECES = ("forward", "fwd+bwd", "fwd+bwd+all-reduce", "fwd+bwd+Adam (no all-reduce)", "full step")
+
+
+def _piece_step(spec, model, optimizer, piece, all_reduce=None):
+  import tensorflow as tf
+
+  def step(x, y):
+    if piece == "forward":
+      return spec.loss(y, model(x, training=True))
+    with tf.GradientTape() as tape:
+      loss = spec.loss(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    if piece in ("fwd+bwd", "fwd+bwd+all-reduce"):
+      if piece == "fwd+bwd+all-reduce":
+        grads = all_reduce(grads)
+      return loss + 0.0 * tf.add_n([tf.reduce_sum(g) for g in grads])  # keeps the gradients alive
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step
+
+
+def step_pieces(model_name: str, devices, rounds: int) -> None:
+  import keras
+  import tensorflow as tf
+
+  from benchmarks import _timing
+  from benchmarks import models
+  from benchmarks import step_time
+  spec = models.by_name(model_name)
+  x, y = spec.batch()
+  calls = {}
+  for piece in ("forward", "fwd+bwd", "full step"):
+    with tf.device("/device:CPU:0"):
+      model = spec.build()
+      optimizer = keras.optimizers.Adam(1e-3)
+      optimizer.build(model.trainable_variables)
+      iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    body = _piece_step(spec, model, optimizer, piece)
+    fn = tf.function(lambda it, body=body: body(*next(it)))
+    calls[f"single {piece}"] = functools.partial(lambda fn, it: float(fn(it)), fn, iterator)
+  for piece in PIECES:
+    repl = replicator.Replicator(devices=devices)
+    with repl.context():
+      model = spec.build()
+      optimizer = keras.optimizers.Adam(1e-3)
+      if piece == "full step":
+        optimizer = repl.wrap_optimizer(optimizer)
+      optimizer.build(model.trainable_variables)
+    body = _piece_step(spec, model, optimizer, piece, lambda g, repl=repl: repl.all_reduce(g, "mean"))
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    step_fn = functools.partial(lambda body, batch: body(*batch), body)
+    calls[f"ours {piece}"] = functools.partial(
+        lambda repl, step_fn, dataset: step_time._mean(repl.run(step_fn, dataset)), repl, step_fn, dataset)  # pylint: disable=protected-access
+  times = _timing.interleaved(calls, rounds, warmup=2)
+  print(f"{spec.name} on {len(devices)} logical CPUs, {rounds} interleaved rounds")
+  print(_timing.table(["piece", "median", "IQR"], [
+      [name, _timing.ms(_timing.summary(t)["median"]), _timing.ms(_timing.summary(t)["iqr"])]
+      for name, t in times.items()]))
+
+
+def build_phases(counts, all_devices) -> None:
+  import keras
+  import tensorflow as tf
+
+  from benchmarks import _timing
+  from benchmarks import build_cost
+  from benchmarks import models
+  from benchmarks import step_time
+  from replicator import _step  # internals, wrapped with timers below (this process only)
+  spent = collections.defaultdict(float)
+
+  def timer(owner, name, label):
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+      start = time.perf_counter()
+      try:
+        return original(*args, **kwargs)
+      finally:
+        spent[label] += time.perf_counter() - start
+
+    setattr(owner, name, wrapped)
+
+  timer(_step, "build", "trace+plan+rewrite")
+  timer(_step.CompiledStep, "_build", "executable")
+  timer(_step.CompiledStep, "__call__", "executable+first run")
+  spec = models.by_name("mlp_deep")
+  rows = []
+  for n in counts:
+    devices = list(all_devices[:n])
+    spent.clear()
+    _, step_fn, repl = build_cost._make_ours(spec, devices)  # pylint: disable=protected-access
+    dataset = build_cost._data(spec)  # pylint: disable=protected-access
+    start = time.perf_counter()
+    step_time._mean(repl.run(step_fn, dataset))  # pylint: disable=protected-access
+    total = time.perf_counter() - start
+    rows.append([n, "replicator", f"{total:.1f} s", "", f"{spent['trace+plan+rewrite']:.1f} s",
+                 f"{spent['executable']:.1f} s", f"{spent['executable+first run'] - spent['executable']:.1f} s"])
+    strategy = step_time.mirrored_strategy(devices)
+    with strategy.scope():
+      model = spec.build()
+      optimizer = keras.optimizers.Adam(1e-3)
+      optimizer.build(model.trainable_variables)
+    body = step_time._sgd_step(spec, model, optimizer, 1.0 / n)  # pylint: disable=protected-access
+    train_step = tf.function(lambda it, body=body, strategy=strategy: strategy.run(body, args=next(it)))
+    t0 = time.perf_counter()
+    iterator = iter(strategy.experimental_distribute_dataset(build_cost._data(spec)))  # pylint: disable=protected-access
+    t1 = time.perf_counter()
+    train_step.get_concrete_function(iterator)
+    t2 = time.perf_counter()
+    step_time._mean(strategy.experimental_local_results(train_step(iterator)))  # pylint: disable=protected-access
+    t3 = time.perf_counter()
+    rows.append([n, "MirroredStrategy", f"{t3 - t0:.1f} s", f"{t1 - t0:.1f} s", f"{t2 - t1:.1f} s", "",
+                 f"{t3 - t2:.1f} s"])
+    print(rows[-2], rows[-1], flush=True)
+  print(_timing.table(["replicas", "framework", "first call", "iterator", "trace (+plan+rewrite)",
+                       "executable (GraphDef import)", "first run"], rows, "llrrrrr"))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("what", choices=("step", "build"))
+  parser.add_argument("--model", default="mlp_deep")
+  parser.add_argument("--devices", type=int, default=4)
+  parser.add_argument("--rounds", type=int, default=30)
+  parser.add_argument("--replicas", default="8,16")
+  args = parser.parse_args(argv)
+  counts = [int(n) for n in args.replicas.split(",")]
+  devices = replicator.virtual_cpus(max([64, args.devices] + counts))
+  if args.what == "step":
+    step_pieces(args.model, devices[:args.devices], args.rounds)
+  else:
+    build_phases(counts, devices)
+
+
+if __name__ == "__main__":
+  main()
