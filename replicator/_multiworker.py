@@ -139,7 +139,7 @@ class MultiWorkerReplicator(Replicator):
     return cls(cluster=cluster.spec, **kwargs)
 
   def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
-                     bucket_bytes: int | None = 4 << 20):
+                     bucket_bytes: int | None = 4 << 20, update: str = "auto"):
     """:meth:`Replicator.wrap_optimizer`, fusing gradients into 4 MB buckets by default.
 
     Each cross-worker collective pays a network round trip; on 2 workers x 2
@@ -147,7 +147,7 @@ class MultiWorkerReplicator(Replicator):
     cut its step from 103 ms to 29 ms. (Within one process fusion measured
     no difference, so plain Replicators do not fuse by default.)
     """
-    return super().wrap_optimizer(optimizer, reduction, accumulation_steps, bucket_bytes)
+    return super().wrap_optimizer(optimizer, reduction, accumulation_steps, bucket_bytes, update)
 
   @property
   def cluster(self) -> dict:

@@ -2,14 +2,66 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import tensorflow as tf
 
 from replicator import _context
+from replicator import _primitives
 from replicator import _variables
 
 REDUCTIONS = ("mean", "sum")
+UPDATES = ("auto", "sharded", "replicated")
+
+SHARDED_UPDATE_UNSUPPORTED = (
+    "wrap_optimizer(update=\"sharded\") cannot shard the updates of {optimizer}: {reason}. "
+    "Fix: use update=\"replicated\" (every replica applies every update; the default "
+    "\"auto\" chooses it for this optimizer)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+  """Which device updates a variable under a sharded update.
+
+  ``position`` is the owner's place (``Mesh.axis_index``) within each group
+  of devices along ``axes``, the mesh axes the variable is replicated on (with
+  more than one device); each such group holds one piece of the variable.
+  """
+  position: int
+  axes: tuple[str, ...]
+
+
+def sharded_update_unsupported(optimizer) -> str | None:
+  """Why ``optimizer``'s updates cannot be split among replicas, or None if they can.
+
+  A sharded update hands each replica a subset of the variables. That needs a
+  Keras 3 optimizer (its slots are made per variable through
+  ``add_variable_from_reference``, and ``apply`` takes any known subset),
+  and no option that couples variables: clipping by the global norm of all
+  gradients, a moving average of all weights, or Keras's own gradient
+  accumulation.
+  """
+  if not all(hasattr(optimizer, a) for a in ("add_variable_from_reference", "iterations", "build", "apply")):
+    return ("only Keras 3 optimizers are supported, whose slot variables are made per variable "
+            f"(found {type(optimizer).__name__})")
+  if hasattr(optimizer, "inner_optimizer"):
+    return "a LossScaleOptimizer's loss-scale checks span all gradients"
+  if getattr(optimizer, "global_clipnorm", None):
+    return "global_clipnorm clips by the norm of all gradients together"
+  if getattr(optimizer, "use_ema", False):
+    return "use_ema keeps a moving average of all weights"
+  if getattr(optimizer, "gradient_accumulation_steps", None):
+    return "its gradient_accumulation_steps (use wrap_optimizer(accumulation_steps=...) instead)"
+  return None
+
+
+def _one_cpu_process(devices) -> bool:
+  """Whether every device is a CPU of one process (copies between them are hand-overs)."""
+  specs = [tf.DeviceSpec.from_string(d) for d in devices]
+  return (all((s.device_type or "CPU").upper() == "CPU" for s in specs)
+          and len({(s.job, s.replica, s.task) for s in specs}) == 1)
 
 
 @_context.no_autograph
@@ -38,10 +90,21 @@ class ReplicatedOptimizer(tf.Module):
   by the number of pieces); with ``"sum"`` (a loss already divided by the
   global batch) by the number of devices that share each batch shard. Keras
   optimizer slots take the layout of their variable.
+
+  With ``update="sharded"`` each replicated variable (each piece of a sharded
+  one) is updated by one owner device of the group that holds it, and the new
+  value is broadcast to the others: the optimizer's arithmetic runs once
+  instead of once per replica. Owners are chosen to balance bytes across
+  devices. Slot variables are then current only on their owner; reads from
+  outside a step and checkpoints take the owner's copy. ``"auto"`` (default)
+  shards when every device is a CPU of one process (the broadcast is a
+  hand-over of buffers there) and the optimizer allows it (see
+  :func:`sharded_update_unsupported`); otherwise every replica applies every
+  update (``"replicated"``).
   """
 
   def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
-               bucket_bytes: int | None = None):
+               bucket_bytes: int | None = None, update: str = "auto"):
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
       raise ValueError(f"wrap_optimizer(accumulation_steps={accumulation_steps!r}): needs a positive integer.")
     if reduction not in REDUCTIONS:
@@ -60,7 +123,18 @@ class ReplicatedOptimizer(tf.Module):
     object.__setattr__(self, "_accumulators", None)
     object.__setattr__(self, "calls", 0)  # steps run through this optimizer (Python side)
     object.__setattr__(self, "_apply_now", True)  # set by the Replicator before tracing
-    _give_slots_their_variables_layout(optimizer)
+    if update not in UPDATES:
+      raise ValueError(f"wrap_optimizer(update={update!r}): update must be one of {UPDATES}.")
+    unsupported = sharded_update_unsupported(optimizer)
+    if update == "sharded" and unsupported:
+      raise ValueError(SHARDED_UPDATE_UNSUPPORTED.format(optimizer=type(optimizer).__name__, reason=unsupported))
+    if update == "auto":
+      update = "sharded" if (unsupported is None and len(replicator.devices) > 1
+                             and _one_cpu_process(replicator.devices)) else "replicated"
+    object.__setattr__(self, "update", update)
+    object.__setattr__(self, "_owners", {})  # id(ReplicatedVariable) -> (variable, Owner)
+    object.__setattr__(self, "_load", [0] * len(replicator.devices))  # bytes owned per device
+    object.__setattr__(self, "_slots", _give_slots_their_variables_layout(optimizer))
 
   def phase(self) -> bool:
     """Whether the next step applies (True) or only accumulates (False)."""
@@ -183,6 +257,9 @@ class ReplicatedOptimizer(tf.Module):
     if grads is None:
       return None
     grads = self.reduce_gradients(grads, variables)
+    if self._sharding_now():
+      self._apply_sharded(grads, variables)
+      return self._optimizer.iterations
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
 
   def apply(self, grads, variables=None, *args, **kwargs):
@@ -198,9 +275,91 @@ class ReplicatedOptimizer(tf.Module):
       if grads is None:
         return None
     grads = self.reduce_gradients(list(grads), None if variables is None else list(variables))
+    if self._sharding_now() and not args and not kwargs:
+      if variables is None:
+        variables = list(self._optimizer._trainable_variables)  # pylint: disable=protected-access
+      return self._apply_sharded(grads, list(variables))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
     return self._optimizer.apply(grads, variables, *args, **kwargs)
+
+  # -- sharded update -------------------------------------------------------------
+
+  def _sharding_now(self) -> bool:
+    ctx = _context.current_context()
+    return self.update == "sharded" and ctx is not None and ctx.replicator is self._replicator
+
+  def owners(self, variables) -> list[Owner | None]:
+    """The owner of each variable under a sharded update (None: every replica updates it).
+
+    Owners are assigned once per variable, the first time it is updated,
+    largest variables first, each to the position whose devices own the fewest
+    bytes so far; the assignment then stays fixed (slots live on the owner).
+    """
+    mesh = self._replicator.mesh
+    result: list[Owner | None] = []
+    new = []
+    for i, v in enumerate(variables):
+      replicated = _variables.underlying(v)
+      if replicated is None:  # an ordinary variable: not replicated, nothing to share
+        result.append(None)
+        continue
+      record = self._owners.get(id(replicated))
+      result.append(None if record is None else record[1])
+      if record is None:
+        new.append(i)
+    nbytes = {}
+    for i in new:
+      replicated = _variables.underlying(variables[i])
+      layout = replicated.sharding
+      pieces = 1 if layout is None else mesh.axis_size(layout.sharded_axes)
+      nbytes[i] = replicated.shape.num_elements() * replicated.dtype.size // pieces
+    for i in sorted(new, key=lambda i: -nbytes[i]):  # stable: ties keep variable order
+      replicated = _variables.underlying(variables[i])
+      layout = replicated.sharding
+      axes = mesh.axis_names if layout is None else layout.replicated_axes
+      axes = tuple(a for a in axes if mesh.shape[a] > 1)
+      groups = mesh.groups(axes)
+      best = min(range(len(groups[0])), key=lambda p: (max(self._load[g[p]] for g in groups), p))
+      for g in groups:
+        self._load[g[best]] += nbytes[i]
+      owner = Owner(best, axes)
+      self._owners[id(replicated)] = (replicated, owner)
+      replicated.set_owner(best, axes)
+      for slot in self._slots.get(id(replicated), ()):
+        slot.set_owner(best, axes)
+      result[i] = owner
+    return result
+
+  def _apply_sharded(self, grads, variables):
+    """This replica applies the updates it owns, then owners broadcast the new values."""
+    ctx = _context.current_context()
+    optimizer = self._optimizer
+    if all(g is None for g in grads):
+      return optimizer.apply(grads, variables)  # Keras's own error
+    if not optimizer.built:  # every slot, whichever replica traces first; named as apply() would
+      import keras  # pylint: disable=import-outside-toplevel  (only Keras optimizers get here)
+      with keras.name_scope(optimizer.name, caller=optimizer):
+        optimizer.build(variables)
+    owners = self.owners(variables)
+    mesh = self._replicator.mesh
+    mine = [i for i, o in enumerate(owners) if o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position]
+    if any(grads[i] is not None for i in mine):
+      optimizer.apply([grads[i] for i in mine], [variables[i] for i in mine])
+    else:
+      optimizer.iterations.assign_add(1)  # what apply() would have counted
+    shared: dict[Owner, list[int]] = {}
+    for i, o in enumerate(owners):
+      if o is not None and o.axes and grads[i] is not None:
+        shared.setdefault(o, []).append(i)
+    location = "wrap_optimizer (sharded update)"
+    for owner, indices in shared.items():
+      values = [tf.convert_to_tensor(variables[i]) for i in indices]
+      received = _primitives.broadcast(ctx, values, owner.position, owner.axes, location)
+      if mesh.axis_index(ctx.replica_id, owner.axes) != owner.position:
+        for i, value in zip(indices, received):
+          _variables.underlying(variables[i]).assign(value)  # the local piece (Keras checks global shapes)
+    return optimizer.iterations
 
   # -- checkpoints: the wrapper's dependencies are the wrapped optimizer's -----
 
@@ -222,27 +381,40 @@ class ReplicatedOptimizer(tf.Module):
 
   def __repr__(self):
     return (f"ReplicatedOptimizer({self._optimizer!r}, reduction={self._reduction!r}, "
-            f"accumulation_steps={self.accumulation_steps})")
+            f"accumulation_steps={self.accumulation_steps}, update={self.update!r})")
 
 
-def _give_slots_their_variables_layout(optimizer) -> None:
+def _give_slots_their_variables_layout(optimizer) -> dict:
   """Makes a Keras optimizer's slots (``add_variable_from_reference``) inherit their variable's layout.
 
   Keras names a slot after its variable (``adam/dense_1_kernel_momentum``), so a
   LayoutMap pattern for ``dense_1/kernel`` does not match it. The optimizer's
   own method is wrapped, on this instance only, to create the slot inside
   :func:`replicator._variables.reference_scope`.
+
+  Returns the record of slots made so far and later: ``id`` of a variable's
+  ReplicatedVariable to its slots' ReplicatedVariables.
   """
   original = getattr(optimizer, "add_variable_from_reference", None)
-  if original is None or getattr(original, "_replicator_wrapped", False):
-    return
+  if original is None:
+    return {}
+  if getattr(original, "_replicator_wrapped", False):
+    return original.slots
+
+  slots: dict[int, list] = {}
 
   def add_variable_from_reference(reference_variable, *args, **kwargs):
     with _variables.reference_scope(reference_variable):
-      return original(reference_variable, *args, **kwargs)
+      slot = original(reference_variable, *args, **kwargs)
+    reference, replicated = _variables.underlying(reference_variable), _variables.underlying(slot)
+    if reference is not None and replicated is not None:
+      slots.setdefault(id(reference), []).append(replicated)
+    return slot
 
   add_variable_from_reference._replicator_wrapped = True  # pylint: disable=protected-access
+  add_variable_from_reference.slots = slots
   object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+  return slots
 
 
 def fused_all_reduce(repl, values: list[tf.Tensor], op: str, axes: tuple[str, ...],

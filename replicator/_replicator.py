@@ -340,7 +340,7 @@ class Replicator:
   # -- optimizers ------------------------------------------------------------------
 
   def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
-                     bucket_bytes: int | None = None) -> _optimizer.ReplicatedOptimizer:
+                     bucket_bytes: int | None = None, update: str = "auto") -> _optimizer.ReplicatedOptimizer:
     """Wraps a Keras 3 or Sonnet 2 optimizer so updates use gradients reduced over replicas.
 
     Args:
@@ -354,8 +354,16 @@ class Replicator:
         the applying one); run one step per call.
       bucket_bytes: fuse gradients of one dtype into buckets of at most this
         many bytes, one all-reduce per bucket (None: one per gradient).
+      update: ``"sharded"``: each variable is updated by one owner device and
+        broadcast to the others, so the optimizer's work is done once, not
+        once per replica (Keras 3 optimizers without ``global_clipnorm``,
+        ``use_ema`` or ``gradient_accumulation_steps``); ``"replicated"``:
+        every replica applies every update; ``"auto"`` (default): sharded
+        when every device is a CPU of one process and the optimizer allows
+        it, else replicated.
     """
-    wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps, bucket_bytes)
+    wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps, bucket_bytes,
+                                             update)
     if accumulation_steps > 1:
       self._accumulating.add(wrapped)
     return wrapped

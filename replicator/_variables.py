@@ -150,6 +150,8 @@ class ReplicatedVariable(tf.Variable):
     # Per-replica additive offsets kept by writes from outside a step (random
     # seed state: each replica draws its own stream). None: no offsets.
     self._offsets = offsets
+    # home[i]: the component that holds device i's current value (see set_owner).
+    self._home = tuple(range(len(self._components)))
 
   # -- which component -----------------------------------------------------
 
@@ -170,11 +172,25 @@ class ReplicatedVariable(tf.Variable):
       return self._sharding
     return mesh_lib.Layout.replicated(self._replicator.mesh, self._components[0].shape.rank)
 
+  def set_owner(self, position: int, axes: tuple[str, ...]) -> None:
+    """Marks the member at ``position`` of each device group along ``axes`` as the one kept current.
+
+    Used by a sharded optimizer update (``wrap_optimizer(update="sharded")``):
+    only the owner of a slot variable updates it, so reads from outside a step
+    and checkpoints take the owner's component; writes still go to every
+    component.
+    """
+    home = list(range(len(self._components)))
+    for group in self._replicator.mesh.groups(axes):
+      for device in group:
+        home[device] = group[position]
+    self._home = tuple(home)
+
   def _current(self) -> tf.Variable:
     ctx = _context.current_context()
     if ctx is not None and ctx.replicator is self._replicator:
       return self._components[ctx.replica_id]
-    return self._components[0]
+    return self._components[self._home[0]]
 
   def _in_replica(self) -> bool:
     ctx = _context.current_context()
@@ -264,10 +280,10 @@ class ReplicatedVariable(tf.Variable):
     variable, or the aggregate of an on-read variable."""
     if self._sharding is not None:
       with tf.device(self._components[0].device):
-        return mesh_lib.assemble([c.read_value() for c in self._components], self._sharding)
+        return mesh_lib.assemble([self._components[h].read_value() for h in self._home], self._sharding)
     aggregation = self.aggregation
     if not self._on_read or aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.ONLY_FIRST_REPLICA):
-      return self._components[0].read_value()
+      return self._current().read_value()
     with tf.device(self._components[0].device):
       total = tf.add_n([c.read_value() for c in self._components])
       if aggregation == tf.VariableAggregation.MEAN:
@@ -297,7 +313,7 @@ class ReplicatedVariable(tf.Variable):
     return tf.gather_nd(self._aggregate(), indices, name=name)
 
   def numpy(self):
-    return self._components[0].numpy() if self._whole_on_each else self._aggregate().numpy()
+    return self._current().numpy() if self._whole_on_each else self._aggregate().numpy()
 
   def __array__(self, dtype=None):
     return np.asarray(self.numpy(), dtype=dtype)
@@ -386,7 +402,7 @@ class ReplicatedVariable(tf.Variable):
   def _serialize_to_tensors(self):
     if not self._whole_on_each:  # the global value: restorable on any layout
       return {"VARIABLE_VALUE": self._aggregate()}
-    return self._components[0]._serialize_to_tensors()  # pylint: disable=protected-access
+    return self._current()._serialize_to_tensors()  # pylint: disable=protected-access
 
   def _restore_from_tensors(self, restored_tensors):
     if self._sharding is not None:
@@ -405,7 +421,7 @@ class ReplicatedVariable(tf.Variable):
     return tf.group(ops) if not tf.executing_eagerly() else None
 
   def _copy_trackable_to_cpu(self, object_map):
-    self._components[0]._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+    self._current()._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
 
   def __repr__(self):
     value = ""

@@ -1,4 +1,4 @@
-"""Tests for wrap_optimizer's gradient reduction: fusion into buckets."""
+"""Tests for wrap_optimizer: gradient fusion into buckets, sharded and replicated updates."""
 
 import keras
 import numpy as np
@@ -7,6 +7,7 @@ import tensorflow as tf
 from conftest import cpus
 
 import replicator
+from replicator import _variables
 
 
 def _train(bucket_bytes, n=4):
@@ -35,12 +36,13 @@ def test_fused_gradients_equal_unfused(bucket_bytes):
   got, fused = _train(bucket_bytes)
   for a, b in zip(got, expected):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-  sizes = [c.shape.num_elements() for c in fused.collectives]
-  assert len(plain.collectives) == 6
+  fused_reductions = [c for c in fused.collectives if c.kind == "all_reduce"]
+  sizes = [c.shape.num_elements() for c in fused_reductions]
+  assert len([c for c in plain.collectives if c.kind == "all_reduce"]) == 6
   if bucket_bytes == 1 << 20:  # everything in one bucket: 6*16+16 + 16*16+16 + 16*3+3 floats
     assert sizes == [96 + 16 + 256 + 16 + 48 + 3]
   elif bucket_bytes == 600:  # 150 floats per bucket at most; larger tensors alone
-    assert sizes == [112, 256, 16 + 48 + 3] and max(c.nbytes for c in fused.collectives) == 1024
+    assert sizes == [112, 256, 16 + 48 + 3] and max(c.nbytes for c in fused_reductions) == 1024
   else:
     assert len(sizes) == 6
 
@@ -49,3 +51,131 @@ def test_bucket_bytes_is_checked():
   repl = replicator.Replicator(cpus(2))
   with pytest.raises(ValueError, match=r"wrap_optimizer\(bucket_bytes=-1\): needs None or a byte count >= 0"):
     repl.wrap_optimizer(keras.optimizers.SGD(), bucket_bytes=-1)
+
+
+# -- sharded update -------------------------------------------------------------
+
+
+def _adam_run(update, n=4, steps=3, widths=(16, 16, 3), **adam_kwargs):
+  """Trains a small MLP with Adam; returns (weights, optimizer variables, iterations, repl, wrapped, step)."""
+  repl = replicator.Replicator(cpus(n)) if n > 1 else None
+  x = np.random.RandomState(1).randn(8, 6).astype(np.float32)
+  context = repl.context() if repl else tf.device("/cpu:0")
+  with context:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,))] + [keras.layers.Dense(w, activation="tanh") for w in widths])
+    base = keras.optimizers.Adam(0.05, **adam_kwargs)
+    optimizer = repl.wrap_optimizer(base, update=update) if repl else base
+
+  def step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(model(x) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  if repl is None:
+    step = tf.function(step)
+  for _ in range(steps):
+    if repl is None:
+      step(x)
+    else:
+      repl.run(step, inputs=replicator.PerReplica(np.split(x, n)))
+  slots = [v.numpy() for v in base.variables]  # iteration, learning rate, then slots in variable order
+  return [v.numpy() for v in model.trainable_variables], slots, int(base.iterations.numpy()), repl, optimizer, step
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_update_equals_one_device(n):
+  want, want_slots, _, _, _, _ = _adam_run(None, n=1)
+  got, slots, iterations, repl, wrapped, step = _adam_run("sharded", n=n)
+  assert wrapped.update == "sharded"
+  assert iterations == 3
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Slots (read from their owner) equal one device's: checkpoints hold the real state.
+  assert len(slots) == len(want_slots) == 2 + 2 * 6
+  for i, (a, b) in enumerate(zip(slots, want_slots)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"optimizer variable {i}")
+  # Every component of every weight is identical after the broadcast.
+  for v in wrapped.optimizer._trainable_variables:  # pylint: disable=protected-access
+    components = _variables.underlying(v).components
+    for c in components[1:]:
+      np.testing.assert_array_equal(c.numpy(), components[0].numpy())
+  # Every replica counted the steps, also those that own nothing.
+  assert [int(c.numpy()) for c in _variables.underlying(wrapped.iterations).components] == [3] * n
+  plan = repl.explain(step, inputs=replicator.PerReplica([np.zeros([2, 6], np.float32)] * n))
+  kinds = [c.kind for c in plan.collectives]
+  assert kinds.count("all_reduce") == 6 and kinds.count("broadcast") == 6  # one per weight
+
+
+def test_owners_balance_bytes():
+  _, _, _, repl, wrapped, _ = _adam_run("sharded", n=4, steps=1, widths=(64, 8, 3))
+  variables = wrapped.optimizer._trainable_variables  # pylint: disable=protected-access
+  owners = wrapped.owners(variables)
+  # kernel 6x64, bias 64, kernel 64x8, bias 8, kernel 8x3, bias 3 (1536, 256, 2048, 32, 96, 12 bytes):
+  # largest first, each to the least-loaded device (ties: the lowest position).
+  nbytes = [v.shape.num_elements() * 4 for v in variables]
+  assert nbytes == [1536, 256, 2048, 32, 96, 12]
+  assert [o.position for o in owners] == [1, 2, 0, 3, 3, 3]
+  loads = [sum(b for b, o in zip(nbytes, owners) if o.position == p) for p in range(4)]
+  assert loads == [2048, 1536, 256, 140]
+  assert all(o.axes == ("replica",) for o in owners)
+  assert wrapped.owners(variables) == owners  # fixed once assigned
+
+
+def test_sharded_update_checkpoint_restores_on_one_device(tmp_path):
+  _, _, _, _, wrapped, _ = _adam_run("sharded", n=4)
+  path = tf.train.Checkpoint(optimizer=wrapped).write(str(tmp_path / "ckpt"))
+  _, want_slots, _, _, _, _ = _adam_run(None, n=1)
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((6,))] + [keras.layers.Dense(w, activation="tanh") for w in (16, 16, 3)])
+  fresh = keras.optimizers.Adam(0.05)
+  fresh.build(model.trainable_variables)
+  tf.train.Checkpoint(optimizer=fresh).read(path).assert_existing_objects_matched()
+  for i, (v, value) in enumerate(zip(fresh.variables, want_slots, strict=True)):
+    np.testing.assert_allclose(v.numpy(), value, rtol=1e-5, atol=1e-6, err_msg=f"optimizer variable {i}")
+
+
+def test_auto_update_choice():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    assert repl.wrap_optimizer(keras.optimizers.Adam()).update == "sharded"
+    assert repl.wrap_optimizer(keras.optimizers.Adam(global_clipnorm=1.0)).update == "replicated"
+    assert repl.wrap_optimizer(keras.optimizers.Adam(), update="replicated").update == "replicated"
+  one = replicator.Replicator(cpus(1))
+  with one.context():
+    assert one.wrap_optimizer(keras.optimizers.Adam()).update == "replicated"
+  from replicator import _optimizer  # pylint: disable=import-outside-toplevel
+  assert _optimizer._one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:1"])  # pylint: disable=protected-access
+  assert not _optimizer._one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"])  # pylint: disable=protected-access
+  assert not _optimizer._one_cpu_process(["/device:GPU:0", "/device:GPU:1"])  # pylint: disable=protected-access
+
+
+def test_sharded_update_errors():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    with pytest.raises(ValueError, match=r'update="sharded"\) cannot shard the updates of Adam: global_clipnorm '
+                                         r'clips by the norm of all gradients together\. Fix: use update="replicated"'):
+      repl.wrap_optimizer(keras.optimizers.Adam(global_clipnorm=1.0), update="sharded")
+    with pytest.raises(ValueError, match=r"cannot shard the updates of Adam: use_ema"):
+      repl.wrap_optimizer(keras.optimizers.Adam(use_ema=True), update="sharded")
+
+    class PlainSGD:
+      def apply(self, updates, parameters):
+        for u, p in zip(updates, parameters):
+          p.assign_sub(u)
+
+    with pytest.raises(ValueError, match=r"only Keras 3 optimizers are supported.*found PlainSGD"):
+      repl.wrap_optimizer(PlainSGD(), update="sharded")
+    assert repl.wrap_optimizer(PlainSGD()).update == "replicated"
+    with pytest.raises(ValueError, match=r"wrap_optimizer\(update='each'\): update must be one of"):
+      repl.wrap_optimizer(keras.optimizers.Adam(), update="each")
+
+
+def test_replicated_and_sharded_updates_agree():
+  a, slots_a, _, _, _, _ = _adam_run("replicated", n=4)
+  b, slots_b, _, _, _, _ = _adam_run("sharded", n=4)
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+  for x, y in zip(slots_a, slots_b, strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)

@@ -154,8 +154,8 @@ def test_gradients_reduced_only_over_replicated_axes(reduction):
     np.testing.assert_allclose(w, expected_w, rtol=1e-5, atol=1e-6, err_msg=str(shape))
     np.testing.assert_allclose(b, expected_b, rtol=1e-5, atol=1e-6, err_msg=str(shape))
     plan = repl.explain(step, inputs=replicator.PerReplica([x[:1]] * repl.num_replicas))
-    w_reductions = [c.axes for c in plan.collectives if c.shape.as_list() == [3, 4 // shape["model"]]]
-    b_reductions = [c.axes for c in plan.collectives if c.shape.as_list() == [4]]
+    w_reductions = [c.axes for c in plan.collectives if c.kind == "all_reduce" and c.shape.as_list() == [3, 4 // shape["model"]]]
+    b_reductions = [c.axes for c in plan.collectives if c.kind == "all_reduce" and c.shape.as_list() == [4]]
     # w is sharded on "model": reduced over "batch" only (nothing to reduce on a 1-device batch axis)
     assert w_reductions == ([("batch",)] if shape["batch"] > 1 else []), plan
     assert b_reductions == [tuple(a for a in ("batch", "model") if shape[a] > 1)], plan
