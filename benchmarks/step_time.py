@@ -212,6 +212,8 @@ def measure_model(spec: models_lib.Model, devices, rounds: int, budget_seconds: 
       parameters=int(sum(np.prod(w.shape) for w in weights)), devices=list(devices),
       mirrored_default_cross_device_ops=setups[MS].info["cross_device_ops"],
       collectives=len(plan.collectives), bytes_per_step=plan.bytes_per_step,
+      collectives_by_kind={k: sum(c.kind == k for c in plan.collectives)
+                           for k in sorted({c.kind for c in plan.collectives})},
       check=check, times_s=times, stats=stats,
       ratios=dict(ours_over_mirrored_best=stats[OURS]["median"] / best_ms,
                   ours_over_single=stats[OURS]["median"] / stats[SINGLE]["median"],
@@ -253,8 +255,9 @@ def markdown(records: list[dict]) -> str:
                         rows, "llrrrr")
   ratio_rows = [[rec["model"], f"{rec['ratios']['ours_over_mirrored_best']:.2f}",
                  f"{rec['ratios']['ours_over_single']:.2f}", f"{rec['ratios']['ours10_over_mirrored_best']:.2f}",
-                 f"{rec['ratios']['ours10_over_single']:.2f}", rec["collectives"], f"{rec['bytes_per_step']:,}"]
+                 f"{rec['ratios']['ours10_over_single']:.2f}", ", ".join(f"{v} {k}" for k, v in rec["collectives_by_kind"].items()),
+                 f"{rec['bytes_per_step']:,}"]
                 for rec in records]
   ratios = _timing.table(["model", "ours / MS best", "ours / single", "ours steps=10 / MS best",
-                          "ours steps=10 / single", "all-reduces", "bytes/step"], ratio_rows)
+                          "ours steps=10 / single", "collectives per step", "bytes/step"], ratio_rows)
   return steps + "\n\n" + ratios

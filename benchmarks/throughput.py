@@ -1,18 +1,23 @@
 """Part 3: collective throughput (NCCL-tests definitions) for both collective implementations.
 
-Each measurement is one ``repl.run`` of a step doing one collective. Its input
-is fed as ``inputs=replicator.PerReplica([...])`` of tensors created once on
-each replica's device (``tf.fill`` under ``tf.device``): nothing crosses from
-the host during the timed call, and, unlike filling the tensor inside the step,
+Each measurement is one ``repl.run`` of a step doing ``k`` independent
+collectives of the same size on ``k`` distinct buffers per replica (``k`` from
+16 at small sizes down to 2 at 64 MB, at most 256 MB per replica); the time
+per collective is the call's time divided by ``k``, as NCCL-tests average
+back-to-back iterations. The time of a step with ONE collective (the fixed
+cost of a ``repl.run`` call included) is reported next to it. Inputs are fed
+as ``inputs=replicator.PerReplica([...])`` of tensors created once on each
+replica's device (``tf.fill`` under ``tf.device``): nothing crosses from the
+host during the timed call, and, unlike filling the tensor inside the step,
 no fill of the payload is timed with the collective. The step returns the
-collective's output (handles only; no copy to the host).
+collectives' outputs (handles only; no copy to the host).
 
 Sizes are NCCL-tests' ``size``: bytes per replica for all_reduce and
 broadcast, and the output size for all_gather (each replica contributes
 size / n). ``algbw = size / time``; ``busbw = algbw * 2(n-1)/n`` (all_reduce),
-``* (n-1)/n`` (all_gather), ``* 1`` (broadcast). The times include the fixed
-cost of one ``repl.run`` call, which is also measured alone (``empty step``,
-a step returning its input) so small sizes can be read against it.
+``* (n-1)/n`` (all_gather), ``* 1`` (broadcast), with the time per collective.
+The fixed cost of one ``repl.run`` call is also measured alone (``empty
+step``, a step returning its input).
 
 Memory-copy references measured in the same run: ``np.copyto`` of 64 MB (the
 physical limit used), a ``DeepCopy`` of 64 MB inside a ``tf.function`` (a
@@ -38,6 +43,11 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
 MEMCPY_BYTES = 64 * 2 ** 20
 
 
+def per_call(size: int) -> int:
+  """Independent collectives per timed call: 16 up to 4 MB, then at most 256 MB per replica."""
+  return max(2, min(16, (256 * 2 ** 20) // size))
+
+
 def _rounds(size: int, quick: bool) -> int:
   rounds = 15 if size <= 2 ** 20 else 9 if size <= 2 ** 24 else 5
   return max(5, rounds // 2) if quick else rounds
@@ -48,23 +58,23 @@ def human(size: int) -> str:
 
 
 def _step(repl, kind):
-  def step_fn(x):
+  def step_fn(xs):  # a list of buffers: one collective each
     if kind == "all_reduce":
-      return repl.all_reduce(x, "sum")
+      return repl.all_reduce(xs, "sum")
     if kind == "all_gather":
-      return repl.all_gather(x, concat_dimension=0)
+      return repl.all_gather(xs, concat_dimension=0)
     if kind == "broadcast":
-      return repl.broadcast(x, source=0)
-    return x  # "empty": the fixed cost of a call
+      return repl.broadcast(xs, source=0)
+    return xs  # "empty": the fixed cost of a call
 
   return step_fn
 
 
-def _inputs(devices, elements: int) -> replicator.PerReplica:
+def _inputs(devices, elements: int, count: int = 1) -> replicator.PerReplica:
   values = []
   for i, device in enumerate(devices):
     with tf.device(device):
-      values.append(tf.fill([elements], float(i + 1)))
+      values.append([tf.fill([elements], float(i + 1 + j)) for j in range(count)])
   return replicator.PerReplica(values)
 
 
@@ -114,22 +124,26 @@ def measure(devices, sizes=SIZES, kinds=KINDS, quick: bool = False, log=print) -
     steps = {impl: _step(r, kind) for impl, r in repls.items()}
     for size in sizes:
       per_replica = size // n if kind == "all_gather" else size
-      inputs = _inputs(devices, max(1, per_replica // 4))
-      calls = {impl: (lambda step=steps[impl], repl=repls[impl], inputs=inputs: repl.run(step, inputs=inputs))
-               for impl in IMPLEMENTATIONS}
+      k = per_call(size)
+      one, many = _inputs(devices, max(1, per_replica // 4)), _inputs(devices, max(1, per_replica // 4), k)
+      calls = {}
+      for impl in IMPLEMENTATIONS:
+        calls[impl] = lambda step=steps[impl], repl=repls[impl]: repl.run(step, inputs=many)
+        calls[impl + " x1"] = lambda step=steps[impl], repl=repls[impl], one=one: repl.run(step, inputs=one)
       times = _timing.interleaved(calls, rounds=_rounds(size, quick), warmup=2)
       for impl in IMPLEMENTATIONS:
-        stats = _timing.summary(times[impl])
+        stats = _timing.summary([t / k for t in times[impl]])  # per collective
+        single = _timing.summary(times[impl + " x1"])
         algbw = size / stats["median"]
-        net = stats["median"] - empty_median[impl]  # without the fixed cost of a call (JSON only)
-        rows.append(dict(devices=n, kind=kind, size=size, implementation=impl, times_s=times[impl], stats=stats,
-                         algbw=algbw, busbw=algbw * BUS_FACTOR[kind](n),
-                         busbw_net_of_empty_step=size / net * BUS_FACTOR[kind](n) if net > 0 else None))
+        rows.append(dict(devices=n, kind=kind, size=size, implementation=impl, per_call=k,
+                         times_s=times[impl], stats=stats, one_per_call_times_s=times[impl + " x1"],
+                         one_per_call_stats=single, algbw=algbw, busbw=algbw * BUS_FACTOR[kind](n),
+                         busbw_one_per_call=size / single["median"] * BUS_FACTOR[kind](n)))
       a, b = rows[-2], rows[-1]
-      log(f"throughput n={n} {kind:<10} {human(size):>6}: " + "  ".join(
+      log(f"throughput n={n} {kind:<10} {human(size):>6} (x{k}): " + "  ".join(
           f"{r['implementation']} {_timing.ms(r['stats']['median']):>9} busbw {r['busbw'] / 1e9:6.2f} GB/s"
           for r in (a, b)))
-      calls = inputs = None  # free this size's buffers before the next
+      calls = one = many = None  # free this size's buffers before the next
       gc.collect()
   return rows
 
@@ -162,11 +176,12 @@ def markdown(result: dict) -> str:
     for x in (r, other):
       cells.append(_timing.ms(x["stats"]["median"]))
       if x["busbw"] is None:
-        cells += ["", "", ""]
+        cells += ["", "", "", ""]
       else:
-        cells += [f"{x['algbw'] / 1e9:.2f}", f"{x['busbw'] / 1e9:.2f}", f"{x['busbw'] / limit:.0%}"]
+        cells += [f"{x['algbw'] / 1e9:.2f}", f"{x['busbw'] / 1e9:.2f}", f"{x['busbw'] / limit:.0%}",
+                  _timing.ms(x["one_per_call_stats"]["median"])]
     rows.append(cells)
   header = ["devices", "collective", "size"]
   for impl in IMPLEMENTATIONS:
-    header += [f"{impl} time", "algbw GB/s", "busbw GB/s", "busbw / memcpy"]
-  return refs + "\n\n" + _timing.table(header, rows, "rlr" + "r" * 8)
+    header += [f"{impl} time", "algbw GB/s", "busbw GB/s", "busbw / memcpy", "one per call"]
+  return refs + "\n\n" + _timing.table(header, rows, "rlr" + "r" * 10)

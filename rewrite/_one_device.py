@@ -18,11 +18,39 @@ from rewrite import _lowering
 from rewrite._plan import Collective
 
 
+# A sum of large tensors runs as one XLA-compiled fused add: on TF 2.21 CPU,
+# AddN of 4 x 16 MB took 5.6 ms and the XLA sum 3.2 ms (64 MB: 20.4 vs 11.4 ms),
+# while up to 8 MB (inputs still in cache) AddN was as fast or faster (4 MB: 0.83
+# vs 0.95 ms). Measured by benchmarks/throughput.py's methodology on 2 cores.
+XLA_SUM_MIN_BYTES = 8 * 2 ** 20 + 1
+_XLA_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _xla_sum(values):
+  total = values[0]
+  for v in values[1:]:
+    total = total + v
+  return total
+
+
+def _add(values: Sequence[tf.Tensor]) -> tf.Tensor:
+  x = values[0]
+  if (len(values) > 1 and x.dtype in _XLA_DTYPES and x.shape.is_fully_defined()
+      and x.shape.num_elements() * x.dtype.size >= XLA_SUM_MIN_BYTES):
+    return _xla_sum(list(values))
+  return values[0] if len(values) == 1 else tf.add_n(list(values))
+
+
 def reduce_values(op: str, values: Sequence[tf.Tensor]) -> tf.Tensor:
-  """Elementwise reduction of same-shaped tensors with op sum/mean/max/min."""
+  """Elementwise reduction of same-shaped tensors with op sum/mean/max/min.
+
+  Sums of more than 8 MB per tensor are one XLA-compiled fused add
+  (:data:`XLA_SUM_MIN_BYTES`), smaller ones ``tf.add_n``.
+  """
   n = len(values)
   if op in ("sum", "mean"):
-    total = values[0] if n == 1 else tf.add_n(list(values))
+    total = _add(values)
     if op == "sum":
       return total
     if total.dtype.is_integer:  # truncates toward zero, like tf.reduce_mean
