@@ -128,7 +128,7 @@ def measure(devices, sizes=SIZES, kinds=KINDS, quick: bool = False, log=print) -
       one, many = _inputs(devices, max(1, per_replica // 4)), _inputs(devices, max(1, per_replica // 4), k)
       calls = {}
       for impl in IMPLEMENTATIONS:
-        calls[impl] = lambda step=steps[impl], repl=repls[impl]: repl.run(step, inputs=many)
+        calls[impl] = lambda step=steps[impl], repl=repls[impl], many=many: repl.run(step, inputs=many)
         calls[impl + " x1"] = lambda step=steps[impl], repl=repls[impl], one=one: repl.run(step, inputs=one)
       times = _timing.interleaved(calls, rounds=_rounds(size, quick), warmup=2)
       for impl in IMPLEMENTATIONS:

@@ -17,7 +17,6 @@ import tensorflow as tf
 from rewrite import _lowering
 from rewrite._plan import Collective
 
-
 # A sum of large tensors runs as one XLA-compiled fused add: on TF 2.21 CPU,
 # AddN of 4 x 16 MB took 5.6 ms and the XLA sum 3.2 ms (64 MB: 20.4 vs 11.4 ms),
 # while up to 8 MB (inputs still in cache) AddN was as fast or faster (4 MB: 0.83
