@@ -1,10 +1,11 @@
 """Part 3: collective throughput (NCCL-tests definitions) for both collective implementations.
 
-Each measurement is one ``repl.run`` of a step doing ``k`` independent
-collectives of the same size on ``k`` distinct buffers per replica (``k`` from
-16 at small sizes down to 2 at 64 MB, at most 256 MB per replica); the time
-per collective is the call's time divided by ``k``, as NCCL-tests average
-back-to-back iterations. The time of a step with ONE collective (the fixed
+Each measurement is one ``repl.run`` of a step doing ``k`` collectives of the
+same size on ``k`` distinct buffers per replica, one after the other (each
+waits for the previous one's output through a control dependency), with ``k``
+from 16 at small sizes down to 2 at 64 MB (at most 256 MB per replica); the
+time per collective is the call's time divided by ``k``, as NCCL-tests average
+back-to-back iterations on one stream. The time of a step with ONE collective (the fixed
 cost of a ``repl.run`` call included) is reported next to it. Inputs are fed
 as ``inputs=replicator.PerReplica([...])`` of tensors created once on each
 replica's device (``tf.fill`` under ``tf.device``): nothing crosses from the
@@ -58,14 +59,23 @@ def human(size: int) -> str:
 
 
 def _step(repl, kind):
-  def step_fn(xs):  # a list of buffers: one collective each
+  def one(x):
     if kind == "all_reduce":
-      return repl.all_reduce(xs, "sum")
+      return repl.all_reduce(x, "sum")
     if kind == "all_gather":
-      return repl.all_gather(xs, concat_dimension=0)
-    if kind == "broadcast":
-      return repl.broadcast(xs, source=0)
-    return xs  # "empty": the fixed cost of a call
+      return repl.all_gather(x, concat_dimension=0)
+    return repl.broadcast(x, source=0)
+
+  def step_fn(xs):  # a list of buffers: one collective each, one after the other
+    if kind == "empty":
+      return xs  # the fixed cost of a call
+    outputs = []
+    for x in xs:
+      if outputs:  # serialised like NCCL-tests' iterations on one stream (identity: no copy)
+        with tf.control_dependencies([outputs[-1]]):
+          x = tf.identity(x)
+      outputs.append(one(x))
+    return outputs
 
   return step_fn
 
