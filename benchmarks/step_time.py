@@ -92,15 +92,19 @@ def single_device(spec: models_lib.Model, weights, x, y) -> Setup:
   return Setup(lambda: float(train_step(iterator)), model)
 
 
-def ours(spec: models_lib.Model, weights, x, y, devices, steps: int = 1, shared: Setup | None = None) -> Setup:
-  """The replicator's step; with ``shared``, another call pattern of that setup's step (same model)."""
+def ours(spec: models_lib.Model, weights, x, y, devices, steps: int = 1, shared: Setup | None = None,
+         **wrap_kwargs) -> Setup:
+  """The replicator's step; with ``shared``, another call pattern of that setup's step (same model).
+
+  ``wrap_kwargs`` go to ``wrap_optimizer`` (defaults: the library's).
+  """
   if shared is not None:
     repl, step_fn, dataset = shared.info["repl"], shared.info["step_fn"], shared.info["dataset"]
     return Setup(lambda: _mean(repl.run(step_fn, dataset, steps=steps)), shared.model, steps, shared.info)
   repl = replicator.Replicator(devices=devices)
   with repl.context():
     model = spec.build()
-    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3), **wrap_kwargs)
     optimizer.build(model.trainable_variables)
   model.set_weights(weights)
   body = _sgd_step(spec, model, optimizer)
