@@ -70,8 +70,9 @@ class ReplicatedOptimizer(tf.Module):
 
   Returned by ``repl.wrap_optimizer(opt)``. ``apply_gradients`` / ``apply``
   all-reduce the gradients (mean by default; ``"sum"`` when the loss is already
-  scaled by the global batch size), then hand them to the wrapped optimizer on
-  every replica, so replicated variables receive identical updates. Every other
+  scaled by the global batch size), then hand them to the wrapped optimizer
+  (on every replica, or, with the sharded update below, on each variable's
+  owner), so replicated variables receive identical updates. Every other
   attribute (``learning_rate``, ``iterations``, ``variables``, ...) is the
   wrapped optimizer's.
 
