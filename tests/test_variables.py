@@ -1,11 +1,15 @@
 """Replicated variables: creation, reads and writes per replica, placement."""
 
+import os
+import tempfile
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
 
+import mesh
 import replicator
 
 
@@ -105,3 +109,30 @@ def test_gradient_tape_sees_the_replica_component(repl):
 def test_variables_outside_context_are_not_replicated(repl):
   plain = tf.Variable(1.0)
   assert not isinstance(plain, replicator.ReplicatedVariable)
+
+
+def test_set_owner_reads_the_owners_component():
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    v = tf.Variable(np.zeros(3, np.float32))
+  for i, c in enumerate(v.components):
+    c.assign(np.full(3, float(i), np.float32))
+  np.testing.assert_array_equal(v.numpy(), [0, 0, 0])
+  v.set_owner(2, ("replica",))
+  np.testing.assert_array_equal(v.numpy(), [2, 2, 2])
+  np.testing.assert_array_equal(tf.convert_to_tensor(v).numpy(), [2, 2, 2])
+  path = tf.train.Checkpoint(v=v).write(os.path.join(tempfile.mkdtemp(), "ckpt"))
+  np.testing.assert_array_equal(tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE"), [2, 2, 2])
+  v.assign(np.ones(3, np.float32))  # writes still go to every component
+  assert all(np.array_equal(c.numpy(), [1, 1, 1]) for c in v.components)
+
+
+def test_set_owner_of_a_sharded_variable_assembles_from_the_owners():
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, cpus(4)))
+  with repl.context(layouts={"w": ("model",)}):
+    w = tf.Variable(np.zeros(4, np.float32), name="w")
+  for i, c in enumerate(w.components):  # device i = (batch i // 2, model i % 2)
+    c.assign(np.full(2, float(i), np.float32))
+  np.testing.assert_array_equal(w.numpy(), [0, 0, 1, 1])  # batch row 0
+  w.set_owner(1, ("batch",))
+  np.testing.assert_array_equal(w.numpy(), [2, 2, 3, 3])  # batch row 1
