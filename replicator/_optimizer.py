@@ -133,9 +133,12 @@ class ReplicatedOptimizer(tf.Module):
       update = "sharded" if (unsupported is None and len(replicator.devices) > 1
                              and _one_cpu_process(replicator.devices)) else "replicated"
     object.__setattr__(self, "update", update)
-    object.__setattr__(self, "_owners", {})  # id(ReplicatedVariable) -> (variable, Owner)
-    object.__setattr__(self, "_load", [0] * len(replicator.devices))  # bytes owned per device
-    object.__setattr__(self, "_slots", _give_slots_their_variables_layout(optimizer))
+    # Per wrapped optimizer, shared by every wrapper of it (slots live on their owner):
+    # slots by variable, id(ReplicatedVariable) -> (variable, Owner), bytes owned per device.
+    record = _give_slots_their_variables_layout(optimizer)
+    object.__setattr__(self, "_slots", record["slots"])
+    object.__setattr__(self, "_owners", record["owners"])
+    object.__setattr__(self, "_load", record.setdefault("load", [0] * len(replicator.devices)))
 
   def phase(self) -> bool:
     """Whether the next step applies (True) or only accumulates (False)."""
@@ -385,7 +388,7 @@ class ReplicatedOptimizer(tf.Module):
             f"accumulation_steps={self.accumulation_steps}, update={self.update!r})")
 
 
-def _give_slots_their_variables_layout(optimizer) -> dict:
+def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:
   """Makes a Keras optimizer's slots (``add_variable_from_reference``) inherit their variable's layout.
 
   Keras names a slot after its variable (``adam/dense_1_kernel_momentum``), so a
@@ -393,14 +396,16 @@ def _give_slots_their_variables_layout(optimizer) -> dict:
   own method is wrapped, on this instance only, to create the slot inside
   :func:`replicator._variables.reference_scope`.
 
-  Returns the record of slots made so far and later: ``id`` of a variable's
-  ReplicatedVariable to its slots' ReplicatedVariables.
+  Returns this optimizer's record, kept on the wrapped method so every
+  wrapper of the optimizer shares it: ``"slots"`` maps ``id`` of a variable's
+  ReplicatedVariable to its slots' ReplicatedVariables (made so far and
+  later); ``"owners"`` holds the sharded update's owners.
   """
   original = getattr(optimizer, "add_variable_from_reference", None)
   if original is None:
-    return {}
+    return {"slots": {}, "owners": {}}
   if getattr(original, "_replicator_wrapped", False):
-    return original.slots
+    return original.record
 
   slots: dict[int, list] = {}
 
@@ -413,9 +418,9 @@ def _give_slots_their_variables_layout(optimizer) -> dict:
     return slot
 
   add_variable_from_reference._replicator_wrapped = True  # pylint: disable=protected-access
-  add_variable_from_reference.slots = slots
+  add_variable_from_reference.record = {"slots": slots, "owners": {}}
   object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
-  return slots
+  return add_variable_from_reference.record
 
 
 def fused_all_reduce(repl, values: list[tf.Tensor], op: str, axes: tuple[str, ...],

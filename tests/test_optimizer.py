@@ -179,3 +179,12 @@ def test_replicated_and_sharded_updates_agree():
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
   for x, y in zip(slots_a, slots_b, strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_wrapping_an_optimizer_twice_keeps_its_owners():
+  # Two 4-float biases tie: a fresh assignment would follow the order it sees them in.
+  _, _, _, repl, first, _ = _adam_run("sharded", n=4, steps=1, widths=(4, 4))
+  variables = first.optimizer._trainable_variables  # pylint: disable=protected-access
+  assert [o.position for o in first.owners(variables)] == [0, 2, 1, 3]
+  second = repl.wrap_optimizer(first.optimizer)
+  assert second.owners(variables[::-1]) == first.owners(variables)[::-1]
