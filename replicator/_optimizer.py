@@ -7,6 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
+import rewrite
 from replicator import _context
 from replicator import _primitives
 from replicator import _variables
@@ -18,6 +19,11 @@ SHARDED_UPDATE_UNSUPPORTED = (
     "wrap_optimizer(update=\"sharded\") cannot shard the updates of {optimizer}: {reason}. "
     "Fix: use update=\"replicated\" (every replica applies every update; the default "
     "\"auto\" chooses it for this optimizer)."
+)
+
+SHARDED_EXTRA_ARGUMENTS = (
+    "A sharded optimizer update takes only gradients and variables, but found the extra "
+    "argument(s) {extra}. Fix: drop them, or wrap the optimizer with update=\"replicated\"."
 )
 
 
@@ -59,9 +65,15 @@ def sharded_update_unsupported(optimizer) -> str | None:
 
 def _one_cpu_process(devices) -> bool:
   """Whether every device is a CPU of one process (copies between them are hand-overs)."""
-  specs = [tf.DeviceSpec.from_string(d) for d in devices]
-  return (all((s.device_type or "CPU").upper() == "CPU" for s in specs)
-          and len({(s.job, s.replica, s.task) for s in specs}) == 1)
+  return (all((tf.DeviceSpec.from_string(d).device_type or "CPU").upper() == "CPU" for d in devices)
+          and len({rewrite.task_of(d) for d in devices}) == 1)
+
+
+def _replication(mesh, layout) -> tuple[tuple[str, ...], int]:
+  """A variable's mesh axes it is replicated on (size-1 axes left out) and its number of pieces."""
+  if layout is None:
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1), 1
+  return tuple(a for a in layout.replicated_axes if mesh.shape[a] > 1), mesh.axis_size(layout.sharded_axes)
 
 
 @_context.no_autograph
@@ -192,10 +204,7 @@ class ReplicatedOptimizer(tf.Module):
     copies = mesh.axis_size(tuple(a for a in mesh.axis_names if a not in batch_axes))
     plans = []  # (replicated axes, divisor) per gradient
     for v in variables:
-      layout = None if v is None else _variables.layout_of(v)
-      axes = mesh.axis_names if layout is None else layout.replicated_axes
-      axes = tuple(a for a in axes if mesh.shape[a] > 1)  # nothing to reduce along size-1 axes
-      pieces = 1 if layout is None else mesh.axis_size(layout.sharded_axes)
+      axes, pieces = _replication(mesh, None if v is None else _variables.layout_of(v))
       plans.append((axes, copies if self._reduction == "sum" else pieces))
     reduced: list[Any] = [None] * len(dense)
     by_axes: dict[tuple[str, ...], list[int]] = {}
@@ -261,7 +270,7 @@ class ReplicatedOptimizer(tf.Module):
     if grads is None:
       return None
     grads = self.reduce_gradients(grads, variables)
-    if self._sharding_now():
+    if self._sharding_now(args, kwargs):
       self._apply_sharded(grads, variables)
       return self._optimizer.iterations
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
@@ -279,7 +288,7 @@ class ReplicatedOptimizer(tf.Module):
       if grads is None:
         return None
     grads = self.reduce_gradients(list(grads), None if variables is None else list(variables))
-    if self._sharding_now() and not args and not kwargs:
+    if self._sharding_now(args, kwargs):
       if variables is None:
         variables = list(self._optimizer._trainable_variables)  # pylint: disable=protected-access
       return self._apply_sharded(grads, list(variables))
@@ -289,9 +298,15 @@ class ReplicatedOptimizer(tf.Module):
 
   # -- sharded update -------------------------------------------------------------
 
-  def _sharding_now(self) -> bool:
+  def _sharding_now(self, args=(), kwargs=None) -> bool:
+    """Whether this call, inside a step, applies a sharded update (extra arguments: an error)."""
     ctx = _context.current_context()
-    return self.update == "sharded" and ctx is not None and ctx.replicator is self._replicator
+    sharding = self.update == "sharded" and ctx is not None and ctx.replicator is self._replicator
+    if sharding and (args or kwargs):
+      # Falling back to a replicated update here would update slots that are
+      # current only on their owner from stale copies.
+      raise TypeError(SHARDED_EXTRA_ARGUMENTS.format(extra=list(args) + sorted(kwargs or {})))
+    return sharding
 
   def owners(self, variables) -> list[Owner | None]:
     """The owner of each variable under a sharded update (None: every replica updates it).
@@ -302,31 +317,19 @@ class ReplicatedOptimizer(tf.Module):
     """
     mesh = self._replicator.mesh
     result: list[Owner | None] = []
-    new = []
+    new = []  # (index, ReplicatedVariable, replicated axes, bytes per piece)
     for i, v in enumerate(variables):
       replicated = _variables.underlying(v)
-      if replicated is None:  # an ordinary variable: not replicated, nothing to share
-        result.append(None)
-        continue
-      record = self._owners.get(id(replicated))
-      result.append(None if record is None else record[1])
-      if record is None:
-        new.append(i)
-    nbytes = {}
-    for i in new:
-      replicated = _variables.underlying(variables[i])
-      layout = replicated.sharding
-      pieces = 1 if layout is None else mesh.axis_size(layout.sharded_axes)
-      nbytes[i] = replicated.shape.num_elements() * replicated.dtype.size // pieces
-    for i in sorted(new, key=lambda i: -nbytes[i]):  # stable: ties keep variable order
-      replicated = _variables.underlying(variables[i])
-      layout = replicated.sharding
-      axes = mesh.axis_names if layout is None else layout.replicated_axes
-      axes = tuple(a for a in axes if mesh.shape[a] > 1)
+      record = None if replicated is None else self._owners.get(id(replicated))
+      result.append(None if record is None else record[1])  # ordinary variables: not shared
+      if replicated is not None and record is None:
+        axes, pieces = _replication(mesh, replicated.sharding)
+        new.append((i, replicated, axes, replicated.shape.num_elements() * replicated.dtype.size // pieces))
+    for i, replicated, axes, nbytes in sorted(new, key=lambda n: -n[3]):  # stable: ties keep variable order
       groups = mesh.groups(axes)
       best = min(range(len(groups[0])), key=lambda p: (max(self._load[g[p]] for g in groups), p))
       for g in groups:
-        self._load[g[best]] += nbytes[i]
+        self._load[g[best]] += nbytes
       owner = Owner(best, axes)
       self._owners[id(replicated)] = (replicated, owner)
       replicated.set_owner(best, axes)

@@ -188,3 +188,17 @@ def test_wrapping_an_optimizer_twice_keeps_its_owners():
   assert [o.position for o in first.owners(variables)] == [0, 2, 1, 3]
   second = repl.wrap_optimizer(first.optimizer)
   assert second.owners(variables[::-1]) == first.owners(variables)[::-1]
+
+
+def test_sharded_update_rejects_extra_arguments():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    v = tf.Variable(np.ones(3, np.float32))
+    optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.1), update="sharded")
+
+  def step():
+    optimizer.apply([tf.ones(3)], [v], "extra")
+
+  with pytest.raises(TypeError, match=r"sharded optimizer update takes only gradients and variables, but found "
+                                      r"the extra argument\(s\) \['extra'\]\. Fix: .*update=\"replicated\""):
+    repl.run(step)
