@@ -63,6 +63,26 @@ def summary(samples) -> dict[str, float]:
   return dict(median=float(median), q1=float(q1), q3=float(q3), iqr=float(q3 - q1), min=float(a.min()), n=int(a.size))
 
 
+def paired_ratio(numerator, denominator, resamples: int = 2000, seed: int = 0) -> dict[str, float]:
+  """Round-by-round ratios of two configurations timed in the same rounds.
+
+  ``numerator[i]`` and ``denominator[i]`` come from round ``i`` of
+  :func:`interleaved`, so machine drift between rounds cancels in their ratio.
+  Returns the median ratio, its quartiles, and a 95% bootstrap interval of the
+  median (``ci_low``, ``ci_high``) -- how far the median could move on a rerun.
+  """
+  a, b = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
+  if a.size != b.size:
+    raise ValueError(f"paired_ratio needs one sample per round from each; got {a.size} and {b.size}.")
+  r = a / b
+  q1, median, q3 = np.percentile(r, [25, 50, 75])
+  rng = np.random.default_rng(seed)
+  medians = np.median(r[rng.integers(0, r.size, size=(resamples, r.size))], axis=1)
+  low, high = np.percentile(medians, [2.5, 97.5])
+  return dict(median=float(median), q1=float(q1), q3=float(q3), ci_low=float(low), ci_high=float(high),
+              n=int(r.size))
+
+
 def ms(seconds: float) -> str:
   """Seconds as a short millisecond string: 0.62 ms, 20.7 ms, 148 ms."""
   v = seconds * 1e3

@@ -97,8 +97,8 @@ def main(argv=None) -> dict:
   if "step_time" in parts:
     t0 = time.perf_counter()
     models = args.models.split(",") if args.models else QUICK_MODELS if args.quick else None
-    results["step_time"] = step_time.run(devices[:args.devices], models, rounds=10 if args.quick else 30,
-                                         budget_seconds=20 if args.quick else 60, log=log)
+    results["step_time"] = step_time.run(devices[:args.devices], models, rounds=10 if args.quick else 60,
+                                         budget_seconds=20 if args.quick else 90, log=log)
     results["run_time_s"]["step_time"] = time.perf_counter() - t0
     tables.append(("Step time", step_time.markdown(results["step_time"])))
   if "build_cost" in parts:

@@ -211,6 +211,7 @@ def measure_model(spec: models_lib.Model, devices, rounds: int, budget_seconds: 
                               budget_seconds=budget_seconds)
   stats = {name: _timing.summary(t) for name, t in times.items()}
   best_ms = min(stats[MS]["median"], stats[MS_R2OD]["median"])
+  best = MS if stats[MS]["median"] <= stats[MS_R2OD]["median"] else MS_R2OD
   record = dict(
       model=spec.name, description=spec.description, global_batch=spec.global_batch,
       parameters=int(sum(np.prod(w.shape) for w in weights)), devices=list(devices),
@@ -222,7 +223,11 @@ def measure_model(spec: models_lib.Model, devices, rounds: int, budget_seconds: 
       ratios=dict(ours_over_mirrored_best=stats[OURS]["median"] / best_ms,
                   ours_over_single=stats[OURS]["median"] / stats[SINGLE]["median"],
                   ours10_over_mirrored_best=stats[OURS_10]["median"] / best_ms,
-                  ours10_over_single=stats[OURS_10]["median"] / stats[SINGLE]["median"]))
+                  ours10_over_single=stats[OURS_10]["median"] / stats[SINGLE]["median"]),
+      # Per-round ratios (both timed in the same round): drift cancels.
+      paired=dict(mirrored_best=best,
+                  ours_over_mirrored_best=_timing.paired_ratio(times[OURS], times[best]),
+                  ours_over_single=_timing.paired_ratio(times[OURS], times[SINGLE])))
   del setups
   gc.collect()
   return record
@@ -240,8 +245,12 @@ def run(devices, model_names=None, rounds: int = 30, budget_seconds: float = 60.
       s = record["stats"][name]
       log(f"  {name:<24} median {_timing.ms(s['median']):>9}  IQR {_timing.ms(s['iqr']):>9}  n={s['n']}")
     r = record["ratios"]
+    p = record["paired"]
     log(f"  ours/MS(best) {r['ours_over_mirrored_best']:.2f}  ours/single {r['ours_over_single']:.2f}  "
-        f"(steps=10: {r['ours10_over_mirrored_best']:.2f}, {r['ours10_over_single']:.2f})")
+        f"(steps=10: {r['ours10_over_mirrored_best']:.2f}, {r['ours10_over_single']:.2f}); per round: "
+        f"{p['ours_over_mirrored_best']['median']:.2f} [{p['ours_over_mirrored_best']['ci_low']:.2f}, "
+        f"{p['ours_over_mirrored_best']['ci_high']:.2f}] and {p['ours_over_single']['median']:.2f} "
+        f"[{p['ours_over_single']['ci_low']:.2f}, {p['ours_over_single']['ci_high']:.2f}]")
     records.append(record)
   return records
 
@@ -264,4 +273,13 @@ def markdown(records: list[dict]) -> str:
                 for rec in records]
   ratios = _timing.table(["model", "ours / MS best", "ours / single", "ours steps=10 / MS best",
                           "ours steps=10 / single", "collectives per step", "bytes/step"], ratio_rows)
-  return steps + "\n\n" + ratios
+
+  def paired(p):
+    return f"{p['median']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]"
+
+  paired_rows = [[rec["model"], rec["paired"]["mirrored_best"], paired(rec["paired"]["ours_over_mirrored_best"]),
+                  paired(rec["paired"]["ours_over_single"]), rec["paired"]["ours_over_single"]["n"]]
+                 for rec in records]
+  per_round = _timing.table(["model", "MS best", "ours / MS best per round [95% CI]",
+                             "ours / single per round [95% CI]", "rounds"], paired_rows, "llrrr")
+  return steps + "\n\n" + ratios + "\n\nRound-by-round ratios (median, 95% bootstrap interval of the median):\n\n" + per_round
