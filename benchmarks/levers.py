@@ -9,10 +9,16 @@ Every variant trains the same model from the same weights on the same batch
 device; the table gives medians and each variant's ratio to the single device
 and to the library's defaults. Variants (``wrap_optimizer`` arguments):
 
-* ``defaults``: the library's defaults (``update="auto"``, no buckets);
+* ``defaults``: the library's defaults (``update="auto"``, i.e. sharded here;
+  256 KB gradient buckets);
 * ``update=replicated``: every replica applies every update (the behaviour
   before the sharded update);
-* ``update=sharded, bucket 4 MB``: gradients fused into 4 MB buckets;
+* ``no buckets``: one all-reduce per gradient (the default before 256 KB
+  buckets);
+* ``bucket 4 MB``: gradients fused into 4 MB buckets;
+* ``no overlap``: the defaults, but every gradient waits for the whole
+  backward pass before its all-reduce (what the defaults gain by overlapping
+  communication with the backward pass);
 * ``defaults, steps=10``: ten steps per call.
 """
 
@@ -29,7 +35,9 @@ import replicator  # noqa: E402
 VARIANTS = {
     "defaults": dict(),
     "update=replicated": dict(update="replicated"),
-    "update=sharded, bucket 4 MB": dict(update="sharded", bucket_bytes=4 << 20),
+    "no buckets": dict(bucket_bytes=None),
+    "bucket 4 MB": dict(bucket_bytes=4 << 20),
+    "no overlap (all-reduces after the whole backward)": dict(barrier=True),
 }
 
 
@@ -56,10 +64,16 @@ def measure(model_name: str, devices, rounds: int) -> list[list[str]]:
   times = _timing.interleaved({name: s.call for name, s in setups.items()}, rounds=rounds, warmup=1,
                               per_call={name: s.steps_per_call for name, s in setups.items()})
   medians = {name: _timing.summary(t)["median"] for name, t in times.items()}
+
+  def per_round(name, reference):
+    p = _timing.paired_ratio(times[name], times[reference])
+    return f"{p['median']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]"
+
   rows = []
   for name, median in medians.items():
     rows.append([model_name, name, _timing.ms(median), f"{median / medians['single device']:.2f}",
-                 f"{median / medians['defaults']:.2f}"])
+                 f"{median / medians['defaults']:.2f}",
+                 per_round(name, "defaults") if name != "defaults, steps=10" else ""])
   del setups
   gc.collect()
   return rows
@@ -78,7 +92,8 @@ def main(argv=None):
   for name in args.models.split(","):
     rows += measure(name, devices, args.rounds)
     print(rows[-1], flush=True)
-  print(_timing.table(["model", "variant", "median step", "/ single", "/ defaults"], rows, "llrrr"))
+  print(_timing.table(["model", "variant", "median step", "/ single", "/ defaults",
+                       "/ defaults per round [95% CI]"], rows, "llrrrr"))
 
 
 if __name__ == "__main__":

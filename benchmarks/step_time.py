@@ -61,14 +61,22 @@ def _dataset(x, y) -> tf.data.Dataset:
   return tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
-def _sgd_step(spec, model, optimizer, loss_scale=1.0):
-  """The per-replica step body: forward, backward, update. Returns the unscaled loss."""
+def _sgd_step(spec, model, optimizer, loss_scale=1.0, barrier=False):
+  """The per-replica step body: forward, backward, update. Returns the unscaled loss.
+
+  ``barrier``: no gradient leaves before the whole backward pass is done (a
+  lever's baseline: without it each gradient's all-reduce may start as soon
+  as that gradient exists, overlapping the rest of the backward pass).
+  """
 
   def step(x, y):
     with tf.GradientTape() as tape:
       loss = spec.loss(y, model(x, training=True))
       scaled = loss * loss_scale
     grads = tape.gradient(scaled, model.trainable_variables)
+    if barrier:
+      with tf.control_dependencies(grads):
+        grads = [tf.identity(g) for g in grads]
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
 
@@ -93,10 +101,11 @@ def single_device(spec: models_lib.Model, weights, x, y) -> Setup:
 
 
 def ours(spec: models_lib.Model, weights, x, y, devices, steps: int = 1, shared: Setup | None = None,
-         **wrap_kwargs) -> Setup:
+         barrier: bool = False, **wrap_kwargs) -> Setup:
   """The replicator's step; with ``shared``, another call pattern of that setup's step (same model).
 
-  ``wrap_kwargs`` go to ``wrap_optimizer`` (defaults: the library's).
+  ``barrier``: see :func:`_sgd_step`. ``wrap_kwargs`` go to ``wrap_optimizer``
+  (defaults: the library's).
   """
   if shared is not None:
     repl, step_fn, dataset = shared.info["repl"], shared.info["step_fn"], shared.info["dataset"]
@@ -107,7 +116,7 @@ def ours(spec: models_lib.Model, weights, x, y, devices, steps: int = 1, shared:
     optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3), **wrap_kwargs)
     optimizer.build(model.trainable_variables)
   model.set_weights(weights)
-  body = _sgd_step(spec, model, optimizer)
+  body = _sgd_step(spec, model, optimizer, barrier=barrier)
 
   def step_fn(batch):
     return body(*batch)

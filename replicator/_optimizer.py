@@ -426,6 +426,16 @@ def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:
   return add_variable_from_reference.record
 
 
+# Gradient buckets for a Replicator in one process: tensors under 256 KB are
+# fused into buckets of at most 256 KB, larger ones keep their own all-reduce
+# (and overlap the backward pass). Against no fusion, round by round over 60
+# rounds on 4 logical CPUs of 2 cores (median [95% interval]): deep MLP 0.95
+# [0.93, 0.96], ResNet 0.96 [0.92, 0.99], transformer 0.98 [0.95, 0.99],
+# MLP 256-4096-256 0.99 [0.97, 1.01]; one bucket for everything (4 MB) was
+# slower on the deep MLP (1.11 [1.06, 1.16]): it waits for the whole backward.
+DEFAULT_BUCKET_BYTES = 256 << 10
+
+
 def fused_all_reduce(repl, values: list[tf.Tensor], op: str, axes: tuple[str, ...],
                      bucket_bytes: int | None) -> list[tf.Tensor]:
   """``repl.all_reduce(values, op, axis=axes)``, fusing small tensors into buckets.

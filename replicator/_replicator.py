@@ -340,7 +340,8 @@ class Replicator:
   # -- optimizers ------------------------------------------------------------------
 
   def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
-                     bucket_bytes: int | None = None, update: str = "auto") -> _optimizer.ReplicatedOptimizer:
+                     bucket_bytes: int | None = _optimizer.DEFAULT_BUCKET_BYTES,
+                     update: str = "auto") -> _optimizer.ReplicatedOptimizer:
     """Wraps a Keras 3 or Sonnet 2 optimizer so updates use gradients reduced over replicas.
 
     Args:
@@ -353,7 +354,9 @@ class Replicator:
         traced twice (an accumulate-only variant without communication, and
         the applying one); run one step per call.
       bucket_bytes: fuse gradients of one dtype into buckets of at most this
-        many bytes, one all-reduce per bucket (None: one per gradient).
+        many bytes, one all-reduce per bucket; a larger gradient keeps its
+        own (default 256 KB: fuses biases and small kernels; None or 0: one
+        all-reduce per gradient).
       update: ``"sharded"``: each variable is updated by one owner device and
         broadcast to the others, so the optimizer's work is done once, not
         once per replica (Keras 3 optimizers without ``global_clipnorm``,

@@ -47,6 +47,27 @@ def test_fused_gradients_equal_unfused(bucket_bytes):
     assert len(sizes) == 6
 
 
+def test_default_buckets_fuse_small_gradients_only():
+  # wrap_optimizer's default (256 KB): a 360 KB kernel keeps its own
+  # all-reduce; the bias and the small layer after it share one.
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((300,)), keras.layers.Dense(300), keras.layers.Dense(3)])
+    optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.1))
+  assert optimizer.bucket_bytes == 256 * 1024
+
+  def step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(model(x) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+  inputs = replicator.PerReplica(np.split(np.ones((4, 300), np.float32), 2))
+  plan = repl.explain(step, inputs=inputs)
+  sizes = [c.shape.num_elements() for c in plan.collectives if c.kind == "all_reduce"]
+  assert sizes == [300 * 300, 300 + 300 * 3 + 3]
+
+
 def test_bucket_bytes_is_checked():
   repl = replicator.Replicator(cpus(2))
   with pytest.raises(ValueError, match=r"wrap_optimizer\(bucket_bytes=-1\): needs None or a byte count >= 0"):
@@ -105,7 +126,8 @@ def test_sharded_update_equals_one_device(n):
   assert [int(c.numpy()) for c in _variables.underlying(wrapped.iterations).components] == [3] * n
   plan = repl.explain(step, inputs=replicator.PerReplica([np.zeros([2, 6], np.float32)] * n))
   kinds = [c.kind for c in plan.collectives]
-  assert kinds.count("all_reduce") == 6 and kinds.count("broadcast") == 6  # one per weight
+  # The 6 small gradients share one all-reduce (default buckets); one broadcast per weight.
+  assert kinds.count("all_reduce") == 1 and kinds.count("broadcast") == 6
 
 
 def test_owners_balance_bytes():

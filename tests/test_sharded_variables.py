@@ -121,7 +121,8 @@ def _train_one_step(repl, layouts, reduction, x_global):
   with repl.context(layouts=layouts):
     w = tf.Variable(tf.reshape(tf.range(12.0), [3, 4]) / 10.0, name="w")
     b = tf.Variable(tf.ones([4]), name="b")
-    optimizer = repl.wrap_optimizer(keras.optimizers.SGD(1.0), reduction=reduction)
+    # One all-reduce per gradient (no buckets), so the plan shows each one's axes.
+    optimizer = repl.wrap_optimizer(keras.optimizers.SGD(1.0), reduction=reduction, bucket_bytes=None)
 
   def step(x):
     with tf.GradientTape() as tape:
