@@ -431,8 +431,10 @@ def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:
 # (and overlap the backward pass). Against no fusion, round by round over 60
 # rounds on 4 logical CPUs of 2 cores (median [95% interval]): deep MLP 0.95
 # [0.93, 0.96], ResNet 0.96 [0.92, 0.99], transformer 0.98 [0.95, 0.99],
-# MLP 256-4096-256 0.99 [0.97, 1.01]; one bucket for everything (4 MB) was
-# slower on the deep MLP (1.11 [1.06, 1.16]): it waits for the whole backward.
+# MLP 256-4096-256 0.99 [0.97, 1.01]; in later runs 0.88-1.02 on the deep MLP
+# and 1.00 on the others, never significantly slower. One bucket for
+# everything (4 MB) was slower on the deep MLP (1.11-1.21x): it waits for the
+# whole backward pass. See benchmarks/README.md, "Levers".
 DEFAULT_BUCKET_BYTES = 256 << 10
 
 
