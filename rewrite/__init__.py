@@ -23,6 +23,7 @@ from rewrite._lowering import auto as auto_lowering
 from rewrite._lowering import get as get_lowering
 from rewrite._lowering import names as lowering_names
 from rewrite._lowering import register as register_lowering
+from rewrite._lowering import task_of
 from rewrite._placeholders import KINDS
 from rewrite._placeholders import Placeholder
 from rewrite._placeholders import emit
@@ -33,7 +34,6 @@ from rewrite._plan import plan
 CollectiveOps = _collective_ops.CollectiveOps
 Hierarchical = _hierarchical.Hierarchical
 OneDevice = _one_device.OneDevice
-task_of = _hierarchical.task_of
 del _collective_ops, _hierarchical, _one_device
 
 __all__ = (

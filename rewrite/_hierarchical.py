@@ -24,12 +24,6 @@ from rewrite._plan import Collective
 _CROSS_TASK_OP = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
 
 
-def task_of(device: str) -> str:
-  """``/job:worker/replica:0/task:1`` for a device string of that task."""
-  spec = tf.DeviceSpec.from_string(device)
-  return spec.replace(device_type=None, device_index=None).to_string()
-
-
 class Hierarchical(_lowering.Lowering):
   """Reduce within each task, one collective op across tasks, copy back.
 
@@ -63,7 +57,7 @@ class Hierarchical(_lowering.Lowering):
     params = collective.param_dict
     tasks: dict[str, list[int]] = {}
     for i, device in enumerate(devices):
-      tasks.setdefault(task_of(device), []).append(i)
+      tasks.setdefault(_lowering.task_of(device), []).append(i)
     leaders = [members[0] for members in tasks.values()]
     if collective.kind == "broadcast":
       source = params["source"]

@@ -130,13 +130,14 @@ def auto(collective: Collective) -> str:
     "collective_ops".
   """
   spans_tasks = any(
-      len({_task(collective.members[r].device) for r in group}) > 1 for group in collective.groups)
+      len({task_of(collective.members[r].device) for r in group}) > 1 for group in collective.groups)
   if not spans_tasks:
     return "one_device"
   return "hierarchical" if get("hierarchical").supports(collective) else "collective_ops"
 
 
-def _task(device: str) -> str:
+def task_of(device: str) -> str:
+  """``/job:worker/replica:0/task:1`` for a device string of that task."""
   return tf.DeviceSpec.from_string(device).replace(device_type=None, device_index=None).to_string()
 
 
