@@ -83,6 +83,11 @@ def paired_ratio(numerator, denominator, resamples: int = 2000, seed: int = 0) -
               n=int(r.size))
 
 
+def interval(p: dict[str, float]) -> str:
+  """A :func:`paired_ratio` as text: ``0.51 [0.49, 0.53]``."""
+  return f"{p['median']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]"
+
+
 def ms(seconds: float) -> str:
   """Seconds as a short millisecond string: 0.62 ms, 20.7 ms, 148 ms."""
   v = seconds * 1e3

@@ -257,9 +257,7 @@ def run(devices, model_names=None, rounds: int = 30, budget_seconds: float = 60.
     p = record["paired"]
     log(f"  ours/MS(best) {r['ours_over_mirrored_best']:.2f}  ours/single {r['ours_over_single']:.2f}  "
         f"(steps=10: {r['ours10_over_mirrored_best']:.2f}, {r['ours10_over_single']:.2f}); per round: "
-        f"{p['ours_over_mirrored_best']['median']:.2f} [{p['ours_over_mirrored_best']['ci_low']:.2f}, "
-        f"{p['ours_over_mirrored_best']['ci_high']:.2f}] and {p['ours_over_single']['median']:.2f} "
-        f"[{p['ours_over_single']['ci_low']:.2f}, {p['ours_over_single']['ci_high']:.2f}]")
+        f"{_timing.interval(p['ours_over_mirrored_best'])} and {_timing.interval(p['ours_over_single'])}")
     records.append(record)
   return records
 
@@ -282,12 +280,8 @@ def markdown(records: list[dict]) -> str:
                 for rec in records]
   ratios = _timing.table(["model", "ours / MS best", "ours / single", "ours steps=10 / MS best",
                           "ours steps=10 / single", "collectives per step", "bytes/step"], ratio_rows)
-
-  def paired(p):
-    return f"{p['median']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]"
-
-  paired_rows = [[rec["model"], rec["paired"]["mirrored_best"], paired(rec["paired"]["ours_over_mirrored_best"]),
-                  paired(rec["paired"]["ours_over_single"]), rec["paired"]["ours_over_single"]["n"]]
+  paired_rows = [[rec["model"], rec["paired"]["mirrored_best"], _timing.interval(rec["paired"]["ours_over_mirrored_best"]),
+                  _timing.interval(rec["paired"]["ours_over_single"]), rec["paired"]["ours_over_single"]["n"]]
                  for rec in records]
   per_round = _timing.table(["model", "MS best", "ours / MS best per round [95% CI]",
                              "ours / single per round [95% CI]", "rounds"], paired_rows, "llrrr")

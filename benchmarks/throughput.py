@@ -3,7 +3,7 @@
 Each measurement is one ``repl.run`` of a step doing ``k`` collectives of the
 same size on ``k`` distinct buffers per replica, one after the other (each
 waits for the previous one's output through a control dependency), with ``k``
-from 16 at small sizes down to 2 at 64 MB (at most 256 MB per replica); the
+16 up to 16 MB, then at most 256 MB per replica (4 at 64 MB); the
 time per collective is the call's time divided by ``k``, as NCCL-tests average
 back-to-back iterations on one stream. The time of a step with ONE collective (the fixed
 cost of a ``repl.run`` call included) is reported next to it. Inputs are fed
@@ -45,7 +45,7 @@ MEMCPY_BYTES = 64 * 2 ** 20
 
 
 def per_call(size: int) -> int:
-  """Independent collectives per timed call: 16 up to 4 MB, then at most 256 MB per replica."""
+  """Independent collectives per timed call: 16 up to 16 MB, then at most 256 MB per replica."""
   return max(2, min(16, (256 * 2 ** 20) // size))
 
 
