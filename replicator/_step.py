@@ -20,6 +20,7 @@ import tensorflow as tf
 import tree
 
 import rewrite
+from replicator import _captures
 from replicator import _context
 from replicator import _errors
 from replicator import _gradient_registry
@@ -62,12 +63,12 @@ class CompiledStep:
   source: _inputs.Source
   accumulating: tuple = ()  # gradient-accumulating optimizers the step uses
   _executables: dict = dataclasses.field(default_factory=dict)
+  _fed: _captures.Captures | None = None  # the captures as a call passes them (built on first use)
 
   def _import(self, flat_elements) -> list[tf.Tensor]:
     # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
     input_map = {name: tf.identity(t) for name, t in zip(self.input_names, flat_elements)}
-    for name, external in self.captures:
-      input_map[name] = _capture(external)
+    input_map.update(self._fed.input_map(_capture))
     if not self.output_names:
       tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, name="step")
       return []
@@ -87,6 +88,8 @@ class CompiledStep:
 
   def _build(self, steps: int, all_steps: bool):
     source = self.source
+    if self._fed is None:
+      self._fed = _captures.Captures(self.captures)
 
     def one_step(*flat_args):
       return self._import(source.fetch(flat_args))

@@ -1,0 +1,72 @@
+"""The eager values a step's graph reads, fed as few inputs as possible.
+
+Every variable a replicated step touches (each replica's component, each
+optimizer slot, each collective's ordering token) is a resource handle the
+step's function captures, and a function call pays for every input it is
+passed: about 3 us per handle on TF 2.21 CPU. A 4-replica step of a 16-layer
+MLP with Adam captures ~200 handles; passed one by one they cost 0.75 ms per
+call against 0.15 ms for a call with none.
+
+So the handles that live on one device are stacked, once, into one rank-1
+resource tensor on that device (``tf.stack``), and the graph takes them apart
+again on the same device (``tf.unstack``): a call passes one tensor per device
+(0.22 ms for the same 200 handles on 4 devices). Ops that use an unstacked
+handle are placed with it, on the handle's own device, as they would be with
+the handle passed directly. Only public ops are involved.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+
+class Captures:
+  """Maps the step graph's captured tensors to eager values, stacking handles per device.
+
+  Args:
+    captures: ``(name of the tensor in the step's graph, eager value)`` pairs.
+  """
+
+  def __init__(self, captures: list[tuple[str, tf.Tensor]]):
+    self.direct: list[tuple[str, tf.Tensor]] = []
+    by_device: dict[str, list[tuple[str, tf.Tensor]]] = {}
+    for name, value in captures:
+      if _stackable(value):
+        by_device.setdefault(value.device, []).append((name, value))
+      else:
+        self.direct.append((name, value))
+    self.stacks: list[tuple[str, list[str], tf.Tensor]] = []  # (device, names, stacked handles)
+    with tf.init_scope():
+      for device, members in by_device.items():
+        if len(members) == 1:
+          self.direct.extend(members)
+          continue
+        with tf.device(device):
+          stacked = tf.stack([value for _, value in members])
+        self.stacks.append((device, [name for name, _ in members], stacked))
+
+  @property
+  def num_inputs(self) -> int:
+    """How many tensors a call passes for these captures."""
+    return len(self.direct) + len(self.stacks)
+
+  def input_map(self, capture: Callable[[tf.Tensor], tf.Tensor]) -> dict[str, tf.Tensor]:
+    """Step graph tensor name -> its value in the graph being built.
+
+    ``capture(eager_tensor)`` returns the current graph's placeholder for an
+    eager tensor; handles are unstacked on their own device.
+    """
+    mapping = {name: capture(value) for name, value in self.direct}
+    for device, names, stacked in self.stacks:
+      with tf.device(device):
+        handles = tf.unstack(capture(stacked), num=len(names))
+      mapping.update(zip(names, handles))
+    return mapping
+
+
+def _stackable(value) -> bool:
+  """An eager scalar resource handle with a known device."""
+  return (value.dtype == tf.resource and not tf.is_symbolic_tensor(value)
+          and value.shape.rank == 0 and bool(value.device))
