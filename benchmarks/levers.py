@@ -19,12 +19,16 @@ and to the library's defaults. Variants (``wrap_optimizer`` arguments):
 * ``no overlap``: the defaults, but every gradient waits for the whole
   backward pass before its all-reduce (what the defaults gain by overlapping
   communication with the backward pass);
+* ``handles one by one``: the defaults, but the step's function takes every
+  captured variable handle as its own input (before they were stacked per
+  device: see ``replicator/_captures.py``);
 * ``defaults, steps=10``: ten steps per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 
@@ -38,7 +42,20 @@ VARIANTS = {
     "no buckets": dict(bucket_bytes=None),
     "bucket 4 MB": dict(bucket_bytes=4 << 20),
     "no overlap (all-reduces after the whole backward)": dict(barrier=True),
+    "handles one by one": dict(unstacked=True),
 }
+
+
+@contextlib.contextmanager
+def _handles_one_by_one():
+  """Steps built inside take every captured handle as its own input (the library before stacking)."""
+  from replicator import _captures
+  stackable = _captures._stackable  # pylint: disable=protected-access
+  _captures._stackable = lambda value: False  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    _captures._stackable = stackable  # pylint: disable=protected-access
 
 
 def measure(model_name: str, devices, rounds: int) -> list[list[str]]:
@@ -56,7 +73,10 @@ def measure(model_name: str, devices, rounds: int) -> list[list[str]]:
   x, y = spec.batch()
   setups = {"single device": step_time.single_device(spec, weights, x, y)}
   for name, kwargs in VARIANTS.items():
-    setups[name] = step_time.ours(spec, weights, x, y, devices, **kwargs)
+    kwargs = dict(kwargs)
+    with _handles_one_by_one() if kwargs.pop("unstacked", False) else contextlib.nullcontext():
+      setups[name] = step_time.ours(spec, weights, x, y, devices, **kwargs)
+      setups[name].call()  # the first call builds the step
   setups["defaults, steps=10"] = step_time.ours(spec, weights, x, y, devices, steps=10, shared=setups["defaults"])
   for setup in setups.values():  # build and warm up
     for _ in range(3):
