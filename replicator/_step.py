@@ -7,7 +7,8 @@
    scratch graph's ``GraphDef``.
 4. execute: the rewritten ``GraphDef`` is imported into a ``tf.function``
    (mapping the scratch graph's inputs and captured resources to the real
-   ones); its concrete function is what every later call runs.
+   ones, the handles stacked per device: ``_captures``); its concrete
+   function is what every later call runs.
 """
 
 from __future__ import annotations
