@@ -4,6 +4,7 @@ Run by hand (not part of ``benchmarks.run``):
 
   python -m benchmarks.breakdown step --model mlp_deep   # step pieces, interleaved medians
   python -m benchmarks.breakdown build --replicas 8,16   # phases of the first call
+  python -m benchmarks.breakdown call --devices 4        # what a function call pays per captured handle
 
 ``step`` times cumulative pieces of the same step on 4 logical CPUs: forward
 only; forward and backward; plus an all-reduce of the gradients; the Adam
@@ -15,6 +16,11 @@ making the executable (importing the rewritten GraphDef into a
 ``tf.function``) and the first run, by wrapping ``replicator._step``
 internals with timers in this process only; and MirroredStrategy's into
 creating the distributed iterator, tracing, and the first run.
+
+``call`` times the fixed cost of one call of a function spanning the devices
+(one small op per device) with N captured variable handles spread over the
+devices, passed one by one (what ``tf.function`` does) and stacked per device
+(``replicator._captures``, what the replicator's step does), interleaved.
 """
 
 from __future__ import annotations
@@ -150,9 +156,58 @@ def build_phases(counts, all_devices) -> None:
                        "executable (GraphDef import)", "first run"], rows, "llrrrrr"))
 
 
+def call_cost(devices, rounds: int, counts=(0, 50, 200, 400)) -> None:
+  import numpy as np
+  import tensorflow as tf
+
+  from benchmarks import _timing
+  from replicator import _captures
+
+  variables = []
+  for i in range(max(counts)):
+    with tf.device(devices[i % len(devices)]):
+      variables.append(tf.Variable(tf.zeros([4])))
+
+  def function(n: int, stacked: bool):
+    pairs = [(f"h{i}", v.handle) for i, v in enumerate(variables[:n])]
+    captures = _captures.Captures(pairs) if stacked else None
+
+    def capture(t):
+      return tf.identity(t).op.inputs[0]  # the function graph's placeholder for eager t
+
+    @tf.function(autograph=False)
+    def f():
+      handles = captures.input_map(capture) if stacked else {name: capture(h) for name, h in pairs}
+      # Every handle reaches the graph (control edges only: no per-handle op runs).
+      with tf.control_dependencies([h.op for h in handles.values()]):
+        outs = []
+        for device in devices:
+          with tf.device(device):
+            outs.append(tf.constant(1.0) + 1.0)
+      return outs
+
+    return f, captures.num_inputs if stacked else n
+
+  calls, meta = {}, {}
+  for n in counts:
+    for stacked in ((False, True) if n else (False,)):
+      name = f"{n}, " + ("stacked per device" if stacked else "one by one") if n else "none"
+      calls[name], num_inputs = function(n, stacked)
+      meta[name] = (n, num_inputs)
+  times = _timing.interleaved(calls, rounds, warmup=3)
+  base = np.median(times["none"])
+  rows = []
+  for name, t in times.items():
+    n, num_inputs = meta[name]
+    median = np.median(t)
+    rows.append([name, num_inputs, _timing.ms(median), f"{(median - base) / n * 1e6:.2f} us" if n else ""])
+  print(f"one call of a function over {len(devices)} logical CPUs, {rounds} interleaved rounds")
+  print(_timing.table(["captured handles", "inputs passed", "median call", "extra per handle"], rows, "lrrr"))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("what", choices=("step", "build"))
+  parser.add_argument("what", choices=("step", "build", "call"))
   parser.add_argument("--model", default="mlp_deep")
   parser.add_argument("--devices", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=30)
@@ -162,6 +217,8 @@ def main(argv=None):
   devices = replicator.virtual_cpus(max([64, args.devices] + counts))
   if args.what == "step":
     step_pieces(args.model, devices[:args.devices], args.rounds)
+  elif args.what == "call":
+    call_cost(devices[:args.devices], max(args.rounds, 200))
   else:
     build_phases(counts, devices)
 

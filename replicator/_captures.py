@@ -3,14 +3,15 @@
 Every variable a replicated step touches (each replica's component, each
 optimizer slot, each collective's ordering token) is a resource handle the
 step's function captures, and a function call pays for every input it is
-passed: about 3 us per handle on TF 2.21 CPU. A 4-replica step of a 16-layer
-MLP with Adam captures ~200 handles; passed one by one they cost 0.75 ms per
-call against 0.15 ms for a call with none.
+passed: 3.3-3.9 us per handle on TF 2.21 CPU (``python -m benchmarks.breakdown
+call``). A 4-replica step of a 16-layer MLP with Adam captures 200 handles;
+passed one by one they cost 0.86-0.99 ms per call against 0.20 ms for a call
+with none.
 
 So the handles that live on one device are stacked, once, into one rank-1
 resource tensor on that device (``tf.stack``), and the graph takes them apart
 again on the same device (``tf.unstack``): a call passes one tensor per device
-(0.22 ms for the same 200 handles on 4 devices). Ops that use an unstacked
+(0.26-0.28 ms for the same 200 handles on 4 devices). Ops that use an unstacked
 handle are placed with it, on the handle's own device, as they would be with
 the handle passed directly. Only public ops are involved.
 """
