@@ -68,6 +68,13 @@ class Captures:
 
 
 def _stackable(value) -> bool:
-  """An eager scalar resource handle with a known device."""
+  """An eager scalar resource handle on a CPU device.
+
+  CPUs only: ``Pack``/``Unpack`` of resource handles have CPU kernels, and on
+  an accelerator soft placement would move the unstacking (and with it every
+  op using the handles) off the variable's device. Accelerator handles are
+  passed as they are.
+  """
   return (value.dtype == tf.resource and not tf.is_symbolic_tensor(value)
-          and value.shape.rank == 0 and bool(value.device))
+          and value.shape.rank == 0 and bool(value.device)
+          and tf.DeviceSpec.from_string(value.device).device_type == "CPU")

@@ -1,5 +1,7 @@
 """Captured handles are stacked per device: fewer inputs per call, same values and updates."""
 
+import types
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -53,6 +55,13 @@ def test_other_captures_are_fed_directly():
   assert captures.num_inputs == 3
   assert not captures.stacks
   assert sorted(name for name, _ in captures.direct) == ["c", "v0", "v1"]
+
+
+def test_only_cpu_handles_are_stacked():
+  gpu_handle = types.SimpleNamespace(dtype=tf.resource, shape=tf.TensorShape([]),
+                                     device="/job:localhost/replica:0/task:0/device:GPU:0")
+  assert not _captures._stackable(gpu_handle)  # pylint: disable=protected-access
+  assert _captures._stackable(_variables(cpus(1), 1)[0].handle)  # pylint: disable=protected-access
 
 
 def test_a_replicated_step_passes_one_handle_tensor_per_device():
