@@ -5,6 +5,7 @@ Run by hand (not part of ``benchmarks.run``):
   python -m benchmarks.breakdown step --model mlp_deep   # step pieces, interleaved medians
   python -m benchmarks.breakdown build --replicas 8,16   # phases of the first call
   python -m benchmarks.breakdown call --devices 4        # what a function call pays per captured handle
+  python -m benchmarks.breakdown grad --devices 4        # a weight gradient: one full batch vs quarters
 
 ``step`` times cumulative pieces of the same step on 4 logical CPUs: forward
 only; forward and backward; plus an all-reduce of the gradients; the Adam
@@ -21,6 +22,11 @@ creating the distributed iterator, tracing, and the first run.
 (one small op per device) with N captured variable handles spread over the
 devices, passed one by one (what ``tf.function`` does) and stacked per device
 (``replicator._captures``, what the replicator's step does), interleaved.
+
+``grad`` times the weight gradient of mlp_wide's first layer (``x^T dy``,
+256x4096): one matmul on the full batch of 512 on one device, against one
+matmul per device on its quarter of the batch, side by side (the same
+arithmetic; each quarter writes a full-size gradient), and one quarter alone.
 """
 
 from __future__ import annotations
@@ -205,9 +211,58 @@ def call_cost(devices, rounds: int, counts=(0, 50, 200, 400)) -> None:
   print(_timing.table(["captured handles", "inputs passed", "median call", "extra per handle"], rows, "lrrr"))
 
 
+def weight_gradient(devices, rounds: int, repeats: int = 8) -> None:
+  import numpy as np
+  import tensorflow as tf
+
+  from benchmarks import _timing
+  rng = np.random.RandomState(0)
+  batch, n = 512, len(devices)
+  x = rng.randn(batch, 256).astype(np.float32)
+  dy = rng.randn(batch, 4096).astype(np.float32)
+  with tf.device(devices[0]):
+    full_x, full_dy = tf.constant(x), tf.constant(dy)
+  parts = []
+  for i, device in enumerate(devices):
+    with tf.device(device):
+      rows = slice(i * batch // n, (i + 1) * batch // n)
+      parts.append((tf.constant(x[rows]), tf.constant(dy[rows])))
+
+  def first(g):
+    return tf.reduce_sum(g[0, :1])  # a scalar to fetch; the matmul still runs whole
+
+  @tf.function
+  def full():
+    with tf.device(devices[0]):
+      return [first(tf.matmul(full_x, full_dy, transpose_a=True)) for _ in range(repeats)]
+
+  @tf.function
+  def side_by_side():
+    out = []
+    for _ in range(repeats):
+      for device, (xi, dyi) in zip(devices, parts):
+        with tf.device(device):
+          out.append(first(tf.matmul(xi, dyi, transpose_a=True)))
+    return out
+
+  @tf.function
+  def one_part():
+    with tf.device(devices[0]):
+      return [first(tf.matmul(parts[0][0], parts[0][1], transpose_a=True)) for _ in range(repeats)]
+
+  calls = {f"full batch ({batch}), one device": full,
+           f"{n} x {batch // n} rows, side by side": side_by_side,
+           f"one part ({batch // n} rows) alone": one_part}
+  times = _timing.interleaved({k: (lambda f=f: [t.numpy() for t in f()]) for k, f in calls.items()}, rounds, warmup=3)
+  base = np.median(times[f"full batch ({batch}), one device"])
+  print(f"weight gradient x^T dy (256x4096 output) on {n} logical CPUs, {rounds} rounds, {repeats} per call")
+  print(_timing.table(["computation", "time per gradient", "/ full batch"], [
+      [name, _timing.ms(np.median(t) / repeats), f"{np.median(t) / base:.2f}"] for name, t in times.items()], "lrr"))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("what", choices=("step", "build", "call"))
+  parser.add_argument("what", choices=("step", "build", "call", "grad"))
   parser.add_argument("--model", default="mlp_deep")
   parser.add_argument("--devices", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=30)
@@ -219,6 +274,8 @@ def main(argv=None):
     step_pieces(args.model, devices[:args.devices], args.rounds)
   elif args.what == "call":
     call_cost(devices[:args.devices], max(args.rounds, 200))
+  elif args.what == "grad":
+    weight_gradient(devices[:args.devices], max(args.rounds, 40))
   else:
     build_phases(counts, devices)
 
