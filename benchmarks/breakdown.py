@@ -211,44 +211,49 @@ def call_cost(devices, rounds: int, counts=(0, 50, 200, 400)) -> None:
   print(_timing.table(["captured handles", "inputs passed", "median call", "extra per handle"], rows, "lrrr"))
 
 
-def weight_gradient(devices, rounds: int, repeats: int = 8) -> None:
+def weight_gradient(devices, rounds: int, repeats: int = 4) -> None:
   import numpy as np
   import tensorflow as tf
 
   from benchmarks import _timing
   rng = np.random.RandomState(0)
   batch, n = 512, len(devices)
-  x = rng.randn(batch, 256).astype(np.float32)
-  dy = rng.randn(batch, 4096).astype(np.float32)
+  # Distinct inputs per repeat: identical matmuls would be merged into one (grappler's CSE).
+  xs = [rng.randn(batch, 256).astype(np.float32) for _ in range(repeats)]
+  dys = [rng.randn(batch, 4096).astype(np.float32) for _ in range(repeats)]
   with tf.device(devices[0]):
-    full_x, full_dy = tf.constant(x), tf.constant(dy)
-  parts = []
-  for i, device in enumerate(devices):
-    with tf.device(device):
-      rows = slice(i * batch // n, (i + 1) * batch // n)
-      parts.append((tf.constant(x[rows]), tf.constant(dy[rows])))
+    full_inputs = [(tf.constant(x), tf.constant(dy)) for x, dy in zip(xs, dys)]
+  part_inputs = []  # [repeat][device] -> (x rows, dy rows)
+  for x, dy in zip(xs, dys):
+    row = []
+    for i, device in enumerate(devices):
+      with tf.device(device):
+        rows = slice(i * batch // n, (i + 1) * batch // n)
+        row.append((tf.constant(x[rows]), tf.constant(dy[rows])))
+    part_inputs.append(row)
 
-  def first(g):
-    return tf.reduce_sum(g[0, :1])  # a scalar to fetch; the matmul still runs whole
+  def gradient(x, dy):
+    # A scalar to fetch that needs all of x^T dy (with a slice, grappler shrinks the matmul).
+    return tf.reduce_sum(tf.matmul(x, dy, transpose_a=True))
 
   @tf.function
   def full():
     with tf.device(devices[0]):
-      return [first(tf.matmul(full_x, full_dy, transpose_a=True)) for _ in range(repeats)]
+      return [gradient(x, dy) for x, dy in full_inputs]
 
   @tf.function
   def side_by_side():
     out = []
-    for _ in range(repeats):
-      for device, (xi, dyi) in zip(devices, parts):
+    for row in part_inputs:
+      for device, (x, dy) in zip(devices, row):
         with tf.device(device):
-          out.append(first(tf.matmul(xi, dyi, transpose_a=True)))
+          out.append(gradient(x, dy))
     return out
 
   @tf.function
   def one_part():
     with tf.device(devices[0]):
-      return [first(tf.matmul(parts[0][0], parts[0][1], transpose_a=True)) for _ in range(repeats)]
+      return [gradient(*row[0]) for row in part_inputs]
 
   calls = {f"full batch ({batch}), one device": full,
            f"{n} x {batch // n} rows, side by side": side_by_side,
