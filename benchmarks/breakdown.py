@@ -178,12 +178,9 @@ def call_cost(devices, rounds: int, counts=(0, 50, 200, 400)) -> None:
     pairs = [(f"h{i}", v.handle) for i, v in enumerate(variables[:n])]
     captures = _captures.Captures(pairs) if stacked else None
 
-    def capture(t):
-      return tf.identity(t).op.inputs[0]  # the function graph's placeholder for eager t
-
     @tf.function(autograph=False)
     def f():
-      handles = captures.input_map(capture) if stacked else {name: capture(h) for name, h in pairs}
+      handles = captures.input_map() if stacked else {name: _captures.capture(h) for name, h in pairs}
       # Every handle reaches the graph (control edges only: no per-handle op runs).
       with tf.control_dependencies([h.op for h in handles.values()]):
         outs = []

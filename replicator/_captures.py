@@ -18,9 +18,12 @@ the handle passed directly. Only public ops are involved.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import tensorflow as tf
+
+
+def capture(t: tf.Tensor) -> tf.Tensor:
+  """The current function graph's placeholder for eager tensor ``t`` (captures it)."""
+  return tf.identity(t).op.inputs[0]
 
 
 class Captures:
@@ -53,11 +56,11 @@ class Captures:
     """How many tensors a call passes for these captures."""
     return len(self.direct) + len(self.stacks)
 
-  def input_map(self, capture: Callable[[tf.Tensor], tf.Tensor]) -> dict[str, tf.Tensor]:
-    """Step graph tensor name -> its value in the graph being built.
+  def input_map(self) -> dict[str, tf.Tensor]:
+    """Step graph tensor name -> its value in the function graph being built.
 
-    ``capture(eager_tensor)`` returns the current graph's placeholder for an
-    eager tensor; handles are unstacked on their own device.
+    Captures the eager values into that graph; handles are unstacked on their
+    own device.
     """
     mapping = {name: capture(value) for name, value in self.direct}
     for device, names, stacked in self.stacks:

@@ -39,11 +39,6 @@ OUTPUT_MISMATCH = (
 )
 
 
-def _capture(t: tf.Tensor) -> tf.Tensor:
-  """The current function graph's placeholder for eager tensor ``t`` (captures it)."""
-  return tf.identity(t).op.inputs[0]
-
-
 def _spec_str(structure) -> str:
   return str(tree.map_structure(
       lambda v: None if v is None else f"{v.dtype.name}{v.shape}", structure))
@@ -56,7 +51,7 @@ class CompiledStep:
   plan: rewrite.Plan
   graph_def: Any
   input_names: list[str]  # the step graph's argument tensors (flat step inputs)
-  captures: list[tuple[str, tf.Tensor]]  # step graph tensor name -> eager value to feed
+  captures: _captures.Captures  # step graph tensor name -> eager value to feed (handles stacked)
   output_names: list[str]
   output_dtypes: list[tf.DType]
   structure: Any  # output nest of replica 0 (leaves: tensors or None)
@@ -64,12 +59,11 @@ class CompiledStep:
   source: _inputs.Source
   accumulating: tuple = ()  # gradient-accumulating optimizers the step uses
   _executables: dict = dataclasses.field(default_factory=dict)
-  _fed: _captures.Captures | None = None  # the captures as a call passes them (built on first use)
 
   def _import(self, flat_elements) -> list[tf.Tensor]:
     # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
     input_map = {name: tf.identity(t) for name, t in zip(self.input_names, flat_elements)}
-    input_map.update(self._fed.input_map(_capture))
+    input_map.update(self.captures.input_map())
     if not self.output_names:
       tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, name="step")
       return []
@@ -89,8 +83,6 @@ class CompiledStep:
 
   def _build(self, steps: int, all_steps: bool):
     source = self.source
-    if self._fed is None:
-      self._fed = _captures.Captures(self.captures)
 
     def one_step(*flat_args):
       return self._import(source.fetch(flat_args))
@@ -205,8 +197,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   return CompiledStep(
       plan=plan, graph_def=rewritten.graph_def,
       input_names=[t.name for t in graph.inputs[:len(source.element_specs)]],
-      captures=[(internal.name, external) for external, internal in graph.captures]
-      + list(rewritten.external_inputs.items()),
+      captures=_captures.Captures([(internal.name, external) for external, internal in graph.captures]
+                                  + list(rewritten.external_inputs.items())),
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,

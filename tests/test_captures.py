@@ -25,7 +25,7 @@ def _run_through(captures: _captures.Captures, variables):
 
   @tf.function(autograph=False)
   def f():
-    mapping = captures.input_map(lambda t: tf.identity(t).op.inputs[0])
+    mapping = captures.input_map()
     reads = []
     for name, v in zip(names, variables):
       with tf.device(v.device):
@@ -85,8 +85,9 @@ def test_a_replicated_step_passes_one_handle_tensor_per_device():
   repl.run(step, inputs=inputs)
   compiled, _ = repl._compiled(step, None, inputs)  # pylint: disable=protected-access
   # 4 variables x 4 replicas (+ the optimizer's own state) captured, 4 passed.
-  assert len(compiled.captures) >= 16
-  assert compiled._fed.num_inputs == len(devices)  # pylint: disable=protected-access
+  fed = compiled.captures
+  assert len(fed.direct) + sum(len(names) for _, names, _ in fed.stacks) >= 16
+  assert fed.num_inputs == len(devices)
 
   # The update is the one-device update on the global batch.
   ref_optimizer = keras.optimizers.SGD(0.1)
