@@ -144,7 +144,7 @@ class MultiWorkerReplicator(Replicator):
 
     Each cross-worker collective pays a network round trip; on 2 workers x 2
     devices (loopback) fusing a 16-layer MLP's 32 gradients into one bucket
-    cut its step from 103 ms to 29 ms. (Within one process one bucket for
+    cut its step from 49-58 ms to 17-20 ms (benchmarks/README.md). (Within one process one bucket for
     everything waits for the whole backward pass, so plain Replicators fuse
     only into 256 KB buckets.)
     """
