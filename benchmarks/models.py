@@ -27,6 +27,8 @@ class Model:
     y_shape: one example's target shape (``()``: a class index).
     build: returns a built (weights created) Keras model.
     classes: number of classes for a classification target, 0 for regression.
+    vocab: for a token model, the vocabulary size: ``x`` holds token ids
+      drawn uniformly from ``[0, vocab)`` (int32); 0: ``x`` is Gaussian.
   """
 
   name: str
@@ -36,11 +38,15 @@ class Model:
   y_shape: tuple[int, ...]
   build: Callable[[], keras.Model]
   classes: int = 0
+  vocab: int = 0
 
   def batch(self, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """One synthetic global batch ``(x, y)`` (NumPy), the same for every configuration."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((self.global_batch,) + self.x_shape).astype(np.float32)
+    if self.vocab:
+      x = rng.integers(0, self.vocab, (self.global_batch,) + self.x_shape).astype(np.int32)
+    else:
+      x = rng.standard_normal((self.global_batch,) + self.x_shape).astype(np.float32)
     if self.classes:
       y = rng.integers(0, self.classes, (self.global_batch,) + self.y_shape).astype(np.int32)
     else:
@@ -57,6 +63,12 @@ class Model:
 def _built(model: keras.Model, x_shape) -> keras.Model:
   model.build((None,) + tuple(x_shape))
   return model
+
+
+def embedding_bag() -> keras.Model:
+  """A 50,000 x 128 token embedding, mean-pooled over 32 tokens, then Dense(4): a sparse gradient's cost."""
+  return keras.Sequential([keras.Input((32,), dtype="int32"), keras.layers.Embedding(50_000, 128),
+                           keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
 
 
 def deep_mlp() -> keras.Model:
@@ -100,6 +112,8 @@ MODELS = (
     Model("resnet", "3 residual conv blocks (16-32 ch) on 32x32x3, no BN", 64, (32, 32, 3), (), small_resnet, 10),
     Model("transformer", "self-attention (4 heads) + MLP, seq 64, d_model 128", 32, (64, 128), (), transformer_block,
           10),
+    Model("embedding", "sparse: Embedding(50000, 128), 32 tokens mean-pooled, Dense(4)", 64, (32,), (), embedding_bag,
+          4, vocab=50_000),
 )
 
 

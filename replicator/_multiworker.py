@@ -139,7 +139,7 @@ class MultiWorkerReplicator(Replicator):
     return cls(cluster=cluster.spec, **kwargs)
 
   def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
-                     bucket_bytes: int | None = 4 << 20, update: str = "auto"):
+                     bucket_bytes: int | None = 4 << 20, update: str = "auto", densify_above: float | None = None):
     """:meth:`Replicator.wrap_optimizer`, fusing gradients into 4 MB buckets by default.
 
     Each cross-worker collective pays a network round trip; on 2 workers x 2
@@ -148,7 +148,7 @@ class MultiWorkerReplicator(Replicator):
     everything waits for the whole backward pass, so plain Replicators fuse
     only into 256 KB buckets.)
     """
-    return super().wrap_optimizer(optimizer, reduction, accumulation_steps, bucket_bytes, update)
+    return super().wrap_optimizer(optimizer, reduction, accumulation_steps, bucket_bytes, update, densify_above)
 
   @property
   def cluster(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -11,6 +12,7 @@ import rewrite
 from replicator import _context
 from replicator import _primitives
 from replicator import _variables
+from replicator import _writes
 
 REDUCTIONS = ("mean", "sum")
 UPDATES = ("auto", "sharded", "replicated")
@@ -19,6 +21,13 @@ SHARDED_UPDATE_UNSUPPORTED = (
     "wrap_optimizer(update=\"sharded\") cannot shard the updates of {optimizer}: {reason}. "
     "Fix: use update=\"replicated\" (every replica applies every update; the default "
     "\"auto\" chooses it for this optimizer)."
+)
+
+ROWS_THEN_DENSE = (
+    "wrap_optimizer(accumulation_steps=...) accumulates the rows of {name!r}'s sparse gradient "
+    "(tf.IndexedSlices, as its first accumulated step gave), but this step gives a dense gradient. "
+    "Fix: give the variable the same kind of gradient in every step (tf.convert_to_tensor(g) makes "
+    "a sparse gradient dense), or use one wrapped optimizer per kind."
 )
 
 SHARDED_EXTRA_ARGUMENTS = (
@@ -34,9 +43,11 @@ class Owner:
   ``position`` is the owner's place (``Mesh.axis_index``) within each group
   of devices along ``axes``, the mesh axes the variable is replicated on (with
   more than one device); each such group holds one piece of the variable.
+  ``pending``: not decided yet, position 0 applies the first update.
   """
   position: int
   axes: tuple[str, ...]
+  pending: bool = False  # a first sparse update decides (see ReplicatedOptimizer.owners)
 
 
 def sharded_update_unsupported(optimizer) -> str | None:
@@ -61,6 +72,32 @@ def sharded_update_unsupported(optimizer) -> str | None:
   if getattr(optimizer, "gradient_accumulation_steps", None):
     return "its gradient_accumulation_steps (use wrap_optimizer(accumulation_steps=...) instead)"
   return None
+
+
+def stays_sparse(gradient: tf.IndexedSlices, group_size: int, densify_above: float | None) -> bool:
+  """Whether a ``tf.IndexedSlices`` gradient is reduced as rows (gathered) rather than densely.
+
+  Gathering rows gives every replica the slices one device would have had, so
+  every optimizer computes what it computes on one device (Keras 3's Adam, for
+  one, adds a duplicated row's squares to its second moment: the sum of
+  squares, not the square of the sum). A dense all-reduce adds the replicas'
+  slices into one table: exact only for optimizers linear in the gradient
+  (SGD), but cheaper when the gathered rows approach the table's size.
+
+  Args:
+    gradient: the replica's gradient.
+    group_size: replicas it is reduced over.
+    densify_above: reduce densely when this replica's static row count times
+      ``group_size`` is at least this fraction of the variable's rows; None:
+      always as rows.
+  """
+  if densify_above is None or group_size == 1:
+    return True
+  rows = gradient.values.shape[0] if gradient.values.shape.rank else None
+  dense_shape = None if gradient.dense_shape is None else tf.get_static_value(gradient.dense_shape)
+  if rows is None or dense_shape is None or not len(dense_shape):
+    return True  # unknown sizes: exact
+  return rows * group_size < densify_above * int(dense_shape[0])
 
 
 def _one_cpu_process(devices) -> bool:
@@ -117,7 +154,7 @@ class ReplicatedOptimizer(tf.Module):
   """
 
   def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
-               bucket_bytes: int | None = None, update: str = "auto"):
+               bucket_bytes: int | None = None, update: str = "auto", densify_above: float | None = None):
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
       raise ValueError(f"wrap_optimizer(accumulation_steps={accumulation_steps!r}): needs a positive integer.")
     if reduction not in REDUCTIONS:
@@ -133,6 +170,11 @@ class ReplicatedOptimizer(tf.Module):
     if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 0):
       raise ValueError(f"wrap_optimizer(bucket_bytes={bucket_bytes!r}): needs None or a byte count >= 0.")
     object.__setattr__(self, "bucket_bytes", bucket_bytes)
+    if densify_above is not None and (isinstance(densify_above, bool) or not isinstance(densify_above, (int, float))
+                                      or densify_above < 0):
+      raise ValueError(f"wrap_optimizer(densify_above={densify_above!r}): needs None or a fraction >= 0 "
+                       "(of a variable's rows).")
+    object.__setattr__(self, "densify_above", densify_above)
     object.__setattr__(self, "_accumulators", None)
     object.__setattr__(self, "calls", 0)  # steps run through this optimizer (Python side)
     object.__setattr__(self, "_apply_now", True)  # set by the Replicator before tracing
@@ -190,14 +232,15 @@ class ReplicatedOptimizer(tf.Module):
 
     With ``variables``, each gradient is reduced over the mesh axes its
     variable is replicated on (see the class docstring); one all-reduce call
-    per distinct set of axes.
+    per distinct set of axes. A ``tf.IndexedSlices`` gradient stays sparse:
+    its rows and indices are gathered from every replica (see
+    :func:`stays_sparse`).
     """
     repl = self._replicator
     mesh = repl.mesh
-    dense = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-    variables = [None] * len(dense) if variables is None else list(variables)
-    if len(variables) != len(dense):
-      raise ValueError(f"reduce_gradients got {len(dense)} gradients for {len(variables)} variables.")
+    variables = [None] * len(grads) if variables is None else list(variables)
+    if len(variables) != len(grads):
+      raise ValueError(f"reduce_gradients got {len(grads)} gradients for {len(variables)} variables.")
     # "sum": every device that differs only along non-batch axes computes the
     # same batch shard's loss; count it once.
     batch_axes = repl._batch_axes if repl._batch_axes is not None else mesh.axis_names  # pylint: disable=protected-access
@@ -206,18 +249,34 @@ class ReplicatedOptimizer(tf.Module):
     for v in variables:
       axes, pieces = _replication(mesh, None if v is None else _variables.layout_of(v))
       plans.append((axes, copies if self._reduction == "sum" else pieces))
-    reduced: list[Any] = [None] * len(dense)
-    by_axes: dict[tuple[str, ...], list[int]] = {}
-    for i, (g, (axes, _)) in enumerate(zip(dense, plans)):
-      if g is not None:
-        by_axes.setdefault(axes, []).append(i)
-    for axes, indices in by_axes.items():
-      values = [dense[i] for i in indices]
+    reduced: list[Any] = [None] * len(grads)
+    dense_by_axes: dict[tuple[str, ...], list[int]] = {}
+    sparse_by_axes: dict[tuple[str, ...], list[int]] = {}
+    for i, (g, (axes, _)) in enumerate(zip(grads, plans)):
+      if g is None:
+        continue
+      if isinstance(g, tf.IndexedSlices) and stays_sparse(g, mesh.axis_size(axes), self.densify_above):
+        sparse_by_axes.setdefault(axes, []).append(i)
+      else:
+        dense_by_axes.setdefault(axes, []).append(i)
+    for axes, indices in dense_by_axes.items():
+      values = [tf.convert_to_tensor(grads[i]) for i in indices]
       if axes:
         values = fused_all_reduce(repl, values, self._reduction, axes, self.bucket_bytes)
       for i, value in zip(indices, values):
         divisor = plans[i][1]
         reduced[i] = value if divisor == 1 else value / tf.cast(divisor, value.dtype)
+    for axes, indices in sparse_by_axes.items():
+      # The mean over the group (for "mean") and the divisor, applied to the rows.
+      group = mesh.axis_size(axes) if self._reduction == "mean" else 1
+      for i in indices:
+        g, scale = grads[i], 1.0 / (group * plans[i][1])
+        if axes:
+          ctx = _primitives.require_context(repl, "wrap_optimizer")
+          (reduced[i],) = _primitives.sparse_sum(ctx, [g], axes, _primitives.user_location(), scale)
+        else:
+          reduced[i] = g if scale == 1.0 else tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
+                                                                g.indices, g.dense_shape)
     return reduced
 
   def build(self, variables, *args, **kwargs):
@@ -229,7 +288,10 @@ class ReplicatedOptimizer(tf.Module):
     """Adds this step's local gradients to the accumulators.
 
     Returns the accumulated sums when this step applies (accumulators are then
-    reset), or None when it only accumulates.
+    reset), or None when it only accumulates. A sparse gradient accumulates
+    its rows (see :class:`_RowAccumulator`), so the applied gradient holds
+    every row of the k steps, as one device's gradient of a k times larger
+    batch would.
     """
     if self.accumulation_steps == 1:
       return grads
@@ -237,25 +299,32 @@ class ReplicatedOptimizer(tf.Module):
     if ctx is not None:
       ctx.accumulating.add(self)
     if self._accumulators is None:
-      # Per-replica sums of local gradients: on-read, so outside a step they
-      # read as the sum over replicas.
-      object.__setattr__(self, "_accumulators", [
-          tf.Variable(lambda v=v: tf.zeros(v.shape, v.dtype), trainable=False,
-                      synchronization=tf.VariableSynchronization.ON_READ,
-                      aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
-          for v in variables])
+      object.__setattr__(self, "_accumulators", [_new_accumulator(v, g) for v, g in zip(variables, grads)])
     if len(self._accumulators) != len(variables):
       raise ValueError(f"This optimizer accumulates gradients for {len(self._accumulators)} variables, "
                        f"but got {len(variables)}. Use one wrapped optimizer per set of variables.")
+    for acc, g, v in zip(self._accumulators, grads, variables):
+      if isinstance(acc, _RowAccumulator) and g is not None and not isinstance(g, tf.IndexedSlices):
+        raise TypeError(ROWS_THEN_DENSE.format(name=getattr(v, "path", None) or v.name))
     if not self._apply_now:
       for acc, g in zip(self._accumulators, grads):
-        if g is not None:
+        if isinstance(acc, _RowAccumulator) and g is not None:
+          acc.add(g)
+        elif g is not None:
           acc.assign_add(tf.convert_to_tensor(g))
       return None
     totals = []
     for acc, g in zip(self._accumulators, grads):
-      totals.append(None if g is None else (acc.read_value() + tf.convert_to_tensor(g)) / self.accumulation_steps)
-      acc.assign(tf.zeros_like(acc))
+      if g is None:
+        totals.append(None)
+      elif isinstance(acc, _RowAccumulator):
+        totals.append(acc.total(g, self.accumulation_steps))
+      else:
+        totals.append((acc.read_value() + tf.convert_to_tensor(g)) / self.accumulation_steps)
+      if isinstance(acc, _RowAccumulator):
+        acc.reset()
+      else:
+        acc.assign(tf.zeros_like(acc))
     return totals
 
   def apply_gradients(self, grads_and_vars, *args, **kwargs):
@@ -308,14 +377,23 @@ class ReplicatedOptimizer(tf.Module):
       raise TypeError(SHARDED_EXTRA_ARGUMENTS.format(extra=list(args) + sorted(kwargs or {})))
     return sharding
 
-  def owners(self, variables) -> list[Owner | None]:
+  def owners(self, variables, sparse: Sequence[bool] | None = None) -> list[Owner | None]:
     """The owner of each variable under a sharded update (None: every replica updates it).
 
     Owners are assigned once per variable, the first time it is updated,
     largest variables first, each to the position whose devices own the fewest
     bytes so far; the assignment then stays fixed (slots live on the owner).
+
+    A variable first updated with a sparse gradient (``sparse[i]``) is
+    pending: position 0 (traced first) applies its first update, and
+    :meth:`_settle` then looks at how that update wrote it. Rows only (Keras
+    SGD, Sonnet): every replica applies the same gathered rows from then on
+    (None), so no value is broadcast. The whole value (Keras Adam, whose slots
+    decay every row): position 0 stays its owner and broadcasts it, which is
+    cheaper than every replica computing the dense update.
     """
     mesh = self._replicator.mesh
+    sparse = [False] * len(variables) if sparse is None else sparse
     result: list[Owner | None] = []
     new = []  # (index, ReplicatedVariable, replicated axes, bytes per piece)
     for i, v in enumerate(variables):
@@ -324,19 +402,43 @@ class ReplicatedOptimizer(tf.Module):
       result.append(None if record is None else record[1])  # ordinary variables: not shared
       if replicated is not None and record is None:
         axes, pieces = _replication(mesh, replicated.sharding)
-        new.append((i, replicated, axes, replicated.shape.num_elements() * replicated.dtype.size // pieces))
+        if sparse[i]:
+          result[i] = Owner(0, axes, pending=True)
+        else:
+          new.append((i, replicated, axes, replicated.shape.num_elements() * replicated.dtype.size // pieces))
     for i, replicated, axes, nbytes in sorted(new, key=lambda n: -n[3]):  # stable: ties keep variable order
       groups = mesh.groups(axes)
       best = min(range(len(groups[0])), key=lambda p: (max(self._load[g[p]] for g in groups), p))
-      for g in groups:
-        self._load[g[best]] += nbytes
-      owner = Owner(best, axes)
-      self._owners[id(replicated)] = (replicated, owner)
-      replicated.set_owner(best, axes)
-      for slot in self._slots.get(id(replicated), ()):
-        slot.set_owner(best, axes)
-      result[i] = owner
+      result[i] = self._own(replicated, Owner(best, axes), nbytes)
     return result
+
+  def _own(self, replicated, owner: Owner, nbytes: int) -> Owner:
+    """Records ``owner`` for ``replicated`` (and its slots) and counts its bytes."""
+    for g in self._replicator.mesh.groups(owner.axes):
+      self._load[g[owner.position]] += nbytes
+    self._owners[id(replicated)] = (replicated, owner)
+    replicated.set_owner(owner.position, owner.axes)
+    for slot in self._slots.get(id(replicated), ()):
+      slot.set_owner(owner.position, owner.axes)
+    return owner
+
+  def _settle(self, owners: list[Owner | None], variables, ops: Sequence[tf.Operation]) -> list[Owner | None]:
+    """Decides the pending owners after position 0 traced their first update (``ops``)."""
+    settled = list(owners)
+    graph = tf.compat.v1.get_default_graph()
+    ctx = _context.current_context()
+    for i, owner in enumerate(owners):
+      if owner is None or not owner.pending:
+        continue
+      replicated = _variables.underlying(variables[i])
+      if _writes.writes_rows_only(graph, ops, replicated.components[ctx.replica_id]):
+        self._owners[id(replicated)] = (replicated, None)
+        settled[i] = None
+      else:
+        nbytes = replicated.shape.num_elements() * replicated.dtype.size // _replication(
+            self._replicator.mesh, replicated.sharding)[1]
+        settled[i] = self._own(replicated, Owner(0, owner.axes), nbytes)
+    return settled
 
   def _apply_sharded(self, grads, variables):
     """This replica applies the updates it owns, then owners broadcast the new values."""
@@ -348,13 +450,17 @@ class ReplicatedOptimizer(tf.Module):
       import keras  # pylint: disable=import-outside-toplevel  (only Keras optimizers get here)
       with keras.name_scope(optimizer.name, caller=optimizer):
         optimizer.build(variables)
-    owners = self.owners(variables)
+    owners = self.owners(variables, [isinstance(g, tf.IndexedSlices) for g in grads])
     mesh = self._replicator.mesh
     mine = [i for i, o in enumerate(owners) if o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position]
+    graph = tf.compat.v1.get_default_graph()
+    first_op = len(graph.get_operations())
     if any(grads[i] is not None for i in mine):
       optimizer.apply([grads[i] for i in mine], [variables[i] for i in mine])
     else:
       optimizer.iterations.assign_add(1)  # what apply() would have counted
+    if any(o is not None and o.pending for o in owners):
+      owners = self._settle(owners, variables, graph.get_operations()[first_op:])
     shared: dict[Owner, list[int]] = {}
     for i, o in enumerate(owners):
       if o is not None and o.axes and grads[i] is not None:
@@ -389,6 +495,54 @@ class ReplicatedOptimizer(tf.Module):
   def __repr__(self):
     return (f"ReplicatedOptimizer({self._optimizer!r}, reduction={self._reduction!r}, "
             f"accumulation_steps={self.accumulation_steps}, update={self.update!r})")
+
+
+class _RowAccumulator:
+  """The rows and indices of a replica's sparse gradients over the accumulated steps.
+
+  Two variables whose first dimension grows by each step's rows (sync on
+  read: every replica keeps its own) and is emptied when the step applies.
+  """
+
+  def __init__(self, gradient: tf.IndexedSlices):
+    values, indices = gradient.values, gradient.indices
+    if not values.shape[1:].is_fully_defined():
+      raise ValueError(f"Accumulating a sparse gradient needs rows of a static shape, found values of shape "
+                       f"{values.shape}. Fix: give the rows a static shape, or convert the gradient with "
+                       "tf.convert_to_tensor (accumulated densely).")
+    row = values.shape[1:].as_list()
+    kwargs = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
+                  aggregation=tf.VariableAggregation.NONE)
+    self.values = tf.Variable(lambda: tf.zeros([0] + row, values.dtype), shape=[None] + row,
+                              name="gradient_accumulator_rows", **kwargs)
+    self.indices = tf.Variable(lambda: tf.zeros([0], indices.dtype), shape=[None],
+                               name="gradient_accumulator_indices", **kwargs)
+    self._dense_shape = gradient.dense_shape
+
+  def add(self, gradient: tf.IndexedSlices) -> None:
+    self.values.assign(tf.concat([self.values.read_value(), gradient.values], 0))
+    self.indices.assign(tf.concat([self.indices.read_value(), tf.cast(gradient.indices, self.indices.dtype)], 0))
+
+  def total(self, gradient: tf.IndexedSlices, steps: int) -> tf.IndexedSlices:
+    """The accumulated rows and this step's, divided by ``steps``."""
+    values = tf.concat([self.values.read_value(), gradient.values], 0)
+    indices = tf.concat([self.indices.read_value(), tf.cast(gradient.indices, self.indices.dtype)], 0)
+    return tf.IndexedSlices(values / tf.cast(steps, values.dtype), indices, gradient.dense_shape)
+
+  def reset(self) -> None:
+    self.values.assign(tf.zeros([0] + self.values.shape[1:].as_list(), self.values.dtype))
+    self.indices.assign(tf.zeros([0], self.indices.dtype))
+
+
+def _new_accumulator(variable, gradient):
+  """A replica's accumulator for ``variable``'s gradients: rows for a sparse gradient, else a dense sum."""
+  if isinstance(gradient, tf.IndexedSlices):
+    return _RowAccumulator(gradient)
+  # Per-replica sums of local gradients: on-read, so outside a step they read
+  # as the sum over replicas.
+  return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
+                     synchronization=tf.VariableSynchronization.ON_READ,
+                     aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
 
 
 def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:

@@ -22,6 +22,13 @@ from replicator import _gradient_registry
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
+SPARSE_REDUCE_OP = (
+    "repl.all_reduce(op={op!r}) got a tf.IndexedSlices at {location}. Sparse values are reduced by "
+    "\"sum\" or \"mean\" (their rows are gathered: the result is IndexedSlices); {op} of the "
+    "implicit zeros is not defined row by row. Fix: use op=\"sum\"/\"mean\", or reduce a dense "
+    "tensor (tf.convert_to_tensor(slices))."
+)
+
 ALL_GATHER_INT_AXIS = (
     "repl.all_gather(x, axis={axis!r}): `axis` names mesh axes, as for every collective (an axis "
     "name of {names}, a tuple of them, or None for all), but found the int {axis!r}. The tensor "
@@ -75,11 +82,14 @@ def _check_graph(ctx: _context.ReplicaContext, name: str, location: str) -> None
         name=name, graph=getattr(graph, "name", type(graph).__name__), location=location))
 
 
-def _leaves(x, name: str):
+def _leaves(x, name: str, keep_slices: bool = False):
   flat = tree.flatten(x)
   tensors = []
   for leaf in flat:
     if isinstance(leaf, tf.IndexedSlices):
+      if keep_slices:
+        tensors.append(leaf)
+        continue
       leaf = tf.convert_to_tensor(leaf)
     try:
       tensors.append(tf.convert_to_tensor(leaf))
@@ -119,10 +129,14 @@ def _differentiable(ctx, forward, x):
   return y
 
 
-def _call(ctx, name: str, location: str, x, one):
-  """Runs ``one(leaf_tensor, call_description)`` for every leaf of nest ``x``."""
+def _call(ctx, name: str, location: str, x, one, keep_slices: bool = False):
+  """Runs ``one(leaf_tensor, call_description)`` for every leaf of nest ``x``.
+
+  ``IndexedSlices`` leaves are converted to dense tensors, or with
+  ``keep_slices`` handed to ``one`` as they are.
+  """
   _check_graph(ctx, name, location)
-  leaves = _leaves(x, name)
+  leaves = _leaves(x, name, keep_slices)
   ctx.calls += 1
   call = f"call {ctx.calls - 1}"
   results = [one(t, call if len(leaves) == 1 else f"{call}, tensor {i} of {len(leaves)}")
@@ -131,17 +145,49 @@ def _call(ctx, name: str, location: str, x, one):
 
 
 def all_reduce(ctx, x, op: str, axes: tuple[str, ...], location: str):
-  """Elementwise reduction over the replicas of ``axes``; every replica gets the result."""
+  """Elementwise reduction over the replicas of ``axes``; every replica gets the result.
+
+  An ``IndexedSlices`` leaf (op "sum" or "mean") stays sparse: see :func:`sparse_sum`.
+  """
   if op not in REDUCE_OPS:
     raise ValueError(f"repl.all_reduce(op={op!r}): op must be one of {REDUCE_OPS}.")
 
   def one(t, call):
+    if isinstance(t, tf.IndexedSlices):
+      if op not in ("sum", "mean"):
+        raise TypeError(SPARSE_REDUCE_OP.format(op=op, location=location))
+      return _sparse_sum_leaf(ctx, t, axes, location, call, mean=op == "mean")
     if t.dtype == tf.bool or t.dtype == tf.string:
       raise TypeError(f"repl.all_reduce() needs numeric tensors, found {t.dtype.name} at {location}. "
                       "Fix: cast to a number first (e.g. tf.cast(x, tf.int32)).")
     return _differentiable(ctx, lambda u: _reduce_with_grad(ctx, u, op, axes, location, call), t)
 
-  return _call(ctx, "all_reduce", location, x, one)
+  return _call(ctx, "all_reduce", location, x, one, keep_slices=True)
+
+
+def sparse_sum(ctx, x, axes: tuple[str, ...], location: str, scale: float = 1.0):
+  """The sum over the group of ``IndexedSlices`` (a nest of them), as ``IndexedSlices``.
+
+  The sum of sparse values is the concatenation of their rows: every member
+  gets every member's ``values`` and ``indices``, gathered in group order
+  (members may hold different numbers of rows), so on a batch split in
+  group order the rows come in the order one device would have them. Values
+  are multiplied by ``scale``. ``dense_shape`` is the member's own.
+  """
+  return _call(ctx, "all_reduce", location, x,
+               lambda t, call: _sparse_sum_leaf(ctx, t, axes, location, call, scale=scale), keep_slices=True)
+
+
+def _sparse_sum_leaf(ctx, t, axes, location, call, mean: bool = False, scale: float = 1.0):
+  if not isinstance(t, tf.IndexedSlices):
+    raise TypeError(f"A sparse reduction takes tf.IndexedSlices, found {type(t).__name__} at {location}.")
+  values = _all_gather_leaf(ctx, t.values, 0, axes, location, f"{call}, values", ragged=True)
+  indices = _all_gather_leaf(ctx, t.indices, 0, axes, location, f"{call}, indices", ragged=True)
+  if mean:
+    scale = scale / ctx.replicator.mesh.axis_size(axes)
+  if scale != 1.0:
+    values = values * tf.cast(scale, values.dtype)
+  return tf.IndexedSlices(values, indices, t.dense_shape)
 
 
 def _reduce_leaf(ctx, t, op, axes, location, call):
@@ -230,30 +276,50 @@ def _resized(shape: tf.TensorShape, dim: int, multiply: int = 1, divide: int = 1
   return tf.TensorShape(dims)
 
 
-def _gather_leaf(ctx, t, dim, axes, location, call):
+def _gather_leaf(ctx, t, dim, axes, location, call, ragged: bool = False):
+  """An all_gather placeholder; ``ragged``: members may differ in size along ``dim``."""
+  if ragged:
+    shape = tf.TensorShape([None if d == dim else n for d, n in enumerate(t.shape.as_list())])
+    return _emit(ctx, "all_gather", t, {"concat_dimension": dim, "ragged": True}, axes, shape, location, call)
   size = ctx.replicator.mesh.axis_size(axes)
   return _emit(ctx, "all_gather", t, {"concat_dimension": dim}, axes, _resized(t.shape, dim, size),
                location, call)
 
 
-def all_gather(ctx, x, concat_dimension: int, axes: tuple[str, ...], location: str):
-  """Concatenates the group's tensors along tensor dimension ``concat_dimension``."""
+def _all_gather_leaf(ctx, t, dim, axes, location, call, ragged: bool = False):
+  """Differentiable all_gather of one tensor; ragged if asked or if ``dim`` has no static size."""
   position = ctx.replicator.mesh.axis_index(ctx.replica_id, axes)
+  ragged = ragged or t.shape[dim] is None
+
+  def forward(u):
+    y = _gather_leaf(ctx, u, dim, axes, location, call, ragged)
+
+    def grad(dy):
+      where = f"gradient of all_gather at {location}"
+      total = _reduce_leaf(ctx, dy, "sum", axes, where, call)
+      if ragged:  # this member's rows start after those of the members before it
+        sizes = _gather_leaf(ctx, tf.shape(u)[dim:dim + 1], 0, axes, where, call)
+        start, n = tf.reduce_sum(sizes[:position]), sizes[position]
+      else:
+        n = tf.shape(u)[dim]
+        start = position * n
+      return tf.gather(total, tf.range(start, start + n), axis=dim)
+
+    return y, grad
+
+  return _differentiable(ctx, forward, t)
+
+
+def all_gather(ctx, x, concat_dimension: int, axes: tuple[str, ...], location: str):
+  """Concatenates the group's tensors along tensor dimension ``concat_dimension``.
+
+  Members may differ in size along that dimension if it has no static size
+  (a batch dimension, say): the gather is then *ragged*.
+  """
 
   def one(t, call):
     dim = _dimension("all_gather", "concat_dimension", concat_dimension, t, location)
-
-    def forward(u):
-      y = _gather_leaf(ctx, u, dim, axes, location, call)
-
-      def grad(dy):
-        total = _reduce_leaf(ctx, dy, "sum", axes, f"gradient of all_gather at {location}", call)
-        n = tf.shape(u)[dim]
-        return tf.gather(total, tf.range(position * n, (position + 1) * n), axis=dim)
-
-      return y, grad
-
-    return _differentiable(ctx, forward, t)
+    return _all_gather_leaf(ctx, t, dim, axes, location, call)
 
   return _call(ctx, "all_gather", location, x, one)
 

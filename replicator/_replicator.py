@@ -341,7 +341,7 @@ class Replicator:
 
   def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
                      bucket_bytes: int | None = _optimizer.DEFAULT_BUCKET_BYTES,
-                     update: str = "auto") -> _optimizer.ReplicatedOptimizer:
+                     update: str = "auto", densify_above: float | None = None) -> _optimizer.ReplicatedOptimizer:
     """Wraps a Keras 3 or Sonnet 2 optimizer so updates use gradients reduced over replicas.
 
     Args:
@@ -366,7 +366,7 @@ class Replicator:
         it, else replicated.
     """
     wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps, bucket_bytes,
-                                             update)
+                                             update, densify_above)
     if accumulation_steps > 1:
       self._accumulating.add(wrapped)
     return wrapped

@@ -9,7 +9,8 @@ This is the implementation that also works across worker processes.
 Kinds and the ops they use (TF 2.21, measured on logical CPUs):
 
 * all_reduce: ``CollectiveReduceV2``; broadcast: ``CollectiveReduceV2`` of the
-  source's value and zeros; all_gather: ``CollectiveGatherV2``.
+  source's value and zeros; all_gather: ``CollectiveGatherV2`` (a ragged gather
+  whose members differ in size gathers the sizes first and pads to the longest).
 * all_to_all: ``CollectiveAllToAllV2``, which has a CPU kernel and works with
   ordering tokens. It exchanges slices along dimension 0 and needs dimension 0
   to equal the group size, so inputs are transposed and reshaped to
@@ -79,6 +80,7 @@ class CollectiveOps(_lowering.Lowering):
     params = collective.param_dict
     group_key = self._group_key(devices)
     instance_key = _lowering.new_key()
+    sizes_key = _lowering.new_key() if collective.ragged else None
     outputs = []
     for i, (x, device) in enumerate(zip(inputs, devices)):
       token = ctx.external(f"token@{device}", tf.resource)
@@ -96,12 +98,13 @@ class CollectiveOps(_lowering.Lowering):
         elif collective.kind == "all_gather":
           axis = params["concat_dimension"]
           rank = x.shape.rank
-          if axis == 0:
-            y = tf.raw_ops.CollectiveGatherV2(input=x, **common)
+          perm = None if axis == 0 else [axis] + [d for d in range(rank) if d != axis]
+          front = _transpose(x, perm)
+          if collective.ragged and collective.shape[axis] is None:
+            gathered = _ragged_gather(front, n, dict(common, instance_key=sizes_key), common)
           else:
-            perm = [axis] + [d for d in range(rank) if d != axis]
-            inverse = [perm.index(d) for d in range(rank)]
-            y = tf.transpose(tf.raw_ops.CollectiveGatherV2(input=tf.transpose(x, perm), **common), inverse)
+            gathered = tf.raw_ops.CollectiveGatherV2(input=front, **common)
+          y = _transpose(gathered, None if perm is None else [perm.index(d) for d in range(rank)])
         elif collective.kind == "reduce_scatter":
           received, inverse = _exchange(x, params["scatter_dimension"], n, common)
           y = _transpose(_reduce_first(params["op"], received, n), inverse)
@@ -145,6 +148,22 @@ def _exchange(x: tf.Tensor, split: int, n: int, common: dict) -> tuple[tf.Tensor
   chunk = None if front.shape[0] is None else front.shape[0] // n
   received.set_shape([n, chunk] + front.shape[1:].as_list())
   return received, None if perm is None else [perm.index(d) for d in range(rank)]
+
+
+def _ragged_gather(front: tf.Tensor, n: int, sizes_common: dict, common: dict) -> tf.Tensor:
+  """All-gather along dimension 0 of inputs whose dimension 0 differs between members.
+
+  ``CollectiveGatherV2`` needs equal shapes (it fails with "Shape mismatch in
+  the collective instance" and aborts the collective executor), so members
+  first gather their lengths, pad to the longest, gather, and drop the padding.
+  """
+  length = tf.shape(front)[:1]
+  sizes = tf.raw_ops.CollectiveGatherV2(input=length, **sizes_common)  # [n], in member order
+  longest = tf.reduce_max(sizes)
+  padding = tf.concat([[[0, longest - length[0]]], tf.zeros([front.shape.rank - 1, 2], tf.int32)], 0)
+  gathered = tf.raw_ops.CollectiveGatherV2(input=tf.pad(front, padding), **common)
+  gathered = tf.reshape(gathered, tf.concat([[n, longest], tf.shape(front)[1:]], 0))
+  return tf.boolean_mask(gathered, tf.sequence_mask(sizes, longest))
 
 
 def _reduce_first(op: str, stacked: tf.Tensor, n: int) -> tf.Tensor:

@@ -51,11 +51,31 @@ class Collective:
     return len(self.groups[0])
 
   @property
+  def ragged(self) -> bool:
+    """Whether members may differ in size along the concatenated dimension (an all_gather)."""
+    return bool(self.param_dict.get("ragged"))
+
+  @property
   def nbytes(self) -> int | None:
     """Bytes of one replica's input, or None if the shape is not fully known."""
     if not self.shape.is_fully_defined():
       return None
     return self.shape.num_elements() * self.dtype.size
+
+  @property
+  def member_nbytes(self) -> tuple[int | None, ...]:
+    """Bytes of each member's input (None where its static shape is not fully known)."""
+    return tuple(m.input_shape.num_elements() * self.dtype.size if m.input_shape.is_fully_defined() else None
+                 for m in self.members)
+
+  def bytes_str(self) -> str:
+    """One replica's input bytes for tables: "4,096", "3,072-4,096" (members differ), "?" (unknown)."""
+    if self.nbytes is not None:
+      return f"{self.nbytes:,}"
+    sizes = self.member_nbytes
+    if None in sizes:
+      return "?"
+    return f"{min(sizes):,}-{max(sizes):,}"
 
   @property
   def location(self) -> str:
@@ -80,7 +100,7 @@ class Plan:
   @property
   def bytes_per_step(self) -> int:
     """Payload bytes entering collectives per step, summed over replicas (known shapes only)."""
-    return sum((c.nbytes or 0) * len(c.members) for c in self.collectives)
+    return sum(b or 0 for c in self.collectives for b in c.member_nbytes)
 
   def summary(self) -> list[dict[str, Any]]:
     """One dict per collective (for programs and JSON)."""
@@ -94,7 +114,7 @@ class Plan:
     rows = [header]
     for c in self.collectives:
       rows.append((str(c.index), c.describe(), ",".join(c.axes), c.dtype.name,
-                   _shape_str(c.shape), "?" if c.nbytes is None else f"{c.nbytes:,}",
+                   _shape_str(c.shape), c.bytes_str(),
                    c.implementation, c.location))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [f"Rewrite plan: {len(self.collectives)} collective(s) over "
@@ -128,6 +148,15 @@ def _count_mismatch(placeholders: Sequence[Sequence[Placeholder]], r: int) -> _e
   return _errors.CollectiveMismatchError(message, (longer, shorter), extra.index)
 
 
+def _checked_shape(member: Placeholder) -> tf.TensorShape:
+  """The part of a member's input shape that must agree across its group."""
+  params = member.param_dict
+  if member.kind != "all_gather" or not params.get("ragged") or member.input_shape.rank is None:
+    return member.input_shape
+  dim = params["concat_dimension"]
+  return tf.TensorShape([None if d == dim else n for d, n in enumerate(member.input_shape.as_list())])
+
+
 def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
          choose: Callable[[Collective], str]) -> Plan:
   """Matches placeholders across replicas into collectives.
@@ -159,21 +188,24 @@ def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
         raise _mismatch(first, other, "dtype")
     # Shapes must agree within each device group; different groups (say, batch
     # shards of different sizes) may differ, which the plan shows as unknown.
+    # A ragged gather's members may differ along the concatenated dimension.
     groups = mesh.groups(first.axes)
     shape = None
     for group in groups:
       lead = members[group[0]]
-      group_shape = lead.input_shape
+      group_shape = _checked_shape(lead)
       for r in group[1:]:
-        if not group_shape.is_compatible_with(members[r].input_shape):
+        if not group_shape.is_compatible_with(_checked_shape(members[r])):
           raise _mismatch(lead, members[r], "shape")
-        group_shape = group_shape.merge_with(members[r].input_shape)
+        group_shape = group_shape.merge_with(_checked_shape(members[r]))
       if shape is None:
         shape = group_shape
       elif shape.rank != group_shape.rank:
         raise _mismatch(first, lead, "rank")
       else:
         shape = shape.most_specific_compatible_shape(group_shape)
+    if len({tuple(m.input_shape.as_list()) if m.input_shape.rank is not None else None for m in members}) == 1:
+      shape = first.input_shape  # a ragged gather whose members agree after all
     draft = Collective(index=index, kind=first.kind, params=first.params, axes=first.axes,
                        dtype=first.dtype, shape=shape, members=tuple(members),
                        groups=groups, implementation="")

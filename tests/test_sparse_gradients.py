@@ -1,0 +1,437 @@
+"""Sparse gradients (tf.IndexedSlices): reduced as rows, equal to one device, for every optimizer.
+
+The reference is always the same steps on one device with the global batch.
+Batches repeat tokens (a row's gradient is the sum of several slices, which
+Keras 3's Adam treats differently from their dense sum) and hold tokens that
+only the first half of the replicas see.
+"""
+
+import keras
+import numpy as np
+import pytest
+import sonnet as snt
+import tensorflow as tf
+from conftest import REPLICA_COUNTS
+from conftest import cpus
+
+import mesh
+import replicator
+from replicator import _variables
+
+STEPS = 3
+GLOBAL_BATCH = 16
+TOKENS = 8
+VOCAB = 20
+TOL = 1e-5
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.05),
+    "adamw": lambda: keras.optimizers.AdamW(0.05, weight_decay=0.1),
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+}
+
+
+def batches(seed=0, batch=GLOBAL_BATCH):
+  """STEPS global batches: tokens 0-5 everywhere (repeats), 10-15 only in the first half of the rows."""
+  rng = np.random.RandomState(seed)
+  x = rng.randint(0, 6, size=(STEPS, batch, TOKENS)).astype(np.int32)
+  x[:, :batch // 2, ::2] += 10
+  y = rng.randint(0, 3, size=(STEPS, batch)).astype(np.int32)
+  return list(zip(x, y))
+
+
+def split(batch, n):
+  return replicator.PerReplica(list(zip(np.split(batch[0], n), np.split(batch[1], n))))
+
+
+def replica_values(variable):
+  """Every replica's current value of ``variable`` (a slot of a sharded update: its owner's)."""
+  replicated = _variables.underlying(variable)
+  if replicated is None:
+    return [variable.numpy()]
+  return [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
+
+
+def assert_every_replica_equals(reference, variables, tol=TOL):
+  assert len(reference) == len(variables)
+  for want, v in zip(reference, variables):
+    for r, got in enumerate(replica_values(v)):
+      np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"{v.path if hasattr(v, 'path') else v.name}, "
+                                                                       f"replica {r}")
+
+
+# -- Keras Embedding ---------------------------------------------------------------
+
+
+def embedding_model():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([keras.Input((TOKENS,), dtype="int32"), keras.layers.Embedding(VOCAB, 4),
+                           keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+
+def loss_of(model, x, y):
+  return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
+
+
+def train(n, optimizer, data=None, wrap=None, model_fn=embedding_model, loss_fn=loss_of, **wrap_kwargs):
+  """STEPS steps of the Keras model; returns (model, optimizer, repl, step): n=None is one device."""
+  data = batches() if data is None else data
+  if n is None:
+    model, opt = model_fn(), OPTIMIZERS[optimizer]()
+
+    @tf.function
+    def one_device_step(x, y):
+      with tf.GradientTape() as tape:
+        loss = loss_fn(model, x, y)
+      opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    for x, y in data:
+      one_device_step(x, y)
+    return model, opt, None, None
+  repl = replicator.Replicator(cpus(n))
+  with repl.context():
+    model = model_fn()
+    opt = repl.wrap_optimizer(OPTIMIZERS[optimizer](), **wrap_kwargs)
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(model, x, y)
+    grads = tape.gradient(loss, model.trainable_variables)
+    assert isinstance(grads[0], tf.IndexedSlices)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+  for batch in data:
+    repl.run(step, inputs=split(batch, n))
+  return model, opt, repl, step
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_keras_embedding_equals_one_device(optimizer, n):
+  want_model, want_opt, _, _ = train(None, optimizer)
+  model, opt, _, _ = train(n, optimizer)
+  assert_every_replica_equals([v.numpy() for v in want_model.variables], model.variables)
+  # Optimizer state: iterations, learning rate, every slot (the embedding's included).
+  assert_every_replica_equals([v.numpy() for v in want_opt.variables], opt.variables)
+
+
+def test_dense_reduction_of_slices_differs_from_one_device():
+  # Why rows are gathered: the dense sum of the replicas' slices changes
+  # Keras Adam's second moment (sum of squares vs square of sums).
+  want_model, _, _, _ = train(None, "adam")
+  model, _, repl, step = train(4, "adam", densify_above=0.0)
+  difference = np.abs(model.variables[0].numpy() - want_model.variables[0].numpy()).max()
+  assert difference > 1e-3
+  assert [c.kind for c in repl.explain(step, inputs=split(batches()[0], 4)).collectives][:1] == ["all_reduce"]
+
+
+def test_plan_shows_the_gathered_rows_and_their_bytes():
+  _, _, repl, step = train(4, "sgd", update="replicated", bucket_bytes=None)
+  plan = repl.explain(step, inputs=split(batches()[0], 4))
+  rows = [(c.kind, c.describe(), c.dtype.name, c.shape.as_list(), c.nbytes) for c in plan.collectives]
+  # 4 rows x 8 tokens per replica: 32 slices of 4 floats and their 32 indices; the Dense layer dense.
+  assert rows == [
+      ("all_reduce", "all_reduce(op='mean')", "float32", [4, 3], 48),
+      ("all_reduce", "all_reduce(op='mean')", "float32", [3], 12),
+      ("all_gather", "all_gather(concat_dimension=0, ragged=True)", "float32", [32, 4], 512),
+      ("all_gather", "all_gather(concat_dimension=0, ragged=True)", "int32", [32], 128),
+  ]
+  assert plan.bytes_per_step == 4 * (48 + 12 + 512 + 128)
+  assert "all_gather(concat_dimension=0, ragged=True)  replica  float32  [32,4]  512" in str(plan)
+
+
+# -- how the update reaches every replica ---------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer, broadcasts_table", [("sgd", False), ("adam", True)])
+def test_sharded_update_broadcasts_the_table_only_when_every_row_changed(optimizer, broadcasts_table):
+  # SGD scatters into the touched rows: every replica applies the same gathered
+  # rows. Adam decays every row of its slots: one owner applies it and broadcasts.
+  model, opt, repl, step = train(4, optimizer, update="sharded")
+  plan = repl.explain(step, inputs=split(batches()[0], 4))
+  table = model.variables[0]
+  broadcasts = [c for c in plan.collectives if c.kind == "broadcast"]
+  assert any(c.shape == table.shape for c in broadcasts) == broadcasts_table
+  owner = opt.owners([table])[0]
+  assert (owner is None) == (not broadcasts_table)
+  # Either way: the table is equal on every replica and to one device.
+  want_model, _, _, _ = train(None, optimizer)
+  assert_every_replica_equals([want_model.variables[0].numpy()], [table])
+
+
+# -- a sharded embedding: rows gathered per piece ------------------------------------------
+
+
+def train_sharded_embedding(repl, optimizer):
+  """Embedding dimension split over "model" (local view): per-piece sparse gradients, gathered over "batch"."""
+  layouts = {r"embedding/embeddings$": (None, "model"), r"^w$": ("model", None)}
+  context = repl.context(layouts=layouts) if repl else tf.device("/cpu:0")
+  with context:
+    keras.utils.set_random_seed(0)
+    embedding = keras.layers.Embedding(VOCAB, 4, name="embedding")
+    embedding.build((None, TOKENS))
+    w = tf.Variable(np.random.RandomState(4).randn(4, 3).astype(np.float32), name="w")
+    opt = OPTIMIZERS[optimizer]()
+    opt = repl.wrap_optimizer(opt) if repl else opt
+  params = [embedding.embeddings, w]
+  model_sum = (lambda t: repl.all_sum(t, axis="model")) if repl else (lambda t: t)
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      logits = model_sum(tf.reduce_mean(embedding(x), axis=1) @ w)  # this piece's partial product
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    grads = tape.gradient(loss, params)
+    assert isinstance(grads[0], tf.IndexedSlices)
+    opt.apply_gradients(zip(grads, params))
+
+  if repl is None:
+    one_device = tf.function(step)
+    for batch in batches():
+      one_device(batch)
+  else:
+    for batch in batches():
+      repl.run(step, tf.data.Dataset.from_tensors(batch))
+  return params, opt, step
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_sharded_embedding_equals_one_device(optimizer):
+  want, want_opt, _ = train_sharded_embedding(None, optimizer)
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)))
+  got, opt, step = train_sharded_embedding(repl, optimizer)
+  table = _variables.underlying(got[0])
+  assert table.sharding.spec == (None, "model") and table.components[0].shape.as_list() == [VOCAB, 2]
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=TOL, rtol=0)
+  for a, b in zip(opt.variables, want_opt.variables):
+    np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=TOL, rtol=0, err_msg=b.path)
+  # Each piece's rows (2 of the 4 columns; the split batch has no static size) are gathered over "batch" only.
+  plan = repl.explain(step, tf.data.Dataset.from_tensors(batches()[0]))
+  gathers = [(c.axes, c.group_size, c.shape.as_list()) for c in plan.collectives if c.kind == "all_gather"]
+  assert gathers == [(("batch",), 2, [None, 2]), (("batch",), 2, [None])]
+
+
+# -- tf.gather on a tf.Variable, Sonnet 2 optimizers --------------------------------------
+
+
+class Bag(tf.Module):
+  """A tf.Variable table looked up with tf.gather, mean-pooled, then a linear layer."""
+
+  def __init__(self):
+    super().__init__()
+    rng = np.random.RandomState(3)
+    self.table = tf.Variable(rng.randn(VOCAB, 4).astype(np.float32), name="table")
+    self.w = tf.Variable(rng.randn(4, 3).astype(np.float32), name="w")
+
+  def __call__(self, x):
+    return tf.reduce_mean(tf.gather(self.table, x), axis=1) @ self.w
+
+
+SONNET = {"snt_adam": lambda: snt.optimizers.Adam(0.05), "snt_sgd": lambda: snt.optimizers.SGD(0.5),
+          "snt_momentum": lambda: snt.optimizers.Momentum(0.1, 0.9), "adam": OPTIMIZERS["adam"]}
+
+
+def train_bag(n, optimizer, accumulation_steps=1, data=None, **wrap_kwargs):
+  """Trains Bag with a Sonnet (``apply(updates, parameters)``) or Keras optimizer."""
+  data = batches() if data is None else data
+  repl = replicator.Replicator(cpus(n)) if n else None
+  with repl.context() if repl else tf.device("/cpu:0"):
+    model, opt = Bag(), SONNET[optimizer]()
+    if repl:
+      opt = repl.wrap_optimizer(opt, accumulation_steps=accumulation_steps, **wrap_kwargs)
+  params = [model.table, model.w]
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+    grads = tape.gradient(loss, params)
+    assert isinstance(grads[0], tf.IndexedSlices)
+    opt.apply(grads, params)
+
+  if repl is None:
+    one_device = tf.function(step)
+    for batch in data:
+      one_device(batch)
+  else:
+    for batch in data:
+      repl.run(step, inputs=split(batch, n))
+  return model, opt, repl, step
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("optimizer", ["snt_adam", "snt_sgd", "snt_momentum", "adam"])
+def test_tf_gather_on_a_variable_equals_one_device(optimizer, n):
+  want, want_opt, _, _ = train_bag(None, optimizer)
+  got, opt, _, _ = train_bag(n, optimizer)
+  assert_every_replica_equals([want.table.numpy(), want.w.numpy()], [got.table, got.w])
+  if optimizer != "snt_sgd":  # the others' state: step counters, moments, momentum
+    assert_every_replica_equals([v.numpy() for v in want_opt.variables], list(opt.variables))
+
+
+def test_accumulated_sparse_gradients_equal_one_larger_batch():
+  # Two accumulated steps on 4 replicas == one step on one device with both
+  # global batches: the rows of both steps reach Adam, not their dense sum.
+  data = batches(seed=5)
+  big = [(np.concatenate([data[0][0], data[1][0]]), np.concatenate([data[0][1], data[1][1]]))]
+  want, want_opt, _, _ = train_bag(None, "adam", data=big)
+  got, opt, repl, step = train_bag(4, "adam", accumulation_steps=2, data=data[:2])
+  assert_every_replica_equals([want.table.numpy(), want.w.numpy()], [got.table, got.w])
+  assert_every_replica_equals([v.numpy() for v in want_opt.variables], list(opt.variables))
+  assert int(opt.iterations.numpy()) == 1
+  # The rows and indices accumulated are emptied by the applying step.
+  rows, indices = opt._accumulators[0].values, opt._accumulators[0].indices  # pylint: disable=protected-access
+  assert [c.numpy().shape for c in _variables.underlying(rows).components] == [(0, 4)] * 4
+  assert [c.numpy().shape for c in _variables.underlying(indices).components] == [(0,)] * 4
+
+
+def test_accumulating_rows_then_a_dense_gradient_is_an_error():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    table = tf.Variable(tf.ones([5, 2]))
+    opt = repl.wrap_optimizer(keras.optimizers.SGD(0.1), accumulation_steps=2)
+
+  def sparse_step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.gather(table, [1, 2]))
+    opt.apply(tape.gradient(loss, [table]), [table])
+
+  def dense_step():
+    opt.apply([tf.ones([5, 2])], [table])
+
+  repl.run(sparse_step)
+  with pytest.raises(TypeError, match=r"accumulates the rows of '.*'s sparse gradient \(tf.IndexedSlices, as its "
+                                      r"first accumulated step gave\), but this step gives a dense gradient\. Fix:"):
+    repl.run(dense_step)
+
+
+# -- different numbers of rows per replica ------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["one_device", "collective_ops"])
+def test_replicas_with_different_numbers_of_rows(implementation):
+  # 16 rows split 2, 6, 3, 5: each replica gathers a different number of
+  # slices. A loss summed over the local rows and divided by the global row
+  # count, reduced with "sum", is one device's mean.
+  sizes = [2, 6, 3, 5]
+  data = batches(seed=2)
+  rows = np.cumsum([0] + sizes)
+
+  def summed_loss(model, x, y):
+    return tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)) / GLOBAL_BATCH
+
+  want_model, want_opt, _, _ = train(None, "adam", data=data)
+  repl = replicator.Replicator(cpus(4), implementation=implementation)
+  with repl.context():
+    model = embedding_model()
+    opt = repl.wrap_optimizer(OPTIMIZERS["adam"](), reduction="sum")
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = summed_loss(model, x, y)
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+  def per_replica(batch):
+    return replicator.PerReplica([(batch[0][a:b], batch[1][a:b]) for a, b in zip(rows[:-1], rows[1:])])
+
+  for batch in data:
+    repl.run(step, inputs=per_replica(batch))
+  assert_every_replica_equals([v.numpy() for v in want_model.variables], model.variables)
+  assert_every_replica_equals([v.numpy() for v in want_opt.variables], opt.variables)
+  plan = repl.explain(step, inputs=per_replica(data[0]))
+  gathered = [c for c in plan.collectives if c.kind == "all_gather"]
+  assert [c.shape.as_list() for c in gathered] == [[None, 4], [None]]
+  assert gathered[0].bytes_str() == f"{2 * TOKENS * 4 * 4:,}-{6 * TOKENS * 4 * 4:,}"
+  assert plan.bytes_per_step >= sum(sizes) * TOKENS * (16 + 4)
+
+
+# -- very dense slices ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("densify_above, kind", [(0.9, "all_reduce"), (1.8, "all_gather")])
+def test_densify_above_chooses_by_the_gathered_rows(densify_above, kind):
+  data = batches()
+
+  def bigger_vocab_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((TOKENS,), dtype="int32"), keras.layers.Embedding(75, 4),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+  # 4 replicas x 32 slices = 128 gathered rows for a 75-row table: 1.71 times its rows.
+  want_model, _, _, _ = train(None, "sgd", data=data, model_fn=bigger_vocab_model)
+  model, _, repl, step = train(4, "sgd", data=data, model_fn=bigger_vocab_model, densify_above=densify_above,
+                               bucket_bytes=None)
+  plan = repl.explain(step, inputs=split(data[0], 4))
+  table_collective = [c for c in plan.collectives if c.dtype == tf.float32 and c.shape.rank == 2
+                      and c.shape[1] == 4 and c.kind != "broadcast"]
+  assert [c.kind for c in table_collective] == [kind]
+  # SGD is linear in the gradient: the dense sum is exact too.
+  assert_every_replica_equals([v.numpy() for v in want_model.variables], model.variables)
+
+
+def test_densify_above_is_checked():
+  repl = replicator.Replicator(cpus(2))
+  with pytest.raises(ValueError, match=r"wrap_optimizer\(densify_above=-1\): needs None or a fraction >= 0"):
+    repl.wrap_optimizer(keras.optimizers.SGD(), densify_above=-1)
+
+
+# -- the local view: repl.all_reduce of IndexedSlices ------------------------------------------
+
+
+def test_all_reduce_of_indexed_slices_gathers_rows():
+  repl = replicator.Replicator(cpus(3))
+
+  def step():
+    r = repl.replica_id
+    slices = tf.IndexedSlices(tf.fill([r + 1, 2], float(r + 1)), tf.range(r + 1) + 10 * r, tf.constant([40, 2]))
+    total, mean = repl.all_reduce(slices, "sum"), repl.all_reduce({"m": slices}, "mean")["m"]
+    assert isinstance(total, tf.IndexedSlices) and isinstance(mean, tf.IndexedSlices)
+    return total.values, total.indices, mean.values, total.dense_shape
+
+  values, indices, mean, dense_shape = repl.run(step)
+  for r in range(3):
+    np.testing.assert_array_equal(values[r], [[1, 1], [2, 2], [2, 2], [3, 3], [3, 3], [3, 3]])
+    np.testing.assert_array_equal(indices[r], [0, 10, 11, 20, 21, 22])
+    np.testing.assert_allclose(mean[r], values[r] / 3)
+    np.testing.assert_array_equal(dense_shape[r], [40, 2])
+
+
+def test_all_reduce_max_of_indexed_slices_is_an_error():
+  repl = replicator.Replicator(cpus(2))
+
+  def step():
+    return repl.all_reduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2])), "max")
+
+  with pytest.raises(TypeError, match=r"repl.all_reduce\(op='max'\) got a tf.IndexedSlices at .*Sparse values are "
+                                      r"reduced by \"sum\" or \"mean\".*Fix: use op=\"sum\"/\"mean\", or reduce a "
+                                      r"dense tensor"):
+    repl.run(step)
+
+
+def test_gradient_through_a_ragged_gather():
+  # d/dx of sum(all_gather(x) * w) for replicas holding 1, 2 and 3 rows (a
+  # batch dimension without static size: the gather is ragged): each
+  # replica's rows get the sum over replicas of w at their place in the gather.
+  repl = replicator.Replicator(cpus(3))
+  sizes = [1, 2, 3]
+  w = np.arange(1.0, 7.0, dtype=np.float32)[:, None]
+
+  def input_fn(ctx):
+    size = sizes[ctx.replica_id]
+    return tf.data.Dataset.from_tensor_slices(np.ones([size, 1], np.float32)).batch(size)
+
+  def step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      gathered = repl.all_gather(x)
+      loss = tf.reduce_sum(gathered * w)
+    return gathered, tape.gradient(loss, x)
+
+  gathered, grads = repl.run(step, input_fn)
+  offsets = np.cumsum([0] + sizes)
+  for r in range(3):
+    np.testing.assert_array_equal(gathered[r], np.ones([6, 1]))
+    np.testing.assert_allclose(grads[r], 3 * w[offsets[r]:offsets[r + 1]])
