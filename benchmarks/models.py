@@ -65,10 +65,30 @@ def _built(model: keras.Model, x_shape) -> keras.Model:
   return model
 
 
-def embedding_bag() -> keras.Model:
-  """A 50,000 x 128 token embedding, mean-pooled over 32 tokens, then Dense(4): a sparse gradient's cost."""
-  return keras.Sequential([keras.Input((32,), dtype="int32"), keras.layers.Embedding(50_000, 128),
+def embedding_bag(vocab: int = 50_000) -> keras.Model:
+  """A vocab x 128 token embedding, mean-pooled over 32 tokens, then Dense(4): a sparse gradient's cost.
+
+  Keras's ``Embedding`` reads its whole table (``ReadVariableOp``) and gathers
+  the rows from that tensor.
+  """
+  return keras.Sequential([keras.Input((32,), dtype="int32"), keras.layers.Embedding(vocab, 128),
                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+
+
+class RowGather(keras.layers.Layer):
+  """An embedding table read by rows: ``tf.gather`` on the variable (``ResourceGather``), mean-pooled."""
+
+  def __init__(self, vocab: int, width: int = 128, **kwargs):
+    super().__init__(**kwargs)
+    self.table = self.add_weight(shape=(vocab, width), initializer="uniform", name="table")
+
+  def call(self, tokens):
+    return tf.reduce_mean(tf.gather(self.table.value, tokens), axis=1)
+
+
+def gather_bag(vocab: int = 50_000) -> keras.Model:
+  """:func:`embedding_bag` with the table read by rows (:class:`RowGather`)."""
+  return keras.Sequential([keras.Input((32,), dtype="int32"), RowGather(vocab), keras.layers.Dense(4)])
 
 
 def deep_mlp() -> keras.Model:

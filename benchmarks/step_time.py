@@ -83,11 +83,16 @@ def _sgd_step(spec, model, optimizer, loss_scale=1.0, barrier=False):
   return step
 
 
-def single_device(spec: models_lib.Model, weights, x, y) -> Setup:
+def adam() -> keras.optimizers.Optimizer:
+  """The benchmarks' optimizer: Keras 3 Adam, learning rate 1e-3."""
+  return keras.optimizers.Adam(1e-3)
+
+
+def single_device(spec: models_lib.Model, weights, x, y, make_optimizer=adam) -> Setup:
   with tf.device("/device:CPU:0"):
     model = spec.build()
     model.set_weights(weights)
-    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer = make_optimizer()
     optimizer.build(model.trainable_variables)
     iterator = iter(_dataset(x, y).prefetch(2))
   body = _sgd_step(spec, model, optimizer)
@@ -101,7 +106,7 @@ def single_device(spec: models_lib.Model, weights, x, y) -> Setup:
 
 
 def ours(spec: models_lib.Model, weights, x, y, devices, steps: int = 1, shared: Setup | None = None,
-         barrier: bool = False, **wrap_kwargs) -> Setup:
+         barrier: bool = False, make_optimizer=adam, **wrap_kwargs) -> Setup:
   """The replicator's step; with ``shared``, another call pattern of that setup's step (same model).
 
   ``barrier``: see :func:`_sgd_step`. ``wrap_kwargs`` go to ``wrap_optimizer``
@@ -113,7 +118,7 @@ def ours(spec: models_lib.Model, weights, x, y, devices, steps: int = 1, shared:
   repl = replicator.Replicator(devices=devices)
   with repl.context():
     model = spec.build()
-    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3), **wrap_kwargs)
+    optimizer = repl.wrap_optimizer(make_optimizer(), **wrap_kwargs)
     optimizer.build(model.trainable_variables)
   model.set_weights(weights)
   body = _sgd_step(spec, model, optimizer, barrier=barrier)
@@ -140,11 +145,11 @@ def mirrored_strategy(devices, cross_device_ops=None) -> tf.distribute.MirroredS
   return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
 
 
-def mirrored(spec: models_lib.Model, weights, x, y, devices, cross_device_ops=None) -> Setup:
+def mirrored(spec: models_lib.Model, weights, x, y, devices, cross_device_ops=None, make_optimizer=adam) -> Setup:
   strategy = mirrored_strategy(devices, cross_device_ops)
   with strategy.scope():
     model = spec.build()
-    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer = make_optimizer()
     optimizer.build(model.trainable_variables)
   model.set_weights(weights)
   # Keras 3 all-reduces gradients with SUM under a strategy: scale each

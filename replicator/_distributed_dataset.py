@@ -35,18 +35,33 @@ def split_sizes(batch: tf.Tensor, num_replicas: int) -> tf.Tensor:
   return base + extra
 
 
+def _even_parts(shapes, num_replicas: int) -> bool:
+  """Whether every leaf's batch dimension has the same static size, which ``num_replicas`` divides."""
+  rows = {shape[0] if shape.rank else None for shape in shapes}
+  return len(rows) == 1 and None not in rows and next(iter(rows)) % num_replicas == 0
+
+
 def split(element: Any, num_replicas: int) -> list[Any]:
-  """One global-batch nest -> a list of per-replica nests (split along axis 0)."""
+  """One global-batch nest -> a list of per-replica nests (split along axis 0).
+
+  Batches of one static size that ``num_replicas`` divides are split into
+  parts of static size (as the distributed dataset's ``element_spec`` says).
+  """
   leaves = tree.flatten(element)
-  sizes = split_sizes(tf.shape(leaves[0], out_type=tf.int64)[0], num_replicas)
-  parts = [tf.split(leaf, sizes, axis=0, num=num_replicas) for leaf in leaves]
+  if _even_parts([leaf.shape for leaf in leaves], num_replicas):
+    parts = [tf.split(leaf, num_replicas, axis=0) for leaf in leaves]
+  else:
+    sizes = split_sizes(tf.shape(leaves[0], out_type=tf.int64)[0], num_replicas)
+    parts = [tf.split(leaf, sizes, axis=0, num=num_replicas) for leaf in leaves]
   return [tree.unflatten_as(element, [p[r] for p in parts]) for r in range(num_replicas)]
 
 
-def _replica_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
+def _replica_spec(spec: tf.TensorSpec, parts: int | None) -> tf.TensorSpec:
+  """A part's spec: the batch dimension divided by ``parts``, or of unknown size (None)."""
   if spec.shape.rank is None or spec.shape.rank == 0:
     raise _errors.InputMismatchError(NO_BATCH_DIMENSION.format(spec=spec))
-  return tf.TensorSpec([None] + spec.shape.as_list()[1:], spec.dtype)
+  rows = None if parts is None else spec.shape[0] // parts
+  return tf.TensorSpec([rows] + spec.shape.as_list()[1:], spec.dtype)
 
 
 class DistributedDataset:
@@ -77,13 +92,14 @@ class DistributedDataset:
     self.num_replicas = len(self.pipelines)
     self.num_pipelines = max(self.pipelines) + 1
     self.host_device = host_device
-    replica_spec = tree.map_structure(_replica_spec, dataset.element_spec)
     for leaf in tree.flatten(dataset.element_spec):
       if not isinstance(leaf, tf.TensorSpec):
         raise _errors.InputMismatchError(
             f"distribute_dataset feeds dense tensors only, found {type(leaf).__name__}.")
     self._dataset = _inputs.without_autotune_thread(dataset.prefetch(prefetch))
-    self.element_spec = replica_spec
+    flat = tree.flatten(dataset.element_spec)
+    parts = self.num_pipelines if _even_parts([leaf.shape for leaf in flat], self.num_pipelines) else None
+    self.element_spec = tree.map_structure(lambda spec: _replica_spec(spec, parts), dataset.element_spec)
 
   @property
   def dataset(self) -> tf.data.Dataset:

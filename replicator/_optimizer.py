@@ -9,10 +9,10 @@ from typing import Any
 import tensorflow as tf
 
 import rewrite
+from replicator import _access
 from replicator import _context
 from replicator import _primitives
 from replicator import _variables
-from replicator import _writes
 
 REDUCTIONS = ("mean", "sum")
 UPDATES = ("auto", "sharded", "replicated")
@@ -88,11 +88,14 @@ def stays_sparse(gradient: tf.IndexedSlices, group_size: int, densify_above: flo
     gradient: the replica's gradient.
     group_size: replicas it is reduced over.
     densify_above: reduce densely when this replica's static row count times
-      ``group_size`` is at least this fraction of the variable's rows; None:
-      always as rows.
+      ``group_size`` is at least this fraction of the variable's rows (0:
+      always; where the row count has no static size, only 0 densifies);
+      None: always as rows.
   """
   if densify_above is None or group_size == 1:
     return True
+  if densify_above == 0:
+    return False
   rows = gradient.values.shape[0] if gradient.values.shape.rank else None
   dense_shape = None if gradient.dense_shape is None else tf.get_static_value(gradient.dense_shape)
   if rows is None or dense_shape is None or not len(dense_shape):
@@ -141,12 +144,21 @@ class ReplicatedOptimizer(tf.Module):
   global batch) by the number of devices that share each batch shard. Keras
   optimizer slots take the layout of their variable.
 
+  A sparse gradient (``tf.IndexedSlices``, an embedding's) is reduced as rows:
+  every replica gets every replica's rows and indices in replica order, scaled
+  as above, as ``tf.IndexedSlices`` (see :func:`stays_sparse` and
+  ``densify_above``). With gradient accumulation the rows of every step are
+  kept.
+
   With ``update="sharded"`` each replicated variable (each piece of a sharded
   one) is updated by one owner device of the group that holds it, and the new
   value is broadcast to the others: the optimizer's arithmetic runs once
   instead of once per replica. Owners are chosen to balance bytes across
-  devices. Slot variables are then current only on their owner; reads from
-  outside a step and checkpoints take the owner's copy. ``"auto"`` (default)
+  devices; a variable first updated with a sparse gradient is either applied
+  by every replica or owned by position 0, as :func:`rows_everywhere` decides
+  from how the step reads and writes it. Slot variables are then current only
+  on their owner; reads from outside a step and checkpoints take the owner's
+  copy. ``"auto"`` (default)
   shards when every device is a CPU of one process (the broadcast is a
   hand-over of buffers there) and the optimizer allows it (see
   :func:`sharded_update_unsupported`); otherwise every replica applies every
@@ -338,9 +350,10 @@ class ReplicatedOptimizer(tf.Module):
     grads = self._accumulate([g for g, _ in grads_and_vars], variables)
     if grads is None:
       return None
+    gathered_bytes = self._gathered_bytes(grads, variables)
     grads = self.reduce_gradients(grads, variables)
     if self._sharding_now(args, kwargs):
-      self._apply_sharded(grads, variables)
+      self._apply_sharded(grads, variables, gathered_bytes)
       return self._optimizer.iterations
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
 
@@ -356,11 +369,13 @@ class ReplicatedOptimizer(tf.Module):
       grads = self._accumulate(list(grads), list(variables))
       if grads is None:
         return None
-    grads = self.reduce_gradients(list(grads), None if variables is None else list(variables))
+    grads = list(grads)
+    if self._sharding_now(args, kwargs) and variables is None:
+      variables = list(self._optimizer._trainable_variables)  # pylint: disable=protected-access
+    gathered_bytes = None if variables is None else self._gathered_bytes(grads, list(variables))
+    grads = self.reduce_gradients(grads, None if variables is None else list(variables))
     if self._sharding_now(args, kwargs):
-      if variables is None:
-        variables = list(self._optimizer._trainable_variables)  # pylint: disable=protected-access
-      return self._apply_sharded(grads, list(variables))
+      return self._apply_sharded(grads, list(variables), gathered_bytes)
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
     return self._optimizer.apply(grads, variables, *args, **kwargs)
@@ -386,11 +401,7 @@ class ReplicatedOptimizer(tf.Module):
 
     A variable first updated with a sparse gradient (``sparse[i]``) is
     pending: position 0 (traced first) applies its first update, and
-    :meth:`_settle` then looks at how that update wrote it. Rows only (Keras
-    SGD, Sonnet): every replica applies the same gathered rows from then on
-    (None), so no value is broadcast. The whole value (Keras Adam, whose slots
-    decay every row): position 0 stays its owner and broadcasts it, which is
-    cheaper than every replica computing the dense update.
+    :meth:`_settle` then decides from how the step reads and writes it.
     """
     mesh = self._replicator.mesh
     sparse = [False] * len(variables) if sparse is None else sparse
@@ -405,7 +416,7 @@ class ReplicatedOptimizer(tf.Module):
         if sparse[i]:
           result[i] = Owner(0, axes, pending=True)
         else:
-          new.append((i, replicated, axes, replicated.shape.num_elements() * replicated.dtype.size // pieces))
+          new.append((i, replicated, axes, _piece_bytes(replicated, pieces)))
     for i, replicated, axes, nbytes in sorted(new, key=lambda n: -n[3]):  # stable: ties keep variable order
       groups = mesh.groups(axes)
       best = min(range(len(groups[0])), key=lambda p: (max(self._load[g[p]] for g in groups), p))
@@ -422,25 +433,46 @@ class ReplicatedOptimizer(tf.Module):
       slot.set_owner(owner.position, owner.axes)
     return owner
 
-  def _settle(self, owners: list[Owner | None], variables, ops: Sequence[tf.Operation]) -> list[Owner | None]:
-    """Decides the pending owners after position 0 traced their first update (``ops``)."""
+  def _settle(self, owners: list[Owner | None], variables, update_ops: Sequence[tf.Operation],
+              gathered_bytes: Sequence[int | None]) -> list[Owner | None]:
+    """Decides the pending owners after position 0 traced their first update (``update_ops``).
+
+    Every replica applies the gathered rows itself (None: nothing is
+    broadcast) or position 0 owns the variable and broadcasts it, as
+    :func:`rows_everywhere` decides.
+    """
     settled = list(owners)
     graph = tf.compat.v1.get_default_graph()
+    everything = graph.get_operations()
     ctx = _context.current_context()
     for i, owner in enumerate(owners):
       if owner is None or not owner.pending:
         continue
       replicated = _variables.underlying(variables[i])
-      if _writes.writes_rows_only(graph, ops, replicated.components[ctx.replica_id]):
+      component = replicated.components[ctx.replica_id]
+      nbytes = _piece_bytes(replicated, _replication(self._replicator.mesh, replicated.sharding)[1])
+      if rows_everywhere(_access.writes_rows_only(graph, update_ops, component),
+                         _access.reads_whole(graph, everything, component), nbytes, gathered_bytes[i]):
         self._owners[id(replicated)] = (replicated, None)
         settled[i] = None
       else:
-        nbytes = replicated.shape.num_elements() * replicated.dtype.size // _replication(
-            self._replicator.mesh, replicated.sharding)[1]
         settled[i] = self._own(replicated, Owner(0, owner.axes), nbytes)
     return settled
 
-  def _apply_sharded(self, grads, variables):
+  def _gathered_bytes(self, grads, variables) -> list[int | None]:
+    """For each sparse gradient, the static bytes of the rows every replica will hold once gathered."""
+    mesh = self._replicator.mesh
+    result: list[int | None] = []
+    for g, v in zip(grads, variables):
+      values = g.values if isinstance(g, tf.IndexedSlices) else None
+      if values is None or not values.shape.is_fully_defined():
+        result.append(None)
+        continue
+      axes, _ = _replication(mesh, _variables.layout_of(v))
+      result.append(values.shape.num_elements() * values.dtype.size * mesh.axis_size(axes))
+    return result
+
+  def _apply_sharded(self, grads, variables, gathered_bytes):
     """This replica applies the updates it owns, then owners broadcast the new values."""
     ctx = _context.current_context()
     optimizer = self._optimizer
@@ -460,7 +492,7 @@ class ReplicatedOptimizer(tf.Module):
     else:
       optimizer.iterations.assign_add(1)  # what apply() would have counted
     if any(o is not None and o.pending for o in owners):
-      owners = self._settle(owners, variables, graph.get_operations()[first_op:])
+      owners = self._settle(owners, variables, graph.get_operations()[first_op:], gathered_bytes)
     shared: dict[Owner, list[int]] = {}
     for i, o in enumerate(owners):
       if o is not None and o.axes and grads[i] is not None:
@@ -543,6 +575,46 @@ def _new_accumulator(variable, gradient):
   return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
                      synchronization=tf.VariableSynchronization.ON_READ,
                      aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
+
+
+def _piece_bytes(replicated, pieces: int) -> int:
+  """Bytes of one device's piece of a replicated (``pieces=1``) or sharded variable."""
+  return replicated.shape.num_elements() * replicated.dtype.size // pieces
+
+
+# Under the sharded update, every replica applies a sparse update itself (no
+# broadcast) only if the variable has at least this many times the bytes of
+# the rows gathered per step: scattering rows costs more per byte than the
+# broadcast's copy. Keras SGD on a table read by tf.gather, 2,048 rows of 128
+# floats gathered per step (1 MB) on 4 logical CPUs: every replica applying
+# the rows against one owner broadcasting the table, each over one device's
+# step, two runs (python -m benchmarks.sparse --part owners): 1.84-1.90 vs
+# 1.24-1.30 for a 1 MB table, 2.24-2.25 vs 1.70-1.75 (4 MB), 2.11-2.33 vs
+# 2.30-2.34 (8 MB: break-even), 2.19-2.22 vs 4.40-4.80 (25.6 MB).
+ROWS_EVERYWHERE_MIN_RATIO = 8
+
+
+def rows_everywhere(writes_rows_only: bool, reads_whole: bool, variable_bytes: int,
+                    gathered_bytes: int | None) -> bool:
+  """Whether every replica should apply a sparse update itself rather than one owner broadcasting it.
+
+  Only when the update writes only rows, the step reads the variable only
+  by rows, and the variable holds at least :data:`ROWS_EVERYWHERE_MIN_RATIO`
+  times the bytes of the rows gathered per step (unknown: yes). Otherwise:
+
+  * an update that moves every row (Keras Adam, AdamW, SGD with momentum
+    decay their slots) must reach every replica whole; recomputing it on
+    every replica took 3.7x one device's step for a 50,000 x 128 table, the
+    owner's broadcast 1.1x;
+  * a whole read (Keras ``Embedding`` converts its table to a tensor) of a
+    variable written by rows makes TensorFlow copy the table on every read,
+    on every replica that scatters into it (Keras SGD, 50,000 x 128: 2.38x
+    with every replica scattering against 1.44x with one owner);
+  * a small table is cheaper to copy than its rows are to scatter.
+  """
+  if not writes_rows_only or reads_whole:
+    return False
+  return gathered_bytes is None or variable_bytes >= ROWS_EVERYWHERE_MIN_RATIO * gathered_bytes
 
 
 def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:

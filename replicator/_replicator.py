@@ -364,6 +364,15 @@ class Replicator:
         every replica applies every update; ``"auto"`` (default): sharded
         when every device is a CPU of one process and the optimizer allows
         it, else replicated.
+      densify_above: a sparse gradient (``tf.IndexedSlices``) is reduced as
+        rows: every replica's rows and indices are gathered, which gives
+        every optimizer one device's result. With a fraction here, a sparse
+        gradient whose gathered rows (this replica's times the group size)
+        reach that fraction of the variable's rows is made dense and
+        all-reduced instead: cheaper for very dense slices, but exact only
+        for optimizers linear in the gradient (SGD, momentum; not Adam,
+        whose second moment sums a repeated row's squares). None (default):
+        always rows.
     """
     wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps, bucket_bytes,
                                              update, densify_above)
@@ -378,6 +387,19 @@ class Replicator:
 
   def all_reduce(self, x, op: str = "sum", *, axis=None):
     """Reduces ``x`` (any nest of tensors) elementwise across replicas; all get the result.
+
+    A ``tf.IndexedSlices`` leaf with op "sum" or "mean" stays sparse: the
+    result is ``tf.IndexedSlices`` holding every replica's rows and indices,
+    in replica order (for "mean" the rows divided by the number of
+    replicas), whose dense value is the sum (mean). "max" and "min" of
+    ``tf.IndexedSlices`` are an error.
+
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> def step_fn():
+    ...   rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([repl.replica_id]), tf.constant([4, 2]))
+    ...   return repl.all_reduce(rows).indices
+    >>> [t.numpy().tolist() for t in repl.run(step_fn)]
+    [[0, 1], [0, 1]]
 
     Args:
       x: a tensor or nest of tensors.
@@ -401,7 +423,8 @@ class Replicator:
     """Concatenates the group's ``x`` (any nest) along tensor dimension ``concat_dimension``.
 
     Every member of a group gets the members' values in group order (see
-    :meth:`axis_index`).
+    :meth:`axis_index`). If the dimension has no static size (a batch
+    dimension, say), members may hold different sizes along it.
 
     >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
     >>> out = repl.run(lambda: repl.all_gather(tf.fill([1, 2], repl.replica_id)))

@@ -91,7 +91,9 @@ def collectives():
       inputs = replicator.PerReplica([tf.constant(v) for v in values])
 
       def step(x, repl=repl):
-        return dict(sum=repl.all_sum(x), mean=repl.all_reduce(x, "mean"), max=repl.all_reduce(x, "max"),
+        r = repl.replica_id  # replica r holds r + 1 rows: a ragged gather across workers
+        rows = repl.all_reduce(tf.IndexedSlices(x[:r + 1], tf.range(r + 1) + 10 * r, tf.constant([40, 2])))
+        return dict(rows=rows.values, row_indices=rows.indices, sum=repl.all_sum(x), mean=repl.all_reduce(x, "mean"), max=repl.all_reduce(x, "max"),
                     worker_sum=repl.all_sum(x, axis="worker"), device_sum=repl.all_sum(x, axis="device"),
                     broadcast=repl.broadcast(x, source=3), gather=repl.all_gather(x, concat_dimension=1),
                     scatter=repl.reduce_scatter(x, scatter_dimension=0),

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tree
 from conftest import cpus
 
 import replicator
@@ -110,3 +111,15 @@ def test_unbatched_dataset_is_rejected():
   repl = replicator.Replicator(cpus(2))
   with pytest.raises(replicator.InputMismatchError, match=r"needs every element leaf to have a batch dimension.*Fix: batch the dataset"):
     repl.distribute_dataset(tf.data.Dataset.range(4))
+
+
+def test_a_static_batch_size_that_divides_gives_parts_of_static_size():
+  repl = replicator.Replicator(cpus(4))
+  even = tf.data.Dataset.from_tensors((tf.ones([8, 3]), tf.zeros([8]))).repeat(2)
+  assert [s.shape.as_list() for s in repl.distribute_dataset(even).element_spec] == [[2, 3], [2]]
+  # Not divisible, not static (batched without drop_remainder), or leaves that disagree: unknown.
+  for dataset in (tf.data.Dataset.from_tensors(tf.ones([6, 3])), tf.data.Dataset.range(8).batch(4),
+                  tf.data.Dataset.from_tensors((tf.ones([8, 3]), tf.zeros([4])))):
+    assert all(s.shape[0] is None for s in tree.flatten(repl.distribute_dataset(dataset).element_spec))
+  seen = repl.run(lambda batch: tf.constant(batch[0].shape.as_list()), even)  # the static shape in the trace
+  assert [t.numpy().tolist() for t in seen] == [[2, 3]] * 4

@@ -56,6 +56,8 @@ def test_collectives_across_workers_against_numpy():
     np.testing.assert_allclose(out["scatter"], [x.sum(0)[r:r + 1] for r in range(4)])
     np.testing.assert_allclose(out["to_all"], [np.concatenate([x[s][r:r + 1] for s in range(4)], 1) for r in range(4)])
     np.testing.assert_allclose(out["permute"], [x[3], np.zeros_like(x[0]), x[1], x[0]])
+    np.testing.assert_allclose(out["rows"], [np.concatenate([x[r][:r + 1] for r in range(4)])] * 4)
+    np.testing.assert_array_equal(out["row_indices"], [[0, 10, 11, 20, 21, 22, 30, 31, 32, 33]] * 4)
   # auto: hierarchical across workers, one_device within one, collective_ops for the rest
   assert result["auto_plan"] == ["collective_ops", "hierarchical", "one_device"]
   assert result["collective_ops_plan"] == ["collective_ops"]

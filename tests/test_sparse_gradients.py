@@ -141,25 +141,6 @@ def test_plan_shows_the_gathered_rows_and_their_bytes():
   assert "all_gather(concat_dimension=0, ragged=True)  replica  float32  [32,4]  512" in str(plan)
 
 
-# -- how the update reaches every replica ---------------------------------------------
-
-
-@pytest.mark.parametrize("optimizer, broadcasts_table", [("sgd", False), ("adam", True)])
-def test_sharded_update_broadcasts_the_table_only_when_every_row_changed(optimizer, broadcasts_table):
-  # SGD scatters into the touched rows: every replica applies the same gathered
-  # rows. Adam decays every row of its slots: one owner applies it and broadcasts.
-  model, opt, repl, step = train(4, optimizer, update="sharded")
-  plan = repl.explain(step, inputs=split(batches()[0], 4))
-  table = model.variables[0]
-  broadcasts = [c for c in plan.collectives if c.kind == "broadcast"]
-  assert any(c.shape == table.shape for c in broadcasts) == broadcasts_table
-  owner = opt.owners([table])[0]
-  assert (owner is None) == (not broadcasts_table)
-  # Either way: the table is equal on every replica and to one device.
-  want_model, _, _, _ = train(None, optimizer)
-  assert_every_replica_equals([want_model.variables[0].numpy()], [table])
-
-
 # -- a sharded embedding: rows gathered per piece ------------------------------------------
 
 
@@ -207,22 +188,22 @@ def test_sharded_embedding_equals_one_device(optimizer):
     np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=TOL, rtol=0)
   for a, b in zip(opt.variables, want_opt.variables):
     np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=TOL, rtol=0, err_msg=b.path)
-  # Each piece's rows (2 of the 4 columns; the split batch has no static size) are gathered over "batch" only.
+  # Each piece's rows (8 rows x 8 tokens, 2 of the 4 columns) are gathered over "batch" only.
   plan = repl.explain(step, tf.data.Dataset.from_tensors(batches()[0]))
   gathers = [(c.axes, c.group_size, c.shape.as_list()) for c in plan.collectives if c.kind == "all_gather"]
-  assert gathers == [(("batch",), 2, [None, 2]), (("batch",), 2, [None])]
+  assert gathers == [(("batch",), 2, [64, 2]), (("batch",), 2, [64])]
 
 
 # -- tf.gather on a tf.Variable, Sonnet 2 optimizers --------------------------------------
 
 
 class Bag(tf.Module):
-  """A tf.Variable table looked up with tf.gather, mean-pooled, then a linear layer."""
+  """A tf.Variable table looked up with tf.gather (read by rows), mean-pooled, then a linear layer."""
 
-  def __init__(self):
+  def __init__(self, vocab=VOCAB):
     super().__init__()
     rng = np.random.RandomState(3)
-    self.table = tf.Variable(rng.randn(VOCAB, 4).astype(np.float32), name="table")
+    self.table = tf.Variable(rng.randn(vocab, 4).astype(np.float32), name="table")
     self.w = tf.Variable(rng.randn(4, 3).astype(np.float32), name="w")
 
   def __call__(self, x):
@@ -230,15 +211,15 @@ class Bag(tf.Module):
 
 
 SONNET = {"snt_adam": lambda: snt.optimizers.Adam(0.05), "snt_sgd": lambda: snt.optimizers.SGD(0.5),
-          "snt_momentum": lambda: snt.optimizers.Momentum(0.1, 0.9), "adam": OPTIMIZERS["adam"]}
+          "snt_momentum": lambda: snt.optimizers.Momentum(0.1, 0.9)}
 
 
-def train_bag(n, optimizer, accumulation_steps=1, data=None, **wrap_kwargs):
+def train_bag(n, optimizer, accumulation_steps=1, data=None, vocab=VOCAB, **wrap_kwargs):
   """Trains Bag with a Sonnet (``apply(updates, parameters)``) or Keras optimizer."""
   data = batches() if data is None else data
   repl = replicator.Replicator(cpus(n)) if n else None
   with repl.context() if repl else tf.device("/cpu:0"):
-    model, opt = Bag(), SONNET[optimizer]()
+    model, opt = Bag(vocab), {**SONNET, **OPTIMIZERS}[optimizer]()
     if repl:
       opt = repl.wrap_optimizer(opt, accumulation_steps=accumulation_steps, **wrap_kwargs)
   params = [model.table, model.w]
@@ -261,8 +242,8 @@ def train_bag(n, optimizer, accumulation_steps=1, data=None, **wrap_kwargs):
   return model, opt, repl, step
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("optimizer", ["snt_adam", "snt_sgd", "snt_momentum", "adam"])
+@pytest.mark.parametrize("optimizer, n", [(o, n) for o in sorted(OPTIMIZERS) for n in REPLICA_COUNTS]
+                         + [(o, n) for o in ("snt_adam", "snt_sgd", "snt_momentum") for n in (2, 4)])
 def test_tf_gather_on_a_variable_equals_one_device(optimizer, n):
   want, want_opt, _, _ = train_bag(None, optimizer)
   got, opt, _, _ = train_bag(n, optimizer)
@@ -305,6 +286,37 @@ def test_accumulating_rows_then_a_dense_gradient_is_an_error():
   with pytest.raises(TypeError, match=r"accumulates the rows of '.*'s sparse gradient \(tf.IndexedSlices, as its "
                                       r"first accumulated step gave\), but this step gives a dense gradient\. Fix:"):
     repl.run(dense_step)
+
+
+# -- how the update reaches every replica (sharded update) -----------------------------------
+
+
+@pytest.mark.parametrize("model, optimizer, vocab, broadcasts_table", [
+    # Keras Embedding reads the table whole: the owner applies and broadcasts.
+    ("embedding", "sgd", VOCAB, True),
+    ("embedding", "adam", VOCAB, True),
+    # tf.gather reads rows; SGD writes rows: every replica applies them to a
+    # table of at least 8 times the gathered bytes (2 KB here), else the owner.
+    ("gather", "sgd", 2000, False),
+    ("gather", "sgd", VOCAB, True),
+    # Adam decays every row: the whole table changes.
+    ("gather", "adam", 2000, True),
+])
+def test_sharded_update_chooses_between_rows_everywhere_and_one_owner(model, optimizer, vocab, broadcasts_table):
+  if model == "embedding":
+    trained, opt, repl, step = train(4, optimizer, update="sharded")
+    table = trained.variables[0]
+    want = train(None, optimizer)[0].variables[0].numpy()
+  else:
+    trained, opt, repl, step = train_bag(4, optimizer, vocab=vocab, update="sharded")
+    table = trained.table
+    want = train_bag(None, optimizer, vocab=vocab)[0].table.numpy()
+  plan = repl.explain(step, inputs=split(batches()[0], 4))
+  broadcasts = [c for c in plan.collectives if c.kind == "broadcast"]
+  assert any(c.shape == table.shape for c in broadcasts) == broadcasts_table
+  assert (opt.owners([table])[0] is None) == (not broadcasts_table)
+  # Either way: the table is equal on every replica and to one device.
+  assert_every_replica_equals([want], [table])
 
 
 # -- different numbers of rows per replica ------------------------------------------------

@@ -62,6 +62,14 @@ def test_data_and_model_parallel_meshes_give_the_same_losses(two_by_two, data_pa
     assert len(sums) == expected
 
 
+def test_one_device_gives_the_same_losses(data_parallel):
+  # Tied embeddings: the embedding's gradient (a gather's rows plus the output
+  # projection's dense gradient) is dense, all-reduced as before.
+  one_device = _run("batch:1,model:1", "--layout", "batch:batch")
+  np.testing.assert_allclose(data_parallel["history"], one_device["history"], rtol=1e-4)
+  assert one_device["replicas"] == 1 and not one_device["collectives"]
+
+
 def test_model_axis_of_2_halves_the_split_weights(two_by_two, data_parallel):
   for kind, by_device in two_by_two["bytes_by_kind"].items():
     full = data_parallel["bytes_by_kind"][kind]
