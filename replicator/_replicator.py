@@ -13,6 +13,7 @@ import tree
 
 import mesh as mesh_lib
 import rewrite
+from replicator import _callables
 from replicator import _context
 from replicator import _distributed_dataset
 from replicator import _errors
@@ -30,6 +31,16 @@ NO_BATCH_AXES = (
     "naming the axes to split the batch over (one of {names}), or batch_axes=() to give "
     "every device the same input."
 )
+
+
+def _autograph(fn: Callable) -> Callable:
+  """``fn`` converted with AutoGraph (its source map kept for error locations), or ``fn`` if it cannot be."""
+  try:
+    converted = tf.autograph.to_graph(fn)
+  except Exception:  # pylint: disable=broad-except  # not convertible: run as written
+    return fn
+  _primitives.register_source_map(converted)
+  return converted
 
 
 def _as_layout_map(layouts):
@@ -320,16 +331,10 @@ class Replicator:
     return step, source
 
   def _convert(self, fn: Callable) -> Callable:
-    if not self._autograph:
-      return fn
+    """The callable to trace for step ``fn`` (see ``_callables.to_trace``), cached per step."""
     converted = self._converted.get(fn)
     if converted is None:
-      try:
-        converted = tf.autograph.to_graph(fn)
-        _primitives.register_source_map(converted)
-      except Exception:  # pylint: disable=broad-except  # not convertible: run as written
-        converted = fn
-      self._converted[fn] = converted
+      converted = self._converted[fn] = _callables.to_trace(fn, self._autograph, _autograph)
     return converted
 
   def _choose(self, collective: rewrite.Collective) -> str:

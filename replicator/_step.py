@@ -21,6 +21,7 @@ import tensorflow as tf
 import tree
 
 import rewrite
+from replicator import _callables
 from replicator import _captures
 from replicator import _context
 from replicator import _errors
@@ -175,7 +176,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
         ctx = _context.ReplicaContext(replicator=replicator, replica_id=replica, device=device,
                                       graph=graph, placeholders=placeholders[replica],
                                       gradient_names=gradient_names, accumulating=accumulating)
-        with tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx):
+        with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
+              _callables.inline_functions()):
           result = fn(*source.step_args(replica, flat_elements))
           result = tree.map_structure(
               lambda v: v if v is None else tf.convert_to_tensor(v), result)

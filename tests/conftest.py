@@ -21,6 +21,15 @@ def cpus(n):
   return [f"/device:CPU:{i}" for i in range(n)]
 
 
+def replica_values(variable):
+  """Every replica's current value of ``variable`` (numpy); a sharded update's slot: its owner's."""
+  from replicator import _variables  # pylint: disable=import-outside-toplevel
+  replicated = _variables.underlying(variable)
+  if replicated is None:
+    return [variable.numpy()]
+  return [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
   import keras

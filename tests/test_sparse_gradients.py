@@ -13,6 +13,7 @@ import sonnet as snt
 import tensorflow as tf
 from conftest import REPLICA_COUNTS
 from conftest import cpus
+from conftest import replica_values
 
 import mesh
 import replicator
@@ -42,14 +43,6 @@ def batches(seed=0, batch=GLOBAL_BATCH):
 
 def split(batch, n):
   return replicator.PerReplica(list(zip(np.split(batch[0], n), np.split(batch[1], n))))
-
-
-def replica_values(variable):
-  """Every replica's current value of ``variable`` (a slot of a sharded update: its owner's)."""
-  replicated = _variables.underlying(variable)
-  if replicated is None:
-    return [variable.numpy()]
-  return [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
 
 
 def assert_every_replica_equals(reference, variables, tol=TOL):
