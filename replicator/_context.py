@@ -23,6 +23,12 @@ class ReplicaContext:
     calls: number of primitive calls so far (one call may hold several tensors).
     gradient_names: custom-gradient registrations made while tracing (released after).
     accumulating: gradient-accumulating optimizers this step uses.
+    created: variables the step created, in creation order, shared by the
+      replicas of one trace: the first replica to create the k-th variable
+      creates it, the others get the same variable.
+    creations: variables this replica's trace has asked for so far.
+    lifted: names of step-graph ops that computed initial values lifted out
+      of the step (left out of the rewritten graph).
   """
 
   replicator: Any
@@ -33,6 +39,9 @@ class ReplicaContext:
   calls: int = 0
   gradient_names: list = dataclasses.field(default_factory=list)
   accumulating: set = dataclasses.field(default_factory=set)
+  created: list | None = None
+  creations: int = 0
+  lifted: set | None = None
 
 
 _state = threading.local()

@@ -27,6 +27,7 @@ from replicator import _context
 from replicator import _errors
 from replicator import _gradient_registry
 from replicator import _inputs
+from replicator import _lifting
 from replicator import _values
 from replicator import _variables
 
@@ -159,6 +160,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   placeholders = [[] for _ in devices]
   gradient_names = []
   accumulating = set()
+  created = []
+  lifted = set()
   outputs = [None] * len(devices)
   fn = replicator._convert(step_fn)  # pylint: disable=protected-access
 
@@ -169,13 +172,16 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
     _gradient_registry.release(gradient_names)
     del gradient_names[:]
     accumulating.clear()
+    del created[:]
+    lifted.clear()
     graph = tf.compat.v1.get_default_graph()
     flat_outputs = []
     with tf.variable_creator_scope(creator):
       for replica, device in enumerate(devices):
         ctx = _context.ReplicaContext(replicator=replicator, replica_id=replica, device=device,
                                       graph=graph, placeholders=placeholders[replica],
-                                      gradient_names=gradient_names, accumulating=accumulating)
+                                      gradient_names=gradient_names, accumulating=accumulating, created=created,
+                                      lifted=lifted)
         with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
               _callables.inline_functions()):
           result = fn(*source.step_args(replica, flat_elements))
@@ -193,7 +199,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
-  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, replicator._lowerings)  # pylint: disable=protected-access
+  graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
+  rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   graph = scratch.graph
   flat0 = tree.flatten(outputs[0])
   return CompiledStep(

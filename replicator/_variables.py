@@ -17,13 +17,28 @@ import tensorflow as tf
 import mesh as mesh_lib
 from replicator import _context
 from replicator import _errors
+from replicator import _lifting
 
 SYMBOLIC_INITIAL_VALUE = (
-    "Variable {name!r} was created inside step_fn with an initial value computed in "
-    "the step graph ({value!r}), which cannot be evaluated once and copied to every "
-    "replica. Fix: create the variable in `with repl.context():` before calling "
-    "repl.run, or pass a callable initial value (e.g. tf.Variable(lambda: tf.zeros([3]))), "
-    "as Keras layers and optimizers do."
+    "Variable {name!r} was created inside step_fn with an initial value computed from the "
+    "step's data ({value!r}) whose shape is not static ({shape}), so it cannot be created "
+    "before the step runs. Fix: give the initial value a static shape (e.g. tf.ensure_shape), "
+    "or create the variable in `with repl.context():` before calling repl.run."
+)
+OTHER_VARIABLE = (
+    "Replica {replica} created the variable {path!r} as the step's variable #{index}, where replica "
+    "{first} created {first_path!r}. A variable created inside step_fn is created once, by the first "
+    "replica that creates it, and the other replicas get the same variable; so every replica must "
+    "create the same variables in the same order. Fix: create variables the same way on every "
+    "replica (not depending on repl.replica_id), or create them in `with repl.context():` before "
+    "calling repl.run."
+)
+EXTRA_VARIABLE = (
+    "Replica {replica} created the variable {path!r} (the step's variable #{index}), but replica "
+    "{first} created only {count} variable(s) in this step. A variable created inside step_fn is "
+    "created once, for every replica, by the first one; a variable only some replicas create has no "
+    "value on the others. Fix: create it on every replica (not depending on repl.replica_id), or in "
+    "`with repl.context():` before calling repl.run."
 )
 
 SHARDED_ON_READ = (
@@ -462,16 +477,71 @@ tf.register_tensor_conversion_function(
     lambda v, dtype=None, name=None, as_ref=False: v._dense_var_to_tensor(dtype, name, as_ref))  # pylint: disable=protected-access
 
 
-def _initial_value(initial_value, name, dtype):
-  """Evaluates an initial value once, eagerly (a callable is called once)."""
+def _initial_value(initial_value, dtype, lifted: set | None = None):
+  """The initial value, evaluated once, eagerly; or ``(None, tensor)`` for a value only the step can compute.
+
+  A callable is called once. A tensor of the step graph is folded to a
+  constant if it is one, else lifted out of the graph (``_lifting``); what
+  depends on the step's data is returned as ``(None, tensor)``, to be
+  assigned in the graph on the first run.
+  """
   if callable(initial_value):
     initial_value = initial_value()
   if isinstance(initial_value, tf.Tensor) and tf.is_symbolic_tensor(initial_value):
     static = tf.get_static_value(initial_value)
-    if static is None:
-      raise _errors.VariableCreationError(SYMBOLIC_INITIAL_VALUE.format(name=name, value=initial_value))
-    initial_value = tf.constant(static, dtype=initial_value.dtype)
-  return tf.convert_to_tensor(initial_value, dtype=dtype)
+    if static is not None:
+      initial_value = static.astype(initial_value.dtype.as_numpy_dtype)
+    else:
+      value = _lifting.lift(initial_value, lifted)
+      if value is None:
+        return None, initial_value if dtype is None else tf.cast(initial_value, dtype)
+      initial_value = value
+  with tf.init_scope():  # an eager value, not a capture into the step graph
+    return tf.convert_to_tensor(initial_value, dtype=dtype), None
+
+
+def _reuse(ctx, path: str):
+  """In a step: the variable an earlier replica created at this point (None: this replica creates it)."""
+  index = ctx.creations
+  ctx.creations += 1
+  if index < len(ctx.created):
+    first, first_path, variable = ctx.created[index]
+    if first_path != path:
+      raise _errors.VariableCreationError(OTHER_VARIABLE.format(
+          replica=ctx.replica_id, path=path, index=index, first=first, first_path=first_path))
+    return variable
+  if ctx.replica_id != 0:  # replica 0 is traced first; it created fewer
+    raise _errors.VariableCreationError(EXTRA_VARIABLE.format(
+        replica=ctx.replica_id, path=path, index=index, first=0, count=len(ctx.created)))
+  return None
+
+
+def _initialize_in_graph(variable, value: tf.Tensor, sum_on_read: bool) -> None:
+  """Assigns ``value`` (the step's) to every component the first time the step runs.
+
+  As ``tf.function`` does for an initial value that depends on its inputs: a
+  flag variable records that the first run initialised the variable; later
+  runs skip the assignment. The step's later uses of the components are
+  ordered after it (automatic control dependencies on their handles).
+  """
+  components = variable.components
+  with tf.init_scope(), tf.device(components[0].device):
+    flag = _new_component(initial_value=False, trainable=False, name="initialized")
+  variable._initialized = flag  # pylint: disable=protected-access  (kept alive with the variable)
+  if variable.sharding is not None:
+    pieces = mesh_lib.split(value, variable.sharding)
+  else:
+    pieces = [value] + [tf.zeros_like(value) if sum_on_read else value] * (len(components) - 1)
+
+  def initialize():
+    assignments = []
+    for component, piece in zip(components, pieces):
+      with tf.device(component.device):
+        assignments.append(component.assign(piece, read_value=False))
+    with tf.control_dependencies(assignments):
+      return tf.identity(flag.assign(True))
+
+  tf.cond(flag.read_value(), lambda: tf.constant(True), initialize)
 
 
 def variable_path(name: str) -> str:
@@ -533,12 +603,27 @@ def make_creator(replicator):
       return next_creator(**kwargs)
     name = kwargs.get("name") or "Variable"
     path = variable_path(name)
+    ctx = _context.current_context()
+    step = ctx if ctx is not None and ctx.replicator is replicator and ctx.created is not None else None
+    if step is not None:
+      existing = _reuse(step, path)
+      if existing is not None:
+        return existing
     devices = replicator.devices
     initial_value = kwargs.pop("initial_value")
     reference = _current_reference()
+    deferred = None  # an initial value only the step computes: assigned on its first run
+    if isinstance(initial_value, tf.Tensor) and tf.is_symbolic_tensor(initial_value):
+      value, deferred = _initial_value(initial_value, kwargs.get("dtype"), None if step is None else step.lifted)
+      if deferred is not None and not deferred.shape.is_fully_defined():
+        raise _errors.VariableCreationError(SYMBOLIC_INITIAL_VALUE.format(
+            name=name, value=deferred, shape=deferred.shape))
     with tf.init_scope(), _context.cross_replica_scope():
       with tf.device(devices[0]):  # the global value, computed once
-        value = _initial_value(initial_value, name, kwargs.get("dtype"))
+        if deferred is not None:
+          value = tf.zeros(deferred.shape, deferred.dtype)  # until the first run assigns it
+        elif not (isinstance(initial_value, tf.Tensor) and tf.is_symbolic_tensor(initial_value)):
+          value, _ = _initial_value(initial_value, kwargs.get("dtype"))
       kwargs["dtype"] = value.dtype
       on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
       layout = _choose_layout(replicator, path, value.shape, reference)
@@ -558,6 +643,11 @@ def make_creator(replicator):
           if offsets is not None:
             initial = initial + offsets[i]
           components.append(_new_component(initial_value=initial, **kwargs))
-    return ReplicatedVariable(components, replicator, offsets, layout)
+    variable = ReplicatedVariable(components, replicator, offsets, layout)
+    if deferred is not None:
+      _initialize_in_graph(variable, deferred, sum_on_read)
+    if step is not None:
+      step.created.append((step.replica_id, path, variable))
+    return variable
 
   return creator

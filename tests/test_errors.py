@@ -254,18 +254,6 @@ def test_permute_bad_perm():
     repl.run(lambda: repl.permute(tf.ones([2]), perm=[0, 1]))
 
 
-def test_variable_with_step_computed_initial_value(repl):
-  holder = []
-
-  def step_fn(x):
-    if not holder:
-      holder.append(tf.Variable(x * 2.0))  # depends on the step's input
-    return holder[0].read_value()
-
-  with pytest.raises(replicator.VariableCreationError, match=r"initial value computed in the step graph.*Fix: create the variable in `with repl.context\(\):`"):
-    repl.run(step_fn, inputs=replicator.PerReplica([tf.ones([2]), tf.ones([2])]))
-
-
 def test_per_replica_batch_size_must_divide():
   ctx = replicator.InputContext(replica_id=0, num_replicas=3)
   with pytest.raises(ValueError, match=r"global batch size 32 is not divisible by the number of replicas 3.*e\.g\. 33"):
