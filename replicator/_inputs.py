@@ -112,12 +112,17 @@ class NoInputs(Source):
 
 
 class ExplicitInputs(Source):
-  """``inputs=PerReplica([...])``: one nest of tensors per replica, fed on every call."""
+  """``inputs=``: one nest of tensors per replica, fed on every call.
+
+  A ``PerReplica`` (or a nest with ``PerReplica`` leaves) gives each replica
+  its own value; any other value is given to every replica, as
+  ``strategy.run(fn, args=...)`` does.
+  """
 
   def __init__(self, inputs, num_replicas: int):
     values = _values.split(inputs, num_replicas)
-    values = inputs if values is None else values
-    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or len(values) != num_replicas:
+    values = [inputs] * num_replicas if values is None else values
+    if len(values) != num_replicas:
       found = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__
       raise _errors.InputMismatchError(WRONG_INPUT_COUNT.format(n=num_replicas, found=found, last=num_replicas - 1))
     self._flat = []

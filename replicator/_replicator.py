@@ -219,8 +219,9 @@ class Replicator:
         per replica per epoch; its iterators are reused on later calls until the
         input ends. Or a dataset of global batches (a ``tf.data.Dataset`` or
         ``repl.distribute_dataset(...)``), split across the replicas each step.
-      inputs: explicit per-replica inputs: a ``PerReplica`` (or sequence) with
-        one nest of tensors per replica.
+      inputs: explicit inputs: a ``PerReplica`` with one nest of tensors per
+        replica (or a nest with ``PerReplica`` leaves), or any other nest of
+        tensors, given to every replica.
       steps: run this many steps in one graph call (an in-graph loop), paying
         the per-call overhead once. With an ``input_fn`` each step takes the
         next elements; the loop stops early when the input ends.

@@ -185,3 +185,12 @@ def test_tf_functions_called_outside_steps_are_unaffected():
   traced = tf.function(lambda: tf.constant(1.0))
   traced()
   assert traced.experimental_get_tracing_count() == 1
+
+
+def test_a_plain_input_is_given_to_every_replica():
+  # As strategy.run(fn, args=(x,)): not split, not an error.
+  repl = replicator.Replicator(cpus(3))
+  out = repl.run(lambda x: x["a"] * tf.cast(repl.replica_id, tf.float32), inputs={"a": tf.constant([1.0, 2.0])})
+  assert [t.numpy().tolist() for t in out] == [[0.0, 0.0], [1.0, 2.0], [2.0, 4.0]]
+  mixed = repl.run(lambda x: x[0] + x[1], inputs=(10.0, replicator.PerReplica([1.0, 2.0, 3.0])))
+  assert [float(t) for t in mixed] == [11.0, 12.0, 13.0]
