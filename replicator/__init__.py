@@ -18,6 +18,7 @@ from replicator._errors import EndOfInput
 from replicator._errors import InputMismatchError
 from replicator._errors import OutputMismatchError
 from replicator._errors import ReplicaContextError
+from replicator._errors import ReplicaInvarianceError
 from replicator._errors import ReplicatorError
 from replicator._errors import VariableCreationError
 from replicator._errors import WorkerUnavailableError
@@ -44,6 +45,7 @@ __all__ = (
     "OutputMismatchError",
     "PerReplica",
     "ReplicaContextError",
+    "ReplicaInvarianceError",
     "ReplicatedOptimizer",
     "ReplicatedVariable",
     "Replicator",

@@ -29,6 +29,8 @@ class ReplicaContext:
     creations: variables this replica's trace has asked for so far.
     lifted: names of step-graph ops that computed initial values lifted out
       of the step (left out of the rewritten graph).
+    analysis: which mesh axes the trace's values vary along, shared by the
+      replicas of one trace (``_invariance``).
   """
 
   replicator: Any
@@ -42,6 +44,7 @@ class ReplicaContext:
   created: list | None = None
   creations: int = 0
   lifted: set | None = None
+  analysis: Any = None  # _invariance.Analysis of this trace (None: writes are not checked)
 
 
 _state = threading.local()

@@ -53,6 +53,10 @@ class VariableCreationError(ReplicatorError, ValueError):
   """A variable cannot be replicated as requested."""
 
 
+class ReplicaInvarianceError(ReplicatorError, ValueError):
+  """A step writes a replicated variable with values that differ between replicas, and no rule combines them."""
+
+
 class EndOfInput(ReplicatorError, StopIteration):
   """``repl.run`` found no more input: the epoch is over."""
 

@@ -89,6 +89,12 @@ class Source:
     """Flat tensors passed to the executing function on each call."""
     return []
 
+  def varying_axes(self, mesh) -> frozenset[str]:
+    """The mesh axes along which replicas get different inputs (replicas of one slot share theirs)."""
+    slots = self.slots if self.slots is not None else tuple(range(mesh.size))
+    return frozenset(a for a in mesh.axis_names
+                     if any(len({slots[r] for r in group}) > 1 for group in mesh.groups(a)))
+
   def step_args(self, replica: int, flat_elements: Sequence[tf.Tensor]) -> tuple:
     """Positional arguments of ``step_fn`` for ``replica``, inside the trace."""
     if not self.counts:
@@ -121,10 +127,12 @@ class ExplicitInputs(Source):
 
   def __init__(self, inputs, num_replicas: int):
     values = _values.split(inputs, num_replicas)
-    values = [inputs] * num_replicas if values is None else values
-    if len(values) != num_replicas:
-      found = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__
-      raise _errors.InputMismatchError(WRONG_INPUT_COUNT.format(n=num_replicas, found=found, last=num_replicas - 1))
+    if values is None:  # one value, for every replica
+      values = [inputs]
+      self.slots = (0,) * num_replicas
+    elif len(values) != num_replicas:
+      raise _errors.InputMismatchError(WRONG_INPUT_COUNT.format(
+          n=num_replicas, found=f"{len(values)} values", last=num_replicas - 1))
     self._flat = []
     counts = []
     for value in values:
@@ -134,7 +142,7 @@ class ExplicitInputs(Source):
     self.structures = tuple(values)
     self.counts = tuple(counts)
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in self._flat]
-    _check_same_specs([self.step_args(r, specs)[0] for r in range(num_replicas)], "inputs=", check_shapes=False)
+    _check_same_specs([self.step_args(r, specs)[0] for r in range(len(values))], "inputs=", check_shapes=False)
     self.arg_specs = self.element_specs = tuple(specs)
     self.key = ("explicit", self.arg_specs, str(tree.map_structure(lambda _: 0, values[0])))
 

@@ -109,6 +109,8 @@ def _emit(ctx, kind, x, params, axes, result_shape, location, call):
       x, replica=ctx.replica_id, index=len(ctx.placeholders), kind=kind, params=params,
       axes=axes, result_shape=result_shape, device=ctx.device, location=location, call=call)
   ctx.placeholders.append(record)
+  if ctx.analysis is not None:
+    ctx.analysis.collective(kind, x, y, axes)
   return y
 
 
@@ -448,4 +450,7 @@ def permute(ctx, x, perm, axes: tuple[str, ...], location: str):
 
 def axis_index(ctx, axes: tuple[str, ...]) -> tf.Tensor:
   """This replica's position within its group along ``axes``: an int32 constant."""
-  return tf.constant(ctx.replicator.mesh.axis_index(ctx.replica_id, axes), tf.int32)
+  index = tf.constant(ctx.replicator.mesh.axis_index(ctx.replica_id, axes), tf.int32)
+  if ctx.analysis is not None:
+    ctx.analysis.set(index, axes)  # a constant of the trace, but a different one on each replica
+  return index

@@ -27,6 +27,7 @@ from replicator import _context
 from replicator import _errors
 from replicator import _gradient_registry
 from replicator import _inputs
+from replicator import _invariance
 from replicator import _lifting
 from replicator import _values
 from replicator import _variables
@@ -175,13 +176,18 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
     del created[:]
     lifted.clear()
     graph = tf.compat.v1.get_default_graph()
+    mesh = replicator.mesh
+    all_axes = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    analysis = _invariance.Analysis(all_axes, source.varying_axes(mesh) & all_axes,
+                                    {t.op.name for t in flat_elements},
+                                    lambda handle: _variables.read_axes(handle, all_axes))
     flat_outputs = []
     with tf.variable_creator_scope(creator):
       for replica, device in enumerate(devices):
         ctx = _context.ReplicaContext(replicator=replicator, replica_id=replica, device=device,
                                       graph=graph, placeholders=placeholders[replica],
                                       gradient_names=gradient_names, accumulating=accumulating, created=created,
-                                      lifted=lifted)
+                                      lifted=lifted, analysis=analysis)
         with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
               _callables.inline_functions()):
           result = fn(*source.step_args(replica, flat_elements))

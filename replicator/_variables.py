@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -52,7 +53,24 @@ SHARDED_SCATTER = (
     "step_fn, where each replica updates its own shard."
 )
 
+UNREDUCED_UPDATE = (
+    "The step writes the trainable variable {name!r} with a value that differs between replicas "
+    "(it depends on per-replica data along mesh axes {axes}) at {location}: its gradients were not "
+    "reduced across replicas, so the replicas' copies would drift apart. Fix: wrap the optimizer, "
+    "opt = repl.wrap_optimizer(keras.optimizers.Adam(...)), which all-reduces the gradients, or "
+    "reduce them yourself (repl.all_reduce(grads, \"mean\")) before applying them."
+)
+VARIANT_ROWS = (
+    "The step calls {method}() on the replicated variable {name!r} (aggregation {aggregation}) with rows "
+    "that differ between replicas (along mesh axes {axes}) at {location}; only scatter_add and "
+    "scatter_sub of variables with aggregation NONE, MEAN or SUM can be combined across replicas. "
+    "Fix: make the update the same on every replica (reduce it with repl.all_reduce first), or "
+    "use assign with a dense value."
+)
+
 _creating = threading.local()
+# id(component handle) -> the ReplicatedVariable it belongs to (what the step graph captures).
+_OWNERS: "weakref.WeakValueDictionary[int, ReplicatedVariable]" = weakref.WeakValueDictionary()
 _plain_class = []
 _references = threading.local()
 _REPLICA_SCOPE = re.compile(r"^replica_\d+(/|$)")
@@ -167,6 +185,8 @@ class ReplicatedVariable(tf.Variable):
     self._offsets = offsets
     # home[i]: the component that holds device i's current value (see set_owner).
     self._home = tuple(range(len(self._components)))
+    for component in self._components:
+      _OWNERS[id(component.handle)] = self
 
   # -- which component -----------------------------------------------------
 
@@ -340,8 +360,70 @@ class ReplicatedVariable(tf.Variable):
 
   # -- writes ------------------------------------------------------------------
 
+  def _replicated_axes(self) -> tuple[str, ...]:
+    """The mesh axes (of more than one device) along which this variable's components must agree."""
+    mesh = self._replicator.mesh
+    sharded = () if self._sharding is None else self._sharding.sharded_axes
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in sharded)
+
+  def _combined(self, method: str, value):
+    """Inside a step: what this replica writes, combined across replicas where their values may differ.
+
+    A value that is the same on every replica of the variable's group (see
+    ``_invariance``) is written as it is. Otherwise the variable's
+    ``aggregation`` says how to combine the replicas' values, as
+    tf.distribute defines it: ``SUM`` (always, as tf.distribute sums even
+    equal values), ``MEAN`` and ``NONE`` (the mean: Keras's BatchNormalization
+    moving statistics), ``ONLY_FIRST_REPLICA`` (replica 0's). A trainable
+    variable written with differing values is an error: its gradients were
+    not reduced. On-read variables and per-replica random-seed states keep
+    each replica's own value.
+    """
+    ctx = _context.current_context()
+    axes = self._replicated_axes()
+    if ctx.analysis is None or self._on_read or self._offsets is not None or not axes:
+      return value
+    from replicator import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
+    value = tf.convert_to_tensor(value, self.dtype)
+    aggregation = self.aggregation
+    location = _primitives.user_location()
+    if aggregation == tf.VariableAggregation.SUM:
+      return _primitives.all_reduce(ctx, value, "sum", axes, location)
+    varying = sorted(ctx.analysis.varying(value) & set(axes))
+    if not varying:
+      return value
+    if self.trainable:
+      raise _errors.ReplicaInvarianceError(UNREDUCED_UPDATE.format(name=self.name, axes=varying, location=location))
+    if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+      return _primitives.broadcast(ctx, value, 0, axes, location)
+    return _primitives.all_reduce(ctx, value, "mean", axes, location)
+
+  def _combined_rows(self, method: str, sparse_delta: tf.IndexedSlices) -> tf.IndexedSlices:
+    """:meth:`_combined` for scatters: rows that differ between replicas are gathered from all of them."""
+    ctx = _context.current_context()
+    axes = self._replicated_axes()
+    if ctx.analysis is None or self._on_read or self._offsets is not None or not axes:
+      return sparse_delta
+    from replicator import _primitives  # pylint: disable=import-outside-toplevel
+    aggregation = self.aggregation
+    location = _primitives.user_location()
+    varying = sorted((ctx.analysis.varying(sparse_delta.values) | ctx.analysis.varying(sparse_delta.indices))
+                     & set(axes))
+    if not varying and aggregation != tf.VariableAggregation.SUM:
+      return sparse_delta
+    if self.trainable and varying:
+      raise _errors.ReplicaInvarianceError(UNREDUCED_UPDATE.format(name=self.name, axes=varying, location=location))
+    if method not in ("scatter_add", "scatter_sub") or aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+      raise _errors.ReplicaInvarianceError(VARIANT_ROWS.format(
+          method=method, name=self.name, aggregation=aggregation.name, axes=varying, location=location))
+    mean = aggregation != tf.VariableAggregation.SUM
+    (rows,) = _primitives.sparse_sum(ctx, [sparse_delta], axes, location,
+                                     1.0 / self._replicator.mesh.axis_size(axes) if mean else 1.0)
+    return rows
+
   def _write(self, method: str, *args, **kwargs):
     if self._in_replica():
+      args = (self._combined(method, args[0]),) + args[1:]
       return getattr(self._current(), method)(*args, **kwargs)
     read_value = kwargs.pop("read_value", True)
     if self._sharding is not None:
@@ -366,6 +448,8 @@ class ReplicatedVariable(tf.Variable):
 
   def _scatter(self, method: str, *args, **kwargs):
     if self._in_replica():
+      if isinstance(args[0], tf.IndexedSlices):
+        args = (self._combined_rows(method, args[0]),) + args[1:]
       return getattr(self._current(), method)(*args, **kwargs)
     if self._sharding is not None:
       raise NotImplementedError(SHARDED_SCATTER.format(method=method, name=self.name, spec=self._sharding.spec))
@@ -564,6 +648,25 @@ def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> m
   layout = mesh_lib.Layout(spec, replicator.mesh)
   layout.check(shape.as_list(), what=f"variable {path!r}")
   return None if layout.is_fully_replicated else layout
+
+
+def read_axes(handle, all_axes: frozenset[str]) -> frozenset[str]:
+  """The mesh axes along which reads of the variable behind a captured ``handle`` differ between replicas.
+
+  A replicated variable's components are equal (none), a sharded one's
+  pieces differ along the axes it is sharded on, an on-read variable's or a
+  random-seed state's components are each replica's own (every axis). A
+  variable the Replicator does not know (created outside it) is one
+  variable: none.
+  """
+  variable = _OWNERS.get(id(handle))
+  if variable is None:
+    return frozenset()
+  if variable._on_read or variable._offsets is not None:  # pylint: disable=protected-access
+    return all_axes
+  if variable.sharding is not None:
+    return frozenset(variable.sharding.sharded_axes) & all_axes
+  return frozenset()
 
 
 def bytes_per_device(variables) -> dict[str, int]:

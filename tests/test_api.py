@@ -8,7 +8,7 @@ import rewrite
 def test_replicator_public_names():
   assert set(replicator.__all__) == {
       "CollectiveInControlFlowError", "CollectiveMismatchError", "CrossReplicaBatchNorm", "DeviceError", "EndOfInput", "InputContext",
-      "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError",
+      "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError", "ReplicaInvarianceError",
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
       "VariableCreationError", "bytes_per_device", "current", "virtual_cpus",
       "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "testing"}
