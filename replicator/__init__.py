@@ -20,6 +20,7 @@ from replicator._errors import OutputMismatchError
 from replicator._errors import ReplicaContextError
 from replicator._errors import ReplicaInvarianceError
 from replicator._errors import ReplicatorError
+from replicator._errors import UnreplicatedStateError
 from replicator._errors import VariableCreationError
 from replicator._errors import WorkerUnavailableError
 from replicator._inputs import InputContext
@@ -50,6 +51,7 @@ __all__ = (
     "ReplicatedVariable",
     "Replicator",
     "ReplicatorError",
+    "UnreplicatedStateError",
     "VariableCreationError",
     "WorkerUnavailableError",
     "bytes_per_device",

@@ -57,3 +57,75 @@ def reads_whole(graph: tf.Graph, ops: Sequence[tf.Operation], variable: tf.Varia
   copy per step on every device that scatters into it.
   """
   return "ReadVariableOp" in _uses(graph, ops, variable)
+
+
+# Ops whose first input is a resource they write (variables; a tf.random.Generator's state).
+_WRITE_PREFIXES = ("Assign", "ResourceScatter", "ResourceApply", "ResourceSparseApply", "ResourceStridedSliceAssign",
+                   "StatefulStandardNormal", "StatefulUniform", "StatefulTruncatedNormal", "StatefulRandomBinomial",
+                   "RngSkip", "RngReadAndSkip")
+# Function-calling ops: the position of the first input passed to the function, and its function attributes.
+_CALLS = {"If": (1, ("then_branch", "else_branch")), "StatelessIf": (1, ("then_branch", "else_branch")),
+          "Case": (1, ("branches",)), "StatelessCase": (1, ("branches",)),
+          "While": (0, ("cond", "body")), "StatelessWhile": (0, ("cond", "body")),
+          "PartitionedCall": (0, ("f",)), "StatefulPartitionedCall": (0, ("f",))}
+
+
+def _is_write(op_type: str) -> bool:
+  return op_type.startswith(_WRITE_PREFIXES)
+
+
+def _functions(attr) -> list[str]:
+  """The function names an op attribute holds (one function, or a list of them)."""
+  if attr.HasField("func"):
+    return [attr.func.name]
+  return [f.name for f in attr.list.func]
+
+
+def written_placeholders(graph: tf.Graph) -> dict[str, str]:
+  """Placeholders of ``graph`` whose resource the graph writes: placeholder name -> the writing op's name.
+
+  Looks into the functions that ``tf.cond``, ``tf.while_loop`` and nested
+  function calls run, following each resource through their arguments.
+  """
+  library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+  memo: dict[str, set[int]] = {}
+
+  def written_arguments(name: str) -> set[int]:
+    if name in memo:
+      return memo[name]
+    memo[name] = set()  # recursion guard
+    function = library.get(name)
+    if function is None:
+      return set()
+    arguments = {a.name: i for i, a in enumerate(function.signature.input_arg)}
+    written = set()
+    for node in function.node_def:
+      inputs = [i for i in node.input if not i.startswith("^")]
+      if _is_write(node.op) and inputs and inputs[0] in arguments:
+        written.add(arguments[inputs[0]])
+      elif node.op in _CALLS:
+        offset, attrs = _CALLS[node.op]
+        for attr in attrs:
+          for callee in _functions(node.attr[attr]) if attr in node.attr else ():
+            for k in written_arguments(callee):
+              if offset + k < len(inputs) and inputs[offset + k] in arguments:
+                written.add(arguments[inputs[offset + k]])
+    memo[name] = written
+    return written
+
+  result: dict[str, str] = {}
+  for op in graph.get_operations():
+    targets = []
+    if op.type in _CALLS:
+      offset, attrs = _CALLS[op.type]
+      for attr in attrs:
+        if attr not in op.node_def.attr:
+          continue
+        for callee in _functions(op.node_def.attr[attr]):
+          targets.extend(op.inputs[offset + k] for k in written_arguments(callee) if offset + k < len(op.inputs))
+    elif _is_write(op.type) and op.inputs:
+      targets.append(op.inputs[0])
+    for t in targets:
+      if t.dtype == tf.resource and t.op.type == "Placeholder":
+        result.setdefault(t.op.name, op.name)
+  return result

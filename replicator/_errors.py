@@ -57,6 +57,10 @@ class ReplicaInvarianceError(ReplicatorError, ValueError):
   """A step writes a replicated variable with values that differ between replicas, and no rule combines them."""
 
 
+class UnreplicatedStateError(ReplicatorError, ValueError):
+  """A step writes a variable that was created outside every Replicator context."""
+
+
 class EndOfInput(ReplicatorError, StopIteration):
   """``repl.run`` found no more input: the epoch is over."""
 

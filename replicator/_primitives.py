@@ -53,14 +53,32 @@ def user_location() -> str:
   """'file.py:12 in step_fn' for the innermost frame of user code."""
   frame = sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None:
-    filename = frame.f_code.co_filename
-    if "__autograph_generated" in filename:
-      origin = _AUTOGRAPH_MAPS.get(filename, {}).get(frame.f_lineno)
-      if origin is not None:
-        return f"{origin.loc.filename}:{origin.loc.lineno} in {origin.function_name}"
-    elif not filename.startswith(_INTERNAL_DIRS) and "/keras/" not in filename and "<frozen" not in filename:
-      return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    where = _user_frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+    if where is not None:
+      return where
     frame = frame.f_back
+  return "<unknown location>"
+
+
+def _user_frame(filename: str, lineno: int, name: str) -> str | None:
+  """'file.py:12 in fn' if the frame is user code (autograph's generated code mapped back), else None."""
+  if "__autograph_generated" in filename:
+    origin = _AUTOGRAPH_MAPS.get(filename, {}).get(lineno)
+    if origin is None:
+      return None
+    where = f"{origin.loc.filename}:{origin.loc.lineno}"
+    return where if origin.function_name is None else f"{where} in {origin.function_name}"
+  if filename.startswith(_INTERNAL_DIRS) or "/keras/" in filename or "<frozen" in filename:
+    return None
+  return f"{filename}:{lineno} in {name}"
+
+
+def location_of(op: tf.Operation) -> str:
+  """Where user code created ``op`` ("file.py:12 in step_fn"), from its traceback."""
+  for frame in reversed(op.traceback):
+    where = _user_frame(frame.filename, frame.lineno, frame.name)
+    if where is not None:
+      return where
   return "<unknown location>"
 
 

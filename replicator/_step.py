@@ -21,6 +21,7 @@ import tensorflow as tf
 import tree
 
 import rewrite
+from replicator import _access
 from replicator import _callables
 from replicator import _captures
 from replicator import _context
@@ -29,6 +30,7 @@ from replicator import _gradient_registry
 from replicator import _inputs
 from replicator import _invariance
 from replicator import _lifting
+from replicator import _primitives
 from replicator import _values
 from replicator import _variables
 
@@ -39,6 +41,16 @@ OUTPUT_MISMATCH = (
     "replica must return the same nest of tensors with the same dtypes. Fix: "
     "return the same structure on every replica (use zeros where a replica has "
     "nothing to report)."
+)
+
+
+WRITE_OUTSIDE = (
+    "The step writes {what} at {location}, but it was created outside every Replicator context "
+    "(not in `with repl.context():` nor inside a step), so it is one variable that every replica's "
+    "step would update (with 4 replicas, assign_add(1.0) would add 4.0). Fix: create it inside "
+    "`with repl.context():` (each replica then has a component, and writes that differ between "
+    "replicas are combined by its aggregation); an optimizer's own variables (its step counter) "
+    "are created with it: create the optimizer, and wrap it with repl.wrap_optimizer, inside the context."
 )
 
 
@@ -203,6 +215,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       scratch = tf.function(trace, autograph=False).get_concrete_function(*source.element_specs)
   finally:
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
+  _check_writes(scratch.graph)
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
@@ -218,6 +231,18 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       output_dtypes=[t.dtype for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
       accumulating=tuple(sorted(accumulating, key=id)))
+
+
+def _check_writes(graph) -> None:
+  """Every variable the step writes must be the Replicator's (replicated or sharded)."""
+  written = _access.written_placeholders(graph)
+  for external, internal in graph.captures:
+    if (internal.op.name in written and external.dtype == tf.resource
+        and not _variables.is_replicated_handle(external)):
+      variable = _variables.variable_of(external)
+      name = "a resource" if variable is None else f"the variable {variable.name!r}"
+      location = _primitives.location_of(graph.get_operation_by_name(written[internal.op.name]))
+      raise _errors.UnreplicatedStateError(WRITE_OUTSIDE.format(what=name, location=location))
 
 
 def _check_outputs(outputs: list) -> None:

@@ -8,6 +8,7 @@ components stay identical.
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import threading
 import weakref
@@ -612,6 +613,7 @@ def _initialize_in_graph(variable, value: tf.Tensor, sum_on_read: bool) -> None:
   with tf.init_scope(), tf.device(components[0].device):
     flag = _new_component(initial_value=False, trainable=False, name="initialized")
   variable._initialized = flag  # pylint: disable=protected-access  (kept alive with the variable)
+  _OWNERS[id(flag.handle)] = variable
   if variable.sharding is not None:
     pieces = mesh_lib.split(value, variable.sharding)
   else:
@@ -648,6 +650,21 @@ def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> m
   layout = mesh_lib.Layout(spec, replicator.mesh)
   layout.check(shape.as_list(), what=f"variable {path!r}")
   return None if layout.is_fully_replicated else layout
+
+
+def is_replicated_handle(handle) -> bool:
+  """Whether ``handle`` is a component's (or its first-run flag's) of a variable the Replicator made."""
+  return id(handle) in _OWNERS
+
+
+def variable_of(handle):
+  """The ``tf.Variable`` whose handle is ``handle`` (found among the objects referring to it), or None."""
+  for referrer in gc.get_referrers(handle):
+    owners = gc.get_referrers(referrer) if isinstance(referrer, dict) else [referrer]
+    for owner in owners:
+      if isinstance(owner, tf.Variable) and getattr(owner, "handle", None) is handle:
+        return owner
+  return None
 
 
 def read_axes(handle, all_axes: frozenset[str]) -> frozenset[str]:

@@ -160,3 +160,49 @@ def test_analysis_rules():
   trace.get_concrete_function(tf.TensorSpec([2]))
   assert seen == dict(input={"a"}, constant=set(), random={"a", "b"}, axis_index={"a", "b"}, all_reduce=set(),
                       reduce_scatter={"b"}, cond={"a"})
+
+
+def test_writing_a_variable_made_outside_every_context_is_an_error():
+  # Was: 4.0 after one step on 4 replicas (one device: 1.0).
+  repl = replicator.Replicator(cpus(4))
+  counter = tf.Variable(0.0, name="steps_seen")
+
+  def step():
+    counter.assign_add(1.0)
+    return tf.constant(0.0)
+
+  with pytest.raises(replicator.UnreplicatedStateError,
+                     match=r"The step writes the variable 'steps_seen:0' at .*test_invariance.py:\d+ in step, but it "
+                           r"was created outside every Replicator context.*Fix: create it inside `with "
+                           r"repl.context\(\):`"):
+    repl.run(step)
+  assert float(counter.numpy()) == 0.0  # refused before anything ran
+  # Reading it is fine: it is one value.
+  assert [float(x) for x in repl.run(lambda: counter.read_value() + 1.0)] == [1.0] * 4
+
+
+def test_an_optimizer_made_outside_the_context_is_an_error():
+  # Was: iterations == 20 after 5 steps on 4 replicas (Adam's bias correction wrong).
+  repl = replicator.Replicator(cpus(4))
+  optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.1))  # outside the context
+  with repl.context():
+    w = tf.Variable([1.0, 2.0])
+
+  def step():
+    optimizer.apply_gradients([(tf.ones([2]), w)])
+
+  with pytest.raises(replicator.UnreplicatedStateError, match=r"writes the variable '.*iteration.*'.*an optimizer's own "
+                                                              r"variables \(its step counter\) are created with it"):
+    repl.run(step)
+
+
+def test_writes_inside_control_flow_are_found():
+  repl = replicator.Replicator(cpus(2))
+  flag = tf.Variable(0, name="flag")
+
+  def step(x):
+    tf.cond(tf.reduce_sum(x) > 0, lambda: flag.assign(1), lambda: flag.assign(2))
+    return x
+
+  with pytest.raises(replicator.UnreplicatedStateError, match=r"writes the variable 'flag:0'"):
+    repl.run(step, inputs=tf.constant([1.0]))
