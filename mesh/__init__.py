@@ -28,6 +28,10 @@ from mesh._sharded import shard
 from mesh._sharded import split
 from mesh._sharded import unpack
 
+for _error in (DeviceError, LayoutError, MeshError):  # printed as mesh.MeshError, not mesh._errors.MeshError
+  _error.__module__ = __name__
+del _error
+
 __all__ = (
     "DeviceError",
     "Layout",

@@ -1,7 +1,30 @@
-"""Errors raised by the mesh package."""
+"""Errors raised by the mesh package, and the library's base classes.
+
+Every error a user of the library can cause (in ``mesh``, ``rewrite`` or
+``replicator``) is a :class:`ReplicatorError`, so one ``except`` catches them
+all; each also subclasses the built-in error it is (``ValueError``,
+``TypeError``, ...). The base classes live here, in the package the others
+import, and ``replicator`` re-exports them.
+"""
 
 
-class MeshError(ValueError):
+class ReplicatorError(Exception):
+  """Base class of the errors this library raises for user mistakes."""
+
+
+class ArgumentError(ReplicatorError, ValueError):
+  """An argument has a value the library cannot use."""
+
+
+class ArgumentTypeError(ReplicatorError, TypeError):
+  """An argument has a type the library cannot use."""
+
+
+class UnsupportedError(ReplicatorError, NotImplementedError):
+  """A combination the library does not support (the message says what to do instead)."""
+
+
+class MeshError(ReplicatorError, ValueError):
   """A mesh, its axes or its devices are inconsistent."""
 
 

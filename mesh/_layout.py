@@ -224,7 +224,7 @@ class LayoutMap:
 
   def __setitem__(self, key: str, spec: Spec) -> None:
     if not isinstance(key, str):
-      raise TypeError(f"LayoutMap keys are variable paths or regular expressions (str), found {key!r}.")
+      raise _errors.ArgumentTypeError(f"LayoutMap keys are variable paths or regular expressions (str), found {key!r}.")
     re.compile(key)  # a malformed pattern fails here, not at lookup
     self._entries[key] = tuple(spec)
 

@@ -162,7 +162,7 @@ def _pieces_and_layout(value) -> tuple[tuple, Layout]:
   components = getattr(value, "components", None)
   if isinstance(layout, Layout) and components is not None:  # a sharded variable
     return tuple(c.read_value() for c in components), layout
-  raise TypeError(
+  raise _errors.ArgumentTypeError(
       f"Expected a mesh.ShardedTensor or a sharded variable (with `layout` and `components`), "
       f"found {type(value).__name__}. Fix: make one with mesh.shard(value, layout) or mesh.pack(pieces, layout).")
 

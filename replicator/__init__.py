@@ -10,6 +10,8 @@ from mesh import virtual_cpus
 from replicator import testing
 from replicator._batch_norm import CrossReplicaBatchNorm
 from replicator._context import current
+from replicator._errors import ArgumentError
+from replicator._errors import ArgumentTypeError
 from replicator._errors import ClusterConfigError
 from replicator._errors import CollectiveInControlFlowError
 from replicator._errors import CollectiveMismatchError
@@ -21,6 +23,7 @@ from replicator._errors import ReplicaContextError
 from replicator._errors import ReplicaInvarianceError
 from replicator._errors import ReplicatorError
 from replicator._errors import UnreplicatedStateError
+from replicator._errors import UnsupportedError
 from replicator._errors import VariableCreationError
 from replicator._errors import WorkerUnavailableError
 from replicator._inputs import InputContext
@@ -33,7 +36,16 @@ from replicator._variables import bytes_per_device
 
 __version__ = "0.1.0"
 
+# Errors print as replicator.VariableCreationError, not replicator._errors.VariableCreationError.
+for _error in (ArgumentError, ArgumentTypeError, ClusterConfigError, CollectiveInControlFlowError, EndOfInput,
+               InputMismatchError, OutputMismatchError, ReplicaContextError, ReplicaInvarianceError, ReplicatorError,
+               UnreplicatedStateError, UnsupportedError, VariableCreationError, WorkerUnavailableError):
+  _error.__module__ = __name__
+del _error
+
 __all__ = (
+    "ArgumentError",
+    "ArgumentTypeError",
     "ClusterConfigError",
     "CollectiveInControlFlowError",
     "CollectiveMismatchError",
@@ -52,6 +64,7 @@ __all__ = (
     "Replicator",
     "ReplicatorError",
     "UnreplicatedStateError",
+    "UnsupportedError",
     "VariableCreationError",
     "WorkerUnavailableError",
     "bytes_per_device",

@@ -39,6 +39,17 @@ TASK_OUT_OF_RANGE = (
     "Task index {index} is out of range: the cluster has {count} worker(s), indices "
     "0..{last}. Fix: use an index in that range, or add the worker's address to the cluster."
 )
+TASK_NOT_AN_INT = (
+    "Task index {index!r} is a {kind}, not an integer. Fix: write it as a number, e.g. "
+    '"task": {{"type": "worker", "index": 0}} (not "0").'
+)
+NOT_A_WORKER = (
+    "Worker {task} at {address} accepts TCP connections but is not a TensorFlow worker: it did not "
+    "answer the gRPC (HTTP/2) handshake within {seconds:.1f} s. Fix: check the address (another "
+    "service listens on that port?), and start the worker there with python -m replicator.worker "
+    "--cluster ... --task {task}."
+)
+BAD_TIMEOUT = "{name}={value!r}: needs a number of seconds {bound}."
 UNREACHABLE = (
     "Worker {task} at {address} is unreachable ({reason}) after {seconds:.1f} s. Fix: start "
     "it first (python -m replicator.worker --cluster ... --task {task}), check the address, "
@@ -60,7 +71,9 @@ class Cluster:
     return f"/job:{JOB}/replica:0/task:{task}"
 
   def check_task(self, index: Any) -> int:
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.workers):
+    if not isinstance(index, int) or isinstance(index, bool):
+      raise _errors.ClusterConfigError(TASK_NOT_AN_INT.format(index=index, kind=type(index).__name__))
+    if not 0 <= index < len(self.workers):
       raise _errors.ClusterConfigError(TASK_OUT_OF_RANGE.format(
           index=index, count=len(self.workers), last=len(self.workers) - 1))
     return index
@@ -122,18 +135,56 @@ def probe(address: str, timeout: float) -> str | None:
     return e.strerror or type(e).__name__
 
 
+# The HTTP/2 client connection preface and an empty SETTINGS frame: a gRPC
+# server (a TensorFlow worker) answers with a SETTINGS frame of its own.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def speaks_grpc(address: str, timeout: float) -> bool:
+  """Whether ``address`` answers the HTTP/2 handshake (as a TensorFlow worker's gRPC server does) in time."""
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host, int(port)), timeout=timeout) as connection:
+      connection.settimeout(timeout)
+      connection.sendall(_HTTP2_PREFACE)
+      header = b""
+      while len(header) < 9:
+        chunk = connection.recv(9 - len(header))
+        if not chunk:
+          return False
+        header += chunk
+      return header[3] == 4  # the frame type: SETTINGS
+  except OSError:
+    return False
+
+
+def check_timeout(name: str, value: Any, allow_zero: bool) -> float:
+  """A timeout argument as float seconds, or a clear error."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
+    bound = ">= 0 (0: wait forever)" if allow_zero else "> 0"
+    raise _errors.ArgumentError(BAD_TIMEOUT.format(name=name, value=value, bound=bound))
+  return float(value)
+
+
 def wait_reachable(cluster: Cluster, timeout: float, tasks=None) -> None:
-  """Waits until every worker accepts connections; WorkerUnavailableError after ``timeout``."""
+  """Waits until every worker answers as a TensorFlow worker; WorkerUnavailableError after ``timeout``.
+
+  A port that accepts connections but does not answer the gRPC handshake is
+  reported as not a worker (connecting TensorFlow to it would hang).
+  """
   start = time.monotonic()
   for task in (range(len(cluster.workers)) if tasks is None else tasks):
     address = cluster.workers[task]
     while True:
-      reason = probe(address, timeout=min(1.0, timeout))
-      if reason is None:
+      left = max(0.1, timeout - (time.monotonic() - start))
+      reason = probe(address, timeout=min(1.0, left))
+      if reason is None and speaks_grpc(address, timeout=min(2.0, left)):
         break
       if time.monotonic() - start >= timeout:
-        raise _errors.WorkerUnavailableError(UNREACHABLE.format(
-            task=task, address=address, reason=reason, seconds=time.monotonic() - start), task, address)
+        seconds = time.monotonic() - start
+        message = (UNREACHABLE.format(task=task, address=address, reason=reason, seconds=seconds) if reason
+                   else NOT_A_WORKER.format(task=task, address=address, seconds=seconds))
+        raise _errors.WorkerUnavailableError(message, task, address)
       time.sleep(0.1)
 
 

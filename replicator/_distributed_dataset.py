@@ -87,7 +87,7 @@ class DistributedDataset:
 
   def __init__(self, dataset: tf.data.Dataset, pipelines, host_device: str, prefetch: int = 2):
     if not isinstance(dataset, tf.data.Dataset):
-      raise TypeError(f"distribute_dataset needs a tf.data.Dataset of global batches, found {type(dataset).__name__}.")
+      raise _errors.ArgumentTypeError(f"distribute_dataset needs a tf.data.Dataset of global batches, found {type(dataset).__name__}.")
     self.pipelines = tuple(range(pipelines)) if isinstance(pipelines, int) else tuple(pipelines)
     self.num_replicas = len(self.pipelines)
     self.num_pipelines = max(self.pipelines) + 1

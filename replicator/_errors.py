@@ -1,6 +1,10 @@
 """Errors a user of the replicator can cause, each saying what to change."""
 
 from mesh import DeviceError  # noqa: F401  (re-exported)
+from mesh._errors import ArgumentError  # noqa: F401  (the library's base classes: mesh/_errors.py)
+from mesh._errors import ArgumentTypeError  # noqa: F401
+from mesh._errors import ReplicatorError
+from mesh._errors import UnsupportedError  # noqa: F401
 from rewrite import CollectiveMismatchError  # noqa: F401  (re-exported)
 
 NO_REPLICA_CONTEXT = (
@@ -27,10 +31,6 @@ END_OF_INPUT = (
     "loop here (catch replicator.EndOfInput, or StopIteration), or repeat the "
     "dataset (dataset.repeat()) for more epochs."
 )
-
-
-class ReplicatorError(Exception):
-  """Base class of the errors this library raises for user mistakes."""
 
 
 class ReplicaContextError(ReplicatorError, RuntimeError):

@@ -60,7 +60,7 @@ class InputContext:
     16
     """
     if global_batch_size % self.num_replicas:
-      raise ValueError(
+      raise _errors.ArgumentError(
           f"The global batch size {global_batch_size} is not divisible by the number of "
           f"replicas {self.num_replicas}. Fix: use a global batch size that is a multiple "
           f"of {self.num_replicas}, e.g. {(global_batch_size // self.num_replicas + 1) * self.num_replicas}.")

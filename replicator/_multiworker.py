@@ -9,6 +9,7 @@ one distributed graph call. The workers only run a server
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -44,6 +45,23 @@ ALREADY_CONNECTED = (
     "another client process."
 )
 _connected: list[_cluster.Cluster] = []
+
+
+_NOISE = re.compile(r"^(Graph execution error|Detected at node|File |<stack traces|\d+ root error\(s\) found|"
+                    r"\[\[|0 successful operations|\d+ derived errors ignored|Additional GRPC error)")
+
+
+def root_cause(message: str) -> str:
+  """One readable line of a TensorFlow error: the first root error, without numbering and node lists.
+
+  >>> root_cause("2 root error(s) found.\\n  (0) UNAVAILABLE: failed to connect\\n\\t [[{{node x}}]]")
+  'UNAVAILABLE: failed to connect'
+  """
+  for line in message.splitlines():
+    line = re.sub(r"^\(\d+\)\s*", "", line.strip())
+    if line and not _NOISE.match(line):
+      return line[:300]
+  return message.strip().splitlines()[0][:300] if message.strip() else ""
 
 
 def _connect(cluster: _cluster.Cluster) -> None:
@@ -106,8 +124,10 @@ class MultiWorkerReplicator(Replicator):
   def __init__(self, cluster, devices_per_worker: int | None = None, *, tasks: Sequence[int] | None = None,
                connect_timeout: float = 30.0, collective_timeout: float = 30.0, **kwargs):
     if "devices" in kwargs or "mesh" in kwargs:
-      raise ValueError("MultiWorkerReplicator places replicas on the cluster's workers; do not pass "
+      raise _errors.ArgumentError("MultiWorkerReplicator places replicas on the cluster's workers; do not pass "
                        "`devices` or `mesh`.")
+    connect_timeout = _cluster.check_timeout("connect_timeout", connect_timeout, allow_zero=False)
+    collective_timeout = _cluster.check_timeout("collective_timeout", collective_timeout, allow_zero=True)
     self._cluster = _cluster.parse(cluster)
     self._tasks = tuple(range(len(self._cluster.workers)) if tasks is None else
                         [self._cluster.check_task(t) for t in tasks])
@@ -184,9 +204,7 @@ class MultiWorkerReplicator(Replicator):
     return [t for t in self._tasks if _cluster.probe(self._cluster.workers[t], timeout=1.0) is not None]
 
   def _lost(self, task: int, error: Exception) -> _errors.WorkerUnavailableError:
-    lines = [line.strip() for line in str(getattr(error, "message", error)).splitlines()]
-    useful = [line for line in lines if line and not line.startswith(("Graph execution error", "Detected at node", "File ", "<stack traces"))]
-    detail = (useful[0] if useful else lines[0] if lines else "")[:300]
+    detail = root_cause(str(getattr(error, "message", error)))
     return _errors.WorkerUnavailableError(WORKER_LOST.format(
         task=task, address=self._cluster.workers[task], error_type=type(error).__name__,
         error=detail), task, self._cluster.workers[task])

@@ -11,6 +11,7 @@ import tensorflow as tf
 import rewrite
 from replicator import _access
 from replicator import _context
+from replicator import _errors
 from replicator import _primitives
 from replicator import _variables
 
@@ -168,11 +169,11 @@ class ReplicatedOptimizer(tf.Module):
   def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
                bucket_bytes: int | None = None, update: str = "auto", densify_above: float | None = None):
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
-      raise ValueError(f"wrap_optimizer(accumulation_steps={accumulation_steps!r}): needs a positive integer.")
+      raise _errors.ArgumentError(f"wrap_optimizer(accumulation_steps={accumulation_steps!r}): needs a positive integer.")
     if reduction not in REDUCTIONS:
-      raise ValueError(f"wrap_optimizer(reduction={reduction!r}): reduction must be one of {REDUCTIONS}.")
+      raise _errors.ArgumentError(f"wrap_optimizer(reduction={reduction!r}): reduction must be one of {REDUCTIONS}.")
     if not (hasattr(optimizer, "apply_gradients") or hasattr(optimizer, "apply")):
-      raise TypeError(
+      raise _errors.ArgumentTypeError(
           f"wrap_optimizer() needs a Keras 3 or Sonnet 2 optimizer (an object with "
           f"apply_gradients() or apply()), but found {type(optimizer).__name__}.")
     object.__setattr__(self, "_replicator", replicator)
@@ -180,21 +181,21 @@ class ReplicatedOptimizer(tf.Module):
     object.__setattr__(self, "_reduction", reduction)
     object.__setattr__(self, "accumulation_steps", accumulation_steps)
     if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 0):
-      raise ValueError(f"wrap_optimizer(bucket_bytes={bucket_bytes!r}): needs None or a byte count >= 0.")
+      raise _errors.ArgumentError(f"wrap_optimizer(bucket_bytes={bucket_bytes!r}): needs None or a byte count >= 0.")
     object.__setattr__(self, "bucket_bytes", bucket_bytes)
     if densify_above is not None and (isinstance(densify_above, bool) or not isinstance(densify_above, (int, float))
                                       or densify_above < 0):
-      raise ValueError(f"wrap_optimizer(densify_above={densify_above!r}): needs None or a fraction >= 0 "
+      raise _errors.ArgumentError(f"wrap_optimizer(densify_above={densify_above!r}): needs None or a fraction >= 0 "
                        "(of a variable's rows).")
     object.__setattr__(self, "densify_above", densify_above)
     object.__setattr__(self, "_accumulators", None)
     object.__setattr__(self, "calls", 0)  # steps run through this optimizer (Python side)
     object.__setattr__(self, "_apply_now", True)  # set by the Replicator before tracing
     if update not in UPDATES:
-      raise ValueError(f"wrap_optimizer(update={update!r}): update must be one of {UPDATES}.")
+      raise _errors.ArgumentError(f"wrap_optimizer(update={update!r}): update must be one of {UPDATES}.")
     unsupported = sharded_update_unsupported(optimizer)
     if update == "sharded" and unsupported:
-      raise ValueError(SHARDED_UPDATE_UNSUPPORTED.format(optimizer=type(optimizer).__name__, reason=unsupported))
+      raise _errors.ArgumentError(SHARDED_UPDATE_UNSUPPORTED.format(optimizer=type(optimizer).__name__, reason=unsupported))
     if update == "auto":
       update = "sharded" if (unsupported is None and len(replicator.devices) > 1
                              and _one_cpu_process(replicator.devices)) else "replicated"
@@ -252,7 +253,7 @@ class ReplicatedOptimizer(tf.Module):
     mesh = repl.mesh
     variables = [None] * len(grads) if variables is None else list(variables)
     if len(variables) != len(grads):
-      raise ValueError(f"reduce_gradients got {len(grads)} gradients for {len(variables)} variables.")
+      raise _errors.ArgumentError(f"reduce_gradients got {len(grads)} gradients for {len(variables)} variables.")
     # "sum": every device that differs only along non-batch axes computes the
     # same batch shard's loss; count it once.
     batch_axes = repl._batch_axes if repl._batch_axes is not None else mesh.axis_names  # pylint: disable=protected-access
@@ -313,11 +314,11 @@ class ReplicatedOptimizer(tf.Module):
     if self._accumulators is None:
       object.__setattr__(self, "_accumulators", [_new_accumulator(v, g) for v, g in zip(variables, grads)])
     if len(self._accumulators) != len(variables):
-      raise ValueError(f"This optimizer accumulates gradients for {len(self._accumulators)} variables, "
+      raise _errors.ArgumentError(f"This optimizer accumulates gradients for {len(self._accumulators)} variables, "
                        f"but got {len(variables)}. Use one wrapped optimizer per set of variables.")
     for acc, g, v in zip(self._accumulators, grads, variables):
       if isinstance(acc, _RowAccumulator) and g is not None and not isinstance(g, tf.IndexedSlices):
-        raise TypeError(ROWS_THEN_DENSE.format(name=getattr(v, "path", None) or v.name))
+        raise _errors.ArgumentTypeError(ROWS_THEN_DENSE.format(name=getattr(v, "path", None) or v.name))
     if not self._apply_now:
       for acc, g in zip(self._accumulators, grads):
         if isinstance(acc, _RowAccumulator) and g is not None:
@@ -365,7 +366,7 @@ class ReplicatedOptimizer(tf.Module):
     """
     if self.accumulation_steps != 1:
       if variables is None:
-        raise ValueError("apply(grads) without variables cannot accumulate gradients; pass the variables.")
+        raise _errors.ArgumentError("apply(grads) without variables cannot accumulate gradients; pass the variables.")
       grads = self._accumulate(list(grads), list(variables))
       if grads is None:
         return None
@@ -389,7 +390,7 @@ class ReplicatedOptimizer(tf.Module):
     if sharding and (args or kwargs):
       # Falling back to a replicated update here would update slots that are
       # current only on their owner from stale copies.
-      raise TypeError(SHARDED_EXTRA_ARGUMENTS.format(extra=list(args) + sorted(kwargs or {})))
+      raise _errors.ArgumentTypeError(SHARDED_EXTRA_ARGUMENTS.format(extra=list(args) + sorted(kwargs or {})))
     return sharding
 
   def owners(self, variables, sparse: Sequence[bool] | None = None) -> list[Owner | None]:
@@ -539,7 +540,7 @@ class _RowAccumulator:
   def __init__(self, gradient: tf.IndexedSlices):
     values, indices = gradient.values, gradient.indices
     if not values.shape[1:].is_fully_defined():
-      raise ValueError(f"Accumulating a sparse gradient needs rows of a static shape, found values of shape "
+      raise _errors.ArgumentError(f"Accumulating a sparse gradient needs rows of a static shape, found values of shape "
                        f"{values.shape}. Fix: give the rows a static shape, or convert the gradient with "
                        "tf.convert_to_tensor (accumulated densely).")
     row = values.shape[1:].as_list()

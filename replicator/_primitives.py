@@ -66,8 +66,7 @@ def _user_frame(filename: str, lineno: int, name: str) -> str | None:
     origin = _AUTOGRAPH_MAPS.get(filename, {}).get(lineno)
     if origin is None:
       return None
-    where = f"{origin.loc.filename}:{origin.loc.lineno}"
-    return where if origin.function_name is None else f"{where} in {origin.function_name}"
+    return f"{origin.loc.filename}:{origin.loc.lineno} in {origin.function_name or '<lambda>'}"
   if filename.startswith(_INTERNAL_DIRS) or "/keras/" in filename or "<frozen" in filename:
     return None
   return f"{filename}:{lineno} in {name}"
@@ -112,7 +111,7 @@ def _leaves(x, name: str, keep_slices: bool = False):
     try:
       tensors.append(tf.convert_to_tensor(leaf))
     except (TypeError, ValueError) as e:
-      raise TypeError(f"repl.{name}() takes a nest of tensors, but one leaf is {leaf!r} "
+      raise _errors.ArgumentTypeError(f"repl.{name}() takes a nest of tensors, but one leaf is {leaf!r} "
                       f"({type(leaf).__name__}), which is not convertible to a tensor.") from e
   return tensors
 
@@ -170,15 +169,15 @@ def all_reduce(ctx, x, op: str, axes: tuple[str, ...], location: str):
   An ``IndexedSlices`` leaf (op "sum" or "mean") stays sparse: see :func:`sparse_sum`.
   """
   if op not in REDUCE_OPS:
-    raise ValueError(f"repl.all_reduce(op={op!r}): op must be one of {REDUCE_OPS}.")
+    raise _errors.ArgumentError(f"repl.all_reduce(op={op!r}): op must be one of {REDUCE_OPS}.")
 
   def one(t, call):
     if isinstance(t, tf.IndexedSlices):
       if op not in ("sum", "mean"):
-        raise TypeError(SPARSE_REDUCE_OP.format(op=op, location=location))
+        raise _errors.ArgumentTypeError(SPARSE_REDUCE_OP.format(op=op, location=location))
       return _sparse_sum_leaf(ctx, t, axes, location, call, mean=op == "mean")
     if t.dtype == tf.bool or t.dtype == tf.string:
-      raise TypeError(f"repl.all_reduce() needs numeric tensors, found {t.dtype.name} at {location}. "
+      raise _errors.ArgumentTypeError(f"repl.all_reduce() needs numeric tensors, found {t.dtype.name} at {location}. "
                       "Fix: cast to a number first (e.g. tf.cast(x, tf.int32)).")
     return _differentiable(ctx, lambda u: _reduce_with_grad(ctx, u, op, axes, location, call), t)
 
@@ -200,7 +199,7 @@ def sparse_sum(ctx, x, axes: tuple[str, ...], location: str, scale: float = 1.0)
 
 def _sparse_sum_leaf(ctx, t, axes, location, call, mean: bool = False, scale: float = 1.0):
   if not isinstance(t, tf.IndexedSlices):
-    raise TypeError(f"A sparse reduction takes tf.IndexedSlices, found {type(t).__name__} at {location}.")
+    raise _errors.ArgumentTypeError(f"A sparse reduction takes tf.IndexedSlices, found {type(t).__name__} at {location}.")
   values = _all_gather_leaf(ctx, t.values, 0, axes, location, f"{call}, values", ragged=True)
   indices = _all_gather_leaf(ctx, t.indices, 0, axes, location, f"{call}, indices", ragged=True)
   if mean:
@@ -235,7 +234,7 @@ def broadcast(ctx, x, source: int, axes: tuple[str, ...], location: str):
   """Every replica of the group gets the value of group member ``source``."""
   size = ctx.replicator.mesh.axis_size(axes)
   if not isinstance(source, int) or not 0 <= source < size:
-    raise ValueError(f"repl.broadcast(source={source!r}): source must be a replica index in "
+    raise _errors.ArgumentError(f"repl.broadcast(source={source!r}): source must be a replica index in "
                      f"[0, {size}) (the group along axes {axes} has {size} replicas).")
   position = ctx.replicator.mesh.axis_index(ctx.replica_id, axes)
 
@@ -263,13 +262,13 @@ def _dimension(name: str, param: str, value, t: tf.Tensor, location: str) -> int
   """Checks tensor dimension ``value`` of ``t`` for ``repl.name(param=value)``; returns it >= 0."""
   rank = t.shape.rank
   if rank is None or rank == 0:
-    raise ValueError(f"repl.{name}() needs tensors of known rank >= 1, found shape {t.shape} "
+    raise _errors.ArgumentError(f"repl.{name}() needs tensors of known rank >= 1, found shape {t.shape} "
                      f"at {location}. Fix: reshape scalars to [1] first (tf.reshape(x, [1])).")
   if not isinstance(value, int) or isinstance(value, bool):
-    raise TypeError(f"repl.{name}({param}={value!r}): {param} must be an int (a tensor dimension), "
+    raise _errors.ArgumentTypeError(f"repl.{name}({param}={value!r}): {param} must be an int (a tensor dimension), "
                     f"found {type(value).__name__}.")
   if not -rank <= value < rank:
-    raise ValueError(f"repl.{name}({param}={value}) is out of range for a tensor of rank {rank} "
+    raise _errors.ArgumentError(f"repl.{name}({param}={value}) is out of range for a tensor of rank {rank} "
                      f"(shape {t.shape}) at {location}. Fix: pass a dimension in [{-rank}, {rank}).")
   return value % rank
 
@@ -278,12 +277,12 @@ def _check_divisible(name: str, param: str, dim: int, t: tf.Tensor, axes, size: 
   """The static size of dimension ``dim`` of ``t`` must be a multiple of the group size."""
   length = t.shape[dim]
   if length is None:
-    raise ValueError(
+    raise _errors.ArgumentError(
         f"repl.{name}({param}={dim}) splits dimension {dim} of a {t.dtype.name} tensor of shape "
         f"{t.shape} among {_group_str(axes, size)}, but that dimension has no static size at "
         f"{location}. Fix: give it a static size (e.g. tf.ensure_shape), or split another dimension.")
   if length % size:
-    raise ValueError(
+    raise _errors.ArgumentError(
         f"repl.{name}({param}={dim}) splits dimension {dim} (of size {length}) of a {t.dtype.name} "
         f"tensor of shape {t.shape} among {_group_str(axes, size)}, but {size} does not evenly "
         f"divide {length} at {location}. Fix: pad dimension {dim} to a multiple of {size} "
@@ -353,12 +352,12 @@ def _reduce_scatter_leaf(ctx, t, op, dim, axes, location, call):
 def reduce_scatter(ctx, x, op: str, scatter_dimension: int, axes: tuple[str, ...], location: str):
   """Reduces over the group; group member i gets chunk i of the result along ``scatter_dimension``."""
   if op not in REDUCE_OPS:
-    raise ValueError(f"repl.reduce_scatter(op={op!r}): op must be one of {REDUCE_OPS}.")
+    raise _errors.ArgumentError(f"repl.reduce_scatter(op={op!r}): op must be one of {REDUCE_OPS}.")
   size = ctx.replicator.mesh.axis_size(axes)
 
   def one(t, call):
     if t.dtype == tf.bool or t.dtype == tf.string:
-      raise TypeError(f"repl.reduce_scatter() needs numeric tensors, found {t.dtype.name} at {location}. "
+      raise _errors.ArgumentTypeError(f"repl.reduce_scatter() needs numeric tensors, found {t.dtype.name} at {location}. "
                       "Fix: cast to a number first (e.g. tf.cast(x, tf.int32)).")
     dim = _dimension("reduce_scatter", "scatter_dimension", scatter_dimension, t, location)
     _check_divisible("reduce_scatter", "scatter_dimension", dim, t, axes, size, location)
@@ -424,19 +423,19 @@ def _check_perm(perm, size: int, axes) -> tuple[tuple[int, int], ...]:
     pairs = None
   if pairs is None or not all(isinstance(p, numbers.Integral) and not isinstance(p, bool)
                               for pair in pairs for p in pair):
-    raise TypeError(f"repl.permute(perm={perm!r}): perm must be a list of (source, destination) "
+    raise _errors.ArgumentTypeError(f"repl.permute(perm={perm!r}): perm must be a list of (source, destination) "
                     "pairs of group positions (ints), e.g. [(0, 1), (1, 0)].")
   pairs = tuple((int(s), int(d)) for s, d in pairs)
   for s, d in pairs:
     if not (0 <= s < size and 0 <= d < size):
-      raise ValueError(f"repl.permute(perm={perm!r}): the pair ({s}, {d}) names a position outside "
+      raise _errors.ArgumentError(f"repl.permute(perm={perm!r}): the pair ({s}, {d}) names a position outside "
                        f"[0, {size}) ({_group_str(axes, size)}). Fix: use group positions "
                        f"0..{size - 1} (see repl.axis_index).")
   for which, index in (("source", 0), ("destination", 1)):
     positions = [pair[index] for pair in pairs]
     repeated = sorted({p for p in positions if positions.count(p) > 1})
     if repeated:
-      raise ValueError(f"repl.permute(perm={perm!r}): {which} position(s) {repeated} appear more than "
+      raise _errors.ArgumentError(f"repl.permute(perm={perm!r}): {which} position(s) {repeated} appear more than "
                        f"once. Each member sends to at most one destination and receives from at "
                        f"most one source. Fix: list each {which} once (use several permute calls "
                        f"or repl.all_gather to send one value to several members).")

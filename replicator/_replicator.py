@@ -48,7 +48,7 @@ def _as_layout_map(layouts):
     return layouts
   if isinstance(layouts, dict):
     return mesh_lib.LayoutMap(layouts)
-  raise TypeError(f"layouts must be a mesh.LayoutMap or a dict of variable path pattern to layout spec, "
+  raise _errors.ArgumentTypeError(f"layouts must be a mesh.LayoutMap or a dict of variable path pattern to layout spec, "
                   f"found {type(layouts).__name__}.")
 
 
@@ -101,7 +101,7 @@ class Replicator:
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
                batch_axes: str | Sequence[str] | None = None, layouts=None):
     if mesh is not None and devices is not None:
-      raise ValueError("Pass either `devices` or `mesh` to Replicator, not both "
+      raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
     if batch_axes is None:
@@ -150,7 +150,7 @@ class Replicator:
   def batch_axes(self) -> tuple[str, ...]:
     """Mesh axes the input batch is split over (see the constructor)."""
     if self._batch_axes is None:
-      raise ValueError(NO_BATCH_AXES.format(shape=self._mesh.shape, names=self._mesh.axis_names))
+      raise _errors.ArgumentError(NO_BATCH_AXES.format(shape=self._mesh.shape, names=self._mesh.axis_names))
     return self._batch_axes
 
   @property
@@ -237,10 +237,10 @@ class Replicator:
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-      raise ValueError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
+      raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
     if steps > 1 and step.accumulating:
-      raise ValueError(
+      raise _errors.ArgumentError(
           f"repl.run(steps={steps}) with an optimizer wrapped with accumulation_steps > 1 is not "
           "supported: each step needs its own phase (accumulate or apply). Fix: run one step per call.")
     try:
@@ -290,9 +290,9 @@ class Replicator:
 
   def _compiled(self, step_fn, input_fn, inputs):
     if not callable(step_fn):
-      raise TypeError(f"repl.run needs a callable step_fn, found {type(step_fn).__name__}.")
+      raise _errors.ArgumentTypeError(f"repl.run needs a callable step_fn, found {type(step_fn).__name__}.")
     if input_fn is not None and inputs is not None:
-      raise ValueError("Pass either input_fn or inputs= to repl.run, not both.")
+      raise _errors.ArgumentError("Pass either input_fn or inputs= to repl.run, not both.")
     if isinstance(input_fn, tf.data.Dataset):  # global batches: split them across replicas
       if input_fn not in self._distributed:
         self._distributed[input_fn] = self.distribute_dataset(input_fn)
@@ -303,7 +303,7 @@ class Replicator:
         source = self._dataset_sources[input_fn] = _distributed_dataset.GlobalBatchInputs(input_fn)
     elif input_fn is not None:
       if not callable(input_fn):
-        raise TypeError(f"input_fn must be callable (input_fn(ctx) -> tf.data.Dataset), found "
+        raise _errors.ArgumentTypeError(f"input_fn must be callable (input_fn(ctx) -> tf.data.Dataset), found "
                         f"{type(input_fn).__name__}. To pass per-replica values, use inputs=.")
       source = self._sources.get(input_fn)
       if source is None:
@@ -448,7 +448,7 @@ class Replicator:
     """
     ctx = _primitives.require_context(self, "all_gather")
     if isinstance(axis, int):
-      raise TypeError(_primitives.ALL_GATHER_INT_AXIS.format(axis=axis, names=self._mesh.axis_names))
+      raise _errors.ArgumentTypeError(_primitives.ALL_GATHER_INT_AXIS.format(axis=axis, names=self._mesh.axis_names))
     return _primitives.all_gather(ctx, x, concat_dimension, self._axes(axis), _primitives.user_location())
 
   def reduce_scatter(self, x, op: str = "sum", *, axis=None, scatter_dimension: int = 0):
@@ -560,7 +560,7 @@ class Replicator:
         replicas (e.g. the mean over a global batch of per-example losses).
     """
     if op not in _primitives.REDUCE_OPS:
-      raise ValueError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS}.")
+      raise _errors.ArgumentError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS}.")
     reducer = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max,
                "min": tf.reduce_min}[op]
 
@@ -587,10 +587,10 @@ class Replicator:
       if value is None:
         return None
       if not isinstance(value, PerReplica):
-        raise TypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a nest of "
+        raise _errors.ArgumentTypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a nest of "
                         f"them), found {type(value).__name__}.")
       if len(value) != self.num_replicas:
-        raise ValueError(f"repl.{name}() got a PerReplica of {len(value)} values, but this "
+        raise _errors.ArgumentError(f"repl.{name}() got a PerReplica of {len(value)} values, but this "
                          f"Replicator has {self.num_replicas} replicas.")
       return fn(value.values)
 

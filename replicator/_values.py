@@ -8,6 +8,8 @@ from typing import Any
 
 import tree
 
+from replicator import _errors
+
 
 class PerReplica:
   """One value per replica, in replica order (device order of the Replicator).
@@ -26,7 +28,7 @@ class PerReplica:
 
   def __init__(self, values: Sequence[Any]):
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-      raise TypeError(f"PerReplica needs a sequence with one value per replica, found {type(values).__name__}.")
+      raise _errors.ArgumentTypeError(f"PerReplica needs a sequence with one value per replica, found {type(values).__name__}.")
     self._values = tuple(values)
 
   @property

@@ -453,7 +453,7 @@ class ReplicatedVariable(tf.Variable):
         args = (self._combined_rows(method, args[0]),) + args[1:]
       return getattr(self._current(), method)(*args, **kwargs)
     if self._sharding is not None:
-      raise NotImplementedError(SHARDED_SCATTER.format(method=method, name=self.name, spec=self._sharding.spec))
+      raise _errors.UnsupportedError(SHARDED_SCATTER.format(method=method, name=self.name, spec=self._sharding.spec))
     for component in self._components:
       getattr(component, method)(*args, **kwargs)
     return self

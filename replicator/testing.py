@@ -45,7 +45,7 @@ class LocalCluster:
 
   def __init__(self, num_workers: int, devices_per_worker: int = 1, start_timeout: float = 60.0):
     if num_workers < 1 or devices_per_worker < 1:
-      raise ValueError(f"local_cluster needs num_workers >= 1 and devices_per_worker >= 1, found "
+      raise _errors.ArgumentError(f"local_cluster needs num_workers >= 1 and devices_per_worker >= 1, found "
                        f"{num_workers} and {devices_per_worker}.")
     self.addresses = tuple(f"localhost:{p}" for p in free_ports(num_workers))
     self.devices_per_worker = devices_per_worker

@@ -31,6 +31,10 @@ from rewrite._plan import Collective
 from rewrite._plan import Plan
 from rewrite._plan import plan
 
+for _error in (CollectiveMismatchError, RewriteError):  # printed as rewrite.RewriteError, not rewrite._errors...
+  _error.__module__ = __name__
+del _error
+
 CollectiveOps = _collective_ops.CollectiveOps
 Hierarchical = _hierarchical.Hierarchical
 OneDevice = _one_device.OneDevice

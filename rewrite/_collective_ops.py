@@ -30,6 +30,7 @@ import threading
 
 import tensorflow as tf
 
+from rewrite import _errors
 from rewrite import _lowering
 from rewrite._plan import Collective
 
@@ -120,7 +121,7 @@ class CollectiveOps(_lowering.Lowering):
             everyone = tf.raw_ops.CollectiveGatherV2(input=tf.expand_dims(x, 0), **common)
             y = everyone[sources[i]] if i in sources else tf.zeros_like(x)
         else:
-          raise NotImplementedError(f"{self.name} cannot lower {collective.kind}.")
+          raise _errors.UnsupportedError(f"{self.name} cannot lower {collective.kind}.")
         outputs.append(y)
     return outputs
 

@@ -1,5 +1,9 @@
 """Errors raised while planning and applying the collective rewrite."""
 
+from mesh._errors import ArgumentError  # noqa: F401  (the library's base classes: mesh/_errors.py)
+from mesh._errors import ReplicatorError
+from mesh._errors import UnsupportedError  # noqa: F401
+
 MISMATCH_FOOTER = (
     "Every replica must make the same collective calls in the same order, with the "
     "same op, dtype and shape. A common cause is Python control flow on the replica "
@@ -9,11 +13,11 @@ MISMATCH_FOOTER = (
 )
 
 
-class RewriteError(RuntimeError):
+class RewriteError(ReplicatorError, RuntimeError):
   """The rewrite pass cannot turn placeholders into collectives."""
 
 
-class CollectiveMismatchError(ValueError):
+class CollectiveMismatchError(ReplicatorError, ValueError):
   """Replicas disagree on the collectives they call.
 
   Attributes:

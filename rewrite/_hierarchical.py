@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from rewrite import _errors
 from rewrite import _lowering
 from rewrite._collective_ops import CollectiveOps
 from rewrite._one_device import reduce_values
@@ -53,7 +54,7 @@ class Hierarchical(_lowering.Lowering):
   def lower_group(self, collective: Collective, inputs, devices, ctx):
     _lowering.check_group_inputs(collective, inputs, devices)
     if not self.supports(collective):
-      raise NotImplementedError(f"{self.name} cannot lower {collective.kind} of {collective.dtype.name}.")
+      raise _errors.UnsupportedError(f"{self.name} cannot lower {collective.kind} of {collective.dtype.name}.")
     params = collective.param_dict
     tasks: dict[str, list[int]] = {}
     for i, device in enumerate(devices):

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from rewrite import _errors
 from rewrite._plan import Collective
 
 _REGISTRY: dict[str, "Lowering"] = {}
@@ -98,7 +99,7 @@ class Lowering(abc.ABC):
 def register(lowering: Lowering) -> Lowering:
   """Registers ``lowering`` under its name (replacing any previous one)."""
   if not lowering.name:
-    raise ValueError("A lowering needs a non-empty `name`.")
+    raise _errors.ArgumentError("A lowering needs a non-empty `name`.")
   _REGISTRY[lowering.name] = lowering
   return lowering
 
@@ -108,7 +109,7 @@ def get(name: str) -> Lowering:
   try:
     return _REGISTRY[name]
   except KeyError:
-    raise ValueError(
+    raise _errors.ArgumentError(
         f"Unknown collective implementation {name!r}. Registered implementations: "
         f"{sorted(_REGISTRY)}. Fix: use one of those names, or 'auto'.") from None
 
@@ -143,4 +144,4 @@ def task_of(device: str) -> str:
 
 def check_group_inputs(collective: Collective, inputs: Sequence[tf.Tensor], devices: Sequence[str]) -> None:
   if len(inputs) != len(devices):
-    raise ValueError(f"{collective.describe()}: {len(inputs)} inputs for {len(devices)} devices.")
+    raise _errors.ArgumentError(f"{collective.describe()}: {len(inputs)} inputs for {len(devices)} devices.")

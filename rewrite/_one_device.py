@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from rewrite import _errors
 from rewrite import _lowering
 from rewrite._plan import Collective
 
@@ -105,7 +106,7 @@ class OneDevice(_lowering.Lowering):
       elif collective.kind == "all_gather":
         result = tf.concat(list(inputs), axis=params["concat_dimension"])
       else:
-        raise NotImplementedError(f"{self.name} cannot lower {collective.kind}.")
+        raise _errors.UnsupportedError(f"{self.name} cannot lower {collective.kind}.")
     return [_copy(result, d) for d in devices]
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from rewrite import _errors
+
 PLACEHOLDER_SCOPE = "replicator_placeholder"
 
 # The kinds of collective and their params (the primitive computes the result
@@ -97,7 +99,7 @@ def emit(x: tf.Tensor, *, replica: int, index: int, kind: str,
     the record describing it.
   """
   if kind not in KINDS:
-    raise ValueError(f"Unknown collective kind {kind!r}; expected one of {KINDS}.")
+    raise _errors.ArgumentError(f"Unknown collective kind {kind!r}; expected one of {KINDS}.")
   with tf.name_scope(PLACEHOLDER_SCOPE):
     y = tf.raw_ops.Placeholder(dtype=x.dtype, shape=result_shape, name=kind)
   record = Placeholder(

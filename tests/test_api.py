@@ -10,7 +10,8 @@ def test_replicator_public_names():
       "CollectiveInControlFlowError", "CollectiveMismatchError", "CrossReplicaBatchNorm", "DeviceError", "EndOfInput", "InputContext",
       "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError", "ReplicaInvarianceError",
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
-      "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "current", "virtual_cpus",
+      "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "ArgumentError",
+      "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus",
       "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "testing"}
   for name in replicator.__all__:
     assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"

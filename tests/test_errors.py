@@ -258,3 +258,28 @@ def test_per_replica_batch_size_must_divide():
   ctx = replicator.InputContext(replica_id=0, num_replicas=3)
   with pytest.raises(ValueError, match=r"global batch size 32 is not divisible by the number of replicas 3.*e\.g\. 33"):
     ctx.get_per_replica_batch_size(32)
+
+
+def test_errors_print_under_their_public_module_and_share_one_base():
+  import mesh  # pylint: disable=import-outside-toplevel
+  import rewrite  # pylint: disable=import-outside-toplevel
+  public = [(replicator, name) for name in replicator.__all__ if name.endswith("Error") or name == "EndOfInput"]
+  public += [(mesh, "MeshError"), (mesh, "DeviceError"), (mesh, "LayoutError"),
+             (rewrite, "RewriteError"), (rewrite, "CollectiveMismatchError")]
+  for module, name in public:
+    error = getattr(module, name)
+    assert issubclass(error, replicator.ReplicatorError), name
+    assert f"{error.__module__}.{error.__qualname__}" in (f"replicator.{name}", f"mesh.{name}", f"rewrite.{name}"), name
+  # Was: "mesh._errors.MeshError", "rewrite._errors.CollectiveMismatchError".
+  assert f"{mesh.MeshError.__module__}.MeshError" == "mesh.MeshError"
+  assert replicator.CollectiveMismatchError.__module__ == "rewrite"
+  # Argument checks are ReplicatorErrors and still ValueError / TypeError.
+  repl = replicator.Replicator(cpus(2))
+  with pytest.raises(replicator.ArgumentError) as raised:
+    repl.run(lambda: tf.constant(1.0), steps=0)
+  assert isinstance(raised.value, ValueError)
+  with pytest.raises(replicator.ArgumentTypeError) as raised:
+    repl.run("not a function")
+  assert isinstance(raised.value, TypeError)
+  with pytest.raises(replicator.ReplicatorError):
+    mesh.Mesh({"x": 3}, devices=cpus(2))

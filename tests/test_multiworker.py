@@ -112,3 +112,53 @@ def test_unreachable_worker_is_reported_before_training():
                      r"\d+\.\d s\. Fix: start it first \(python -m replicator.worker --cluster \.\.\. --task 0\)") as info:
     replicator.MultiWorkerReplicator(cluster={"worker": [f"localhost:{port}"]}, connect_timeout=1.0)
   assert info.value.task == 0 and info.value.address == f"localhost:{port}"
+
+
+def test_a_port_that_answers_but_is_not_a_worker_fails_within_the_timeout():
+  # Was: a hang in TensorFlow's set_server_def (still hung at 60 s).
+  import socket  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  server = socket.socket()
+  server.bind(("localhost", 0))
+  server.listen(8)
+  port = server.getsockname()[1]
+  accepted = []
+
+  def accept_and_stay_silent():
+    while True:
+      try:
+        accepted.append(server.accept()[0])
+      except OSError:
+        return
+
+  threading.Thread(target=accept_and_stay_silent, daemon=True).start()
+  start = time.monotonic()
+  try:
+    with pytest.raises(replicator.WorkerUnavailableError,
+                       match=rf"Worker 0 at localhost:{port} accepts TCP connections but is not a TensorFlow worker: it "
+                             r"did not answer the gRPC \(HTTP/2\) handshake"):
+      replicator.MultiWorkerReplicator(cluster={"worker": [f"localhost:{port}"]}, connect_timeout=2.0)
+  finally:
+    server.close()
+  assert time.monotonic() - start < 10
+
+
+def test_timeouts_and_task_indices_are_checked():
+  with pytest.raises(replicator.ArgumentError, match=r"connect_timeout=-1: needs a number of seconds > 0\."):
+    replicator.MultiWorkerReplicator(cluster={"worker": ["localhost:2222"]}, connect_timeout=-1)
+  with pytest.raises(replicator.ArgumentError, match=r"collective_timeout='1': needs a number of seconds >= 0"):
+    replicator.MultiWorkerReplicator(cluster={"worker": ["localhost:2222"]}, collective_timeout="1")
+  config = json.dumps({"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": "0"}})
+  # Was: "Task index 0 is out of range" for the string "0".
+  with pytest.raises(replicator.ClusterConfigError, match=r"Task index '0' is a str, not an integer\. Fix: write it as a "
+                                                          r"number"):
+    replicator.MultiWorkerReplicator.from_tf_config(config)
+
+
+def test_a_lost_worker_is_reported_in_one_readable_line():
+  from replicator import _multiworker  # pylint: disable=import-outside-toplevel
+  message = ("Graph execution error:\n\nDetected at node x defined at (most recent call last):\n<stack traces unavailable>\n"
+             "2 root error(s) found.\n  (0) UNAVAILABLE: Connection reset by peer\n\t [[{{node step/a}}]]\n"
+             "  (1) CANCELLED: Function was cancelled\n0 successful operations.\n0 derived errors ignored.")
+  assert _multiworker.root_cause(message) == "UNAVAILABLE: Connection reset by peer"
