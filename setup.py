@@ -12,6 +12,7 @@ setup(
     packages=["replicator", "rewrite", "mesh"],
     package_data={"replicator": ["py.typed"], "rewrite": ["py.typed"], "mesh": ["py.typed"]},
     python_requires=">=3.10",
+    license="Apache-2.0",
     # TensorFlow comes from an extra: `cpu` (tensorflow-cpu) or `gpu`
     # (tensorflow with CUDA), so an existing TensorFlow install is not replaced.
     install_requires=[

@@ -27,6 +27,12 @@ SPEC_MISMATCH = (
     "are unknown). Fix: build every replica's dataset with the same pipeline, "
     "varying only which data it reads."
 )
+UNEVEN_END = (
+    " If the replicas' datasets had different lengths, the elements left on the longer ones were "
+    "not used: {spec} is not a batch of rows of a static shape, so a replica that ran out cannot "
+    "run the step on an empty batch. Fix: batch the dataset (with rows of a static shape) to use "
+    "every row, or pass Replicator(drop_remainder=True) to say that dropping them is intended."
+)
 WRONG_INPUT_COUNT = (
     "inputs= needs one value per replica ({n} replicas), but found {found}. Fix: "
     "pass replicator.PerReplica([value_for_replica_0, ..., value_for_replica_{last}])."
@@ -88,6 +94,10 @@ class Source:
   def call_args(self) -> list[tf.Tensor]:
     """Flat tensors passed to the executing function on each call."""
     return []
+
+  def end_note(self) -> str:
+    """What to add to the end-of-input message (how uneven input was handled)."""
+    return ""
 
   def varying_axes(self, mesh) -> frozenset[str]:
     """The mesh axes along which replicas get different inputs (replicas of one slot share theirs)."""
@@ -165,11 +175,13 @@ class DatasetInputs(Source):
   """
 
   stateful = True
+  pads_with_empty_batches = False
 
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
                host_device: str | Sequence[str], prefetch_to_device: int = 0,
-               pipelines: Sequence[int] | None = None):
+               pipelines: Sequence[int] | None = None, drop_remainder: bool = False):
     self.key = ("input_fn", input_fn)
+    self._drop_remainder = drop_remainder
     pipelines = tuple(range(len(devices)) if pipelines is None else pipelines)
     n = max(pipelines) + 1
     self.slots = pipelines
@@ -204,22 +216,46 @@ class DatasetInputs(Source):
         self._iterators.append(iter(ds))
     self.counts = tuple(len(tree.flatten(s)) for s in self.structures)
     self.element_specs = tuple(spec for s in self.structures for spec in tree.flatten(s))
+    # Elements that are not batches of rows of a static shape cannot be padded
+    # with an empty batch: such an epoch ends when the first dataset does.
+    self.pads_with_empty_batches = not drop_remainder and all(
+        spec.shape.rank and spec.shape[1:].is_fully_defined() for spec in tree.flatten(self.structures[0]))
+
+  def end_note(self) -> str:
+    if self.pads_with_empty_batches or self._drop_remainder or len(self._iterators) < 2:
+      return ""
+    spec = next(s for s in tree.flatten(self.structures[0])
+                if not (s.shape.rank and s.shape[1:].is_fully_defined()))
+    return UNEVEN_END.format(spec=spec)
 
   def fetch_optional(self, flat_args):
     optionals = []
     for it, device in zip(self._iterators, self._devices):
       with tf.device(device):
         optionals.append(it.get_next_as_optional())
-    has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
+    has = tf.stack([o.has_value() for o in optionals])
+    # Uneven input: until every pipeline has run out, one that has runs the
+    # step on an empty batch (as tf.distribute does), so no row is dropped.
+    has_value = tf.reduce_any(has) if self.pads_with_empty_batches else tf.reduce_all(has)
 
     def get():
       values = []
-      for o, device in zip(optionals, self._devices):
+      for o, structure, device in zip(optionals, self.structures, self._devices):
         with tf.device(device):
-          values.extend(tree.flatten(o.get_value()))
+          specs = tree.flatten(structure)
+          if not self.pads_with_empty_batches:
+            values.extend(tree.flatten(o.get_value()))
+          else:
+            values.extend(tf.cond(o.has_value(), lambda o=o: tree.flatten(o.get_value()),
+                                  lambda specs=specs: [_empty(spec) for spec in specs]))
       return values
 
     return has_value, get
+
+
+def _empty(spec: tf.TensorSpec) -> tf.Tensor:
+  """An empty batch (no rows) of elements of ``spec``."""
+  return tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype)
 
 
 def without_autotune_thread(ds: tf.data.Dataset) -> tf.data.Dataset:

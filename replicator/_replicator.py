@@ -95,11 +95,18 @@ class Replicator:
       every device the same input.
     layouts: a :class:`mesh.LayoutMap` (or dict) choosing the layout of
       variables created in :meth:`context` and in steps; see :meth:`context`.
+    drop_remainder: when the replicas' ``input_fn`` datasets have different
+      lengths, end the epoch as soon as one runs out, dropping the rows left
+      on the others. By default (False) the epoch ends when every dataset has
+      run out, and a replica whose dataset already has runs the step on an
+      empty batch (as tf.distribute does), so every row is used; divide a
+      summed loss by ``repl.all_sum(tf.shape(x)[0])`` and use
+      ``wrap_optimizer(reduction="sum")`` to match one device then.
   """
 
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
-               batch_axes: str | Sequence[str] | None = None, layouts=None):
+               batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
@@ -126,6 +133,7 @@ class Replicator:
       on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self.devices)
       prefetch_to_device = 0 if on_cpu else 2
     self._prefetch_to_device = prefetch_to_device
+    self._drop_remainder = bool(drop_remainder)
     self.trace_count = 0
     self.steps_run = 0
 
@@ -309,7 +317,7 @@ class Replicator:
       if source is None:
         pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
         source = _inputs.DatasetInputs(input_fn, self.devices, self._input_hosts(pipelines),
-                                       self._prefetch_to_device, pipelines)
+                                       self._prefetch_to_device, pipelines, self._drop_remainder)
         self._sources[input_fn] = source
     elif inputs is not None:
       source = _inputs.ExplicitInputs(inputs, self.num_replicas)

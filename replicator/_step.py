@@ -151,13 +151,13 @@ class CompiledStep:
     try:
       flat = function(*args)
     except tf.errors.OutOfRangeError:
-      raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
+      raise _errors.EndOfInput(_errors.END_OF_INPUT + self.source.end_note()) from None
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
     steps_run = steps
     if not self._single(steps, all_steps):
       steps_run, flat = int(flat[0]), flat[1:]
       if steps_run == 0:
-        raise _errors.EndOfInput(_errors.END_OF_INPUT)
+        raise _errors.EndOfInput(_errors.END_OF_INPUT + self.source.end_note())
     results = []
     it = iter(flat)
     for _ in self.plan.devices:
