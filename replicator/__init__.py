@@ -21,6 +21,7 @@ from replicator._errors import InputMismatchError
 from replicator._errors import OutputMismatchError
 from replicator._errors import ReplicaContextError
 from replicator._errors import ReplicaInvarianceError
+from replicator._errors import ReplicasDivergedError
 from replicator._errors import ReplicatorError
 from replicator._errors import UnreplicatedStateError
 from replicator._errors import UnsupportedError
@@ -38,7 +39,8 @@ __version__ = "0.1.0"
 
 # Errors print as replicator.VariableCreationError, not replicator._errors.VariableCreationError.
 for _error in (ArgumentError, ArgumentTypeError, ClusterConfigError, CollectiveInControlFlowError, EndOfInput,
-               InputMismatchError, OutputMismatchError, ReplicaContextError, ReplicaInvarianceError, ReplicatorError,
+               InputMismatchError, OutputMismatchError, ReplicaContextError, ReplicaInvarianceError,
+               ReplicasDivergedError, ReplicatorError,
                UnreplicatedStateError, UnsupportedError, VariableCreationError, WorkerUnavailableError):
   _error.__module__ = __name__
 del _error
@@ -58,6 +60,7 @@ __all__ = (
     "OutputMismatchError",
     "PerReplica",
     "ReplicaContextError",
+    "ReplicasDivergedError",
     "ReplicaInvarianceError",
     "ReplicatedOptimizer",
     "ReplicatedVariable",

@@ -1,5 +1,7 @@
 """Errors a user of the replicator can cause, each saying what to change."""
 
+import re
+
 from mesh import DeviceError  # noqa: F401  (re-exported)
 from mesh._errors import ArgumentError  # noqa: F401  (the library's base classes: mesh/_errors.py)
 from mesh._errors import ArgumentTypeError  # noqa: F401
@@ -61,6 +63,18 @@ class UnreplicatedStateError(ReplicatorError, ValueError):
   """A step writes a variable that was created outside every Replicator context."""
 
 
+class ReplicasDivergedError(ReplicatorError, RuntimeError):
+  """A step failed at run time after some replicas had written their state: their copies differ.
+
+  Attributes:
+    variables: ``(name, replica a, replica b)`` for each variable whose copies differ.
+  """
+
+  def __init__(self, message: str, variables=()):
+    super().__init__(message)
+    self.variables = list(variables)
+
+
 class EndOfInput(ReplicatorError, StopIteration):
   """``repl.run`` found no more input: the epoch is over."""
 
@@ -81,3 +95,20 @@ class WorkerUnavailableError(ReplicatorError, RuntimeError):
     super().__init__(message)
     self.task = task
     self.address = address
+
+
+def root_cause(message: str) -> str:
+  """One readable line of a TensorFlow error: the first root error, without numbering and node lists.
+
+  >>> root_cause("2 root error(s) found.\\n  (0) UNAVAILABLE: failed to connect\\n\\t [[{{node x}}]]")
+  'UNAVAILABLE: failed to connect'
+  """
+  for line in message.splitlines():
+    line = re.sub(r"^\(\d+\)\s*", "", line.strip())
+    if line and not _NOISE.match(line):
+      return line[:300]
+  return message.strip().splitlines()[0][:300] if message.strip() else ""
+
+
+_NOISE = re.compile(r"^(Graph execution error|Detected at node|File |<stack traces|\d+ root error\(s\) found|"
+                    r"\[\[|0 successful operations|\d+ derived errors ignored|Additional GRPC error)")

@@ -9,7 +9,6 @@ one distributed graph call. The workers only run a server
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -45,23 +44,6 @@ ALREADY_CONNECTED = (
     "another client process."
 )
 _connected: list[_cluster.Cluster] = []
-
-
-_NOISE = re.compile(r"^(Graph execution error|Detected at node|File |<stack traces|\d+ root error\(s\) found|"
-                    r"\[\[|0 successful operations|\d+ derived errors ignored|Additional GRPC error)")
-
-
-def root_cause(message: str) -> str:
-  """One readable line of a TensorFlow error: the first root error, without numbering and node lists.
-
-  >>> root_cause("2 root error(s) found.\\n  (0) UNAVAILABLE: failed to connect\\n\\t [[{{node x}}]]")
-  'UNAVAILABLE: failed to connect'
-  """
-  for line in message.splitlines():
-    line = re.sub(r"^\(\d+\)\s*", "", line.strip())
-    if line and not _NOISE.match(line):
-      return line[:300]
-  return message.strip().splitlines()[0][:300] if message.strip() else ""
 
 
 def _connect(cluster: _cluster.Cluster) -> None:
@@ -204,7 +186,7 @@ class MultiWorkerReplicator(Replicator):
     return [t for t in self._tasks if _cluster.probe(self._cluster.workers[t], timeout=1.0) is not None]
 
   def _lost(self, task: int, error: Exception) -> _errors.WorkerUnavailableError:
-    detail = root_cause(str(getattr(error, "message", error)))
+    detail = _errors.root_cause(str(getattr(error, "message", error)))
     return _errors.WorkerUnavailableError(WORKER_LOST.format(
         task=task, address=self._cluster.workers[task], error_type=type(error).__name__,
         error=detail), task, self._cluster.workers[task])

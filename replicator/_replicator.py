@@ -14,6 +14,7 @@ import tree
 import mesh as mesh_lib
 import rewrite
 from replicator import _callables
+from replicator import _consistency
 from replicator import _context
 from replicator import _distributed_dataset
 from replicator import _errors
@@ -136,6 +137,7 @@ class Replicator:
     self._drop_remainder = bool(drop_remainder)
     self.trace_count = 0
     self.steps_run = 0
+    self._diverged = None  # (what a failed step wrote, its error) while the replicas' copies differ
 
   # -- placement ---------------------------------------------------------------
 
@@ -251,14 +253,29 @@ class Replicator:
       raise _errors.ArgumentError(
           f"repl.run(steps={steps}) with an optimizer wrapped with accumulation_steps > 1 is not "
           "supported: each step needs its own phase (accumulate or apply). Fix: run one step per call.")
+    self._check_replicas_agree()
     try:
       results, self.steps_run = step(source.call_args(), steps, all_steps)
     except _errors.EndOfInput:
       self._forget(source)  # the epoch is over: the next run starts a new one
       raise
+    except _errors.ReplicasDivergedError as e:
+      self._diverged = (step.written, str(e.__cause__ and _errors.root_cause(e.__cause__.message)))
+      raise
     for optimizer in step.accumulating:
       optimizer.advance(self.steps_run)
     return _values.combine(results)
+
+  def _check_replicas_agree(self) -> None:
+    """Refuses to run while a failed step has left the replicas' copies of some variable different."""
+    if self._diverged is None:
+      return
+    written, error = self._diverged
+    found = written.diverged()
+    if found:
+      raise _errors.ReplicasDivergedError(
+          _consistency.STILL_DIVERGED.format(error=error, **_consistency.describe(found)), found)
+    self._diverged = None  # restored: the copies agree again
 
   def distribute_dataset(self, dataset: tf.data.Dataset, prefetch: int = 2) -> _distributed_dataset.DistributedDataset:
     """Splits every global batch of ``dataset`` across the replicas.

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 from typing import Callable
 
@@ -24,6 +25,7 @@ import rewrite
 from replicator import _access
 from replicator import _callables
 from replicator import _captures
+from replicator import _consistency
 from replicator import _context
 from replicator import _errors
 from replicator import _gradient_registry
@@ -73,6 +75,7 @@ class CompiledStep:
   tensor_leaves: list[bool]  # which leaves of one replica's output are tensors
   source: _inputs.Source
   accumulating: tuple = ()  # gradient-accumulating optimizers the step uses
+  written: _consistency.Written | None = None  # replicated state the step writes
   _executables: dict = dataclasses.field(default_factory=dict)
 
   def _import(self, flat_elements) -> list[tf.Tensor]:
@@ -152,6 +155,13 @@ class CompiledStep:
       flat = function(*args)
     except tf.errors.OutOfRangeError:
       raise _errors.EndOfInput(_errors.END_OF_INPUT + self.source.end_note()) from None
+    except tf.errors.OpError as e:
+      found = self.written.diverged() if self.written is not None else []
+      if found:
+        raise _errors.ReplicasDivergedError(
+            _consistency.DIVERGED.format(error=_errors.root_cause(e.message), **_consistency.describe(found)),
+            found) from e
+      raise
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
     steps_run = steps
     if not self._single(steps, all_steps):
@@ -218,7 +228,11 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   _check_writes(scratch.graph)
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
+  written = _access.written_placeholders(scratch.graph)
+  written_state = _consistency.Written([external for external, internal in scratch.graph.captures
+                                       if internal.op.name in written])
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
+  graph_def = _independent_replicas(graph_def)
   rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   graph = scratch.graph
   flat0 = tree.flatten(outputs[0])
@@ -230,12 +244,43 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
-      accumulating=tuple(sorted(accumulating, key=id)))
+      accumulating=tuple(sorted(accumulating, key=id)), written=written_state)
+
+
+_REPLICA = re.compile(r"^replica_(\d+)/")
+
+
+def _independent_replicas(graph_def):
+  """``graph_def`` without control edges from one replica's ops to another's.
+
+  The replicas are traced one after the other into one function graph, whose
+  automatic control dependencies order stateful ops without a resource
+  (``tf.debugging.check_numerics``, ``tf.print``, stateful random draws) in
+  program order: replica 0's last such op before replica 1's first. Across a
+  collective that is a cycle (replica 0's op after the all-reduce waits for
+  replica 1's op before it, which the all-reduce waits for). Replicas are
+  independent programs, so these edges go; the ordering of a variable's
+  first-run initialisation (traced by replica 0, ``INITIALIZE_SCOPE``)
+  before every replica's uses stays.
+  """
+  for node in graph_def.node:
+    mine = _REPLICA.match(node.name)
+    if mine is None or not any(i.startswith("^replica_") for i in node.input):
+      continue
+    kept = []
+    for ref in node.input:
+      other = _REPLICA.match(ref[1:]) if ref.startswith("^") else None
+      if other is None or other.group(1) == mine.group(1) or _variables.INITIALIZE_SCOPE in ref:
+        kept.append(ref)
+    if len(kept) != len(node.input):
+      del node.input[:]
+      node.input.extend(kept)
+  return graph_def
 
 
 def _check_writes(graph) -> None:
   """Every variable the step writes must be the Replicator's (replicated or sharded)."""
-  written = _access.written_placeholders(graph)
+  written = _access.written_placeholders(graph)  # (computed again below: cheap next to the trace)
   for external, internal in graph.captures:
     if (internal.op.name in written and external.dtype == tf.resource
         and not _variables.is_replicated_handle(external)):

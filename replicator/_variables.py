@@ -69,6 +69,8 @@ VARIANT_ROWS = (
     "use assign with a dense value."
 )
 
+INITIALIZE_SCOPE = "replicator_initialize"
+
 _creating = threading.local()
 # id(component handle) -> the ReplicatedVariable it belongs to (what the step graph captures).
 _OWNERS: "weakref.WeakValueDictionary[int, ReplicatedVariable]" = weakref.WeakValueDictionary()
@@ -627,7 +629,8 @@ def _initialize_in_graph(variable, value: tf.Tensor, sum_on_read: bool) -> None:
     with tf.control_dependencies(assignments):
       return tf.identity(flag.assign(True))
 
-  tf.cond(flag.read_value(), lambda: tf.constant(True), initialize)
+  with tf.name_scope(INITIALIZE_SCOPE):  # kept ordered before every replica's uses (see _step)
+    tf.cond(flag.read_value(), lambda: tf.constant(True), initialize)
 
 
 def variable_path(name: str) -> str:
@@ -650,6 +653,11 @@ def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> m
   layout = mesh_lib.Layout(spec, replicator.mesh)
   layout.check(shape.as_list(), what=f"variable {path!r}")
   return None if layout.is_fully_replicated else layout
+
+
+def owner_of(handle):
+  """The ReplicatedVariable whose component (or first-run flag) has ``handle``, or None."""
+  return _OWNERS.get(id(handle))
 
 
 def is_replicated_handle(handle) -> bool:

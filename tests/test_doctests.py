@@ -9,7 +9,7 @@ import tensorflow as tf
 import replicator
 
 MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator._values",
-           "replicator._inputs", "replicator._context", "replicator._multiworker"]
+           "replicator._inputs", "replicator._context", "replicator._errors"]
 
 
 @pytest.mark.parametrize("name", MODULES)

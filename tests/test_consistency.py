@@ -1,0 +1,86 @@
+"""A step is all-or-nothing for replicated state: after a run-time error the copies agree, or we say so.
+
+Errors are injected with tf.debugging.check_numerics on each replica position,
+at each point of a training step: before the gradients, between their
+all-reduce and the update, and after the update.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import replicator
+from replicator import _variables
+
+POINTS = ("before_gradients", "before_update", "after_update")
+X = np.random.RandomState(0).randn(8, 3).astype(np.float32)
+
+
+def _setup(n=4, update="auto"):
+  repl = replicator.Replicator(cpus(n))
+  with repl.context():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.1), update=update)
+  fail = tf.Variable([-1, -1])  # (replica, point): read by the step, set between runs (one variable: not written)
+
+  def poison(x, point):
+    here = tf.equal(repl.axis_index(), fail[0]) & tf.equal(fail[1], POINTS.index(point))
+    return tf.debugging.check_numerics(x + tf.where(here, float("nan"), 0.0), f"injected at {point}")
+
+  def step(x):
+    x = poison(x, "before_gradients")
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(model(x) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    grads = [poison(g, "before_update") for g in grads]
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    with tf.control_dependencies([tf.identity(optimizer.iterations)]):
+      return poison(tf.identity(model.trainable_variables[0]), "after_update")
+
+  return repl, model, optimizer, step, fail
+
+
+def _copies_agree(variables):
+  for v in variables:
+    replicated = _variables.underlying(v)
+    home = [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
+    if not all(np.array_equal(home[0], h) for h in home[1:]):
+      return False
+  return True
+
+
+@pytest.mark.parametrize("update", ["sharded", "replicated"])
+@pytest.mark.parametrize("point", POINTS)
+def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, update):
+  # Was: components [2.0, 1.0, 1.0, 1.0], iterations [5, 4, 4, 4], and the next checkpoint saved replica 0's.
+  for replica in range(4):
+    keras.backend.clear_session()
+    repl, model, optimizer, step, fail = _setup(update=update)
+    inputs = replicator.PerReplica(np.split(X, 4))
+    repl.run(step, inputs=inputs)  # built, one good step
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    path = checkpoint.write("/tmp/replicator_consistency_ckpt")  # noqa: S108
+    before = [v.numpy() for v in model.variables + optimizer.variables]
+    fail.assign([replica, POINTS.index(point)])
+    state = model.variables + list(optimizer.variables)
+    try:
+      repl.run(step, inputs=inputs)
+    except replicator.ReplicasDivergedError as e:
+      assert f"injected at {point}" in str(e) and "Fix: restore the last checkpoint" in str(e)
+      assert not _copies_agree(state)
+      fail.assign([-1, -1])
+      with pytest.raises(replicator.ReplicasDivergedError, match=r"still differ since a step failed.*Fix: restore"):
+        repl.run(step, inputs=inputs)
+      checkpoint.read(path).assert_existing_objects_matched()
+      assert all(np.array_equal(v.numpy(), b) for v, b in zip(state, before))
+    except tf.errors.InvalidArgumentError as e:
+      assert f"injected at {point}" in str(e)
+    else:
+      raise AssertionError("the injected error did not fail the step")
+    assert _copies_agree(state), (point, replica)
+    fail.assign([-1, -1])
+    repl.run(step, inputs=inputs)  # runs again
+    assert _copies_agree(state)
