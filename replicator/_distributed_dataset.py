@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,6 +121,7 @@ class GlobalBatchInputs(_inputs.Source):
   stateful = True
 
   def __init__(self, distributed: DistributedDataset):
+    self.distributed = weakref.ref(distributed)
     self.key = ("dataset", tuple(tree.flatten(distributed.element_spec)), str(distributed.element_spec))
     n = self._n = distributed.num_pipelines
     self.slots = distributed.pipelines

@@ -180,7 +180,6 @@ class DatasetInputs(Source):
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
                host_device: str | Sequence[str], prefetch_to_device: int = 0,
                pipelines: Sequence[int] | None = None, drop_remainder: bool = False):
-    self.key = ("input_fn", input_fn)
     self._drop_remainder = drop_remainder
     pipelines = tuple(range(len(devices)) if pipelines is None else pipelines)
     n = max(pipelines) + 1
@@ -216,6 +215,9 @@ class DatasetInputs(Source):
         self._iterators.append(iter(ds))
     self.counts = tuple(len(tree.flatten(s)) for s in self.structures)
     self.element_specs = tuple(spec for s in self.structures for spec in tree.flatten(s))
+    # Steps are keyed by what they are traced for, not by the function: a new
+    # input_fn (a fresh evaluation set each epoch) reuses the step.
+    self.key = ("input_fn", self.element_specs, str(self.structures[0]), pipelines, drop_remainder)
     # Elements that are not batches of rows of a static shape cannot be padded
     # with an empty batch: such an epoch ends when the first dataset does.
     self.pads_with_empty_batches = not drop_remainder and all(

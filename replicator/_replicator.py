@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -26,12 +27,70 @@ from replicator import _values
 from replicator import _variables
 from replicator._values import PerReplica
 
+NESTED_RUN = (
+    "repl.{name}() was called inside a step being built (replica {replica} of a Replicator's "
+    "step_fn): steps do not nest. Fix: call the inner step's function directly; it runs on this replica."
+)
+RUN_IN_FUNCTION = (
+    "repl.{name}() was called while a tf.function is being traced (graph {graph!r}). repl.run "
+    "compiles and runs its own function for the step, so it is called from Python, not from inside "
+    "another tf.function (a loop there over repl.distribute_dataset(...) would build a new step for "
+    "every element and never end). Fix: loop in Python, `for batch in repl.distribute_dataset(ds): "
+    "repl.run(step_fn, inputs=batch)`, or let the replicator loop inside its own graph: "
+    "repl.run(step_fn, ds, steps=k)."
+)
+
 NO_BATCH_AXES = (
     "This Replicator's mesh {shape} has no 'batch' or 'replica' axis, so it cannot tell how "
     "to split input batches across devices. Fix: pass Replicator(mesh=..., batch_axes=...) "
     "naming the axes to split the batch over (one of {names}), or batch_axes=() to give "
     "every device the same input."
 )
+
+
+def _attached(owner, name: str) -> "weakref.WeakKeyDictionary[Replicator, Any]":
+  """Per-Replicator state kept on ``owner`` (a dataset) itself, so that it lives exactly as long.
+
+  A map of the Replicator's from datasets to their iterators would keep every
+  dataset alive: an iterator reads its dataset. ``None`` gives a throwaway map.
+  """
+  if owner is None:
+    return weakref.WeakKeyDictionary()
+  return owner.__dict__.setdefault(name, weakref.WeakKeyDictionary())
+
+
+class _WeakCallableMap:
+  """A map keyed by callables that does not keep them alive (nor what they hold).
+
+  A bound method is keyed by its object and function (each attribute access
+  makes a new method object); its entry goes when the object goes. A
+  callable that cannot be weakly referenced is kept.
+  """
+
+  def __init__(self):
+    self._entries: dict[tuple, tuple[Callable[[], Any], Any]] = {}
+
+  def _key(self, fn) -> tuple[tuple, Any]:
+    if inspect.ismethod(fn):
+      return ("method", id(fn.__self__), fn.__func__), fn.__self__
+    return ("callable", id(fn)), fn
+
+  def get(self, fn):
+    key, owner = self._key(fn)
+    entry = self._entries.get(key)
+    return entry[1] if entry is not None and entry[0]() is owner else None
+
+  def set(self, fn, value) -> None:
+    key, owner = self._key(fn)
+    try:
+      ref = weakref.ref(owner, lambda _, key=key: self._entries.pop(key, None))
+    except TypeError:  # not weakly referenceable: kept
+      ref = lambda owner=owner: owner  # noqa: E731
+    self._entries[key] = (ref, value)
+
+  def discard(self, value) -> None:
+    for key in [k for k, (_, v) in self._entries.items() if v is value]:
+      del self._entries[key]
 
 
 def _autograph(fn: Callable) -> Callable:
@@ -122,10 +181,8 @@ class Replicator:
     self._autograph = autograph
     self._creator = _variables.make_creator(self)
     self._steps: dict[Any, _step.CompiledStep] = {}
-    self._sources: dict[Any, _inputs.Source] = {}
-    # Weak keys: datasets passed once (say, a new one per call) are not kept alive.
-    self._distributed: "weakref.WeakKeyDictionary[tf.data.Dataset, Any]" = weakref.WeakKeyDictionary()
-    self._dataset_sources: "weakref.WeakKeyDictionary[Any, _inputs.Source]" = weakref.WeakKeyDictionary()
+    # Input sources (their iterators) by input_fn, released when the caller drops the input_fn.
+    self._sources = _WeakCallableMap()
     self._converted: dict[Any, Callable] = {}
     self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
@@ -246,6 +303,7 @@ class Replicator:
       replica) at each tensor leaf, as ``tf.distribute`` does: a step returning
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
+    self._check_called_from_python("run")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
@@ -265,6 +323,28 @@ class Replicator:
     for optimizer in step.accumulating:
       optimizer.advance(self.steps_run)
     return _values.combine(results)
+
+  def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:
+    """This Replicator's distributed version of ``dataset``, made once and kept on the dataset itself.
+
+    Kept there (not in a map of this Replicator's) so that it goes with the
+    dataset: a map from the dataset to it would keep the dataset alive, since
+    the distributed dataset reads it.
+    """
+    per_replicator = _attached(dataset, "_replicator_distributed")
+    distributed = per_replicator.get(self)
+    if distributed is None:
+      distributed = per_replicator[self] = self.distribute_dataset(dataset)
+    return distributed
+
+  def _check_called_from_python(self, name: str) -> None:
+    """``run`` and ``explain`` build their own function: not inside a step, nor inside a tf.function."""
+    ctx = _context.current_context()
+    if ctx is not None:
+      raise _errors.ReplicaContextError(NESTED_RUN.format(name=name, replica=ctx.replica_id))
+    if tf.inside_function():
+      raise _errors.ReplicaContextError(RUN_IN_FUNCTION.format(
+          name=name, graph=getattr(tf.compat.v1.get_default_graph(), "name", "?")))
 
   def _check_replicas_agree(self) -> None:
     """Refuses to run while a failed step has left the replicas' copies of some variable different."""
@@ -301,6 +381,7 @@ class Replicator:
     Builds (and caches) the step like :meth:`run` but does not run it. ``print``
     the result for a table.
     """
+    self._check_called_from_python("explain")
     return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
 
   def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
@@ -309,9 +390,9 @@ class Replicator:
 
   def _forget(self, source: _inputs.Source) -> None:
     """Drops an exhausted input source (and its iterators)."""
-    for sources in (self._sources, self._dataset_sources):
-      for key in [k for k, v in sources.items() if v is source]:
-        del sources[key]
+    self._sources.discard(source)
+    _attached(source.distributed() if isinstance(source, _distributed_dataset.GlobalBatchInputs) else None,
+              "_replicator_sources").pop(self, None)
 
   def _compiled(self, step_fn, input_fn, inputs):
     if not callable(step_fn):
@@ -319,13 +400,12 @@ class Replicator:
     if input_fn is not None and inputs is not None:
       raise _errors.ArgumentError("Pass either input_fn or inputs= to repl.run, not both.")
     if isinstance(input_fn, tf.data.Dataset):  # global batches: split them across replicas
-      if input_fn not in self._distributed:
-        self._distributed[input_fn] = self.distribute_dataset(input_fn)
-      input_fn = self._distributed[input_fn]
+      input_fn = self._distributed_for(input_fn)
     if isinstance(input_fn, _distributed_dataset.DistributedDataset):
-      source = self._dataset_sources.get(input_fn)
+      sources = _attached(input_fn, "_replicator_sources")  # on the dataset: goes with it
+      source = sources.get(self)
       if source is None:
-        source = self._dataset_sources[input_fn] = _distributed_dataset.GlobalBatchInputs(input_fn)
+        source = sources[self] = _distributed_dataset.GlobalBatchInputs(input_fn)
     elif input_fn is not None:
       if not callable(input_fn):
         raise _errors.ArgumentTypeError(f"input_fn must be callable (input_fn(ctx) -> tf.data.Dataset), found "
@@ -335,7 +415,7 @@ class Replicator:
         pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
         source = _inputs.DatasetInputs(input_fn, self.devices, self._input_hosts(pipelines),
                                        self._prefetch_to_device, pipelines, self._drop_remainder)
-        self._sources[input_fn] = source
+        self._sources.set(input_fn, source)
     elif inputs is not None:
       source = _inputs.ExplicitInputs(inputs, self.num_replicas)
     else:
@@ -603,7 +683,10 @@ class Replicator:
 
     def one(leaves):
       with tf.device(self._host):
-        return tf.concat([tf.convert_to_tensor(t) for t in leaves], axis=axis)
+        tensors = [tf.convert_to_tensor(t) for t in leaves]
+        if all(t.shape.rank == 0 for t in tensors):  # scalars (a loss per replica): one value each
+          return tf.stack(tensors)
+        return tf.concat(tensors, axis=axis)
 
     return self._map_per_replica(one, per_replica, "gather")
 

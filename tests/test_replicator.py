@@ -232,3 +232,33 @@ def test_input_fn_with_and_without_device_prefetch(prefetch):
   assert seen == [[0, 10, 20, 30], [1, 11, 21, 31], [2, 12, 22, 32]]
   with pytest.raises(replicator.EndOfInput):
     repl.run(step_fn, input_fn)
+
+
+def test_run_inside_a_tf_function_or_a_step_says_how_to_loop():
+  # Was: a loop over distribute_dataset inside a tf.function grew to 6.5 GB without end;
+  # repl.run inside step_fn failed with "int() argument must be ... not 'SymbolicTensor'".
+  repl = replicator.Replicator(cpus(2))
+  dataset = repl.distribute_dataset(tf.data.Dataset.range(8).batch(4))
+
+  @tf.function
+  def train_epoch():
+    for batch in dataset:
+      repl.run(lambda x: x, inputs=batch)
+
+  # (AutoGraph re-raises errors from inside the loop as its StagingError, keeping the message.)
+  with pytest.raises((replicator.ReplicaContextError, tf.errors.OperatorNotAllowedInGraphError, Exception),
+                     match=r"repl.run\(\) was called while a tf.function is being traced.*Fix: loop in Python, `for "
+                           r"batch in repl.distribute_dataset\(ds\): repl.run\(step_fn, inputs=batch\)`.*steps=k"):
+    train_epoch()
+  with pytest.raises(replicator.ReplicaContextError, match=r"called inside a step being built \(replica 0.*steps do not "
+                                                           r"nest"):
+    repl.run(lambda: repl.run(lambda: tf.constant(1.0)))
+  # The supported forms: a Python loop, or the loop in the replicator's graph.
+  seen = [repl.gather(repl.run(lambda x: x, inputs=batch)).numpy().tolist() for batch in dataset]
+  assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_gather_of_scalars_stacks_them():
+  # Was: "ConcatOp : Can't concatenate scalars (use tf.stack instead)".
+  repl = replicator.Replicator(cpus(3))
+  assert repl.gather(repl.run(lambda: tf.cast(repl.replica_id, tf.float32))).numpy().tolist() == [0.0, 1.0, 2.0]
