@@ -195,6 +195,7 @@ class Replicator:
     self.trace_count = 0
     self.steps_run = 0
     self._diverged = None  # (what a failed step wrote, its error) while the replicas' copies differ
+    self._last_distributed = None  # weakrefs to the last dataset run on and its DistributedDataset
 
   # -- placement ---------------------------------------------------------------
 
@@ -331,14 +332,20 @@ class Replicator:
     dataset: a map from the dataset to it would keep the dataset alive, since
     the distributed dataset reads it.
     """
+    last = self._last_distributed
+    if last is not None and last[0]() is dataset and last[1]() is not None:  # as the last call: no lookup
+      return last[1]()
     per_replicator = _attached(dataset, "_replicator_distributed")
     distributed = per_replicator.get(self)
     if distributed is None:
       distributed = per_replicator[self] = self.distribute_dataset(dataset)
+    self._last_distributed = (weakref.ref(dataset), weakref.ref(distributed))
     return distributed
 
   def _check_called_from_python(self, name: str) -> None:
     """``run`` and ``explain`` build their own function: not inside a step, nor inside a tf.function."""
+    if tf.executing_eagerly():  # the usual case, checked first: cheap
+      return
     ctx = _context.current_context()
     if ctx is not None:
       raise _errors.ReplicaContextError(NESTED_RUN.format(name=name, replica=ctx.replica_id))

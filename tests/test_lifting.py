@@ -196,3 +196,25 @@ def test_lift_refuses_step_inputs_and_state_changes():
 
   trace.get_concrete_function(tf.TensorSpec([2]))
   assert seen == {"constant": True, "input": True, "random": True}
+
+
+def test_sonnet_batch_norm_built_in_the_step_averages_its_moving_statistics():
+  # snt.BatchNorm's moving averages (snt.ExponentialMovingAverage: tf.Variables made on
+  # the first call, aggregation NONE) are the replicas' mean: one device's moving mean
+  # for equal batches; the moving variance is the mean of the replicas' variances.
+  x = (np.arange(48, dtype=np.float32).reshape(16, 3) / 10) ** 1.5
+  reference = snt.BatchNorm(create_scale=False, create_offset=False, decay_rate=0.9)
+  one_device = tf.function(lambda b: reference(b, is_training=True))
+  for _ in range(3):
+    one_device(x)
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    bn = snt.BatchNorm(create_scale=False, create_offset=False, decay_rate=0.9)
+  inputs = replicator.PerReplica(np.split(x, 4))
+  for _ in range(3):
+    repl.run(lambda b: bn(b, is_training=True), inputs=inputs)
+  np.testing.assert_allclose(np.asarray(bn.moving_mean.value), reference.moving_mean.value.numpy(), rtol=1e-5)
+  for component in bn.moving_mean.average.components:
+    np.testing.assert_allclose(component.numpy(), reference.moving_mean.value.numpy(), rtol=1e-5)
+  variance = np.mean([part.var(axis=0) for part in np.split(x, 4)], axis=0)[None]  # snt keeps [1, C]
+  np.testing.assert_allclose(np.asarray(bn.moving_variance.value), variance, rtol=1e-5)
