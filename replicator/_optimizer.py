@@ -487,12 +487,13 @@ class ReplicatedOptimizer(tf.Module):
     mesh = self._replicator.mesh
     mine = [i for i, o in enumerate(owners) if o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position]
     graph = tf.compat.v1.get_default_graph()
-    first_op = len(graph.get_operations())
+    pending = any(o is not None and o.pending for o in owners)
+    first_op = len(graph.get_operations()) if pending else 0  # the update's ops follow
     if any(grads[i] is not None for i in mine):
       optimizer.apply([grads[i] for i in mine], [variables[i] for i in mine])
     else:
       optimizer.iterations.assign_add(1)  # what apply() would have counted
-    if any(o is not None and o.pending for o in owners):
+    if pending:
       owners = self._settle(owners, variables, graph.get_operations()[first_op:], gathered_bytes)
     shared: dict[Owner, list[int]] = {}
     for i, o in enumerate(owners):

@@ -225,10 +225,10 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       scratch = tf.function(trace, autograph=False).get_concrete_function(*source.element_specs)
   finally:
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
-  _check_writes(scratch.graph)
+  written = _access.written_placeholders(scratch.graph)
+  _check_writes(scratch.graph, written)
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
-  written = _access.written_placeholders(scratch.graph)
   written_state = _consistency.Written([external for external, internal in scratch.graph.captures
                                        if internal.op.name in written])
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
@@ -278,9 +278,8 @@ def _independent_replicas(graph_def):
   return graph_def
 
 
-def _check_writes(graph) -> None:
-  """Every variable the step writes must be the Replicator's (replicated or sharded)."""
-  written = _access.written_placeholders(graph)  # (computed again below: cheap next to the trace)
+def _check_writes(graph, written: dict[str, str]) -> None:
+  """Every variable the step writes (``written``: placeholder -> writing op) must be the Replicator's."""
   for external, internal in graph.captures:
     if (internal.op.name in written and external.dtype == tf.resource
         and not _variables.is_replicated_handle(external)):

@@ -369,6 +369,14 @@ class ReplicatedVariable(tf.Variable):
     sharded = () if self._sharding is None else self._sharding.sharded_axes
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in sharded)
 
+  def _checked_writes(self):
+    """``(replica context, replicated axes)`` if this replica's writes must agree with the others', else None."""
+    ctx = _context.current_context()
+    axes = self._replicated_axes()
+    if ctx.analysis is None or self._on_read or self._offsets is not None or not axes:
+      return None  # not checked (a step built without analysis), each replica's own value, or one device
+    return ctx, axes
+
   def _combined(self, method: str, value):
     """Inside a step: what this replica writes, combined across replicas where their values may differ.
 
@@ -382,10 +390,10 @@ class ReplicatedVariable(tf.Variable):
     not reduced. On-read variables and per-replica random-seed states keep
     each replica's own value.
     """
-    ctx = _context.current_context()
-    axes = self._replicated_axes()
-    if ctx.analysis is None or self._on_read or self._offsets is not None or not axes:
+    checked = self._checked_writes()
+    if checked is None:
       return value
+    ctx, axes = checked
     from replicator import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
     value = tf.convert_to_tensor(value, self.dtype)
     aggregation = self.aggregation
@@ -403,16 +411,17 @@ class ReplicatedVariable(tf.Variable):
 
   def _combined_rows(self, method: str, sparse_delta: tf.IndexedSlices) -> tf.IndexedSlices:
     """:meth:`_combined` for scatters: rows that differ between replicas are gathered from all of them."""
-    ctx = _context.current_context()
-    axes = self._replicated_axes()
-    if ctx.analysis is None or self._on_read or self._offsets is not None or not axes:
+    checked = self._checked_writes()
+    if checked is None:
       return sparse_delta
+    ctx, axes = checked
     from replicator import _primitives  # pylint: disable=import-outside-toplevel
     aggregation = self.aggregation
     location = _primitives.user_location()
     varying = sorted((ctx.analysis.varying(sparse_delta.values) | ctx.analysis.varying(sparse_delta.indices))
                      & set(axes))
-    if not varying and aggregation != tf.VariableAggregation.SUM:
+    summed = aggregation == tf.VariableAggregation.SUM and method in ("scatter_add", "scatter_sub")
+    if not varying and not summed:
       return sparse_delta
     if self.trainable and varying:
       raise _errors.ReplicaInvarianceError(UNREDUCED_UPDATE.format(name=self.name, axes=varying, location=location))
