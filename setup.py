@@ -23,8 +23,8 @@ setup(
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16"],
         "gpu": ["tensorflow[and-cuda]>=2.16"],
-        "examples": ["scikit-learn"],
-        "test": ["pytest", "scikit-learn", "dm-sonnet", "ruff"],
+        "examples": ["scikit-learn", "tensorboard"],
+        "test": ["pytest", "scikit-learn", "dm-sonnet", "ruff", "tensorboard"],
         "benchmarks": ["matplotlib"],
     },
 )

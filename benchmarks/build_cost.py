@@ -38,7 +38,8 @@ def graph_nodes(graph_def) -> int:
 
 def _our_graph(repl) -> dict:
   # Internals (no public accessor): the one compiled step and its executable.
-  (variants,) = repl._steps.values()  # pylint: disable=protected-access
+  (by_source,) = repl._steps.values()  # pylint: disable=protected-access
+  (variants,) = by_source.values()
   (step,) = variants.values()
   (function,) = step._executables.values()  # pylint: disable=protected-access
   return dict(rewritten_step_nodes=graph_nodes(step.graph_def),

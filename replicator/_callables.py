@@ -64,6 +64,19 @@ def to_trace(fn: Callable, autograph: bool, convert: Callable[[Callable], Callab
   return fn
 
 
+def code_of(fn: Callable) -> types.CodeType | None:
+  """The code object behind a step (what stays the same when the step is re-created), or None."""
+  fn = _python_function(fn)
+  while isinstance(fn, functools.partial):
+    fn = _python_function(fn.func)
+  if inspect.ismethod(fn):
+    fn = fn.__func__
+  if not inspect.isfunction(fn) and callable(fn) and not inspect.isclass(fn):
+    call = type(fn).__call__  # a callable object: its class's __call__
+    fn = call if inspect.isfunction(call) else fn
+  return getattr(fn, "__code__", None)
+
+
 @contextlib.contextmanager
 def inline_functions() -> Iterator[None]:
   """``tf.function``s called inside run as plain Python (traced inline into the current graph).

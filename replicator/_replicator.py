@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import warnings
 import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -39,6 +41,16 @@ RUN_IN_FUNCTION = (
     "repl.run(step_fn, inputs=batch)`, or let the replicator loop inside its own graph: "
     "repl.run(step_fn, ds, steps=k)."
 )
+
+NEW_STEP_OBJECTS = (
+    "repl.run has built a step for {count} different objects of the same step function {name} "
+    "({where}): each new object (a lambda, a nested def or a functools.partial made anew for each call) "
+    "is a new step, traced on every replica, rewritten and compiled again, which costs far more than "
+    "running it. Fix: create the step function once, outside the loop, and pass the same object to "
+    "every repl.run call; pass values that change from call to call as inputs (input_fn, a dataset or "
+    "inputs=), not as closure variables."
+)
+NEW_STEP_WARNING_AFTER = 5  # new objects of one step function, as tf.function's retracing warning
 
 NO_BATCH_AXES = (
     "This Replicator's mesh {shape} has no 'batch' or 'replica' axis, so it cannot tell how "
@@ -88,9 +100,27 @@ class _WeakCallableMap:
       ref = lambda owner=owner: owner  # noqa: E731
     self._entries[key] = (ref, value)
 
+  def values(self) -> list:
+    return [value for _, value in self._entries.values()]
+
   def discard(self, value) -> None:
     for key in [k for k, (_, v) in self._entries.items() if v is value]:
       del self._entries[key]
+
+
+def _caller_stacklevel() -> int:
+  """The ``warnings.warn`` stacklevel of the first frame outside this library (and AutoGraph's wrappers)."""
+  library = os.path.dirname(os.path.abspath(__file__))
+  frame, level = inspect.currentframe(), 0
+  try:
+    while frame is not None:
+      filename = os.path.abspath(frame.f_code.co_filename)
+      if level > 0 and not filename.startswith(library) and f"{os.sep}autograph{os.sep}" not in filename:
+        return level
+      frame, level = frame.f_back, level + 1
+    return 1
+  finally:
+    del frame
 
 
 def _autograph(fn: Callable) -> Callable:
@@ -180,10 +210,12 @@ class Replicator:
     self._implementation = implementation
     self._autograph = autograph
     self._creator = _variables.make_creator(self)
-    self._steps: dict[Any, _step.CompiledStep] = {}
+    # Built steps by step_fn, released when the caller drops the step_fn: {source key: {phases: step}}.
+    self._steps = _WeakCallableMap()
+    self._step_objects: dict[Any, int] = {}  # step function code -> objects built for it
+    self._warned_new_steps = False
     # Input sources (their iterators) by input_fn, released when the caller drops the input_fn.
     self._sources = _WeakCallableMap()
-    self._converted: dict[Any, Callable] = {}
     self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
     self._lowerings: dict[str, rewrite.Lowering] = {}  # per-Replicator instances by name
@@ -429,7 +461,12 @@ class Replicator:
       source = _inputs.NoInputs()
     # One traced variant per combination of accumulation phases of the
     # optimizers the step uses (accumulate-only steps have no collectives).
-    variants = self._steps.setdefault((step_fn, source.key), {})
+    by_source = self._steps.get(step_fn)
+    if by_source is None:
+      by_source = {}
+      self._steps.set(step_fn, by_source)
+      self._count_step_object(step_fn)
+    variants = by_source.setdefault(source.key, {})
     used = next(iter(variants.values())).accumulating if variants else tuple(self._accumulating)
     for optimizer in used:
       optimizer.prepare_trace()
@@ -444,11 +481,24 @@ class Replicator:
     return step, source
 
   def _convert(self, fn: Callable) -> Callable:
-    """The callable to trace for step ``fn`` (see ``_callables.to_trace``), cached per step."""
-    converted = self._converted.get(fn)
-    if converted is None:
-      converted = self._converted[fn] = _callables.to_trace(fn, self._autograph, _autograph)
-    return converted
+    """The callable to trace for step ``fn`` (see ``_callables.to_trace``).
+
+    Not cached here (a converted function holds ``fn``, and steps must not
+    keep their step_fn alive); AutoGraph caches conversions by code.
+    """
+    return _callables.to_trace(fn, self._autograph, _autograph)
+
+  def _count_step_object(self, step_fn: Callable) -> None:
+    """Warns (once) when many objects of one step function were built: a new lambda per call."""
+    code = _callables.code_of(step_fn)
+    if code is None:
+      return
+    count = self._step_objects[code] = self._step_objects.get(code, 0) + 1
+    if count >= NEW_STEP_WARNING_AFTER and not self._warned_new_steps:
+      self._warned_new_steps = True
+      warnings.warn(NEW_STEP_OBJECTS.format(count=count, name=code.co_name,
+                                            where=f"{code.co_filename}:{code.co_firstlineno}"),
+                    stacklevel=_caller_stacklevel())
 
   def _choose(self, collective: rewrite.Collective) -> str:
     if self._implementation != "auto":

@@ -1,7 +1,8 @@
 """Building one replicated step: trace -> plan -> lower -> one cached graph call.
 
 1. trace: ``step_fn`` is traced once per replica, under that replica's device
-   and replica context, into one scratch graph. Primitives leave placeholders.
+   and replica context (ours and ``tf.distribute``'s, ``_tf_distribute``), into
+   one scratch graph. Primitives leave placeholders.
 2. plan: :func:`rewrite.plan` matches the placeholders across replicas.
 3. lower: :func:`rewrite.apply` replaces them with real collectives in the
    scratch graph's ``GraphDef``.
@@ -33,6 +34,8 @@ from replicator import _inputs
 from replicator import _invariance
 from replicator import _lifting
 from replicator import _primitives
+from replicator import _summaries
+from replicator import _tf_distribute
 from replicator import _values
 from replicator import _variables
 
@@ -211,7 +214,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
                                       gradient_names=gradient_names, accumulating=accumulating, created=created,
                                       lifted=lifted, analysis=analysis)
         with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
-              _callables.inline_functions()):
+              _tf_distribute.replica_context(ctx), _callables.inline_functions()):
           result = fn(*source.step_args(replica, flat_elements))
           result = tree.map_structure(
               lambda v: v if v is None else tf.convert_to_tensor(v), result)
@@ -233,6 +236,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
                                        if internal.op.name in written])
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
   graph_def = _independent_replicas(graph_def)
+  graph_def = _summaries.single_series(graph_def)
   rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   graph = scratch.graph
   flat0 = tree.flatten(outputs[0])

@@ -1,5 +1,10 @@
 """Replicator API: run, caching, inputs, reduce/gather, explain, current()."""
 
+import gc
+import re
+import warnings
+import weakref
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -262,3 +267,56 @@ def test_gather_of_scalars_stacks_them():
   # Was: "ConcatOp : Can't concatenate scalars (use tf.stack instead)".
   repl = replicator.Replicator(cpus(3))
   assert repl.gather(repl.run(lambda: tf.cast(repl.replica_id, tf.float32))).numpy().tolist() == [0.0, 1.0, 2.0]
+
+
+def _counting_step(v, k):
+  def step():
+    v.assign_add(float(k))
+    return v.read_value()
+  return step
+
+
+def test_a_dropped_step_fn_frees_its_step():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    v = tf.Variable(0.0)
+  step = _counting_step(v, 1)
+  repl.run(step)
+  ref = weakref.ref(step)
+  assert len(repl._steps.values()) == 1  # pylint: disable=protected-access
+  del step
+  gc.collect()
+  assert ref() is None  # the Replicator does not keep the step function alive...
+  assert not repl._steps.values()  # ...nor its compiled step  # pylint: disable=protected-access
+
+
+def test_new_objects_of_one_step_function_warn_once():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    v = tf.Variable(0.0)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for k in range(4):
+      repl.run(_counting_step(v, k))  # four new objects of one function: no warning yet
+    assert not caught
+    for k in range(4, 7):
+      repl.run(_counting_step(v, k))
+  assert len(caught) == 1  # once, at the fifth
+  assert re.search(r"repl.run has built a step for 5 different objects of the same step function step "
+                   r"\(.*test_replicator.py:\d+\): each new object .* is a new step, traced on every replica.*"
+                   r"Fix: create the step function once, outside the loop", str(caught[0].message))
+  assert caught[0].filename == __file__  # points at the caller's repl.run
+  assert float(v.numpy()) == sum(range(7))  # and every step ran
+
+
+def test_reused_and_distinct_step_functions_do_not_warn():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    v = tf.Variable(0.0)
+  steps = [(lambda k=k: v.assign_add(float(k))) for k in range(3)]  # one code object: kept alive, reused
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(5):
+      for step in steps:
+        repl.run(step)
+  assert not caught
