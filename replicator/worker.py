@@ -8,13 +8,41 @@ graph; a worker only runs its part. Start one per task::
 
 ``--devices k`` gives the worker k logical CPU devices (``device_count``), so
 one machine can host several replicas per worker.
+
+Security: the server is TensorFlow's gRPC runtime. It listens on every network
+interface, IPv4 and IPv6, whatever host the cluster address names: TensorFlow
+2.21's ``GrpcServer`` asks gRPC for ``0.0.0.0:port``, which gRPC opens as one
+dual-stack ``[::]`` socket (``ss -ltn`` shows ``*:port``), and neither
+``ServerDef`` nor ``ConfigProto`` has a bind address; the host is used only by
+clients. It has no authentication and no encryption: anyone who can reach the
+port can run any TensorFlow op as this process's user, file reads and writes
+included. The worker says so in one line on stderr when it starts (``NOTICE``).
+Run workers on a private network only, or firewall their ports.
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import sys
+
+NOTICE = (
+    "replicator.worker: task {task} serves TensorFlow's gRPC runtime on port {port} of every network interface, "
+    "IPv4 and IPv6 (TensorFlow cannot bind it to {host} alone), without authentication or encryption: anyone who "
+    "can reach this port can run any TensorFlow op as {user}, including reading and writing files. Run workers on "
+    "a private network only, or firewall the port."
+)
+
+
+def notice(address: str, task: int) -> str:
+  """The one-line security notice of the worker serving ``address`` (``host:port``) as ``task``."""
+  host, _, port = address.rpartition(":")
+  try:
+    user = f"user {getpass.getuser()}"
+  except (KeyError, OSError, ImportError):  # no name for this uid (e.g. in a container)
+    user = "this process's user"
+  return NOTICE.format(task=task, port=port, host=host, user=user)
 
 
 def serve(cluster, task: int, devices: int = 1):
@@ -53,6 +81,7 @@ def main(argv=None) -> None:
   except _errors.ClusterConfigError as e:
     sys.exit(f"replicator.worker: {e}")
   server = serve(cluster.spec.as_dict(), task, args.devices)
+  print(notice(cluster.workers[task], task), file=sys.stderr, flush=True)
   print(f"replicator worker {task} ready at {cluster.workers[task]} with {args.devices} device(s)", flush=True)
   server.join()
 
