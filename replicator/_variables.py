@@ -19,6 +19,7 @@ import tensorflow as tf
 import mesh as mesh_lib
 from replicator import _context
 from replicator import _errors
+from replicator import _export
 from replicator import _lifting
 
 SYMBOLIC_INITIAL_VALUE = (
@@ -169,6 +170,10 @@ class ReplicatedVariable(tf.Variable):
   local piece (``shape`` stays the global shape); outside a step it reads as the
   global value, writes split the global value, and checkpoints hold the
   global value, so they restore on any layout, mesh or a single device.
+
+  Exported for serving (``tf.saved_model.save``, Keras's ``model.export``),
+  every replicated variable becomes one ordinary variable holding its global
+  value, and the saved functions read it (see ``_export``).
   """
 
   # GradientTape, Keras and tf.Module treat objects with this attribute as
@@ -188,6 +193,9 @@ class ReplicatedVariable(tf.Variable):
     self._offsets = offsets
     # home[i]: the component that holds device i's current value (see set_owner).
     self._home = tuple(range(len(self._components)))
+    # A never-assigned handle of the global shape, made by the first read inside a
+    # function that combines components (see _export); None until then.
+    self._serving_handle = None
     for component in self._components:
       _OWNERS[id(component.handle)] = self
 
@@ -315,15 +323,26 @@ class ReplicatedVariable(tf.Variable):
 
   def _aggregate(self) -> tf.Tensor:
     """The value seen outside a step: component 0, the global value of a sharded
-    variable, or the aggregate of an on-read variable."""
+    variable, or the aggregate of an on-read variable.
+
+    Inside a function (not a step's), a read that combines components is
+    written so that, once exported for serving, it reads the one exported
+    variable instead (``_export.servable_read``).
+    """
+    if tf.inside_function() and _context.current_context() is None and _export.combines_components(self):
+      return _export.servable_read(self, self._combine_components)
+    return self._combine_components()
+
+  def _combine_components(self, read=lambda component: component.read_value()) -> tf.Tensor:
+    """The value outside a step, from the components (each read with ``read``)."""
     if self._sharding is not None:
       with tf.device(self._components[0].device):
-        return mesh_lib.assemble([self._components[h].read_value() for h in self._home], self._sharding)
+        return mesh_lib.assemble([read(self._components[h]) for h in self._home], self._sharding)
     aggregation = self.aggregation
     if not self._on_read or aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.ONLY_FIRST_REPLICA):
-      return self._current().read_value()
+      return read(self._current())
     with tf.device(self._components[0].device):
-      total = tf.add_n([c.read_value() for c in self._components])
+      total = tf.add_n([read(c) for c in self._components])
       if aggregation == tf.VariableAggregation.MEAN:
         total = total / tf.cast(len(self._components), total.dtype) if total.dtype.is_floating else \
             total // len(self._components)
@@ -533,6 +552,15 @@ class ReplicatedVariable(tf.Variable):
 
   def _copy_trackable_to_cpu(self, object_map):
     self._current()._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+
+  # -- export for serving (tf.saved_model.save, Keras model.export): one global variable
+
+  def _export_to_saved_model_graph(self, object_map=None, tensor_map=None, options=None, **kwargs):
+    del kwargs  # unused
+    return _export.export_to_graph(self, object_map, tensor_map, options)
+
+  def _write_object_proto(self, proto, options):
+    _export.write_object_proto(self, proto, options)
 
   def __repr__(self):
     value = ""
