@@ -4,10 +4,14 @@ Shows the training-loop features together: a dataset of global batches split
 across replicas (``repl.distribute_dataset``), several steps per call
 (``steps=``), ``CrossReplicaBatchNorm``, Keras metrics updated inside the step
 and reported globally, and checkpoints (``tf.train.CheckpointManager``) saved
-every epoch and restored to resume. Data: scikit-learn's bundled digits
-(8x8 images), so nothing is downloaded. Run:
+every epoch and restored to resume, and a TensorBoard log (global-batch
+loss and accuracy and the learning rate every step, test accuracy every
+epoch, written by ``tf.summary`` inside the step: once per step, not once per
+replica). Data: scikit-learn's bundled digits (8x8 images), so nothing is
+downloaded. Run:
 
-  python -m examples.convnet --devices 4 --epochs 8
+  python -m examples.convnet --devices 4 --epochs 8 --logdir runs/convnet
+  tensorboard --logdir runs/convnet
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps-per-call", type=int, default=4)
   parser.add_argument("--learning-rate", type=float, default=3e-3)
   parser.add_argument("--checkpoint-dir", default=None, help="default: a temporary directory")
+  parser.add_argument("--logdir", default=None, help="TensorBoard log directory (default: a temporary directory)")
   parser.add_argument("--resume-at", type=int, default=None,
                       help="after this epoch, rebuild everything and restore the last checkpoint (a demo)")
   parser.add_argument("--seed", type=int, default=0)
@@ -60,11 +65,13 @@ def main(argv=None) -> dict:
   (x_train, y_train), (x_test, y_test) = load_digits(seed=args.seed)
   x_train, x_test = x_train[..., None], x_test[..., None]
   checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="convnet_")
+  logdir = args.logdir or tempfile.mkdtemp(prefix="convnet_logs_")
+  writer = tf.summary.create_file_writer(logdir)
   repl = replicator.Replicator()
   steps_per_epoch = -(-len(x_train) // args.batch_size)  # the last batch is partial
   print(f"{repl.num_replicas} replicas; {len(x_train)} train / {len(x_test)} test digits; global batch "
         f"{args.batch_size}, {steps_per_epoch} steps per epoch ({args.steps_per_call} per call); "
-        f"checkpoints in {checkpoint_dir}")
+        f"checkpoints in {checkpoint_dir}; TensorBoard log in {logdir}")
 
   def build():
     with repl.context():
@@ -94,6 +101,12 @@ def main(argv=None) -> dict:
       optimizer.apply_gradients(zip(grads, model.trainable_variables))
       loss_metric.update_state(per_example)
       accuracy.update_state(labels, logits)
+      # Recorded once per step (replica 0 writes), of values reduced over the global batch.
+      step = optimizer.iterations
+      correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int64), tf.cast(labels, tf.int64)), tf.float32)
+      tf.summary.scalar("train/loss", repl.all_sum(loss), step=step)
+      tf.summary.scalar("train/accuracy", repl.all_sum(tf.reduce_sum(correct)) / global_batch, step=step)
+      tf.summary.scalar("train/learning_rate", optimizer.learning_rate, step=step)
     return train_step
 
   test_shards = replicator.PerReplica([(x_test[r::repl.num_replicas], y_test[r::repl.num_replicas])
@@ -108,33 +121,37 @@ def main(argv=None) -> dict:
 
   train_step, eval_step = make_step(model, optimizer, loss_metric, accuracy), make_eval(model)
   history = []
-  while int(epoch.numpy()) < args.epochs:
-    bar = Progress(steps_per_epoch, prefix=f"epoch {int(epoch.numpy()) + 1:>2}/{args.epochs}")
-    loss_metric.reset_state()
-    accuracy.reset_state()
-    done = 0
-    while True:
-      try:
-        repl.run(train_step, distributed, steps=args.steps_per_call)
-      except replicator.EndOfInput:
-        break
-      done += repl.steps_run
-      bar.update(done, loss=float(loss_metric.result()), accuracy=float(accuracy.result()))
-    epoch.assign_add(1)
-    path = manager.save()
-    test_accuracy = int(repl.reduce("sum", repl.run(eval_step, inputs=test_shards))) / len(x_test)
-    history.append(dict(epoch=int(epoch.numpy()), loss=float(loss_metric.result()),
-                        train_accuracy=float(accuracy.result()), test_accuracy=test_accuracy))
-    print(f"epoch {int(epoch.numpy()):>2}: loss {loss_metric.result():.4f}  train accuracy "
-          f"{float(accuracy.result()):.2%}  test accuracy {test_accuracy:.2%}  saved {os.path.basename(path)}")
-    if args.resume_at is not None and int(epoch.numpy()) == args.resume_at:
-      # Start over from the checkpoint, as a preempted job would.
-      model, optimizer, loss_metric, accuracy, epoch, checkpoint, manager = build()
-      checkpoint.restore(manager.latest_checkpoint)
-      print(f"restored {os.path.basename(manager.latest_checkpoint)}: resuming after epoch {int(epoch.numpy())}")
-      train_step, eval_step = make_step(model, optimizer, loss_metric, accuracy), make_eval(model)
+  with writer.as_default():
+    while int(epoch.numpy()) < args.epochs:
+      bar = Progress(steps_per_epoch, prefix=f"epoch {int(epoch.numpy()) + 1:>2}/{args.epochs}")
+      loss_metric.reset_state()
+      accuracy.reset_state()
+      done = 0
+      while True:
+        try:
+          repl.run(train_step, distributed, steps=args.steps_per_call)
+        except replicator.EndOfInput:
+          break
+        done += repl.steps_run
+        bar.update(done, loss=float(loss_metric.result()), accuracy=float(accuracy.result()))
+      epoch.assign_add(1)
+      path = manager.save()
+      test_accuracy = int(repl.reduce("sum", repl.run(eval_step, inputs=test_shards))) / len(x_test)
+      tf.summary.scalar("test/accuracy", test_accuracy, step=optimizer.iterations)
+      history.append(dict(epoch=int(epoch.numpy()), loss=float(loss_metric.result()),
+                          train_accuracy=float(accuracy.result()), test_accuracy=test_accuracy))
+      print(f"epoch {int(epoch.numpy()):>2}: loss {loss_metric.result():.4f}  train accuracy "
+            f"{float(accuracy.result()):.2%}  test accuracy {test_accuracy:.2%}  saved {os.path.basename(path)}")
+      if args.resume_at is not None and int(epoch.numpy()) == args.resume_at:
+        # Start over from the checkpoint, as a preempted job would.
+        model, optimizer, loss_metric, accuracy, epoch, checkpoint, manager = build()
+        checkpoint.restore(manager.latest_checkpoint)
+        print(f"restored {os.path.basename(manager.latest_checkpoint)}: resuming after epoch {int(epoch.numpy())}")
+        train_step, eval_step = make_step(model, optimizer, loss_metric, accuracy), make_eval(model)
+  writer.flush()
   print(f"final test accuracy: {history[-1]['test_accuracy']:.2%}")
-  return dict(history=history, test_accuracy=history[-1]["test_accuracy"], replicas=repl.num_replicas)
+  return dict(history=history, test_accuracy=history[-1]["test_accuracy"], replicas=repl.num_replicas,
+              logdir=logdir, steps_per_epoch=steps_per_epoch)
 
 
 if __name__ == "__main__":

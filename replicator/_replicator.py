@@ -22,6 +22,7 @@ from replicator import _context
 from replicator import _distributed_dataset
 from replicator import _errors
 from replicator import _inputs
+from replicator import _keras
 from replicator import _optimizer
 from replicator import _primitives
 from replicator import _step
@@ -214,6 +215,7 @@ class Replicator:
     self._steps = _WeakCallableMap()
     self._step_objects: dict[Any, int] = {}  # step function code -> objects built for it
     self._warned_new_steps = False
+    self._keras_strategy = None
     # Input sources (their iterators) by input_fn, released when the caller drops the input_fn.
     self._sources = _WeakCallableMap()
     self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
@@ -299,8 +301,22 @@ class Replicator:
     """
     if layouts is not None:
       self._layouts = _as_layout_map(layouts)
-    with tf.variable_creator_scope(self._creator):
+    # Keras models made here record the strategy, and their fit/evaluate/predict run on the replicas.
+    with self.keras_strategy.scope(), tf.variable_creator_scope(self._creator):
       yield self
+
+  @property
+  def keras_strategy(self) -> tf.distribute.Strategy:
+    """The ``tf.distribute.Strategy`` that :meth:`context` presents to Keras's trainer.
+
+    A Keras model created in ``repl.context()`` records it, and its
+    ``fit``, ``evaluate`` and ``predict`` run every step on the replicas (see
+    the README's "Keras fit" section). Its ``run`` serves Keras's trainer
+    only; custom loops call :meth:`run`.
+    """
+    if self._keras_strategy is None:
+      self._keras_strategy = _keras.KerasStrategy(self)
+    return self._keras_strategy
 
   def layout_spec(self, path: str):
     """The layout spec the LayoutMap gives the variable at ``path`` (None: replicated)."""
@@ -479,6 +495,25 @@ class Replicator:
       self.trace_count += 1
       variants[tuple(o.phase() for o in step.accumulating)] = step
     return step, source
+
+  def _compiled_keras(self, fn: Callable, source: _inputs.Source, wrap: Callable) -> _step.CompiledStep:
+    """The step Keras's trainer runs (``_keras``), built like :meth:`run`'s and cached with them."""
+    by_source = self._steps.get(fn)
+    if by_source is None:
+      by_source = {}
+      self._steps.set(fn, by_source)
+    variants = by_source.setdefault(source.key, {})
+    step = variants.get(())
+    if step is None:
+      step = variants[()] = _step.build(self, fn, source, self._choose, wrap)
+      if step.accumulating:
+        raise _errors.UnsupportedError(
+            "An optimizer wrapped with accumulation_steps > 1 is used by a Keras train_step run by "
+            "model.fit: not supported. Fix: use keras.optimizers.Optimizer(gradient_accumulation_steps=...) "
+            "in fit, or repl.run for a custom loop with accumulation.")
+      self.trace_count += 1
+    step.use_source(source)
+    return step
 
   def _convert(self, fn: Callable) -> Callable:
     """The callable to trace for step ``fn`` (see ``_callables.to_trace``).

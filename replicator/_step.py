@@ -171,16 +171,21 @@ class CompiledStep:
       steps_run, flat = int(flat[0]), flat[1:]
       if steps_run == 0:
         raise _errors.EndOfInput(_errors.END_OF_INPUT + self.source.end_note())
+    return self.unflatten(flat), steps_run
+
+  def unflatten(self, flat) -> list[Any]:
+    """The step's flat outputs (every replica's, in order) as one output nest per replica."""
     results = []
     it = iter(flat)
     for _ in self.plan.devices:
       leaves = [next(it) if is_tensor else None for is_tensor in self.tensor_leaves]
       results.append(tree.unflatten_as(self.structure, leaves))
-    return results, steps_run
+    return results
 
 
-def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callable) -> CompiledStep:
-  """Traces ``step_fn`` on every replica, plans and rewrites it."""
+def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callable,
+          wrap: Callable[[Callable], Callable] | None = None) -> CompiledStep:
+  """Traces ``step_fn`` (converted, then ``wrap``-ped if given) on every replica, plans and rewrites it."""
   devices = replicator.devices
   creator = _variables.make_creator(replicator)
   placeholders = [[] for _ in devices]
@@ -190,6 +195,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   lifted = set()
   outputs = [None] * len(devices)
   fn = replicator._convert(step_fn)  # pylint: disable=protected-access
+  if wrap is not None:
+    fn = wrap(fn)
 
   def trace(*flat_elements):
     # TF may trace more than once; only the records of the last trace count.

@@ -72,19 +72,39 @@ def default_strategy() -> tf.distribute.Strategy:
   return _default_strategy
 
 
-def _called_by(name: str, depth: int = 4) -> bool:
+def batch_replicas(replicator) -> tuple[int, tuple[str, ...]]:
+  """``tf.distribute``'s replicas of a Replicator: how many, and the mesh axes (of size > 1) they lie along."""
+  axes = tuple(a for a in (replicator._batch_axes or ()) if replicator.mesh.shape[a] > 1)  # pylint: disable=protected-access
+  return (replicator.mesh.axis_size(axes) if axes else 1), axes
+
+
+def called_by(names: str | tuple[str, ...], depth: int = 4) -> bool:
+  """Whether one of the ``depth`` frames above the caller runs a function named in ``names``."""
+  names = (names,) if isinstance(names, str) else names
   frame = inspect.currentframe()
   try:
     frame = frame.f_back.f_back if frame is not None else None
     for _ in range(depth):
       if frame is None:
         return False
-      if frame.f_code.co_name == name:
+      if frame.f_code.co_name in names:
         return True
       frame = frame.f_back
     return False
   finally:
     del frame
+
+
+def _scaled(gradient, weight):
+  """``gradient * weight`` (a gradient of an empty batch, possibly NaN, times 0 is 0)."""
+  if gradient is None:
+    return None
+  if isinstance(gradient, tf.IndexedSlices):
+    values = gradient.values
+    scaled = tf.where(weight > 0, values * tf.cast(weight, values.dtype), tf.zeros_like(values))
+    return tf.IndexedSlices(scaled, gradient.indices, gradient.dense_shape)
+  gradient = tf.convert_to_tensor(gradient)
+  return tf.where(weight > 0, gradient * tf.cast(weight, gradient.dtype), tf.zeros_like(gradient))
 
 
 def _reduce_op(reduce_op) -> str:
@@ -102,10 +122,8 @@ class ReplicaContext(tf.distribute.ReplicaContext):
 
   def __init__(self, ctx: _context.ReplicaContext):
     replicator = ctx.replicator
-    axes = replicator._batch_axes or ()  # pylint: disable=protected-access
-    self._axes = tuple(a for a in axes if replicator.mesh.shape[a] > 1)
     self._ctx = ctx
-    self._num = replicator.mesh.axis_size(self._axes) if self._axes else 1
+    self._num, self._axes = batch_replicas(replicator)
     self._id = replicator.mesh.axis_index(ctx.replica_id, self._axes) if self._axes else 0
     super().__init__(default_strategy(), replica_id_in_sync_group=self._id)
 
@@ -127,8 +145,15 @@ class ReplicaContext(tf.distribute.ReplicaContext):
 
   def all_reduce(self, reduce_op, value, options=None):  # pylint: disable=unused-argument
     op = _reduce_op(reduce_op)
-    if not self._axes or _called_by(_KERAS_GRADIENT_SUM):
+    if not self._axes:
       return value
+    if called_by(_KERAS_GRADIENT_SUM):
+      weight = self._ctx.gradient_weight
+      if weight is None:  # repl.run: reduced by wrap_optimizer, or refused unreduced
+        return value
+      # Keras's trainer (_keras): each replica's share of the global batch.
+      value = [_scaled(g, weight) for g in value]
+      return _primitives.all_reduce(self._ctx, value, "sum", self._axes, "Keras optimizer (gradient sum)")
     return _primitives.all_reduce(self._ctx, value, op, self._axes, _primitives.user_location())
 
   def all_gather(self, value, axis, options=None):  # pylint: disable=unused-argument
@@ -137,7 +162,7 @@ class ReplicaContext(tf.distribute.ReplicaContext):
     return _primitives.all_gather(self._ctx, value, axis, self._axes, _primitives.user_location())
 
   def merge_call(self, merge_fn, args=(), kwargs=None):
-    if _called_by(_STRATEGY_UPDATE):  # a local variable update: the default strategy runs it as written
+    if called_by(_STRATEGY_UPDATE):  # a local variable update: the default strategy runs it as written
       return super().merge_call(merge_fn, args, kwargs)
     raise _errors.UnsupportedError(MERGE_CALL.format(location=_primitives.user_location()))
 

@@ -1,6 +1,11 @@
 """Smoke tests of the examples: they run and learn."""
 
+import glob
+import os
+
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from examples import mnist
 
@@ -23,6 +28,21 @@ def test_convnet_learns_and_resumes_from_a_checkpoint(tmp_path):
   assert [h["epoch"] for h in result["history"]] == [1, 2, 3, 4]  # resumed after epoch 2, no epoch repeated
   assert result["test_accuracy"] > 0.75
   assert (tmp_path / "checkpoint").exists()
+  # The TensorBoard log, read back: one series per tag (not one per replica), one point per step.
+  events = {}
+  for path in glob.glob(os.path.join(result["logdir"], "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        events.setdefault(value.tag, []).append((event.step, float(tf.make_ndarray(value.tensor))))
+  assert set(events) == {"train/loss", "train/accuracy", "train/learning_rate", "test/accuracy"}
+  steps = 4 * result["steps_per_epoch"]
+  assert sorted(s for s, _ in events["train/loss"]) == list(range(1, steps + 1))
+  assert all(abs(v - 3e-3) < 1e-9 for _, v in events["train/learning_rate"])
+  assert all(0.0 <= v <= 1.0 for _, v in events["train/accuracy"])
+  np.testing.assert_allclose([v for _, v in sorted(events["test/accuracy"])],
+                             [h["test_accuracy"] for h in result["history"]], atol=1e-6)  # float32 in the log
+  epoch_losses = [v for _, v in sorted(events["train/loss"])][-result["steps_per_epoch"]:]
+  assert abs(np.mean(epoch_losses) - result["history"][-1]["loss"]) < 0.05 * result["history"][-1]["loss"]
 
 
 def test_mnist_on_a_2d_mesh_with_layout_rules():

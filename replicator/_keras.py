@@ -1,0 +1,214 @@
+"""Keras's trainer on a Replicator: ``model.fit``, ``evaluate`` and ``predict`` across the replicas.
+
+Keras 3's TensorFlow trainer runs each step through the
+``tf.distribute.Strategy`` that was current when the model was created:
+``strategy.experimental_distribute_dataset`` for its data and
+``strategy.run(train_step, args=(batch,))`` inside its own ``tf.function``.
+``repl.context()`` makes :class:`KerasStrategy` current, so a model built
+there is trained by the Replicator:
+
+* its datasets stay datasets of global batches (Keras batches them globally);
+* ``strategy.run`` splits each global batch across the replicas (as
+  ``repl.distribute_dataset`` does, in the graph), builds the step through
+  the same trace -> plan -> rewrite pipeline as ``repl.run`` (cached per step
+  function and input signature) and imports the rewritten step into Keras's
+  function, where Keras's loop (``steps_per_execution``), callbacks,
+  validation and progress bar run as usual;
+* gradients: Keras's optimizers sum gradients over the replica context
+  themselves; in a step run for Keras each replica's gradient of its mean
+  loss is weighted by its share of the global batch before that sum, which
+  gives one device's gradient of the global mean loss (also for a last,
+  uneven batch), as ``wrap_optimizer`` does;
+* metrics: Keras's metric variables add up their state (``aggregation``
+  SUM), which the Replicator combines across replicas on write, so every
+  replica's result is the global one; ``train_step``/``test_step`` results
+  are returned once, ``predict``'s outputs concatenated in batch order.
+
+The strategy is TensorFlow's default strategy with these overrides (its
+class is taken from the default strategy object, no private import). Outside
+Keras's trainer, ``strategy.run`` raises: custom loops call ``repl.run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import tensorflow as tf
+import tree
+
+from replicator import _context
+from replicator import _distributed_dataset
+from replicator import _errors
+from replicator import _inputs
+from replicator import _primitives
+from replicator import _tf_distribute
+
+RUN_OUTSIDE_KERAS = (
+    "The tf.distribute.Strategy that repl.context() presents is there for Keras's trainer "
+    "(model.fit, evaluate, predict); strategy.run({name}) from other code is not supported. "
+    "Fix: call repl.run(step_fn, ...) for a custom training loop."
+)
+MODEL_OUTSIDE = (
+    "A Keras train_step outside any Replicator step updates a variable through an optimizer made in "
+    "repl.context(): the model was created outside the context (or compiled outside it), so Keras "
+    "trains it on one device and its variables are not the Replicator's. Fix: create and compile the "
+    "model inside `with repl.context():`."
+)
+JIT_COMPILE = (
+    "model.fit/evaluate with jit_compile=True is not supported for a model made in repl.context(): "
+    "XLA would compile Keras's step function around the Replicator's collectives, which run between "
+    "devices outside any one XLA program. Fix: compile with jit_compile=False."
+)
+RUN_EAGERLY = (
+    "model.{what} with run_eagerly=True is not supported for a model made in repl.context(): the "
+    "Replicator builds each step as one graph for all replicas. Fix: compile with run_eagerly=False "
+    "(the default); to debug a step, run it with repl.run and print inside it with tf.print."
+)
+# Where Keras 3's TensorFlow trainer calls strategy.run (keras/src/backend/tensorflow/trainer.py, 3.15).
+KERAS_CALLERS = ("one_step_on_data", "one_step_on_data_distributed")
+KERAS_STEPS = ("train_step", "test_step")  # their results are one value (metrics); other steps: per example
+
+
+def _extended_class():
+  """The default strategy's extended class with the Replicator's overrides (made once)."""
+  base = type(_tf_distribute.default_strategy().extended)
+
+  class Extended(base):  # pylint: disable=abstract-method
+    """Cross-replica behaviour of :class:`KerasStrategy` (see the module docstring)."""
+
+    def __init__(self, container_strategy, replicator):
+      super().__init__(container_strategy)
+      self._replicator_ref = weakref.ref(replicator)
+
+    @property
+    def replicator(self):
+      return self._replicator_ref()
+
+    def _scope(self, strategy):
+      # A strategy's own scope (cross-replica mode, variables made by
+      # _create_variable), not the default strategy's no-op one.
+      return tf.distribute.StrategyExtended._scope(self, strategy)  # pylint: disable=protected-access
+
+    def _create_variable(self, next_creator, **kwargs):
+      kwargs.pop("distribute_strategy", None)  # added by the strategy's scope (with use_resource)
+      kwargs.pop("use_resource", None)
+      return self.replicator._creator(next_creator, **kwargs)  # pylint: disable=protected-access
+
+    @property
+    def _num_replicas_in_sync(self):
+      return _tf_distribute.batch_replicas(self.replicator)[0]
+
+    def colocate_vars_with(self, colocate_with_variable):
+      # Keras optimizers made in repl.context() place slots through their strategy, also inside
+      # repl.run steps (outside this strategy's scope). The Replicator's variable creator places
+      # every component on its own device, so no colocation is needed.
+      return contextlib.nullcontext()
+
+    def _update(self, var, fn, args, kwargs, group):
+      if (_context.current_context() is None and not tf.executing_eagerly()
+          and _tf_distribute.called_by("train_step", depth=40)):
+        raise _errors.UnsupportedError(MODEL_OUTSIDE)
+      return super()._update(var, fn, args, kwargs, group)
+
+    def _use_merge_call(self):
+      return False  # Keras's optimizers then update each variable directly
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+      raise _errors.UnsupportedError(RUN_OUTSIDE_KERAS.format(name=getattr(fn, "__name__", "fn")))
+
+  return Extended
+
+
+_EXTENDED = None
+
+
+class KerasStrategy(tf.distribute.Strategy):
+  """The ``tf.distribute.Strategy`` a Replicator presents to Keras's trainer (``repl.context()``)."""
+
+  def __init__(self, replicator):
+    global _EXTENDED
+    if _EXTENDED is None:
+      _EXTENDED = _extended_class()
+    super().__init__(_EXTENDED(self, replicator))
+
+  def run(self, fn, args=(), kwargs=None, options=None):  # pylint: disable=unused-argument
+    replicator = self.extended.replicator
+    if kwargs or len(args) != 1 or not _tf_distribute.called_by(KERAS_CALLERS):
+      raise _errors.UnsupportedError(RUN_OUTSIDE_KERAS.format(name=getattr(fn, "__name__", "fn")))
+    if tf.executing_eagerly():
+      what = "predict" if getattr(fn, "__name__", "") not in KERAS_STEPS else "fit/evaluate"
+      raise _errors.UnsupportedError(RUN_EAGERLY.format(what=what))
+    if getattr(getattr(fn, "__self__", None), "jit_compile", False) is True:
+      raise _errors.UnsupportedError(JIT_COMPILE)
+    return run_in_graph(replicator, fn, args[0])
+
+
+class GlobalBatch(_inputs.Source):
+  """A step's input given as one global batch in the calling graph, split across the input pipelines."""
+
+  def __init__(self, data, pipelines):
+    self._structure = data
+    leaves = tree.flatten(data)
+    self._present = [leaf is not None for leaf in leaves]
+    tensors = [leaf for leaf in leaves if leaf is not None]
+    self._n = n = max(pipelines) + 1
+    self.slots = tuple(pipelines)
+    even = _distributed_dataset._even_parts([t.shape for t in tensors], n)  # pylint: disable=protected-access
+    specs = [_distributed_dataset._replica_spec(tf.TensorSpec(t.shape, t.dtype), n if even else None)  # pylint: disable=protected-access
+             for t in tensors]
+    self.element_specs = tuple(specs) * n
+    self.counts = (len(specs),) * n
+    self.structures = (data,) * n
+    self.key = ("keras", tuple(specs), str(tree.map_structure(lambda _: 0, data)))
+
+  def step_args(self, replica, flat_elements):
+    slot = self.slots[replica]
+    start = slot * self.counts[0]
+    tensors = iter(flat_elements[start:start + self.counts[0]])
+    leaves = [next(tensors) if present else None for present in self._present]
+    return (tree.unflatten_as(self._structure, leaves),)
+
+  def fetch(self, flat_args):
+    parts = _distributed_dataset.split(list(flat_args), self._n)
+    return [t for part in parts for t in part]
+
+
+def _weighted(replicator):
+  """Wraps a step so each replica's gradients are weighted by its share of the global batch."""
+
+  def wrap(fn):
+    def step(data):
+      ctx = _context.current_context()
+      rows = next((tf.shape(t)[0] for t in tree.flatten(data) if t is not None and t.shape.rank), None)
+      if rows is not None:
+        axes = _tf_distribute.batch_replicas(replicator)[1]
+        rows = tf.cast(rows, tf.float32)
+        total = _primitives.all_reduce(ctx, rows, "sum", axes, "Keras step (rows per replica)") if axes else rows
+        ctx.gradient_weight = tf.math.divide_no_nan(rows, total)
+      return fn(data)
+
+    return step
+
+  return wrap
+
+
+def run_in_graph(replicator, fn, data):
+  """Builds (or reuses) the replicated step of Keras's ``fn`` and imports it into the current graph."""
+  pipelines = [replicator.input_pipeline(r) for r in range(replicator.num_replicas)]
+  source = GlobalBatch(data, pipelines)
+  step = replicator._compiled_keras(fn, source, _weighted(replicator))  # pylint: disable=protected-access
+  tensors = [t for t in tree.flatten(data) if t is not None]
+  results = step.unflatten(step._import(source.fetch(tensors)))  # pylint: disable=protected-access
+  if getattr(fn, "__name__", "") in KERAS_STEPS:
+    return results[0]  # metrics: combined across replicas, the same on each
+  firsts = [pipelines.index(p) for p in range(max(pipelines) + 1)]  # one replica per batch part
+  return tree.map_structure(lambda *parts: _concat(parts), *[results[r] for r in firsts])
+
+
+def _concat(parts):
+  if parts[0] is None:
+    return None
+  if parts[0].shape.rank == 0:
+    return tf.stack(parts)
+  return tf.concat(parts, axis=0)

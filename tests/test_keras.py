@@ -1,0 +1,204 @@
+"""Keras's model.fit / evaluate / predict on a model made in repl.context(): every replica, equal to one device."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+from conftest import replica_values
+
+import replicator
+
+X = np.random.RandomState(0).randn(96, 6).astype(np.float32)
+Y = (np.random.RandomState(1).rand(96) * 3).astype(np.int64)
+TOKENS = np.random.RandomState(2).randint(0, 40, size=(96, 5)).astype(np.int32)
+TOKENS[:, 0] = 7  # a row every replica's batch touches
+
+
+class Recorder(keras.layers.Layer):
+  """Identity layer that records which Replicator and replica trace it."""
+
+  seen = []
+
+  def call(self, x):
+    repl = replicator.current()
+    Recorder.seen.append(None if repl is None else repl.replica_id)
+    return x
+
+
+def _mlp(recorder=False):
+  keras.utils.set_random_seed(1)
+  layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu")]
+  if recorder:
+    layers.append(Recorder())
+  return keras.Sequential(layers + [keras.layers.Dense(3)])
+
+
+def _embedding():
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(40, 4),
+                           keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+
+def _batch_norm():
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, use_bias=False),
+                           keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(3)])
+
+
+def _compiled(make, optimizer=lambda: keras.optimizers.Adam(0.01), **compile_kwargs):
+  model = make()
+  model.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"], **compile_kwargs)
+  return model
+
+
+def _check_state_equal(model, ref):
+  """Every variable of the model and its optimizer (slots, iterations) on every replica."""
+  assert len(model.variables) == len(ref.variables)
+  for v, want in zip(model.variables, ref.variables, strict=True):
+    for value in replica_values(v):
+      np.testing.assert_allclose(value, want.numpy(), atol=1e-5, err_msg=v.path)
+  for v, want in zip(model.optimizer.variables, ref.optimizer.variables, strict=True):
+    for value in replica_values(v):
+      np.testing.assert_allclose(value, want.numpy(), atol=1e-5, err_msg=v.path)
+
+
+def _check_history_equal(history, ref):
+  assert history.history.keys() == ref.history.keys()
+  for key, want in ref.history.items():
+    np.testing.assert_allclose(history.history[key], want, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fit_evaluate_predict_equal_one_device(n):
+  ref = _compiled(_mlp)
+  ref_history = ref.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+  keras.backend.clear_session()
+  Recorder.seen = []
+  repl = replicator.Replicator(cpus(n))
+  with repl.context():
+    model = _compiled(lambda: _mlp(recorder=True))
+  history = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  # Traced by the Replicator on every replica (None: Keras's symbolic build, outside any step).
+  assert {r for r in Recorder.seen if r is not None} == set(range(n))
+  _check_history_equal(history, ref_history)
+  _check_state_equal(model, ref)
+  np.testing.assert_allclose(model.evaluate(X, Y, batch_size=16, verbose=0),
+                             ref.evaluate(X, Y, batch_size=16, verbose=0), atol=1e-5)
+  np.testing.assert_allclose(model.predict(X, batch_size=16, verbose=0),
+                             ref.predict(X, batch_size=16, verbose=0), atol=1e-5)
+
+
+def test_validation_callbacks_and_steps_per_execution():
+  def fit(model):
+    seen = []
+    callback = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(dict(logs)))
+    history = model.fit(X[:80], Y[:80], batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(X[80:], Y[80:]), callbacks=[callback])
+    return history, seen
+
+  ref = _compiled(_mlp, steps_per_execution=3)
+  ref_history, ref_seen = fit(ref)
+  keras.backend.clear_session()
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    model = _compiled(_mlp, steps_per_execution=3)
+  history, seen = fit(model)
+  assert "val_loss" in history.history
+  _check_history_equal(history, ref_history)
+  for logs, want in zip(seen, ref_seen, strict=True):
+    assert logs.keys() == want.keys()
+    np.testing.assert_allclose([logs[k] for k in want], [want[k] for k in want], atol=1e-5)
+  _check_state_equal(model, ref)
+
+
+def test_a_last_batch_split_unevenly_equals_one_device():
+  """100 rows in batches of 16: the last batch's 4 rows go to 4 of 4 replicas, then 3 of 4 (3 rows)."""
+  for rows in (100, 99):
+    keras.backend.clear_session()
+    ref = _compiled(_mlp, optimizer=lambda: keras.optimizers.SGD(0.1))
+    ref_history = ref.fit(np.resize(X, (rows, 6)), np.resize(Y, rows), batch_size=16, epochs=2, shuffle=False,
+                          verbose=0)
+    keras.backend.clear_session()
+    repl = replicator.Replicator(cpus(4))
+    with repl.context():
+      model = _compiled(_mlp, optimizer=lambda: keras.optimizers.SGD(0.1))
+    history = model.fit(np.resize(X, (rows, 6)), np.resize(Y, rows), batch_size=16, epochs=2, shuffle=False,
+                        verbose=0)
+    _check_history_equal(history, ref_history)
+    _check_state_equal(model, ref)
+
+
+def test_embedding_with_adam_fits_as_one_device():
+  """Sparse gradients (IndexedSlices) through Keras's own gradient sum, weighted per replica."""
+  ref = _compiled(_embedding)
+  ref_history = ref.fit(TOKENS, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  keras.backend.clear_session()
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    model = _compiled(_embedding)
+  history = model.fit(TOKENS, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  _check_history_equal(history, ref_history)
+  _check_state_equal(model, ref)
+
+
+def test_synchronized_batch_norm_fits_as_one_device():
+  ref = _compiled(_batch_norm)
+  ref_history = ref.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  keras.backend.clear_session()
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    model = _compiled(_batch_norm)
+  history = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  _check_history_equal(history, ref_history)
+  _check_state_equal(model, ref)  # moving statistics included
+
+
+def test_a_dataset_of_global_batches():
+  ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+  ref = _compiled(_mlp)
+  ref_history = ref.fit(ds, epochs=2, verbose=0)
+  keras.backend.clear_session()
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    model = _compiled(_mlp)
+  _check_history_equal(model.fit(ds, epochs=2, verbose=0), ref_history)
+  _check_state_equal(model, ref)
+
+
+def test_run_eagerly_is_refused():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    model = _compiled(_mlp, run_eagerly=True)
+  with pytest.raises(replicator.UnsupportedError, match=r"model.fit/evaluate with run_eagerly=True is not supported "
+                     r"for a model made in repl.context\(\).*Fix: compile with run_eagerly=False"):
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_a_model_made_outside_the_context_is_refused_not_trained_on_one_device():
+  repl = replicator.Replicator(cpus(2))
+  model = _mlp()
+  with repl.context():
+    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  with pytest.raises(replicator.UnsupportedError, match=r"the model was created outside the context .* Keras "
+                     r"trains it on one device.*Fix: create and compile the model inside"):
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_jit_compile_is_refused():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    model = _compiled(_mlp, jit_compile=True)
+  with pytest.raises(replicator.UnsupportedError, match=r"model.fit/evaluate with jit_compile=True is not supported.*"
+                     r"Fix: compile with jit_compile=False"):
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_the_strategy_serves_keras_only():
+  repl = replicator.Replicator(cpus(2))
+  assert repl.keras_strategy.num_replicas_in_sync == 2
+  with pytest.raises(replicator.UnsupportedError, match=r"strategy.run\(<lambda>\) from other code is not "
+                     r"supported. Fix: call repl.run"):
+    repl.keras_strategy.run(lambda x: x, args=(tf.constant(1.0),))
