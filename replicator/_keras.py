@@ -27,6 +27,14 @@ there is trained by the Replicator:
 The strategy is TensorFlow's default strategy with these overrides (its
 class is taken from the default strategy object, no private import). Outside
 Keras's trainer, ``strategy.run`` raises: custom loops call ``repl.run``.
+
+TensorFlow coupling, in this module only: the overrides are
+``tf.distribute.StrategyExtended``'s protected hooks (``_scope``,
+``_create_variable``, ``_update``, ``_use_merge_call``, ...), the interface
+TensorFlow's own strategies implement; which Keras frames call
+``strategy.run`` (``KERAS_CALLERS``) and the name of Keras's gradient sum
+(``_tf_distribute``) are Keras's. Checked on TensorFlow 2.21 and Keras 3.15;
+tests/test_keras.py fails if either changes.
 """
 
 from __future__ import annotations
