@@ -81,6 +81,35 @@ def train_equivalence():
                 components=[c.device for c in model.trainable_variables[0].value.components])
 
 
+def keras_fit():
+  """Keras model.fit of a model made in the context, on 2 workers x 2 CPUs, against fit on one device."""
+  x = np.random.RandomState(0).randn(96, 6).astype(np.float32)
+  y = (np.random.RandomState(1).rand(96) * 3).astype(np.int64)
+
+  def make():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+  reference = make()
+  expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+  expected_values = [v.numpy() for v in reference.variables + reference.optimizer.variables]
+  _KEEP.append(reference)  # its functions must outlive the connection (see train_equivalence)
+  with testing.local_cluster(2, devices_per_worker=2) as cluster:
+    repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
+    with repl.context():
+      model = make()
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    got = [np.asarray(c.numpy()) for v in model.variables + model.optimizer.variables
+           for c in getattr(v.value if hasattr(v, "value") else v, "components", [v])]
+    per_component = len(got) // len(expected_values)
+    diffs = [float(np.abs(got[i] - expected_values[i // per_component]).max()) for i in range(len(got))]
+    return dict(max_abs_diff=max(diffs), replicas=repl.num_replicas, components_per_variable=per_component,
+                history_diff=max(abs(a - b) for k in expected for a, b in zip(history[k], expected[k])))
+
+
 def collectives():
   n = 4
   values = [np.arange(8, dtype=np.float32).reshape(4, 2) + 10 * r for r in range(n)]

@@ -202,3 +202,13 @@ def test_the_strategy_serves_keras_only():
   with pytest.raises(replicator.UnsupportedError, match=r"strategy.run\(<lambda>\) from other code is not "
                      r"supported. Fix: call repl.run"):
     repl.keras_strategy.run(lambda x: x, args=(tf.constant(1.0),))
+
+
+def test_a_model_trained_by_fit_exports_for_serving(tmp_path):
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    model = _compiled(_batch_norm)
+  model.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  model.export(str(tmp_path), verbose=False)
+  served = tf.saved_model.load(str(tmp_path))
+  np.testing.assert_allclose(served.serve(X).numpy(), model.predict(X, batch_size=16, verbose=0), atol=1e-5)

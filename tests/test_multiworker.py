@@ -28,6 +28,13 @@ def _scenario(name: str, timeout: float = 240.0) -> dict:
   return json.loads(lines[-1][len("RESULT "):])
 
 
+def test_keras_fit_on_two_workers_equals_one_device():
+  result = _scenario("keras_fit")
+  assert result["replicas"] == 4 and result["components_per_variable"] == 4
+  assert result["max_abs_diff"] <= 1e-5  # every component of every model and optimizer variable
+  assert result["history_diff"] <= 1e-5
+
+
 def test_training_on_two_workers_equals_one_device():
   result = _scenario("train_equivalence")
   assert result["max_abs_diff"] <= 1e-5

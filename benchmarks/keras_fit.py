@@ -1,0 +1,81 @@
+"""Keras ``model.fit`` on N logical CPUs: one device, the Replicator, MirroredStrategy.
+
+One process, the three configurations interleaved epoch by epoch (each timed
+call is one epoch of ``fit`` over the same data, after a warm-up epoch that
+builds the functions), so the ratios compare like with like on a noisy
+machine. The model is the README's: ``Dense(1024, relu) -> Dense(10)`` on 64
+features, Adam, global batch 256, ``steps_per_execution`` 8.
+
+Run by hand: ``python -m benchmarks.keras_fit --devices 4 [--rounds 8] [--json F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import replicator  # noqa: E402
+from benchmarks import _timing  # noqa: E402
+
+
+def _model(keras, features: int):
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1024, activation="relu"),
+                            keras.layers.Dense(10)])
+  model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"], steps_per_execution=8)
+  return model
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--devices", type=int, default=4)
+  parser.add_argument("--rounds", type=int, default=8)
+  parser.add_argument("--rows", type=int, default=8192)
+  parser.add_argument("--batch-size", type=int, default=256)
+  parser.add_argument("--json", help="write the record here")
+  args = parser.parse_args(argv)
+  replicator.virtual_cpus(args.devices)
+  import keras  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((args.rows, 64)).astype(np.float32)
+  y = rng.integers(0, 10, args.rows)
+  devices = [f"/device:CPU:{i}" for i in range(args.devices)]
+
+  one = _model(keras, 64)
+  repl = replicator.Replicator(devices)
+  with repl.context():
+    ours = _model(keras, 64)
+  mirrored = tf.distribute.MirroredStrategy(devices)
+  with mirrored.scope():
+    ms = _model(keras, 64)
+
+  def epoch(model):
+    return lambda: model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)
+
+  steps = -(-args.rows // args.batch_size)
+  times = _timing.interleaved({"one device": epoch(one), "replicator": epoch(ours), "MirroredStrategy": epoch(ms)},
+                              rounds=args.rounds, warmup=1, per_call={k: steps for k in ("one device", "replicator",
+                                                                                         "MirroredStrategy")})
+  record = dict(devices=args.devices, rows=args.rows, batch_size=args.batch_size, steps_per_epoch=steps,
+                step_ms={k: _timing.summary(v)["median"] * 1e3 for k, v in times.items()},
+                ours_over_one_device=_timing.paired_ratio(times["replicator"], times["one device"]),
+                ours_over_mirrored=_timing.paired_ratio(times["replicator"], times["MirroredStrategy"]))
+  rows = [[name, _timing.ms(_timing.summary(v)["median"])] for name, v in times.items()]
+  print(_timing.table(["fit, per step", "median"], rows))
+  print(f"ours / one device {_timing.interval(record['ours_over_one_device'])}, "
+        f"ours / MirroredStrategy {_timing.interval(record['ours_over_mirrored'])}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(record, f, indent=1)
+  return record
+
+
+if __name__ == "__main__":
+  main()
