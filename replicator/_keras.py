@@ -58,7 +58,7 @@ RUN_OUTSIDE_KERAS = (
     "Fix: call repl.run(step_fn, ...) for a custom training loop."
 )
 MODEL_OUTSIDE = (
-    "A Keras train_step outside any Replicator step updates a variable through an optimizer made in "
+    "Keras's trainer (model.fit) outside any Replicator step updates a variable through an optimizer made in "
     "repl.context(): the model was created outside the context (or compiled outside it), so Keras "
     "trains it on one device and its variables are not the Replicator's. Fix: create and compile the "
     "model inside `with repl.context():`."
@@ -115,7 +115,7 @@ def _extended_class():
 
     def _update(self, var, fn, args, kwargs, group):
       if (_context.current_context() is None and not tf.executing_eagerly()
-          and _tf_distribute.called_by("train_step", depth=40)):
+          and _tf_distribute.called_by(KERAS_CALLERS, depth=40)):  # Keras's trainer, on one device
         raise _errors.UnsupportedError(MODEL_OUTSIDE)
       return super()._update(var, fn, args, kwargs, group)
 

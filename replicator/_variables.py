@@ -375,6 +375,12 @@ class ReplicatedVariable(tf.Variable):
   def __array__(self, dtype=None):
     return np.asarray(self.numpy(), dtype=dtype)
 
+  def __int__(self):  # int(optimizer.iterations), as for a resource variable
+    return int(self.numpy())
+
+  def __float__(self):
+    return float(self.numpy())
+
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
     if not self._whole_on_each and not self._in_replica() and not as_ref:
       return tf.cast(self._aggregate(), dtype) if dtype is not None else self._aggregate()

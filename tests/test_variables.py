@@ -136,3 +136,12 @@ def test_set_owner_of_a_sharded_variable_assembles_from_the_owners():
   np.testing.assert_array_equal(w.numpy(), [0, 0, 1, 1])  # batch row 0
   w.set_owner(1, ("batch",))
   np.testing.assert_array_equal(w.numpy(), [2, 2, 3, 3])  # batch row 1
+
+
+def test_python_scalars_of_a_replicated_variable():
+  repl = replicator.Replicator(cpus(2))
+  with repl.context():
+    optimizer = keras.optimizers.Adam(0.1)
+    v = tf.Variable(2.5)
+  assert int(optimizer.iterations) == 0  # Keras's Variable.__int__ reads its ReplicatedVariable
+  assert float(v) == 2.5 and int(v) == 2
