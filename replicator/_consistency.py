@@ -12,7 +12,9 @@ restored, or the variables assigned from outside a step).
 
 from __future__ import annotations
 
+import time
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +34,10 @@ STILL_DIVERGED = (
 )
 
 
+SETTLE_READS = 50  # snapshots of a failed step's writes, until two agree
+SETTLE_SECONDS = 0.02
+
+
 class Written:
   """The replicated variables a step writes, and which of their components (by replica)."""
 
@@ -46,20 +52,43 @@ class Written:
           by_variable.setdefault(id(variable), (weakref.ref(variable), set()))[1].add(index)
     self._variables = list(by_variable.values())
 
+  def _snapshot(self) -> list[tuple[Any, dict[int, np.ndarray]]]:
+    values = []
+    for ref, indices in self._variables:
+      variable = ref()
+      if variable is not None:
+        values.append((variable, {r: variable.components[r].numpy() for r in sorted(indices)}))
+    return values
+
+  def _settled(self) -> list[tuple[Any, dict[int, np.ndarray]]]:
+    """The written copies once they stop changing.
+
+    A failed step's call can return while other devices' updates are still
+    finishing (measured on TF 2.21: a copy read right after the error differed,
+    and agreed a moment later); reading until two snapshots agree (at most
+    about a second) reports what the step left, not a moment of it.
+    """
+    snapshot = self._snapshot()
+    for _ in range(SETTLE_READS):
+      time.sleep(SETTLE_SECONDS)
+      again = self._snapshot()
+      if all(a.keys() == b.keys() and all(np.array_equal(a[r], b[r]) for r in a)
+             for (_, a), (_, b) in zip(snapshot, again)):
+        return again
+      snapshot = again
+    return snapshot
+
   def diverged(self) -> list[tuple[str, int, int]]:
     """``(name, replica a, replica b)`` for each written variable whose written copies differ."""
     found = []
-    for ref, indices in self._variables:
-      variable = ref()
-      if variable is None:
-        continue
+    for variable, values in self._settled():
       axes = variable._replicated_axes()  # pylint: disable=protected-access
       for group in variable._replicator.mesh.groups(axes):  # pylint: disable=protected-access
-        members = [r for r in group if r in indices]
+        members = [r for r in group if r in values]
         if len(members) < 2:
           continue
-        first = variable.components[members[0]].numpy()
-        other = next((r for r in members[1:] if not np.array_equal(variable.components[r].numpy(), first)), None)
+        first = values[members[0]]
+        other = next((r for r in members[1:] if not np.array_equal(values[r], first)), None)
         if other is not None:
           found.append((variable.name, members[0], other))
           break
