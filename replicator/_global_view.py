@@ -1,0 +1,181 @@
+"""The global view: ``step_fn`` written for one device, partitioned over the mesh by layouts alone.
+
+1. trace ``step_fn`` once at static GLOBAL shapes (a global batch), every
+   replicated variable presenting a global-shaped stand-in (``_global_handles``);
+2. propagate layouts over the traced graph (``rewrite._partition``): the
+   arguments are split over the batch axes along their first dimension, the
+   variables' handles take their variables' layouts;
+3. expand it into one subgraph per device at local shapes, with collective
+   placeholders where a layout needs communication;
+4. plan and lower the placeholders (``rewrite.plan`` / ``rewrite.apply``) and
+   import the result into one function, as for the local view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from typing import Any
+from typing import Callable
+
+import tensorflow as tf
+import tree
+
+import rewrite
+from replicator import _captures
+from replicator import _context
+from replicator import _errors
+from replicator import _primitives
+from replicator import _variables
+from rewrite import _partition
+
+NOT_DATASET = (
+    "repl.run(step_fn, {what}) in the global view takes a tf.data.Dataset of global batches (each "
+    "element is one global batch, split over the batch axes {axes} by the partitioner). Fix: pass "
+    "the dataset itself: repl.run(step_fn, dataset)."
+)
+
+INDIVISIBLE = (
+    "The global batch's dimension 0 of {name} has size {size}, which the batch axes {axes} (of size "
+    "{n}) do not divide. Fix: batch the dataset by a multiple of {n} (drop_remainder=True)."
+)
+
+CREATES_VARIABLES = (
+    "step_fn created the variable {name!r} during the global view's trace. The global view partitions "
+    "existing variables only (so far). Fix: create them before the step (Keras: build the model by "
+    "calling it, and the optimizer with optimizer.build(model.trainable_variables)) inside "
+    "`with repl.context():`."
+)
+
+
+@dataclasses.dataclass
+class GlobalStep:
+  """A traced, partitioned and rewritten global-view step."""
+
+  partition: _partition.Partition
+  plan: rewrite.Plan
+  graph_def: Any
+  input_names: list
+  captures: _captures.Captures
+  output_names: list
+  structure: Any
+  function: Any = None
+
+  def __call__(self, flat_args):
+    if self.function is None:
+      specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
+
+      def call(*args):
+        input_map = dict(zip(self.input_names, args))
+        input_map.update(self.captures.input_map())
+        return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map,
+                                              return_elements=self.output_names, name="step")
+
+      self.function = tf.function(call, autograph=False).get_concrete_function(*specs)
+    flat = self.function(*flat_args)
+    return tree.unflatten_as(self.structure, list(flat))
+
+
+@contextlib.contextmanager
+def slots_follow_their_variables():
+  """Inside: a Keras optimizer's slots (``add_variable_from_reference``) take their variable's layout.
+
+  In the global view the optimizer is a plain one (its gradient sums come out
+  of the partitioner), so nothing wraps it; Keras names a slot after its
+  variable (``adam/dense_kernel_momentum``), which the variable's LayoutMap
+  pattern does not match. Only the global view's ``repl.context()`` does this.
+  """
+  keras = sys.modules.get("keras")
+  optimizer_class = getattr(getattr(keras, "optimizers", None), "Optimizer", None)
+  original = getattr(optimizer_class, "add_variable_from_reference", None)
+  if original is None:
+    yield
+    return
+
+  def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+    with _variables.reference_scope(reference_variable):
+      return original(self, reference_variable, *args, **kwargs)
+
+  optimizer_class.add_variable_from_reference = add_variable_from_reference
+  try:
+    yield
+  finally:
+    optimizer_class.add_variable_from_reference = original
+
+
+def _batch_layout(spec: tf.TensorSpec, axes: tuple[str, ...]) -> tuple:
+  return (axes,) + ((),) * (spec.shape.rank - 1) if spec.shape.rank else ()
+
+
+def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> GlobalStep:
+  """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it."""
+  mesh = replicator.mesh
+  axes = tuple(a for a in replicator.batch_axes if mesh.shape[a] > 1)
+  specs = tree.flatten(element_spec)
+  n = mesh.axis_size(axes) if axes else 1
+  for i, spec in enumerate(specs):
+    if not spec.shape.is_fully_defined():
+      raise _errors.ArgumentError(
+          f"The global view traces at static global shapes, but input {i} has shape {spec.shape}. "
+          "Fix: batch the dataset with drop_remainder=True (and give every other dimension a size).")
+    if spec.shape.rank and spec.shape[0] % n:
+      raise _errors.ArgumentError(INDIVISIBLE.format(name=f"input {i}", size=spec.shape[0], axes=axes, n=n))
+  structure = {}
+  trace = _context.GlobalTrace(replicator)
+
+  def creator(next_creator, **kwargs):
+    raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
+
+  def traced(*flat):
+    result = step_fn(tree.unflatten_as(element_spec, list(flat)))
+    result = tree.map_structure(tf.convert_to_tensor, result)
+    structure["value"] = result
+    return tree.flatten(result)
+
+  with _context.global_trace_scope(trace), tf.variable_creator_scope(creator):
+    concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
+  graph = concrete.graph
+  given = {}
+  for placeholder, spec in zip(graph.inputs[:len(specs)], specs):
+    given[placeholder.name] = _batch_layout(spec, axes)
+  handles = {}
+  for external, internal in graph.captures:
+    variable = trace.owners.get(id(external))
+    if variable is not None:
+      given[internal.name] = tuple(tuple(mesh_axes(variable.layout, d)) for d in range(variable.shape.rank))
+      handles[internal.name] = [c.handle for c in variable.components]
+  partition = _partition.propagate(graph, mesh, given)
+
+  def expanded(*flat):
+    local = {}
+    for placeholder, value in zip(graph.inputs[:len(specs)], flat):
+      pieces = []
+      for r, device in enumerate(mesh.devices):
+        with tf.device(device):
+          pieces.append(_partition.local_piece(value, given[placeholder.name], mesh, r))
+      local[placeholder.name] = pieces
+    for external, internal in graph.captures:
+      if internal.name in handles:
+        local[internal.name] = [_captures.capture(h) for h in handles[internal.name]]
+      else:
+        local[internal.name] = [_captures.capture(external)] * len(mesh.devices)
+    values, records = _partition.expand(graph, mesh, partition, local, graph.outputs,
+                                        locate=_primitives.location_of)
+    expanded.records = records
+    return [per_device[0] for per_device in values]  # every device holds the whole output
+
+  scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
+  plan = rewrite.plan(expanded.records, mesh, choose)
+  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, replicator._lowerings)  # pylint: disable=protected-access
+  return GlobalStep(
+      partition=partition, plan=plan, graph_def=rewritten.graph_def,
+      input_names=[t.name for t in scratch.graph.inputs[:len(specs)]],
+      captures=_captures.Captures([(internal.name, external) for external, internal in scratch.graph.captures]
+                                  + list(rewritten.external_inputs.items())),
+      output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
+      structure=structure["value"])
+
+
+def mesh_axes(layout, dim: int) -> tuple[str, ...]:
+  return tuple(layout.axes(dim))

@@ -1,0 +1,249 @@
+"""The global view: one step written for one device, partitioned over the mesh by layouts alone."""
+
+import contextlib
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import mesh
+import replicator
+import rewrite
+from rewrite import _partition
+from rewrite import _rules
+
+LAYOUTS = {
+    "batch": None,
+    "hidden": {r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",), r"ff_out/kernel$": ("model", None)},
+}
+STEPS = 3
+BATCH = 12
+
+
+def _model_and_optimizer(context, optimizer):
+  with context:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu", name="ff_in"),
+                              keras.layers.Dense(4, name="ff_out")])
+    opt = {"adam": lambda: keras.optimizers.Adam(1e-2),
+           "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}[optimizer]()
+    opt.build(model.trainable_variables)
+  return model, opt
+
+
+def _make_step(model, opt):
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step_fn(batch):  # the single-device step, unchanged in every case
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step_fn
+
+
+def _dataset():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(BATCH * STEPS, 8)).astype("float32")
+  y = rng.integers(0, 4, size=BATCH * STEPS).astype("int32")
+  return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+
+
+def _global_repl(layouts):
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  return replicator.Replicator(mesh=m, layouts=None if layouts is None else mesh.LayoutMap(layouts),
+                               batch_axes=("batch",), view="global")
+
+
+def _train(layouts, optimizer="adam"):
+  one_model, one_opt = _model_and_optimizer(contextlib.nullcontext(), optimizer)
+  one_step = tf.function(_make_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  repl = _global_repl(layouts)
+  model, opt = _model_and_optimizer(repl.context(), optimizer)
+  step_fn = _make_step(model, opt)
+  dataset = _dataset()
+  losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
+  return repl, (one_model, one_opt, expected), (model, opt, losses)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_mlp_equals_one_device(layout, optimizer):
+  repl, (one_model, one_opt, expected), (model, opt, losses) = _train(LAYOUTS[layout], optimizer)
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  reference = one_model.variables + one_opt.variables
+  ours = model.variables + opt.variables
+  assert [re.sub(r"(sequential|adam|sgd)_\d+", r"\1", v.path) for v in ours] == [v.path for v in reference]
+  assert len(ours) >= 4 + (9 if optimizer == "adam" else 5)
+  for a, b in zip(reference, ours):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert repl.trace_count == 1  # traced once, at the global batch's shapes
+
+
+def test_hidden_split_communicates_like_megatron():
+  repl, _, (model, opt, _) = _train(LAYOUTS["hidden"])
+  step = next(iter(repl._global_steps.values()))  # pylint: disable=protected-access
+  found = sorted((c.kind, c.param_dict.get("op"), c.axes, tuple(c.shape.as_list())) for c in step.plan.collectives)
+  assert found == sorted([
+      ("all_reduce", "sum", ("model",), (BATCH // 2, 4)),  # logits: the second kernel's split contraction
+      ("all_reduce", "sum", ("batch",), ()),  # the loss's sum over the batch
+      ("all_reduce", "sum", ("batch",), (4,)),  # gradients: sums over the batch
+      ("all_reduce", "sum", ("batch",), (8, 4)),
+      ("all_reduce", "sum", ("batch",), (8,)),
+      ("all_reduce", "sum", ("batch",), (8, 8)),
+  ])
+  assert not step.partition.fallbacks
+  # Sharded variables and their Adam slots keep half of the hidden dimension per device.
+  kernel = model.layers[0].kernel.value
+  slots = [v.value for v in opt.variables if "ff_in_kernel" in v.path]
+  assert len(slots) == 2
+  for v in [kernel] + slots:
+    assert [c.shape.as_list() for c in v.components] == [[8, 8]] * 4
+    assert v.shape.as_list() == [8, 16]
+  assert replicator.bytes_per_device(slots) == {d: 2 * 8 * 8 * 4 for d in repl.devices}
+
+
+def test_batch_only_sums_gradients_over_batch_without_gathers():
+  repl, _, _ = _train(LAYOUTS["batch"])
+  step = next(iter(repl._global_steps.values()))  # pylint: disable=protected-access
+  assert {(c.kind, c.axes) for c in step.plan.collectives} == {("all_reduce", ("batch",))}
+  assert len(step.plan.collectives) == 5  # the loss and four gradients
+
+
+def test_local_view_is_the_default():
+  assert replicator.Replicator(devices=cpus(2))._view == "local"  # pylint: disable=protected-access
+  with pytest.raises(replicator.ArgumentError, match=r"view='both': expected \"local\""):
+    replicator.Replicator(devices=cpus(2), view="both")
+
+
+def test_global_view_refuses_an_indivisible_batch():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(1.0)
+  ds = tf.data.Dataset.from_tensor_slices(np.zeros([3, 2], "float32")).batch(3)
+  with pytest.raises(replicator.ArgumentError, match="has size 3, which the batch axes"):
+    repl.run(lambda x: tf.reduce_sum(x) * v, ds)
+
+
+def test_global_view_traces_at_the_first_batch_s_shapes():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(2.0)
+  ds = tf.data.Dataset.from_tensor_slices(np.ones([6, 2], "float32")).batch(4)  # no static batch size
+  assert float(repl.run(lambda x: tf.reduce_sum(x) * v, ds)) == 16.0
+  assert float(repl.run(lambda x: tf.reduce_sum(x) * v, ds)) == 8.0  # the last batch: a new trace
+
+
+def test_global_view_refuses_variables_created_in_the_step():
+  repl = _global_repl(None)
+  ds = tf.data.Dataset.from_tensor_slices(np.zeros([4, 2], "float32")).batch(4)
+  with pytest.raises(replicator.UnsupportedError, match="created the variable"):
+    repl.run(lambda x: tf.Variable(1.0) * tf.reduce_sum(x), ds)
+
+
+# -- propagation on traced graphs (rewrite._partition, no Replicator) ----------------------------
+
+def _graph(fn, *specs):
+  return tf.function(fn, autograph=False).get_concrete_function(*specs).graph
+
+
+def _mesh():
+  return mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+
+
+def test_matmul_over_a_split_contraction_all_reduces():
+  graph = _graph(lambda h, w: tf.matmul(h, w), tf.TensorSpec([6, 8]), tf.TensorSpec([8, 4]))
+  h, w = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {h.name: (("batch",), ("model",)), w.name: (("model",), ())})
+  (decision,) = [d for name, d in part.decisions.items() if "MatMul" in name]
+  assert decision.outputs == [(("batch",), ())]
+  assert decision.reduce == [("sum", ("model",))]
+
+
+def test_transposed_matmul_gradient_sums_over_batch():
+  graph = _graph(lambda x, d: tf.matmul(x, d, transpose_a=True), tf.TensorSpec([6, 8]), tf.TensorSpec([6, 4]))
+  x, d = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {x.name: (("batch",), ()), d.name: (("batch",), ("model",))})
+  (decision,) = [d for n, d in part.decisions.items() if graph.get_operation_by_name(n).type == "MatMul"]
+  assert decision.outputs == [((), ("model",))]
+  assert decision.reduce == [("sum", ("batch",))]
+
+
+def test_elementwise_slices_a_replicated_operand_for_free():
+  graph = _graph(lambda a, b: a * b, tf.TensorSpec([6, 1]), tf.TensorSpec([6, 4]))
+  a, b = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {a.name: ((), ()), b.name: (("batch",), ())})
+  (decision,) = [d for n, d in part.decisions.items() if graph.get_operation_by_name(n).type == "Mul"]
+  assert decision.inputs == [(("batch",), ()), (("batch",), ())]
+  assert decision.outputs == [(("batch",), ())]
+
+
+def test_reshape_rewrites_its_shape_to_the_local_one():
+  graph = _graph(lambda a: tf.reshape(a, [6, 2, 2]), tf.TensorSpec([6, 4]))
+  (a,) = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {a.name: (("batch",), ())})
+  (decision,) = [d for d in part.decisions.values() if d.consts]
+  assert decision.outputs == [(("batch",), (), ())]
+  assert decision.consts[1].tolist() == [3, 2, 2]
+
+
+def test_an_op_without_a_rule_runs_replicated_and_is_recorded():
+  graph = _graph(lambda a: tf.cumsum(a, axis=0), tf.TensorSpec([6, 4]))
+  (a,) = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {a.name: (("batch",), ())})
+  assert [graph.get_operation_by_name(n).type for n in part.fallbacks] == ["Cumsum"]
+  (decision,) = [d for d in part.decisions.values() if d.fallback]
+  assert decision.inputs[0] == ((), ()) and decision.outputs == [((), ())]
+
+
+def test_expanded_graph_equals_the_global_one():
+  m = _mesh()
+
+  def fn(x, w):
+    return tf.reduce_sum(tf.nn.relu(tf.matmul(x, w)), axis=0)
+
+  specs = (tf.TensorSpec([6, 8]), tf.TensorSpec([8, 4]))
+  graph = _graph(fn, *specs)
+  x, w = graph.inputs
+  given = {x.name: (("batch",), ()), w.name: ((), ("model",))}
+  part = _partition.propagate(graph, m, given)
+  records = []
+
+  def expanded(xv, wv):
+    local = {}
+    for placeholder, value in ((x, xv), (w, wv)):
+      local[placeholder.name] = [_partition.local_piece(value, given[placeholder.name], m, r) for r in range(4)]
+    values, recs = _partition.expand(graph, m, part, local, graph.outputs)
+    records.extend(recs)
+    return values[0]
+
+  scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
+  plan = rewrite.plan(records, m, lambda c: "one_device")
+  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, {})
+  xv, wv = tf.random.normal([6, 8]), tf.random.normal([8, 4])
+
+  @tf.function(autograph=False)
+  def run(xv, wv):
+    return tf.graph_util.import_graph_def(
+        rewritten.graph_def, input_map={scratch.graph.inputs[0].name: xv, scratch.graph.inputs[1].name: wv},
+        return_elements=[rewritten.output_name(t.name) for t in scratch.outputs])
+
+  outs = run(xv, wv)
+  for out in outs:
+    np.testing.assert_allclose(out.numpy(), fn(xv, wv).numpy(), rtol=1e-6, atol=1e-6)
+  kinds = sorted((c.kind, c.axes) for c in plan.collectives)
+  assert kinds == [("all_gather", ("model",)), ("all_reduce", ("batch",))]
+
+
+def test_the_keras_mlp_step_is_covered():
+  for op_type in ("MatMul", "BiasAdd", "BiasAddGrad", "Relu", "ReluGrad", "SparseSoftmaxCrossEntropyWithLogits",
+                  "Sum", "Prod", "Reshape", "Tile", "ExpandDims", "IdentityN", "DivNoNan", "Pow", "Sqrt",
+                  "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
+    assert op_type in _rules.covered()
