@@ -59,12 +59,18 @@ class Partition:
     return "\n".join(rows)
 
 
-def _spec(layout) -> tuple:
-  return tuple(None if not a else (a[0] if len(a) == 1 else a) for a in layout)
+MAX_ROUNDS = 8
 
 
 def propagate(graph: tf.Graph, mesh, given: dict) -> Partition:
-  """Layouts for every tensor of ``graph``.
+  """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
+
+  Forward, each op's rule gives its outputs' layouts from its inputs'.
+  Backward, a tensor whose consumers all require the same layout *wants* it,
+  and its producer's rule may produce it directly (an elementwise op on a
+  sliced input, a ``Tile`` with local multiples) instead of every consumer
+  slicing the whole value; the want travels up to the inputs. The two passes
+  repeat until no layout changes.
 
   Args:
     graph: the traced global graph (every shape static).
@@ -75,25 +81,64 @@ def propagate(graph: tf.Graph, mesh, given: dict) -> Partition:
   Returns:
     The :class:`Partition`.
   """
+  ops = graph.get_operations()  # creation order: a topological order
+  wants: dict = {}
+  partition = _forward(ops, mesh, given, wants)
+  for _ in range(MAX_ROUNDS):
+    wants = _backward(ops, mesh, partition, wants)
+    again = _forward(ops, mesh, given, wants)
+    if again.layouts == partition.layouts:
+      return again
+    partition = again
+  return partition
+
+
+def _decide(op, mesh, ins, wants) -> _rules.Decision:
+  rule = _rules.get(op.type)
+  view = _rules.OpView(op, mesh, [wants.get(t.name) for t in op.outputs])
+  return rule(view, ins) if rule is not None else _rules.fallback(view, ins)
+
+
+def _inputs_of(op, layouts):
+  return [layouts.get(t.name, _rules.replicated(_rules.rank_of(t))) for t in op.inputs]
+
+
+def _forward(ops, mesh, given, wants) -> Partition:
   layouts = dict(given)
   decisions = {}
   fallbacks = []
-  for op in graph.get_operations():  # creation order: a topological order
+  for op in ops:
     if op.type in _SOURCES:
       t = op.outputs[0]
       if t.name not in layouts:
         layouts[t.name] = _rules.replicated(_rules.rank_of(t))
       continue
-    ins = [layouts.get(t.name, _rules.replicated(_rules.rank_of(t))) for t in op.inputs]
-    rule = _rules.get(op.type)
-    view = _rules.OpView(op, mesh)
-    decision = rule(view, ins) if rule is not None else _rules.fallback(view, ins)
+    decision = _decide(op, mesh, _inputs_of(op, layouts), wants)
     if decision.fallback:
       fallbacks.append(op.name)
     decisions[op.name] = decision
     for t, layout in zip(op.outputs, decision.outputs):
       layouts[t.name] = layout
   return Partition(layouts, decisions, fallbacks)
+
+
+def _backward(ops, mesh, partition, wants) -> dict:
+  """The layouts tensors want: the one all their consumers require, where it differs from theirs."""
+  wants = dict(wants)
+  required: dict = {}  # tensor name -> layouts its consumers require
+  for op in reversed(ops):
+    if op.type in _SOURCES or op.name not in partition.decisions:
+      continue
+    for t in op.outputs:
+      needs = required.get(t.name, [])
+      if needs and all(n == needs[0] for n in needs) and needs[0] != partition.layouts.get(t.name):
+        wants[t.name] = needs[0]
+    # Re-decide with the wants, so that they reach this op's inputs in the same pass.
+    decision = _decide(op, mesh, _inputs_of(op, partition.layouts), wants)
+    for t, need in zip(op.inputs, decision.inputs):
+      if need is not None and t.dtype != tf.resource:
+        required.setdefault(t.name, []).append(need)
+  return wants
 
 
 class _Expander:

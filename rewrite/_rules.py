@@ -54,6 +54,11 @@ class OpView:
 
   op: tf.Operation
   mesh: Any
+  wants: list = dataclasses.field(default_factory=list)  # per output: the layout its consumers want, or None
+
+  def want(self, index: int = 0):
+    """The layout all consumers of output ``index`` require (None: no common wish)."""
+    return self.wants[index] if index < len(self.wants) else None
 
   def const(self, index: int) -> np.ndarray | None:
     """The constant value of input ``index`` (a shape operand), or None if not constant."""
@@ -92,6 +97,21 @@ def get(op_type: str) -> Rule | None:
 def covered() -> tuple[str, ...]:
   """The op types with a rule, sorted."""
   return tuple(sorted(_RULES))
+
+
+def with_wanted(layout: TensorLayout, want: TensorLayout | None) -> TensorLayout:
+  """``layout``, with the dimensions it leaves whole split as ``want`` splits them (axes used once)."""
+  if want is None or len(want) != len(layout):
+    return layout
+  used = {a for axes in layout for a in axes}
+  out = []
+  for have, wish in zip(layout, want):
+    if not have and wish and used.isdisjoint(wish):
+      out.append(wish)
+      used.update(wish)
+    else:
+      out.append(have)
+  return tuple(out)
 
 
 def replicated(rank: int | None) -> TensorLayout | None:

@@ -17,6 +17,12 @@ def matmul(view, layouts):
     k = a_k  # b is relayouted to a's split
   m = a_m if set(a_m).isdisjoint(k) else ()
   n = b_n if set(b_n).isdisjoint(k) and set(b_n).isdisjoint(m) else ()
+  want = view.want()
+  if want is not None:  # a whole output dimension the consumers want split: slice the operand instead
+    if not m and want[0] and set(want[0]).isdisjoint(k + n):
+      m = want[0]
+    if not n and want[1] and set(want[1]).isdisjoint(k + m):
+      n = want[1]
   need_a = (k, m) if ta else (m, k)
   need_b = (n, k) if tb else (k, n)
   return _rules.Decision(inputs=[need_a, need_b], outputs=[(m, n)],

@@ -14,7 +14,12 @@ BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "DivNoNan", "Pow", "Maximum",
 
 
 def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list) -> tuple:
-  """The output layout of a broadcasting op, and the layout each input must have."""
+  """The output layout of a broadcasting op, and the layout each input must have.
+
+  Each output dimension takes the split of the first input that splits it at
+  full size; dimensions no input splits take the split the consumers want
+  (the inputs are then sliced, for free, instead of the output).
+  """
   rank = len(out_shape)
   out = [()] * rank
   used: set = set()
@@ -27,6 +32,7 @@ def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list)
         out[j] = layout[i]
         used.update(layout[i])
       break
+  out = list(_rules.with_wanted(tuple(out), view.want()))
   required = []
   for shape in shapes:
     offset = rank - len(shape)
@@ -37,7 +43,7 @@ def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list)
 
 @_rules.register(*UNARY)
 def unary(view, layouts):
-  layout = layouts[0]
+  layout = _rules.with_wanted(layouts[0], view.want())
   return _rules.Decision(inputs=[layout], outputs=[layout])
 
 
@@ -60,4 +66,5 @@ def bias_add(view, layouts):
 
 @_rules.register("IdentityN")
 def identity_n(view, layouts):
+  layouts = [_rules.with_wanted(layout, view.want(k)) for k, layout in enumerate(layouts)]
   return _rules.Decision(inputs=list(layouts), outputs=list(layouts))

@@ -39,5 +39,6 @@ def bias_add_grad(view, layouts):
 @_rules.register("SparseSoftmaxCrossEntropyWithLogits")
 def sparse_softmax_cross_entropy(view, layouts):
   logits, labels = layouts
-  batch = logits[0] or labels[0]
+  want = view.want(0) or view.want(1) or ((),)
+  batch = logits[0] or labels[0] or want[0]
   return _rules.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])

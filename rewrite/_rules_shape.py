@@ -36,7 +36,17 @@ def tile(view, layouts):
   multiples = view.const(1)
   if multiples is None or any(a and m != 1 for a, m in zip(layout, multiples)):
     return _rules.fallback(view, layouts)
-  return _rules.Decision(inputs=[layout, None], outputs=[layout])
+  # A whole dimension tiled m times is split as wanted by tiling m/k times on each device.
+  want = view.want() or ((),) * len(layout)
+  out, local = list(layout), [int(m) for m in multiples]
+  used = {a for axes in layout for a in axes}
+  for d, (have, wish) in enumerate(zip(layout, want)):
+    k = view.shards(wish)
+    if not have and wish and used.isdisjoint(wish) and local[d] % k == 0:
+      out[d], local[d] = wish, local[d] // k
+      used.update(wish)
+  return _rules.Decision(inputs=[layout, None], outputs=[tuple(out)],
+                         consts={1: np.asarray(local, dtype=multiples.dtype)})
 
 
 @_rules.register("ExpandDims")
@@ -46,6 +56,9 @@ def expand_dims(view, layouts):
   if dim is None:
     return _rules.fallback(view, layouts)
   dim = int(dim) % (len(layout) + 1)
+  want = view.want()
+  if want is not None and len(want) == len(layout) + 1 and not want[dim]:
+    layout = _rules.with_wanted(layout, want[:dim] + want[dim + 1:])
   return _rules.Decision(inputs=[layout, None], outputs=[layout[:dim] + ((),) + layout[dim:]])
 
 

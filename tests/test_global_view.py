@@ -247,3 +247,24 @@ def test_the_keras_mlp_step_is_covered():
                   "Sum", "Prod", "Reshape", "Tile", "ExpandDims", "IdentityN", "DivNoNan", "Pow", "Sqrt",
                   "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
     assert op_type in _rules.covered()
+
+
+def test_backward_pass_tiles_locally_what_consumers_want_split():
+  def fn(s, b):  # the gradient of a mean: a scalar tiled over the batch, times a batch-split tensor
+    return tf.expand_dims(tf.tile(tf.reshape(s, [1]), [6]), 1) * b
+
+  graph = _graph(fn, tf.TensorSpec([]), tf.TensorSpec([6, 4]))
+  s, b = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {s.name: (), b.name: (("batch",), ())})
+  by_type = {graph.get_operation_by_name(n).type: d for n, d in part.decisions.items()}
+  assert by_type["Tile"].outputs == [(("batch",),)]
+  assert by_type["Tile"].consts[1].tolist() == [3]  # local multiples: no slice of a whole tensor
+  assert by_type["ExpandDims"].outputs == [(("batch",), ())]
+  assert by_type["Mul"].inputs == [(("batch",), ()), (("batch",), ())]
+
+
+def test_global_stand_in_holds_no_value():
+  from replicator import _global_handles  # pylint: disable=import-outside-toplevel
+  v = _global_handles.global_variable(tf.TensorShape([1024, 1024]), tf.float32, "w", True)
+  assert v.shape.as_list() == [1024, 1024]
+  assert not bool(v.is_initialized())
