@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import warnings
 from typing import Any
 from typing import Callable
 
@@ -39,6 +40,13 @@ NOT_DATASET = (
 INDIVISIBLE = (
     "The global batch's dimension 0 of {name} has size {size}, which the batch axes {axes} (of size "
     "{n}) do not divide. Fix: batch the dataset by a multiple of {n} (drop_remainder=True)."
+)
+
+FALLBACK = (
+    "The global view has no layout rule for {type} ({name}, at {location}) and one of its inputs is "
+    "split ({layouts}): its inputs are gathered and it runs on whole values on every device, as do "
+    "the ops after it that only see its output. The result is right; the step communicates and "
+    "computes more than it needs to."
 )
 
 CREATES_VARIABLES = (
@@ -146,6 +154,10 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       given[internal.name] = tuple(tuple(mesh_axes(variable.layout, d)) for d in range(variable.shape.rank))
       handles[internal.name] = [c.handle for c in variable.components]
   partition = _partition.propagate(graph, mesh, given)
+  for name in partition.fallbacks:
+    op = graph.get_operation_by_name(name)
+    warnings.warn(FALLBACK.format(type=op.type, name=name, location=_primitives.location_of(op),
+                                  layouts=[partition.layouts.get(t.name) for t in op.inputs]), stacklevel=4)
 
   def expanded(*flat):
     local = {}

@@ -402,6 +402,12 @@ class Replicator:
     except StopIteration:
       del self._global_iterators[id(dataset)]
       raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
+    step = self._global_step(step_fn, element)
+    self.steps_run = 1
+    return step(tree.flatten(element))
+
+  def _global_step(self, step_fn, element) -> _global_view.GlobalStep:
+    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once)."""
     # Traced at static global shapes: the element's own (a partial last batch is a new trace).
     spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
     key = (step_fn, str(spec))
@@ -409,8 +415,7 @@ class Replicator:
     if step is None:
       self.trace_count += 1
       step = self._global_steps[key] = _global_view.build(self, step_fn, spec, self._choose)
-    self.steps_run = 1
-    return step(tree.flatten(element))
+    return step
 
   def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:
     """This Replicator's distributed version of ``dataset``, made once and kept on the dataset itself.
@@ -476,6 +481,11 @@ class Replicator:
     the result for a table.
     """
     self._check_called_from_python("explain")
+    if self._view == "global":
+      if not isinstance(input_fn, tf.data.Dataset):
+        raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=type(input_fn).__name__,
+                                                                    axes=self.batch_axes))
+      return self._global_step(step_fn, next(iter(input_fn))).plan  # a fresh iterator: run's is untouched
     return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
 
   def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
@@ -825,6 +835,8 @@ class Replicator:
     def leaf(value):
       if value is None:
         return None
+      if self._view == "global" and isinstance(value, tf.Tensor):
+        return value  # a global-view output: already the global value
       if not isinstance(value, PerReplica):
         raise _errors.ArgumentTypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a nest of "
                         f"them), found {type(value).__name__}.")

@@ -268,3 +268,29 @@ def test_global_stand_in_holds_no_value():
   v = _global_handles.global_variable(tf.TensorShape([1024, 1024]), tf.float32, "w", True)
   assert v.shape.as_list() == [1024, 1024]
   assert not bool(v.is_initialized())
+
+
+def test_fallback_is_right_and_warns():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(2.0)
+  x = np.arange(8.0, dtype="float32").reshape(4, 2)
+  ds = tf.data.Dataset.from_tensor_slices(x).batch(4, drop_remainder=True)
+
+  def step_fn(batch):
+    return tf.reduce_sum(tf.cumsum(batch, axis=0)[-1]) * v
+
+  with pytest.warns(UserWarning, match=r"no layout rule for Cumsum .* at .*test_global_view.py"):
+    out = repl.run(step_fn, ds)
+  assert float(out) == float(np.cumsum(x, axis=0)[-1].sum() * 2.0)
+
+
+def test_explain_and_reduce_in_the_global_view():
+  repl = _global_repl(LAYOUTS["hidden"])
+  model, opt = _model_and_optimizer(repl.context(), "adam")
+  step_fn = _make_step(model, opt)
+  plan = repl.explain(step_fn, _dataset())
+  assert len(plan.collectives) == 6
+  loss = repl.run(step_fn, _dataset())
+  assert repl.trace_count == 1  # explain built the step that run uses
+  assert float(repl.reduce("mean", loss)) == float(loss)
