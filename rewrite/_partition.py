@@ -194,22 +194,23 @@ class _Expander:
 
   # -- ops -----------------------------------------------------------------------
 
-  def _copy(self, r, op, inputs):
-    node = tf.compat.v1.NodeDef()
-    node.CopyFrom(op.node_def)
-    node.device = self.devices[r]
-    del node.input[:]
-    input_map = {}
-    for i, t in enumerate(inputs):
-      name = f"input_{i}"
-      node.input.append(f"{name}:0")
-      input_map[f"{name}:0"] = t
+  def _copy(self, op, inputs_per_device):
+    """Every device's copy of ``op`` (its inputs: one list per device), made by one import."""
     graph_def = tf.compat.v1.GraphDef()
     graph_def.versions.producer = self.producer
-    graph_def.node.append(node)
-    (copy,) = tf.graph_util.import_graph_def(graph_def, input_map=input_map, return_elements=[op.name],
-                                             name=f"replica_{r}")
-    return copy
+    input_map = {}
+    for r, inputs in enumerate(inputs_per_device):
+      node = graph_def.node.add()
+      node.CopyFrom(op.node_def)
+      node.name = f"replica_{r}/{op.name}"
+      node.device = self.devices[r]
+      del node.input[:]
+      for i, t in enumerate(inputs):
+        key = f"replica_{r}/input_{i}:0"
+        node.input.append(key)
+        input_map[key] = t
+    return tf.graph_util.import_graph_def(graph_def, input_map=input_map,
+                                          return_elements=[n.name for n in graph_def.node], name="expand")
 
   def run(self, local_inputs: dict) -> None:
     layouts = self.partition.layouts
@@ -220,11 +221,10 @@ class _Expander:
           raise _errors.RewriteError(f"The global graph's input {name} has no value to expand with.")
         self.local[name] = list(local_inputs[name])
         continue
-      if op.type == "Const":
-        continue  # made per device on first use
+      if op.type in ("Const", "NoOp"):
+        continue  # constants are made per device on first use
       decision = self.partition.decisions[op.name]
-      if op.type == "NoOp":
-        continue
+      inputs_per_device = []
       for r, device in enumerate(self.devices):
         inputs = []
         with tf.device(device):
@@ -237,7 +237,10 @@ class _Expander:
             if want is not None and t.dtype != tf.resource:
               x = self.relayout(r, x, layouts[t.name], want, t.shape.as_list(), op)
             inputs.append(x)
-          copy = self._copy(r, op, inputs)
+        inputs_per_device.append(inputs)
+      copies = self._copy(op, inputs_per_device)
+      for r, (device, copy) in enumerate(zip(self.devices, copies)):
+        with tf.device(device):
           for k, t in enumerate(op.outputs):
             y = copy.outputs[k]
             if decision.reduce[k] is not None:
