@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
 import warnings
 from typing import Any
 from typing import Callable
@@ -50,8 +48,9 @@ FALLBACK = (
 )
 
 CREATES_VARIABLES = (
-    "step_fn created the variable {name!r} during the global view's trace. The global view partitions "
-    "existing variables only (so far). Fix: create them before the step (Keras: build the model by "
+    "step_fn created the variable {name!r} during the global view's trace with an initial value that "
+    "is not a constant. The global view makes such variables once, before the step, from a constant "
+    "initial value (zeros, say) only. Fix: create them before the step (Keras: build the model by "
     "calling it, and the optimizer with optimizer.build(model.trainable_variables)) inside "
     "`with repl.context():`."
 )
@@ -85,33 +84,6 @@ class GlobalStep:
     return tree.unflatten_as(self.structure, list(flat))
 
 
-@contextlib.contextmanager
-def slots_follow_their_variables():
-  """Inside: a Keras optimizer's slots (``add_variable_from_reference``) take their variable's layout.
-
-  In the global view the optimizer is a plain one (its gradient sums come out
-  of the partitioner), so nothing wraps it; Keras names a slot after its
-  variable (``adam/dense_kernel_momentum``), which the variable's LayoutMap
-  pattern does not match. Only the global view's ``repl.context()`` does this.
-  """
-  keras = sys.modules.get("keras")
-  optimizer_class = getattr(getattr(keras, "optimizers", None), "Optimizer", None)
-  original = getattr(optimizer_class, "add_variable_from_reference", None)
-  if original is None:
-    yield
-    return
-
-  def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-    with _variables.reference_scope(reference_variable):
-      return original(self, reference_variable, *args, **kwargs)
-
-  optimizer_class.add_variable_from_reference = add_variable_from_reference
-  try:
-    yield
-  finally:
-    optimizer_class.add_variable_from_reference = original
-
-
 def _batch_layout(spec: tf.TensorSpec, axes: tuple[str, ...]) -> tuple:
   return (axes,) + ((),) * (spec.shape.rank - 1) if spec.shape.rank else ()
 
@@ -132,8 +104,20 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   structure = {}
   trace = _context.GlobalTrace(replicator)
 
+  replicated_creator = _variables.make_creator(replicator)
+
   def creator(next_creator, **kwargs):
-    raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
+    # A variable made during the trace (a Keras optimizer's slots, built by its first
+    # apply_gradients) is made once, eagerly, by the Replicator, from its constant initial value.
+    initial_value = kwargs.get("initial_value")
+    if callable(initial_value):
+      initial_value = initial_value()
+    value = tf.get_static_value(initial_value) if tf.is_tensor(initial_value) else initial_value
+    if value is None:
+      raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
+    kwargs["initial_value"] = value
+    with tf.init_scope(), _context.global_trace_scope(None):
+      return replicated_creator(next_creator, **kwargs)
 
   def traced(*flat):
     result = step_fn(tree.unflatten_as(element_spec, list(flat)))

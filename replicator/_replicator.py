@@ -314,8 +314,7 @@ class Replicator:
     if layouts is not None:
       self._layouts = _as_layout_map(layouts)
     # Keras models made here record the strategy, and their fit/evaluate/predict run on the replicas.
-    slots = _global_view.slots_follow_their_variables() if self._view == "global" else contextlib.nullcontext()
-    with self.keras_strategy.scope(), tf.variable_creator_scope(self._creator), slots:
+    with self.keras_strategy.scope(), tf.variable_creator_scope(self._creator):
       yield self
 
   @property

@@ -23,14 +23,15 @@ STEPS = 3
 BATCH = 12
 
 
-def _model_and_optimizer(context, optimizer):
+def _model_and_optimizer(context, optimizer, build=True):
   with context:
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu", name="ff_in"),
                               keras.layers.Dense(4, name="ff_out")])
     opt = {"adam": lambda: keras.optimizers.Adam(1e-2),
            "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}[optimizer]()
-    opt.build(model.trainable_variables)
+    if build:
+      opt.build(model.trainable_variables)
   return model, opt
 
 
@@ -55,28 +56,29 @@ def _dataset():
   return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
 
 
-def _global_repl(layouts):
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+def _global_repl(layouts, shape=(2, 2)):
+  m = mesh.Mesh({"batch": shape[0], "model": shape[1]}, devices=cpus(shape[0] * shape[1]))
   return replicator.Replicator(mesh=m, layouts=None if layouts is None else mesh.LayoutMap(layouts),
                                batch_axes=("batch",), view="global")
 
 
-def _train(layouts, optimizer="adam"):
+def _train(layouts, optimizer="adam", shape=(2, 2), build=True):
   one_model, one_opt = _model_and_optimizer(contextlib.nullcontext(), optimizer)
   one_step = tf.function(_make_step(one_model, one_opt))
   expected = [float(one_step(batch)) for batch in _dataset()]
-  repl = _global_repl(layouts)
-  model, opt = _model_and_optimizer(repl.context(), optimizer)
+  repl = _global_repl(layouts, shape)
+  model, opt = _model_and_optimizer(repl.context(), optimizer, build)
   step_fn = _make_step(model, opt)
   dataset = _dataset()
   losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
   return repl, (one_model, one_opt, expected), (model, opt, losses)
 
 
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1), (2, 4)])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_mlp_equals_one_device(layout, optimizer):
-  repl, (one_model, one_opt, expected), (model, opt, losses) = _train(LAYOUTS[layout], optimizer)
+def test_mlp_equals_one_device(layout, optimizer, shape):
+  repl, (one_model, one_opt, expected), (model, opt, losses) = _train(LAYOUTS[layout], optimizer, shape)
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   reference = one_model.variables + one_opt.variables
   ours = model.variables + opt.variables
@@ -85,6 +87,16 @@ def test_mlp_equals_one_device(layout, optimizer):
   for a, b in zip(reference, ours):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
   assert repl.trace_count == 1  # traced once, at the global batch's shapes
+
+
+def test_optimizer_built_by_the_step_gets_sharded_slots():
+  # The spelling: the optimizer is built by its first apply_gradients, inside the trace.
+  _, (one_model, one_opt, expected), (model, opt, losses) = _train(LAYOUTS["hidden"], build=False)
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  (momentum,) = [v.value for v in opt.variables if v.path.endswith("ff_in_kernel_momentum")]
+  assert [c.shape.as_list() for c in momentum.components] == [[8, 8]] * 4
 
 
 def test_hidden_split_communicates_like_megatron():
@@ -141,11 +153,11 @@ def test_global_view_traces_at_the_first_batch_s_shapes():
   assert float(repl.run(lambda x: tf.reduce_sum(x) * v, ds)) == 8.0  # the last batch: a new trace
 
 
-def test_global_view_refuses_variables_created_in_the_step():
+def test_global_view_refuses_variables_made_in_the_step_from_computed_values():
   repl = _global_repl(None)
   ds = tf.data.Dataset.from_tensor_slices(np.zeros([4, 2], "float32")).batch(4)
-  with pytest.raises(replicator.UnsupportedError, match="created the variable"):
-    repl.run(lambda x: tf.Variable(1.0) * tf.reduce_sum(x), ds)
+  with pytest.raises(replicator.UnsupportedError, match="created the variable .* not a constant"):
+    repl.run(lambda x: tf.Variable(tf.reduce_sum(x)) * 2.0, ds)
 
 
 # -- propagation on traced graphs (rewrite._partition, no Replicator) ----------------------------
