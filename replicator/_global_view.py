@@ -47,6 +47,11 @@ FALLBACK = (
     "computes more than it needs to."
 )
 
+UNSUPPORTED = (
+    "The global view cannot partition {type} ({name}, at {location}): {why}. Fix: keep the "
+    "variables this op uses replicated (leave them out of the layouts) until the op has a rule."
+)
+
 CREATES_VARIABLES = (
     "step_fn created the variable {name!r} during the global view's trace with an initial value that "
     "is not a constant. The global view makes such variables once, before the step, from a constant "
@@ -138,6 +143,10 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       given[internal.name] = tuple(tuple(mesh_axes(variable.layout, d)) for d in range(variable.shape.rank))
       handles[internal.name] = [c.handle for c in variable.components]
   partition = _partition.propagate(graph, mesh, given)
+  for name, why in partition.unsupported:
+    op = graph.get_operation_by_name(name)
+    raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why,
+                                                      location=_primitives.location_of(op)))
   for name in partition.fallbacks:
     op = graph.get_operation_by_name(name)
     warnings.warn(FALLBACK.format(type=op.type, name=name, location=_primitives.location_of(op),

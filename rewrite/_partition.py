@@ -50,6 +50,11 @@ class Partition:
   decisions: dict
   fallbacks: list
 
+  @property
+  def unsupported(self) -> list[tuple[str, str]]:
+    """``(op name, why)`` for every op that cannot run partitioned."""
+    return [(name, d.unsupported) for name, d in self.decisions.items() if d.unsupported]
+
   def describe(self) -> str:
     rows = []
     for name, d in self.decisions.items():
@@ -224,6 +229,13 @@ class _Expander:
       if op.type in ("Const", "NoOp"):
         continue  # constants are made per device on first use
       decision = self.partition.decisions[op.name]
+      if decision.values:  # the same constant on every device (a shape query's global answer)
+        for k, t in enumerate(op.outputs):
+          self.local[t.name] = [None] * len(self.devices)
+          for r, device in enumerate(self.devices):
+            with tf.device(device):
+              self.local[t.name][r] = tf.constant(decision.values[k], dtype=t.dtype)
+        continue
       inputs_per_device = []
       for r, device in enumerate(self.devices):
         inputs = []

@@ -35,6 +35,9 @@ class Decision:
     reduce: per output, ``(op, axes)`` of the all-reduce that completes it, or None.
     consts: input index -> the local value that replaces a constant shape operand.
     fallback: True if the op had no rule and runs replicated on gathered inputs.
+    values: output index -> the constant value that output has on every device
+      (a shape query answers with the global shape).
+    unsupported: why the op cannot run partitioned at all ("" if it can).
   """
 
   inputs: list
@@ -42,6 +45,8 @@ class Decision:
   reduce: list = dataclasses.field(default_factory=list)
   consts: dict = dataclasses.field(default_factory=dict)
   fallback: bool = False
+  values: dict = dataclasses.field(default_factory=dict)
+  unsupported: str = ""
 
   def __post_init__(self):
     if not self.reduce:
@@ -128,5 +133,10 @@ def fallback(view: OpView, layouts: list) -> Decision:
   """No rule: every input gathered to replicated, every output replicated."""
   op = view.op
   split = any(layout is not None and any(layout) for layout in layouts)
+  unsupported = ""
+  if any(t.dtype == tf.resource and layout is not None and any(layout) for t, layout in zip(op.inputs, layouts)):
+    # A whole value cannot be gathered for a variable's handle: each device holds its piece.
+    unsupported = "it takes the handle of a sharded variable, and no rule says how to use its pieces"
   return Decision(inputs=[replicated(rank_of(t)) for t in op.inputs],
-                  outputs=[replicated(rank_of(t)) for t in op.outputs], fallback=split)
+                  outputs=[replicated(rank_of(t)) for t in op.outputs], fallback=split,
+                  unsupported=unsupported)

@@ -68,3 +68,15 @@ def squeeze(view, layouts):
   in_shape = view.in_shape(0)
   dims = {d % len(layout) for d in view.attr("squeeze_dims")} or {d for d, n in enumerate(in_shape) if n == 1}
   return _rules.Decision(inputs=[layout], outputs=[tuple(a for d, a in enumerate(layout) if d not in dims)])
+
+
+@_rules.register("Shape", "Size", "Rank")
+def shape_query(view, layouts):
+  """A shape query answers with the GLOBAL shape, whatever the layout (the traced shapes are static)."""
+  shape = view.in_shape(0)
+  if None in shape:
+    return _rules.fallback(view, layouts)
+  dtype = view.op.outputs[0].dtype.as_numpy_dtype
+  value = {"Shape": shape, "Size": math.prod(shape), "Rank": len(shape)}[view.op.type]
+  return _rules.Decision(inputs=[None], outputs=[_rules.replicated(view.op.outputs[0].shape.rank)],
+                         values={0: np.asarray(value, dtype=dtype)})

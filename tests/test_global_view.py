@@ -29,6 +29,7 @@ def _model_and_optimizer(context, optimizer, build=True):
     model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu", name="ff_in"),
                               keras.layers.Dense(4, name="ff_out")])
     opt = {"adam": lambda: keras.optimizers.Adam(1e-2),
+           "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
            "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}[optimizer]()
     if build:
       opt.build(model.trainable_variables)
@@ -75,15 +76,15 @@ def _train(layouts, optimizer="adam", shape=(2, 2), build=True):
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1), (2, 4)])
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mlp_equals_one_device(layout, optimizer, shape):
   repl, (one_model, one_opt, expected), (model, opt, losses) = _train(LAYOUTS[layout], optimizer, shape)
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   reference = one_model.variables + one_opt.variables
   ours = model.variables + opt.variables
-  assert [re.sub(r"(sequential|adam|sgd)_\d+", r"\1", v.path) for v in ours] == [v.path for v in reference]
-  assert len(ours) >= 4 + (9 if optimizer == "adam" else 5)
+  assert [re.sub(r"(sequential|adam_w|adam|sgd)_\d+", r"\1", v.path) for v in ours] == [v.path for v in reference]
+  assert len(ours) >= 4 + (5 if optimizer == "sgd" else 9)
   for a, b in zip(reference, ours):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
   assert repl.trace_count == 1  # traced once, at the global batch's shapes
@@ -306,3 +307,26 @@ def test_explain_and_reduce_in_the_global_view():
   loss = repl.run(step_fn, _dataset())
   assert repl.trace_count == 1  # explain built the step that run uses
   assert float(repl.reduce("mean", loss)) == float(loss)
+
+
+def test_shape_queries_answer_with_global_shapes():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(1.0)
+  ds = tf.data.Dataset.from_tensor_slices(np.ones([8, 3], "float32")).batch(8, drop_remainder=True)
+
+  def step_fn(x):  # raw ops: tf.shape of a static shape would fold to a constant while tracing
+    shape = tf.raw_ops.Shape(input=x, out_type=tf.int32)
+    return tf.cast(shape, tf.float32) * v, tf.cast(tf.raw_ops.Size(input=x), tf.float32) * v
+
+  shape, size = repl.run(step_fn, ds)
+  assert shape.numpy().tolist() == [8.0, 3.0] and float(size) == 24.0
+
+
+def test_an_unruled_op_on_a_sharded_variable_is_refused_not_wrong():
+  repl = _global_repl({r"table$": ("model", None)})
+  with repl.context():
+    table = tf.Variable(tf.reshape(tf.range(8.0), [4, 2]), name="table")
+  ds = tf.data.Dataset.from_tensor_slices(np.array([0, 3, 1, 2], "int32")).batch(4, drop_remainder=True)
+  with pytest.raises(replicator.UnsupportedError, match=r"cannot partition ResourceGather .* sharded variable"):
+    repl.run(lambda ids: tf.reduce_sum(tf.gather(table, ids)), ds)
