@@ -212,7 +212,7 @@ class Replicator:
                        "(a mesh already lists its devices).")
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
     self._view = _check_view(view)
-    self._global_steps: dict = {}  # (step_fn, element spec) -> _global_view.GlobalStep
+    self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: _global_view.GlobalStep}
     self._global_iterators: dict = {}  # id(dataset) -> (dataset, iterator)
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
@@ -409,11 +409,14 @@ class Replicator:
     """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once)."""
     # Traced at static global shapes: the element's own (a partial last batch is a new trace).
     spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
-    key = (step_fn, str(spec))
-    step = self._global_steps.get(key)
+    by_spec = self._global_steps.get(step_fn)
+    if by_spec is None:
+      by_spec = {}
+      self._global_steps.set(step_fn, by_spec)
+    step = by_spec.get(str(spec))
     if step is None:
       self.trace_count += 1
-      step = self._global_steps[key] = _global_view.build(self, step_fn, spec, self._choose)
+      step = by_spec[str(spec)] = _global_view.build(self, step_fn, spec, self._choose)
     return step
 
   def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:

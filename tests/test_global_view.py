@@ -63,6 +63,13 @@ def _global_repl(layouts, shape=(2, 2)):
                                batch_axes=("batch",), view="global")
 
 
+def _built(repl):
+  """The one global-view step ``repl`` built."""
+  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
+  (step,) = by_spec.values()
+  return step
+
+
 def _train(layouts, optimizer="adam", shape=(2, 2), build=True):
   one_model, one_opt = _model_and_optimizer(contextlib.nullcontext(), optimizer)
   one_step = tf.function(_make_step(one_model, one_opt))
@@ -72,14 +79,14 @@ def _train(layouts, optimizer="adam", shape=(2, 2), build=True):
   step_fn = _make_step(model, opt)
   dataset = _dataset()
   losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
-  return repl, (one_model, one_opt, expected), (model, opt, losses)
+  return repl, (one_model, one_opt, expected), (model, opt, losses), step_fn  # step_fn keeps its step
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1), (2, 4)])
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mlp_equals_one_device(layout, optimizer, shape):
-  repl, (one_model, one_opt, expected), (model, opt, losses) = _train(LAYOUTS[layout], optimizer, shape)
+  repl, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS[layout], optimizer, shape)
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   reference = one_model.variables + one_opt.variables
   ours = model.variables + opt.variables
@@ -92,7 +99,7 @@ def test_mlp_equals_one_device(layout, optimizer, shape):
 
 def test_optimizer_built_by_the_step_gets_sharded_slots():
   # The issue's spelling: the optimizer is built by its first apply_gradients, inside the trace.
-  _, (one_model, one_opt, expected), (model, opt, losses) = _train(LAYOUTS["hidden"], build=False)
+  _, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS["hidden"], build=False)
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
@@ -101,8 +108,8 @@ def test_optimizer_built_by_the_step_gets_sharded_slots():
 
 
 def test_hidden_split_communicates_like_megatron():
-  repl, _, (model, opt, _) = _train(LAYOUTS["hidden"])
-  step = next(iter(repl._global_steps.values()))  # pylint: disable=protected-access
+  repl, _, (model, opt, _), _step_fn = _train(LAYOUTS["hidden"])
+  step = _built(repl)
   found = sorted((c.kind, c.param_dict.get("op"), c.axes, tuple(c.shape.as_list())) for c in step.plan.collectives)
   assert found == sorted([
       ("all_reduce", "sum", ("model",), (BATCH // 2, 4)),  # logits: the second kernel's split contraction
@@ -124,8 +131,8 @@ def test_hidden_split_communicates_like_megatron():
 
 
 def test_batch_only_sums_gradients_over_batch_without_gathers():
-  repl, _, _ = _train(LAYOUTS["batch"])
-  step = next(iter(repl._global_steps.values()))  # pylint: disable=protected-access
+  repl, _, _, _step_fn = _train(LAYOUTS["batch"])
+  step = _built(repl)
   assert {(c.kind, c.axes) for c in step.plan.collectives} == {("all_reduce", ("batch",))}
   assert len(step.plan.collectives) == 5  # the loss and four gradients
 
