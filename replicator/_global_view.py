@@ -140,7 +140,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   for external, internal in graph.captures:
     variable = trace.owners.get(id(external))
     if variable is not None:
-      given[internal.name] = tuple(tuple(mesh_axes(variable.layout, d)) for d in range(variable.shape.rank))
+      given[internal.name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
       handles[internal.name] = [c.handle for c in variable.components]
   partition = _partition.propagate(graph, mesh, given)
   for name, why in partition.unsupported:
@@ -182,5 +182,6 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       structure=structure["value"])
 
 
-def mesh_axes(layout, dim: int) -> tuple[str, ...]:
-  return tuple(layout.axes(dim))
+def _split_axes(mesh, axes) -> tuple[str, ...]:
+  """``axes`` without those of size 1 (they split nothing, and need no communication)."""
+  return tuple(a for a in axes if mesh.shape[a] > 1)

@@ -95,6 +95,8 @@ def test_mlp_equals_one_device(layout, optimizer, shape):
   for a, b in zip(reference, ours):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
   assert repl.trace_count == 1  # traced once, at the global batch's shapes
+  # No collective over a mesh axis of size 1 (it would split nothing).
+  assert all(repl.mesh.axis_size(c.axes) > 1 for c in _built(repl).plan.collectives)
 
 
 def test_optimizer_built_by_the_step_gets_sharded_slots():
