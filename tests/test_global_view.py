@@ -339,3 +339,21 @@ def test_an_unruled_op_on_a_sharded_variable_is_refused_not_wrong():
   ds = tf.data.Dataset.from_tensor_slices(np.array([0, 3, 1, 2], "int32")).batch(4, drop_remainder=True)
   with pytest.raises(replicator.UnsupportedError, match=r"cannot partition ResourceGather .* sharded variable"):
     repl.run(lambda ids: tf.reduce_sum(tf.gather(table, ids)), ds)
+
+
+def test_run_view_overrides_the_replicator_s_view():
+  repl = replicator.Replicator(devices=cpus(2))  # the local view by default
+  with repl.context():
+    w = tf.Variable([[1.0], [2.0]])
+  x = np.arange(8.0, dtype="float32").reshape(4, 2)
+  ds = tf.data.Dataset.from_tensor_slices(x).batch(4, drop_remainder=True)
+
+  def step_fn(batch):  # a global mean over the global batch: no hand-written all-reduce
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.matmul(batch, w))
+    w.assign_sub(0.1 * tape.gradient(loss, w))
+    return loss
+
+  loss = repl.run(step_fn, ds, view="global")
+  assert float(loss) == float(np.mean(x @ [[1.0], [2.0]]))
+  np.testing.assert_allclose(np.asarray(w.components[1]), [[1.0], [2.0]] - 0.1 * x.mean(0)[:, None], rtol=1e-6)
