@@ -209,6 +209,8 @@ class _Expander:
       node.CopyFrom(op.node_def)
       node.name = f"replica_{r}/{op.name}"
       node.device = self.devices[r]
+      if "_class" in node.attr:  # colocation with ops of the global graph, which is not imported
+        del node.attr["_class"]
       del node.input[:]
       for i, t in enumerate(inputs):
         key = f"replica_{r}/input_{i}:0"
