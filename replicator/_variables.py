@@ -825,7 +825,8 @@ def make_creator(replicator):
       if layout is not None and on_read:
         raise _errors.VariableCreationError(SHARDED_ON_READ.format(name=path, spec=layout.spec))
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
-      offsets = seed_offsets(name, value, len(devices))
+      # The global view runs one program: one random stream, drawn at global shapes and sliced.
+      offsets = None if replicator._view == "global" else seed_offsets(name, value, len(devices))  # pylint: disable=protected-access
       if layout is not None:
         with tf.device(devices[0]):  # slice where the value is; copy only the pieces
           pieces = mesh_lib.split(value, layout)

@@ -23,11 +23,12 @@ STEPS = 3
 BATCH = 12
 
 
-def _model_and_optimizer(context, optimizer, build=True):
+def _model_and_optimizer(context, optimizer, build=True, dropout=False):
   with context:
     keras.utils.set_random_seed(1)
+    middle = [keras.layers.Dropout(0.5, seed=3)] if dropout else []
     model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu", name="ff_in"),
-                              keras.layers.Dense(4, name="ff_out")])
+                              *middle, keras.layers.Dense(4, name="ff_out")])
     opt = {"adam": lambda: keras.optimizers.Adam(1e-2),
            "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
            "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}[optimizer]()
@@ -70,12 +71,12 @@ def _built(repl):
   return step
 
 
-def _train(layouts, optimizer="adam", shape=(2, 2), build=True):
-  one_model, one_opt = _model_and_optimizer(contextlib.nullcontext(), optimizer)
+def _train(layouts, optimizer="adam", shape=(2, 2), build=True, dropout=False):
+  one_model, one_opt = _model_and_optimizer(contextlib.nullcontext(), optimizer, dropout=dropout)
   one_step = tf.function(_make_step(one_model, one_opt))
   expected = [float(one_step(batch)) for batch in _dataset()]
   repl = _global_repl(layouts, shape)
-  model, opt = _model_and_optimizer(repl.context(), optimizer, build)
+  model, opt = _model_and_optimizer(repl.context(), optimizer, build, dropout)
   step_fn = _make_step(model, opt)
   dataset = _dataset()
   losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
@@ -107,6 +108,15 @@ def test_optimizer_built_by_the_step_gets_sharded_slots():
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
   (momentum,) = [v.value for v in opt.variables if v.path.endswith("ff_in_kernel_momentum")]
   assert [c.shape.as_list() for c in momentum.components] == [[8, 8]] * 4
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dropout_with_a_seed_equals_one_device(layout):
+  # One random stream (no per-device seed offsets), drawn at the global shape, then sliced.
+  _, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS[layout], dropout=True)
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
 
 
 def test_hidden_split_communicates_like_megatron():
