@@ -89,6 +89,37 @@ def cross_replica_scope():
     stack[:] = saved
 
 
+@dataclasses.dataclass
+class GlobalTrace:
+  """A global-view step being traced: variables present global-shaped stand-ins.
+
+  Attributes:
+    replicator: the Replicator whose step is traced.
+    standins: id(ReplicatedVariable) -> its global-shaped stand-in variable.
+    owners: id(stand-in handle) -> the ReplicatedVariable.
+  """
+
+  replicator: Any
+  standins: dict = dataclasses.field(default_factory=dict)
+  owners: dict = dataclasses.field(default_factory=dict)
+
+
+def current_global_trace() -> GlobalTrace | None:
+  """The global-view trace under way on this thread, or None."""
+  return getattr(_state, "global_trace", None)
+
+
+@contextlib.contextmanager
+def global_trace_scope(trace: GlobalTrace):
+  """Makes ``trace`` the global-view trace under way."""
+  saved = current_global_trace()
+  _state.global_trace = trace
+  try:
+    yield trace
+  finally:
+    _state.global_trace = saved
+
+
 def current():
   """Returns the Replicator whose step is being built, or None outside a step.
 

@@ -51,6 +51,7 @@ from replicator import _errors
 from replicator import _inputs
 from replicator import _primitives
 from replicator import _tf_distribute
+from replicator import _variables
 
 RUN_OUTSIDE_KERAS = (
     "The tf.distribute.Strategy that repl.context() presents is there for Keras's trainer "
@@ -110,7 +111,10 @@ def _extended_class():
     def colocate_vars_with(self, colocate_with_variable):
       # Keras optimizers made in repl.context() place slots through their strategy, also inside
       # repl.run steps (outside this strategy's scope). The Replicator's variable creator places
-      # every component on its own device, so no colocation is needed.
+      # every component on its own device, so no colocation is needed. In the global view the
+      # optimizer is a plain one: its slots take their variable's layout here.
+      if self.replicator._view == "global":  # pylint: disable=protected-access
+        return _variables.reference_scope(colocate_with_variable)
       return contextlib.nullcontext()
 
     def _update(self, var, fn, args, kwargs, group):

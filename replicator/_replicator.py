@@ -21,6 +21,7 @@ from replicator import _consistency
 from replicator import _context
 from replicator import _distributed_dataset
 from replicator import _errors
+from replicator import _global_view
 from replicator import _inputs
 from replicator import _keras
 from replicator import _optimizer
@@ -134,6 +135,13 @@ def _autograph(fn: Callable) -> Callable:
   return converted
 
 
+def _check_view(view: str) -> str:
+  if view not in ("local", "global"):
+    raise _errors.ArgumentError(f"view={view!r}: expected \"local\" (step_fn sees each device's piece, "
+                                "today's behaviour) or \"global\" (step_fn sees global values).")
+  return view
+
+
 def _as_layout_map(layouts):
   if layouts is None or isinstance(layouts, mesh_lib.LayoutMap):
     return layouts
@@ -197,11 +205,15 @@ class Replicator:
 
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
-               batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False):
+               batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False,
+               view: str = "local"):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
+    self._view = _check_view(view)
+    self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: _global_view.GlobalStep}
+    self._global_iterators: dict = {}  # id(dataset) -> (dataset, iterator)
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
@@ -325,7 +337,7 @@ class Replicator:
   # -- running -------------------------------------------------------------------
 
   def run(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None,
-          steps: int = 1, all_steps: bool = False):
+          steps: int = 1, all_steps: bool = False, view: str | None = None):
     """Runs one step of ``step_fn`` on every replica.
 
     Args:
@@ -353,6 +365,8 @@ class Replicator:
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
     self._check_called_from_python("run")
+    if (self._view if view is None else _check_view(view)) == "global":
+      return self._run_global(step_fn, input_fn, inputs, steps, all_steps)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
@@ -372,6 +386,38 @@ class Replicator:
     for optimizer in step.accumulating:
       optimizer.advance(self.steps_run)
     return _values.combine(results)
+
+  def _run_global(self, step_fn, dataset, inputs, steps, all_steps):
+    """One step of ``step_fn`` in the global view on the next global batch of ``dataset``."""
+    if inputs is not None or not isinstance(dataset, tf.data.Dataset) or steps != 1 or all_steps:
+      what = "inputs=..." if inputs is not None else (f"steps={steps}" if steps != 1 or all_steps
+                                                      else type(dataset).__name__)
+      raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=self.batch_axes))
+    entry = self._global_iterators.get(id(dataset))
+    if entry is None or entry[0] is not dataset:
+      entry = self._global_iterators[id(dataset)] = (dataset, iter(dataset))
+    try:
+      element = next(entry[1])
+    except StopIteration:
+      del self._global_iterators[id(dataset)]
+      raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
+    step = self._global_step(step_fn, element)
+    self.steps_run = 1
+    return step(tree.flatten(element))
+
+  def _global_step(self, step_fn, element) -> _global_view.GlobalStep:
+    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once)."""
+    # Traced at static global shapes: the element's own (a partial last batch is a new trace).
+    spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
+    by_spec = self._global_steps.get(step_fn)
+    if by_spec is None:
+      by_spec = {}
+      self._global_steps.set(step_fn, by_spec)
+    step = by_spec.get(str(spec))
+    if step is None:
+      self.trace_count += 1
+      step = by_spec[str(spec)] = _global_view.build(self, step_fn, spec, self._choose)
+    return step
 
   def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:
     """This Replicator's distributed version of ``dataset``, made once and kept on the dataset itself.
@@ -437,6 +483,11 @@ class Replicator:
     the result for a table.
     """
     self._check_called_from_python("explain")
+    if self._view == "global":
+      if not isinstance(input_fn, tf.data.Dataset):
+        raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=type(input_fn).__name__,
+                                                                    axes=self.batch_axes))
+      return self._global_step(step_fn, next(iter(input_fn))).plan  # a fresh iterator: run's is untouched
     return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
 
   def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
@@ -787,6 +838,8 @@ class Replicator:
     def leaf(value):
       if value is None:
         return None
+      if self._view == "global" and isinstance(value, tf.Tensor):
+        return value  # a global-view output: already the global value
       if not isinstance(value, PerReplica):
         raise _errors.ArgumentTypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a nest of "
                         f"them), found {type(value).__name__}.")

@@ -20,6 +20,7 @@ import mesh as mesh_lib
 from replicator import _context
 from replicator import _errors
 from replicator import _export
+from replicator import _global_handles
 from replicator import _lifting
 
 SYMBOLIC_INITIAL_VALUE = (
@@ -233,12 +234,29 @@ class ReplicatedVariable(tf.Variable):
     self._home = tuple(home)
 
   def _current(self) -> tf.Variable:
+    standin = self._global_standin()
+    if standin is not None:
+      return standin
     ctx = _context.current_context()
     if ctx is not None and ctx.replicator is self._replicator:
       return self._components[ctx.replica_id]
     return self._components[self._home[0]]
 
+  def _global_standin(self) -> tf.Variable | None:
+    """In a global-view trace of this variable's Replicator: its global-shaped stand-in, else None."""
+    trace = _context.current_global_trace()
+    if trace is None or trace.replicator is not self._replicator:
+      return None
+    standin = trace.standins.get(id(self))
+    if standin is None:
+      standin = trace.standins[id(self)] = _global_handles.global_variable(
+          self.shape, self.dtype, self.name.split(":")[0], self.trainable)
+      trace.owners[id(standin.handle)] = self
+    return standin
+
   def _in_replica(self) -> bool:
+    if self._global_standin() is not None:
+      return True
     ctx = _context.current_context()
     return ctx is not None and ctx.replicator is self._replicator
 
@@ -459,6 +477,9 @@ class ReplicatedVariable(tf.Variable):
     return rows
 
   def _write(self, method: str, *args, **kwargs):
+    standin = self._global_standin()
+    if standin is not None:  # the global view: the partitioner decides the communication
+      return getattr(standin, method)(*args, **kwargs)
     if self._in_replica():
       args = (self._combined(method, args[0]),) + args[1:]
       return getattr(self._current(), method)(*args, **kwargs)
@@ -484,6 +505,9 @@ class ReplicatedVariable(tf.Variable):
     return self if read_value else None
 
   def _scatter(self, method: str, *args, **kwargs):
+    standin = self._global_standin()
+    if standin is not None:
+      return getattr(standin, method)(*args, **kwargs)
     if self._in_replica():
       if isinstance(args[0], tf.IndexedSlices):
         args = (self._combined_rows(method, args[0]),) + args[1:]
@@ -801,7 +825,8 @@ def make_creator(replicator):
       if layout is not None and on_read:
         raise _errors.VariableCreationError(SHARDED_ON_READ.format(name=path, spec=layout.spec))
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
-      offsets = seed_offsets(name, value, len(devices))
+      # The global view runs one program: one random stream, drawn at global shapes and sliced.
+      offsets = None if replicator._view == "global" else seed_offsets(name, value, len(devices))  # pylint: disable=protected-access
       if layout is not None:
         with tf.device(devices[0]):  # slice where the value is; copy only the pieces
           pieces = mesh_lib.split(value, layout)

@@ -1,0 +1,187 @@
+"""The global view: ``step_fn`` written for one device, partitioned over the mesh by layouts alone.
+
+1. trace ``step_fn`` once at static GLOBAL shapes (a global batch), every
+   replicated variable presenting a global-shaped stand-in (``_global_handles``);
+2. propagate layouts over the traced graph (``rewrite._partition``): the
+   arguments are split over the batch axes along their first dimension, the
+   variables' handles take their variables' layouts;
+3. expand it into one subgraph per device at local shapes, with collective
+   placeholders where a layout needs communication;
+4. plan and lower the placeholders (``rewrite.plan`` / ``rewrite.apply``) and
+   import the result into one function, as for the local view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+from typing import Callable
+
+import tensorflow as tf
+import tree
+
+import rewrite
+from replicator import _captures
+from replicator import _context
+from replicator import _errors
+from replicator import _primitives
+from replicator import _variables
+from rewrite import _partition
+
+NOT_DATASET = (
+    "repl.run(step_fn, {what}) in the global view takes a tf.data.Dataset of global batches (each "
+    "element is one global batch, split over the batch axes {axes} by the partitioner). Fix: pass "
+    "the dataset itself: repl.run(step_fn, dataset)."
+)
+
+INDIVISIBLE = (
+    "The global batch's dimension 0 of {name} has size {size}, which the batch axes {axes} (of size "
+    "{n}) do not divide. Fix: batch the dataset by a multiple of {n} (drop_remainder=True)."
+)
+
+FALLBACK = (
+    "The global view has no layout rule for {type} ({name}, at {location}) and one of its inputs is "
+    "split ({layouts}): its inputs are gathered and it runs on whole values on every device, as do "
+    "the ops after it that only see its output. The result is right; the step communicates and "
+    "computes more than it needs to."
+)
+
+UNSUPPORTED = (
+    "The global view cannot partition {type} ({name}, at {location}): {why}. Fix: keep the "
+    "variables this op uses replicated (leave them out of the layouts) until the op has a rule."
+)
+
+CREATES_VARIABLES = (
+    "step_fn created the variable {name!r} during the global view's trace with an initial value that "
+    "is not a constant. The global view makes such variables once, before the step, from a constant "
+    "initial value (zeros, say) only. Fix: create them before the step (Keras: build the model by "
+    "calling it, and the optimizer with optimizer.build(model.trainable_variables)) inside "
+    "`with repl.context():`."
+)
+
+
+@dataclasses.dataclass
+class GlobalStep:
+  """A traced, partitioned and rewritten global-view step."""
+
+  partition: _partition.Partition
+  plan: rewrite.Plan
+  graph_def: Any
+  input_names: list
+  captures: _captures.Captures
+  output_names: list
+  structure: Any
+  function: Any = None
+
+  def __call__(self, flat_args):
+    if self.function is None:
+      specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
+
+      def call(*args):
+        input_map = dict(zip(self.input_names, args))
+        input_map.update(self.captures.input_map())
+        return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map,
+                                              return_elements=self.output_names, name="step")
+
+      self.function = tf.function(call, autograph=False).get_concrete_function(*specs)
+    flat = self.function(*flat_args)
+    return tree.unflatten_as(self.structure, list(flat))
+
+
+def _batch_layout(spec: tf.TensorSpec, axes: tuple[str, ...]) -> tuple:
+  return (axes,) + ((),) * (spec.shape.rank - 1) if spec.shape.rank else ()
+
+
+def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> GlobalStep:
+  """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it."""
+  mesh = replicator.mesh
+  axes = tuple(a for a in replicator.batch_axes if mesh.shape[a] > 1)
+  specs = tree.flatten(element_spec)
+  n = mesh.axis_size(axes) if axes else 1
+  for i, spec in enumerate(specs):
+    if not spec.shape.is_fully_defined():
+      raise _errors.ArgumentError(
+          f"The global view traces at static global shapes, but input {i} has shape {spec.shape}. "
+          "Fix: batch the dataset with drop_remainder=True (and give every other dimension a size).")
+    if spec.shape.rank and spec.shape[0] % n:
+      raise _errors.ArgumentError(INDIVISIBLE.format(name=f"input {i}", size=spec.shape[0], axes=axes, n=n))
+  structure = {}
+  trace = _context.GlobalTrace(replicator)
+
+  replicated_creator = _variables.make_creator(replicator)
+
+  def creator(next_creator, **kwargs):
+    # A variable made during the trace (a Keras optimizer's slots, built by its first
+    # apply_gradients) is made once, eagerly, by the Replicator, from its constant initial value.
+    initial_value = kwargs.get("initial_value")
+    if callable(initial_value):
+      initial_value = initial_value()
+    value = tf.get_static_value(initial_value) if tf.is_tensor(initial_value) else initial_value
+    if value is None:
+      raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
+    kwargs["initial_value"] = value
+    with tf.init_scope(), _context.global_trace_scope(None):
+      return replicated_creator(next_creator, **kwargs)
+
+  def traced(*flat):
+    result = step_fn(tree.unflatten_as(element_spec, list(flat)))
+    result = tree.map_structure(tf.convert_to_tensor, result)
+    structure["value"] = result
+    return tree.flatten(result)
+
+  with _context.global_trace_scope(trace), tf.variable_creator_scope(creator):
+    concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
+  graph = concrete.graph
+  given = {}
+  for placeholder, spec in zip(graph.inputs[:len(specs)], specs):
+    given[placeholder.name] = _batch_layout(spec, axes)
+  handles = {}
+  for external, internal in graph.captures:
+    variable = trace.owners.get(id(external))
+    if variable is not None:
+      given[internal.name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
+      handles[internal.name] = [c.handle for c in variable.components]
+  partition = _partition.propagate(graph, mesh, given)
+  for name, why in partition.unsupported:
+    op = graph.get_operation_by_name(name)
+    raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why,
+                                                      location=_primitives.location_of(op)))
+  for name in partition.fallbacks:
+    op = graph.get_operation_by_name(name)
+    warnings.warn(FALLBACK.format(type=op.type, name=name, location=_primitives.location_of(op),
+                                  layouts=[partition.layouts.get(t.name) for t in op.inputs]), stacklevel=4)
+
+  def expanded(*flat):
+    local = {}
+    for placeholder, value in zip(graph.inputs[:len(specs)], flat):
+      pieces = []
+      for r, device in enumerate(mesh.devices):
+        with tf.device(device):
+          pieces.append(_partition.local_piece(value, given[placeholder.name], mesh, r))
+      local[placeholder.name] = pieces
+    for external, internal in graph.captures:
+      if internal.name in handles:
+        local[internal.name] = [_captures.capture(h) for h in handles[internal.name]]
+      else:
+        local[internal.name] = [_captures.capture(external)] * len(mesh.devices)
+    values, records = _partition.expand(graph, mesh, partition, local, graph.outputs,
+                                        locate=_primitives.location_of)
+    expanded.records = records
+    return [per_device[0] for per_device in values]  # every device holds the whole output
+
+  scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
+  plan = rewrite.plan(expanded.records, mesh, choose)
+  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, replicator._lowerings)  # pylint: disable=protected-access
+  return GlobalStep(
+      partition=partition, plan=plan, graph_def=rewritten.graph_def,
+      input_names=[t.name for t in scratch.graph.inputs[:len(specs)]],
+      captures=_captures.Captures([(internal.name, external) for external, internal in scratch.graph.captures]
+                                  + list(rewritten.external_inputs.items())),
+      output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
+      structure=structure["value"])
+
+
+def _split_axes(mesh, axes) -> tuple[str, ...]:
+  """``axes`` without those of size 1 (they split nothing, and need no communication)."""
+  return tuple(a for a in axes if mesh.shape[a] > 1)

@@ -1,0 +1,322 @@
+"""The global view's partitioner: layouts for every tensor of one global graph, then per-device ops.
+
+1. :func:`propagate` gives every tensor of a traced global graph (static
+   global shapes) a layout, op by op, from the layouts of its inputs (the
+   step's arguments and the variables' handles) and the op's rule
+   (``_rules_*`` modules). An op without a rule runs replicated on gathered
+   inputs (a *fallback*, recorded).
+2. :func:`expand` builds, in the current graph, one copy of every op per
+   device at local shapes: inputs relayouted as the rule requires (a local
+   slice, or an ``all_gather`` placeholder), constant shape operands replaced
+   by local values, and an ``all_reduce`` placeholder after every op whose
+   output holds partial sums. The placeholders are the ones :func:`rewrite.emit`
+   leaves for the local view, so :func:`rewrite.plan` and :func:`rewrite.apply`
+   lower them unchanged.
+
+Ops are copied through :func:`tf.graph_util.import_graph_def` of their own
+``NodeDef`` (any op type, its attributes as traced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+
+from rewrite import _errors
+from rewrite import _placeholders
+from rewrite import _rules
+from rewrite import _rules_contraction  # noqa: F401  (registers rules)
+from rewrite import _rules_elementwise  # noqa: F401
+from rewrite import _rules_reduction  # noqa: F401
+from rewrite import _rules_resource  # noqa: F401
+from rewrite import _rules_shape  # noqa: F401
+
+_SOURCES = ("Placeholder", "Const")
+
+
+@dataclasses.dataclass
+class Partition:
+  """Layouts chosen for one global graph.
+
+  Attributes:
+    layouts: tensor name -> layout (per dimension, the mesh axes it is split over).
+    decisions: op name -> the rule's :class:`_rules.Decision`.
+    fallbacks: names of ops that ran replicated for want of a rule.
+  """
+
+  layouts: dict
+  decisions: dict
+  fallbacks: list
+
+  @property
+  def unsupported(self) -> list[tuple[str, str]]:
+    """``(op name, why)`` for every op that cannot run partitioned."""
+    return [(name, d.unsupported) for name, d in self.decisions.items() if d.unsupported]
+
+  def describe(self) -> str:
+    rows = []
+    for name, d in self.decisions.items():
+      comms = [f"all_reduce({r[0]}, {r[1]})" for r in d.reduce if r]
+      rows.append(f"{name}: out={d.outputs}{' ' + ', '.join(comms) if comms else ''}"
+                  f"{' FALLBACK' if d.fallback else ''}")
+    return "\n".join(rows)
+
+
+MAX_ROUNDS = 8
+
+
+def propagate(graph: tf.Graph, mesh, given: dict) -> Partition:
+  """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
+
+  Forward, each op's rule gives its outputs' layouts from its inputs'.
+  Backward, a tensor whose consumers all require the same layout *wants* it,
+  and its producer's rule may produce it directly (an elementwise op on a
+  sliced input, a ``Tile`` with local multiples) instead of every consumer
+  slicing the whole value; the want travels up to the inputs. The two passes
+  repeat until no layout changes.
+
+  Args:
+    graph: the traced global graph (every shape static).
+    mesh: the device mesh (``mesh.Mesh``).
+    given: tensor name -> layout for the graph's inputs (arguments and resource
+      handles); other placeholders are replicated.
+
+  Returns:
+    The :class:`Partition`.
+  """
+  ops = graph.get_operations()  # creation order: a topological order
+  wants: dict = {}
+  partition = _forward(ops, mesh, given, wants)
+  for _ in range(MAX_ROUNDS):
+    wants = _backward(ops, mesh, partition, wants)
+    again = _forward(ops, mesh, given, wants)
+    if again.layouts == partition.layouts:
+      return again
+    partition = again
+  return partition
+
+
+def _decide(op, mesh, ins, wants) -> _rules.Decision:
+  rule = _rules.get(op.type)
+  view = _rules.OpView(op, mesh, [wants.get(t.name) for t in op.outputs])
+  return rule(view, ins) if rule is not None else _rules.fallback(view, ins)
+
+
+def _inputs_of(op, layouts):
+  return [layouts.get(t.name, _rules.replicated(_rules.rank_of(t))) for t in op.inputs]
+
+
+def _forward(ops, mesh, given, wants) -> Partition:
+  layouts = dict(given)
+  decisions = {}
+  fallbacks = []
+  for op in ops:
+    if op.type in _SOURCES:
+      t = op.outputs[0]
+      if t.name not in layouts:
+        layouts[t.name] = _rules.replicated(_rules.rank_of(t))
+      continue
+    decision = _decide(op, mesh, _inputs_of(op, layouts), wants)
+    if decision.fallback:
+      fallbacks.append(op.name)
+    decisions[op.name] = decision
+    for t, layout in zip(op.outputs, decision.outputs):
+      layouts[t.name] = layout
+  return Partition(layouts, decisions, fallbacks)
+
+
+def _backward(ops, mesh, partition, wants) -> dict:
+  """The layouts tensors want: the one all their consumers require, where it differs from theirs."""
+  wants = dict(wants)
+  required: dict = {}  # tensor name -> layouts its consumers require
+  for op in reversed(ops):
+    if op.type in _SOURCES or op.name not in partition.decisions:
+      continue
+    for t in op.outputs:
+      needs = required.get(t.name, [])
+      if needs and all(n == needs[0] for n in needs) and needs[0] != partition.layouts.get(t.name):
+        wants[t.name] = needs[0]
+    # Re-decide with the wants, so that they reach this op's inputs in the same pass.
+    decision = _decide(op, mesh, _inputs_of(op, partition.layouts), wants)
+    for t, need in zip(op.inputs, decision.inputs):
+      if need is not None and t.dtype != tf.resource:
+        required.setdefault(t.name, []).append(need)
+  return wants
+
+
+class _Expander:
+  """Builds the per-device copies of a global graph's ops in the current graph."""
+
+  def __init__(self, graph, mesh, partition, locate):
+    self.graph = graph
+    self.mesh = mesh
+    self.partition = partition
+    self.locate = locate
+    self.devices = mesh.devices
+    self.records = [[] for _ in self.devices]
+    self.local = {}  # global tensor name -> per-device local tensors
+    self.producer = graph.graph_def_versions.producer
+
+  # -- communication -----------------------------------------------------------
+
+  def _emit(self, r, x, kind, params, axes, shape, op):
+    if x.op.type == "Placeholder" and x.op.name.startswith(_placeholders.PLACEHOLDER_SCOPE):
+      x = tf.identity(x)  # a placeholder is removed by the rewrite; its consumers are rewired
+    y, record = _placeholders.emit(
+        x, replica=r, index=len(self.records[r]), kind=kind, params=params, axes=tuple(axes),
+        result_shape=shape, device=self.devices[r], location=self.locate(op),
+        call=f"{op.type} {op.name}")
+    self.records[r].append(record)
+    return y
+
+  def relayout(self, r, x, have, want, global_shape, op):
+    """Device ``r``'s piece ``x`` (layout ``have``) as its piece in layout ``want``."""
+    if have == want:
+      return x
+    # Gather every dimension whose split changes, then slice to the wanted split.
+    for d, (h, w) in enumerate(zip(have, want)):
+      if h and h != w:
+        shape = x.shape.as_list()
+        shape[d] *= self.mesh.axis_size(h)
+        x = self._emit(r, x, "all_gather", {"concat_dimension": d}, h, tf.TensorShape(shape), op)
+    begin, size = [], []
+    sliced = False
+    for d, (h, w) in enumerate(zip(have, want)):
+      if w and h != w:
+        n = self.mesh.axis_size(w)
+        chunk = global_shape[d] // n
+        begin.append(self.mesh.axis_index(r, w) * chunk)
+        size.append(chunk)
+        sliced = True
+      else:
+        begin.append(0)
+        size.append(-1)
+    if sliced:
+      x = tf.slice(x, begin, size)
+    return x
+
+  # -- ops -----------------------------------------------------------------------
+
+  def _copy(self, op, inputs_per_device):
+    """Every device's copy of ``op`` (its inputs: one list per device), made by one import."""
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.versions.producer = self.producer
+    input_map = {}
+    for r, inputs in enumerate(inputs_per_device):
+      node = graph_def.node.add()
+      node.CopyFrom(op.node_def)
+      node.name = f"replica_{r}/{op.name}"
+      node.device = self.devices[r]
+      if "_class" in node.attr:  # colocation with ops of the global graph, which is not imported
+        del node.attr["_class"]
+      del node.input[:]
+      for i, t in enumerate(inputs):
+        key = f"replica_{r}/input_{i}:0"
+        node.input.append(key)
+        input_map[key] = t
+    return tf.graph_util.import_graph_def(graph_def, input_map=input_map,
+                                          return_elements=[n.name for n in graph_def.node], name="expand")
+
+  def run(self, local_inputs: dict) -> None:
+    layouts = self.partition.layouts
+    for op in self.graph.get_operations():
+      if op.type == "Placeholder":
+        name = op.outputs[0].name
+        if name not in local_inputs:
+          raise _errors.RewriteError(f"The global graph's input {name} has no value to expand with.")
+        self.local[name] = list(local_inputs[name])
+        continue
+      if op.type in ("Const", "NoOp"):
+        continue  # constants are made per device on first use
+      decision = self.partition.decisions[op.name]
+      if decision.values:  # the same constant on every device (a shape query's global answer)
+        for k, t in enumerate(op.outputs):
+          self.local[t.name] = [None] * len(self.devices)
+          for r, device in enumerate(self.devices):
+            with tf.device(device):
+              self.local[t.name][r] = tf.constant(decision.values[k], dtype=t.dtype)
+        continue
+      inputs_per_device = []
+      for r, device in enumerate(self.devices):
+        inputs = []
+        with tf.device(device):
+          for i, t in enumerate(op.inputs):
+            if i in decision.consts:
+              inputs.append(tf.constant(decision.consts[i]))
+              continue
+            x = self._local(r, t)
+            want = decision.inputs[i] if i < len(decision.inputs) else None
+            if want is not None and t.dtype != tf.resource:
+              x = self.relayout(r, x, layouts[t.name], want, t.shape.as_list(), op)
+            inputs.append(x)
+        inputs_per_device.append(inputs)
+      copies = self._copy(op, inputs_per_device)
+      for r, (device, copy) in enumerate(zip(self.devices, copies)):
+        with tf.device(device):
+          for k, t in enumerate(op.outputs):
+            y = copy.outputs[k]
+            if decision.reduce[k] is not None:
+              combine, axes = decision.reduce[k]
+              y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)
+            self.local.setdefault(t.name, [None] * len(self.devices))[r] = y
+
+  def _local(self, r, t):
+    if t.op.type == "Const" and t.name not in self.local:
+      self.local[t.name] = [None] * len(self.devices)
+    values = self.local[t.name]
+    if values[r] is None:  # a constant, made on this device
+      values[r] = tf.constant(tf.get_static_value(t), dtype=t.dtype)
+    return values[r]
+
+  def output(self, t, replicated: bool = True) -> list:
+    """Every device's value of global tensor ``t`` (gathered to its whole value if ``replicated``)."""
+    values = []
+    for r, device in enumerate(self.devices):
+      x = self._local(r, t)
+      if replicated and t.dtype != tf.resource:
+        with tf.device(device):
+          x = self.relayout(r, x, self.partition.layouts[t.name], _rules.replicated(t.shape.rank),
+                            t.shape.as_list(), t.op)
+      values.append(x)
+    return values
+
+
+def expand(graph: tf.Graph, mesh, partition: Partition, local_inputs: dict, outputs,
+           locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}"):
+  """Builds every device's copy of ``graph`` in the current graph.
+
+  Args:
+    graph: the traced global graph.
+    mesh: the device mesh.
+    partition: from :func:`propagate`.
+    local_inputs: name of each placeholder of ``graph`` -> one local tensor per
+      device (its piece of an argument; the device's component handle of a variable).
+    outputs: tensors of ``graph`` whose whole values every device returns.
+    locate: names where an op came from, for the placeholders' records.
+
+  Returns:
+    ``(values, records)``: per output, one tensor per device; per device, its
+    placeholder records in call order (for :func:`rewrite.plan`).
+  """
+  expander = _Expander(graph, mesh, partition, locate)
+  expander.run(local_inputs)
+  values = [expander.output(t) for t in outputs]
+  return values, expander.records
+
+
+def local_piece(x: tf.Tensor, layout, mesh, r: int) -> tf.Tensor:
+  """Device ``r``'s piece of a whole value ``x`` in ``layout`` (a local slice)."""
+  shape = x.shape.as_list()
+  begin, size = [], []
+  for d, axes in enumerate(layout):
+    if axes:
+      chunk = shape[d] // mesh.axis_size(axes)
+      begin.append(mesh.axis_index(r, axes) * chunk)
+      size.append(chunk)
+    else:
+      begin.append(0)
+      size.append(-1)
+  return tf.slice(x, begin, size) if any(layout) else x
+

@@ -1,0 +1,142 @@
+"""Layout rules for the global view: what one op needs of its inputs and gives its outputs.
+
+A tensor's layout is a tuple with one entry per dimension: the mesh axes that
+dimension is split over (``()``: whole on every device). A rule sees one op of
+the traced global graph and its inputs' current layouts, and returns a
+:class:`Decision`: the layout each input must be in (the expander relayouts
+it: a local slice is free, a gather is a collective), the layout of each
+output, and the all-reduce each output needs (a contraction or a reduction
+over a split dimension leaves partial sums on each device).
+
+Rules register per op type (:func:`register`); one module per rule family.
+This package knows nothing about Keras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+TensorLayout = tuple  # tuple[tuple[str, ...], ...]: mesh axes per dimension
+
+
+@dataclasses.dataclass
+class Decision:
+  """What one op of the global graph becomes on every device.
+
+  Attributes:
+    inputs: per input, the layout it must be in; None: used as it is (a
+      resource handle, or a shape operand replaced through ``consts``).
+    outputs: per output, its layout (None for resource or unknown rank).
+    reduce: per output, ``(op, axes)`` of the all-reduce that completes it, or None.
+    consts: input index -> the local value that replaces a constant shape operand.
+    fallback: True if the op had no rule and runs replicated on gathered inputs.
+    values: output index -> the constant value that output has on every device
+      (a shape query answers with the global shape).
+    unsupported: why the op cannot run partitioned at all ("" if it can).
+  """
+
+  inputs: list
+  outputs: list
+  reduce: list = dataclasses.field(default_factory=list)
+  consts: dict = dataclasses.field(default_factory=dict)
+  fallback: bool = False
+  values: dict = dataclasses.field(default_factory=dict)
+  unsupported: str = ""
+
+  def __post_init__(self):
+    if not self.reduce:
+      self.reduce = [None] * len(self.outputs)
+
+
+@dataclasses.dataclass
+class OpView:
+  """One op of the global graph, as a rule sees it."""
+
+  op: tf.Operation
+  mesh: Any
+  wants: list = dataclasses.field(default_factory=list)  # per output: the layout its consumers want, or None
+
+  def want(self, index: int = 0):
+    """The layout all consumers of output ``index`` require (None: no common wish)."""
+    return self.wants[index] if index < len(self.wants) else None
+
+  def const(self, index: int) -> np.ndarray | None:
+    """The constant value of input ``index`` (a shape operand), or None if not constant."""
+    return tf.get_static_value(self.op.inputs[index])
+
+  def in_shape(self, index: int) -> list:
+    return self.op.inputs[index].shape.as_list()
+
+  def out_shape(self, index: int = 0) -> list:
+    return self.op.outputs[index].shape.as_list()
+
+  def attr(self, name: str):
+    return self.op.get_attr(name)
+
+  def shards(self, axes: tuple) -> int:
+    return self.mesh.axis_size(axes) if axes else 1
+
+
+Rule = Callable[[OpView, list], Decision]
+_RULES: dict[str, Rule] = {}
+
+
+def register(*op_types: str):
+  """Decorator: ``rule`` gives the layouts of ops of ``op_types``."""
+  def decorate(rule: Rule) -> Rule:
+    for t in op_types:
+      _RULES[t] = rule
+    return rule
+  return decorate
+
+
+def get(op_type: str) -> Rule | None:
+  return _RULES.get(op_type)
+
+
+def covered() -> tuple[str, ...]:
+  """The op types with a rule, sorted."""
+  return tuple(sorted(_RULES))
+
+
+def with_wanted(layout: TensorLayout, want: TensorLayout | None) -> TensorLayout:
+  """``layout``, with the dimensions it leaves whole split as ``want`` splits them (axes used once)."""
+  if want is None or len(want) != len(layout):
+    return layout
+  used = {a for axes in layout for a in axes}
+  out = []
+  for have, wish in zip(layout, want):
+    if not have and wish and used.isdisjoint(wish):
+      out.append(wish)
+      used.update(wish)
+    else:
+      out.append(have)
+  return tuple(out)
+
+
+def replicated(rank: int | None) -> TensorLayout | None:
+  return None if rank is None else ((),) * rank
+
+
+def rank_of(t: tf.Tensor) -> int | None:
+  if t.dtype == tf.resource or t.dtype == tf.variant:
+    return None
+  return t.shape.rank
+
+
+def fallback(view: OpView, layouts: list) -> Decision:
+  """No rule: every input gathered to replicated, every output replicated."""
+  op = view.op
+  split = any(layout is not None and any(layout) for layout in layouts)
+  unsupported = ""
+  if any(t.dtype == tf.resource and layout is not None and any(layout) for t, layout in zip(op.inputs, layouts)):
+    # A whole value cannot be gathered for a variable's handle: each device holds its piece.
+    unsupported = "it takes the handle of a sharded variable, and no rule says how to use its pieces"
+  return Decision(inputs=[replicated(rank_of(t)) for t in op.inputs],
+                  outputs=[replicated(rank_of(t)) for t in op.outputs], fallback=split,
+                  unsupported=unsupported)

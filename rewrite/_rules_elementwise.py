@@ -1,0 +1,70 @@
+"""Rules for elementwise ops (with broadcasting): the output takes its inputs' splits."""
+
+from __future__ import annotations
+
+from rewrite import _rules
+
+UNARY = ("Identity", "Relu", "Neg", "Sqrt", "Rsqrt", "Square", "Cast", "Exp", "Log", "Abs", "Sign",
+         "Tanh", "Sigmoid", "Reciprocal", "StopGradient", "Softplus", "Floor", "Round", "ZerosLike",
+         "OnesLike", "Log1p", "Elu", "Relu6", "LeakyRelu")
+BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "DivNoNan", "Pow", "Maximum", "Minimum",
+          "SquaredDifference", "ReluGrad", "Relu6Grad", "EluGrad", "TanhGrad", "SigmoidGrad",
+          "SqrtGrad", "RsqrtGrad", "MulNoNan", "FloorDiv", "FloorMod", "Equal", "NotEqual", "Less",
+          "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "SelectV2", "LeakyReluGrad")
+
+
+def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list) -> tuple:
+  """The output layout of a broadcasting op, and the layout each input must have.
+
+  Each output dimension takes the split of the first input that splits it at
+  full size; dimensions no input splits take the split the consumers want
+  (the inputs are then sliced, for free, instead of the output).
+  """
+  rank = len(out_shape)
+  out = [()] * rank
+  used: set = set()
+  for j in range(rank):  # each output dim takes the first split among inputs of full size there
+    for layout, shape in zip(layouts, shapes):
+      i = j - (rank - len(shape))
+      if layout is None or i < 0 or shape[i] != out_shape[j] or not layout[i]:
+        continue
+      if used.isdisjoint(layout[i]):
+        out[j] = layout[i]
+        used.update(layout[i])
+      break
+  out = list(_rules.with_wanted(tuple(out), view.want()))
+  required = []
+  for shape in shapes:
+    offset = rank - len(shape)
+    required.append(tuple(() if shape[i] == 1 and out_shape[i + offset] != 1 else out[i + offset]
+                          for i in range(len(shape))))
+  return tuple(out), required
+
+
+@_rules.register(*UNARY)
+def unary(view, layouts):
+  layout = _rules.with_wanted(layouts[0], view.want())
+  return _rules.Decision(inputs=[layout], outputs=[layout])
+
+
+@_rules.register(*BINARY)
+def binary(view, layouts):
+  shapes = [view.in_shape(i) for i in range(len(layouts))]
+  out, required = broadcast(view, layouts, shapes, view.out_shape())
+  return _rules.Decision(inputs=required, outputs=[out])
+
+
+@_rules.register("BiasAdd")
+def bias_add(view, layouts):
+  if view.attr("data_format") not in (b"NHWC", "NHWC"):
+    return _rules.fallback(view, layouts)
+  value, bias = layouts
+  shapes = [view.in_shape(0), view.in_shape(1)]
+  out, required = broadcast(view, [value, bias], shapes, view.out_shape())
+  return _rules.Decision(inputs=required, outputs=[out])
+
+
+@_rules.register("IdentityN")
+def identity_n(view, layouts):
+  layouts = [_rules.with_wanted(layout, view.want(k)) for k, layout in enumerate(layouts)]
+  return _rules.Decision(inputs=list(layouts), outputs=list(layouts))

@@ -1,0 +1,44 @@
+"""Rules for reductions: reducing a split dimension leaves per-device partials (all-reduce)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rewrite import _rules
+
+_COMBINE = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min"}
+
+
+@_rules.register("Sum", "Mean", "Max", "Min", "Prod")
+def reduce(view, layouts):
+  layout = layouts[0]
+  axes = view.const(1)
+  if axes is None:
+    return _rules.fallback(view, layouts)
+  rank = len(layout)
+  dims = {int(d) % rank for d in np.atleast_1d(axes)} if rank else set()
+  split = tuple(a for d in sorted(dims) for a in layout[d])
+  if split and view.op.type == "Prod":
+    return _rules.fallback(view, layouts)
+  keep = view.attr("keep_dims")
+  out = tuple(() if d in dims else layout[d] for d in range(rank) if keep or d not in dims)
+  return _rules.Decision(inputs=[layout, None], outputs=[out],
+                         reduce=[(_COMBINE[view.op.type], split) if split else None])
+
+
+@_rules.register("BiasAddGrad")
+def bias_add_grad(view, layouts):
+  if view.attr("data_format") not in (b"NHWC", "NHWC"):
+    return _rules.fallback(view, layouts)
+  layout = layouts[0]
+  split = tuple(a for dim in layout[:-1] for a in dim)
+  return _rules.Decision(inputs=[layout], outputs=[(layout[-1],)],
+                         reduce=[("sum", split) if split else None])
+
+
+@_rules.register("SparseSoftmaxCrossEntropyWithLogits")
+def sparse_softmax_cross_entropy(view, layouts):
+  logits, labels = layouts
+  want = view.want(0) or view.want(1) or ((),)
+  batch = logits[0] or labels[0] or want[0]
+  return _rules.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])

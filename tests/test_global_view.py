@@ -1,0 +1,369 @@
+"""The global view: one step written for one device, partitioned over the mesh by layouts alone."""
+
+import contextlib
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import mesh
+import replicator
+import rewrite
+from rewrite import _partition
+from rewrite import _rules
+
+LAYOUTS = {
+    "batch": None,
+    "hidden": {r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",), r"ff_out/kernel$": ("model", None)},
+}
+STEPS = 3
+BATCH = 12
+
+
+def _model_and_optimizer(context, optimizer, build=True, dropout=False):
+  with context:
+    keras.utils.set_random_seed(1)
+    middle = [keras.layers.Dropout(0.5, seed=3)] if dropout else []
+    model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu", name="ff_in"),
+                              *middle, keras.layers.Dense(4, name="ff_out")])
+    opt = {"adam": lambda: keras.optimizers.Adam(1e-2),
+           "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+           "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}[optimizer]()
+    if build:
+      opt.build(model.trainable_variables)
+  return model, opt
+
+
+def _make_step(model, opt):
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step_fn(batch):  # the single-device step, unchanged in every case
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step_fn
+
+
+def _dataset():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(BATCH * STEPS, 8)).astype("float32")
+  y = rng.integers(0, 4, size=BATCH * STEPS).astype("int32")
+  return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+
+
+def _global_repl(layouts, shape=(2, 2)):
+  m = mesh.Mesh({"batch": shape[0], "model": shape[1]}, devices=cpus(shape[0] * shape[1]))
+  return replicator.Replicator(mesh=m, layouts=None if layouts is None else mesh.LayoutMap(layouts),
+                               batch_axes=("batch",), view="global")
+
+
+def _built(repl):
+  """The one global-view step ``repl`` built."""
+  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
+  (step,) = by_spec.values()
+  return step
+
+
+def _train(layouts, optimizer="adam", shape=(2, 2), build=True, dropout=False):
+  one_model, one_opt = _model_and_optimizer(contextlib.nullcontext(), optimizer, dropout=dropout)
+  one_step = tf.function(_make_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  repl = _global_repl(layouts, shape)
+  model, opt = _model_and_optimizer(repl.context(), optimizer, build, dropout)
+  step_fn = _make_step(model, opt)
+  dataset = _dataset()
+  losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
+  return repl, (one_model, one_opt, expected), (model, opt, losses), step_fn  # step_fn keeps its step
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1), (2, 4)])
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_mlp_equals_one_device(layout, optimizer, shape):
+  repl, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS[layout], optimizer, shape)
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  reference = one_model.variables + one_opt.variables
+  ours = model.variables + opt.variables
+  assert [re.sub(r"(sequential|adam_w|adam|sgd)_\d+", r"\1", v.path) for v in ours] == [v.path for v in reference]
+  assert len(ours) >= 4 + (5 if optimizer == "sgd" else 9)
+  for a, b in zip(reference, ours):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert repl.trace_count == 1  # traced once, at the global batch's shapes
+  # No collective over a mesh axis of size 1 (it would split nothing).
+  assert all(repl.mesh.axis_size(c.axes) > 1 for c in _built(repl).plan.collectives)
+
+
+def test_optimizer_built_by_the_step_gets_sharded_slots():
+  # The issue's spelling: the optimizer is built by its first apply_gradients, inside the trace.
+  _, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS["hidden"], build=False)
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  (momentum,) = [v.value for v in opt.variables if v.path.endswith("ff_in_kernel_momentum")]
+  assert [c.shape.as_list() for c in momentum.components] == [[8, 8]] * 4
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dropout_with_a_seed_equals_one_device(layout):
+  # One random stream (no per-device seed offsets), drawn at the global shape, then sliced.
+  _, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS[layout], dropout=True)
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+
+
+def test_hidden_split_communicates_like_megatron():
+  repl, _, (model, opt, _), _step_fn = _train(LAYOUTS["hidden"])
+  step = _built(repl)
+  found = sorted((c.kind, c.param_dict.get("op"), c.axes, tuple(c.shape.as_list())) for c in step.plan.collectives)
+  assert found == sorted([
+      ("all_reduce", "sum", ("model",), (BATCH // 2, 4)),  # logits: the second kernel's split contraction
+      ("all_reduce", "sum", ("batch",), ()),  # the loss's sum over the batch
+      ("all_reduce", "sum", ("batch",), (4,)),  # gradients: sums over the batch
+      ("all_reduce", "sum", ("batch",), (8, 4)),
+      ("all_reduce", "sum", ("batch",), (8,)),
+      ("all_reduce", "sum", ("batch",), (8, 8)),
+  ])
+  assert not step.partition.fallbacks
+  # Sharded variables and their Adam slots keep half of the hidden dimension per device.
+  kernel = model.layers[0].kernel.value
+  slots = [v.value for v in opt.variables if "ff_in_kernel" in v.path]
+  assert len(slots) == 2
+  for v in [kernel] + slots:
+    assert [c.shape.as_list() for c in v.components] == [[8, 8]] * 4
+    assert v.shape.as_list() == [8, 16]
+  assert replicator.bytes_per_device(slots) == {d: 2 * 8 * 8 * 4 for d in repl.devices}
+
+
+def test_batch_only_sums_gradients_over_batch_without_gathers():
+  repl, _, _, _step_fn = _train(LAYOUTS["batch"])
+  step = _built(repl)
+  assert {(c.kind, c.axes) for c in step.plan.collectives} == {("all_reduce", ("batch",))}
+  assert len(step.plan.collectives) == 5  # the loss and four gradients
+
+
+def test_local_view_is_the_default():
+  assert replicator.Replicator(devices=cpus(2))._view == "local"  # pylint: disable=protected-access
+  with pytest.raises(replicator.ArgumentError, match=r"view='both': expected \"local\""):
+    replicator.Replicator(devices=cpus(2), view="both")
+
+
+def test_global_view_refuses_an_indivisible_batch():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(1.0)
+  ds = tf.data.Dataset.from_tensor_slices(np.zeros([3, 2], "float32")).batch(3)
+  with pytest.raises(replicator.ArgumentError, match="has size 3, which the batch axes"):
+    repl.run(lambda x: tf.reduce_sum(x) * v, ds)
+
+
+def test_global_view_traces_at_the_first_batch_s_shapes():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(2.0)
+  ds = tf.data.Dataset.from_tensor_slices(np.ones([6, 2], "float32")).batch(4)  # no static batch size
+  assert float(repl.run(lambda x: tf.reduce_sum(x) * v, ds)) == 16.0
+  assert float(repl.run(lambda x: tf.reduce_sum(x) * v, ds)) == 8.0  # the last batch: a new trace
+
+
+def test_global_view_refuses_variables_made_in_the_step_from_computed_values():
+  repl = _global_repl(None)
+  ds = tf.data.Dataset.from_tensor_slices(np.zeros([4, 2], "float32")).batch(4)
+  with pytest.raises(replicator.UnsupportedError, match="created the variable .* not a constant"):
+    repl.run(lambda x: tf.Variable(tf.reduce_sum(x)) * 2.0, ds)
+
+
+# -- propagation on traced graphs (rewrite._partition, no Replicator) ----------------------------
+
+def _graph(fn, *specs):
+  return tf.function(fn, autograph=False).get_concrete_function(*specs).graph
+
+
+def _mesh():
+  return mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+
+
+def test_matmul_over_a_split_contraction_all_reduces():
+  graph = _graph(lambda h, w: tf.matmul(h, w), tf.TensorSpec([6, 8]), tf.TensorSpec([8, 4]))
+  h, w = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {h.name: (("batch",), ("model",)), w.name: (("model",), ())})
+  (decision,) = [d for name, d in part.decisions.items() if "MatMul" in name]
+  assert decision.outputs == [(("batch",), ())]
+  assert decision.reduce == [("sum", ("model",))]
+
+
+def test_transposed_matmul_gradient_sums_over_batch():
+  graph = _graph(lambda x, d: tf.matmul(x, d, transpose_a=True), tf.TensorSpec([6, 8]), tf.TensorSpec([6, 4]))
+  x, d = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {x.name: (("batch",), ()), d.name: (("batch",), ("model",))})
+  (decision,) = [d for n, d in part.decisions.items() if graph.get_operation_by_name(n).type == "MatMul"]
+  assert decision.outputs == [((), ("model",))]
+  assert decision.reduce == [("sum", ("batch",))]
+
+
+def test_elementwise_slices_a_replicated_operand_for_free():
+  graph = _graph(lambda a, b: a * b, tf.TensorSpec([6, 1]), tf.TensorSpec([6, 4]))
+  a, b = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {a.name: ((), ()), b.name: (("batch",), ())})
+  (decision,) = [d for n, d in part.decisions.items() if graph.get_operation_by_name(n).type == "Mul"]
+  assert decision.inputs == [(("batch",), ()), (("batch",), ())]
+  assert decision.outputs == [(("batch",), ())]
+
+
+def test_reshape_rewrites_its_shape_to_the_local_one():
+  graph = _graph(lambda a: tf.reshape(a, [6, 2, 2]), tf.TensorSpec([6, 4]))
+  (a,) = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {a.name: (("batch",), ())})
+  (decision,) = [d for d in part.decisions.values() if d.consts]
+  assert decision.outputs == [(("batch",), (), ())]
+  assert decision.consts[1].tolist() == [3, 2, 2]
+
+
+def test_an_op_without_a_rule_runs_replicated_and_is_recorded():
+  graph = _graph(lambda a: tf.cumsum(a, axis=0), tf.TensorSpec([6, 4]))
+  (a,) = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {a.name: (("batch",), ())})
+  assert [graph.get_operation_by_name(n).type for n in part.fallbacks] == ["Cumsum"]
+  (decision,) = [d for d in part.decisions.values() if d.fallback]
+  assert decision.inputs[0] == ((), ()) and decision.outputs == [((), ())]
+
+
+def test_expanded_graph_equals_the_global_one():
+  m = _mesh()
+
+  def fn(x, w):
+    return tf.reduce_sum(tf.nn.relu(tf.matmul(x, w)), axis=0)
+
+  specs = (tf.TensorSpec([6, 8]), tf.TensorSpec([8, 4]))
+  graph = _graph(fn, *specs)
+  x, w = graph.inputs
+  given = {x.name: (("batch",), ()), w.name: ((), ("model",))}
+  part = _partition.propagate(graph, m, given)
+  records = []
+
+  def expanded(xv, wv):
+    local = {}
+    for placeholder, value in ((x, xv), (w, wv)):
+      local[placeholder.name] = [_partition.local_piece(value, given[placeholder.name], m, r) for r in range(4)]
+    values, recs = _partition.expand(graph, m, part, local, graph.outputs)
+    records.extend(recs)
+    return values[0]
+
+  scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
+  plan = rewrite.plan(records, m, lambda c: "one_device")
+  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, {})
+  xv, wv = tf.random.normal([6, 8]), tf.random.normal([8, 4])
+
+  @tf.function(autograph=False)
+  def run(xv, wv):
+    return tf.graph_util.import_graph_def(
+        rewritten.graph_def, input_map={scratch.graph.inputs[0].name: xv, scratch.graph.inputs[1].name: wv},
+        return_elements=[rewritten.output_name(t.name) for t in scratch.outputs])
+
+  outs = run(xv, wv)
+  for out in outs:
+    np.testing.assert_allclose(out.numpy(), fn(xv, wv).numpy(), rtol=1e-6, atol=1e-6)
+  kinds = sorted((c.kind, c.axes) for c in plan.collectives)
+  assert kinds == [("all_gather", ("model",)), ("all_reduce", ("batch",))]
+
+
+def test_the_keras_mlp_step_is_covered():
+  for op_type in ("MatMul", "BiasAdd", "BiasAddGrad", "Relu", "ReluGrad", "SparseSoftmaxCrossEntropyWithLogits",
+                  "Sum", "Prod", "Reshape", "Tile", "ExpandDims", "IdentityN", "DivNoNan", "Pow", "Sqrt",
+                  "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
+    assert op_type in _rules.covered()
+
+
+def test_backward_pass_tiles_locally_what_consumers_want_split():
+  def fn(s, b):  # the gradient of a mean: a scalar tiled over the batch, times a batch-split tensor
+    return tf.expand_dims(tf.tile(tf.reshape(s, [1]), [6]), 1) * b
+
+  graph = _graph(fn, tf.TensorSpec([]), tf.TensorSpec([6, 4]))
+  s, b = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {s.name: (), b.name: (("batch",), ())})
+  by_type = {graph.get_operation_by_name(n).type: d for n, d in part.decisions.items()}
+  assert by_type["Tile"].outputs == [(("batch",),)]
+  assert by_type["Tile"].consts[1].tolist() == [3]  # local multiples: no slice of a whole tensor
+  assert by_type["ExpandDims"].outputs == [(("batch",), ())]
+  assert by_type["Mul"].inputs == [(("batch",), ()), (("batch",), ())]
+
+
+def test_global_stand_in_holds_no_value():
+  from replicator import _global_handles  # pylint: disable=import-outside-toplevel
+  v = _global_handles.global_variable(tf.TensorShape([1024, 1024]), tf.float32, "w", True)
+  assert v.shape.as_list() == [1024, 1024]
+  assert not bool(v.is_initialized())
+
+
+def test_fallback_is_right_and_warns():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(2.0)
+  x = np.arange(8.0, dtype="float32").reshape(4, 2)
+  ds = tf.data.Dataset.from_tensor_slices(x).batch(4, drop_remainder=True)
+
+  def step_fn(batch):
+    return tf.reduce_sum(tf.cumsum(batch, axis=0)[-1]) * v
+
+  with pytest.warns(UserWarning, match=r"no layout rule for Cumsum .* at .*test_global_view.py"):
+    out = repl.run(step_fn, ds)
+  assert float(out) == float(np.cumsum(x, axis=0)[-1].sum() * 2.0)
+
+
+def test_explain_and_reduce_in_the_global_view():
+  repl = _global_repl(LAYOUTS["hidden"])
+  model, opt = _model_and_optimizer(repl.context(), "adam")
+  step_fn = _make_step(model, opt)
+  plan = repl.explain(step_fn, _dataset())
+  assert len(plan.collectives) == 6
+  loss = repl.run(step_fn, _dataset())
+  assert repl.trace_count == 1  # explain built the step that run uses
+  assert float(repl.reduce("mean", loss)) == float(loss)
+
+
+def test_shape_queries_answer_with_global_shapes():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(1.0)
+  ds = tf.data.Dataset.from_tensor_slices(np.ones([8, 3], "float32")).batch(8, drop_remainder=True)
+
+  def step_fn(x):  # raw ops: tf.shape of a static shape would fold to a constant while tracing
+    shape = tf.raw_ops.Shape(input=x, out_type=tf.int32)
+    return tf.cast(shape, tf.float32) * v, tf.cast(tf.raw_ops.Size(input=x), tf.float32) * v
+
+  shape, size = repl.run(step_fn, ds)
+  assert shape.numpy().tolist() == [8.0, 3.0] and float(size) == 24.0
+
+
+def test_an_unruled_op_on_a_sharded_variable_is_refused_not_wrong():
+  repl = _global_repl({r"table$": ("model", None)})
+  with repl.context():
+    table = tf.Variable(tf.reshape(tf.range(8.0), [4, 2]), name="table")
+  ds = tf.data.Dataset.from_tensor_slices(np.array([0, 3, 1, 2], "int32")).batch(4, drop_remainder=True)
+  with pytest.raises(replicator.UnsupportedError, match=r"cannot partition ResourceGather .* sharded variable"):
+    repl.run(lambda ids: tf.reduce_sum(tf.gather(table, ids)), ds)
+
+
+def test_run_view_overrides_the_replicator_s_view():
+  repl = replicator.Replicator(devices=cpus(2))  # the local view by default
+  with repl.context():
+    w = tf.Variable([[1.0], [2.0]])
+  x = np.arange(8.0, dtype="float32").reshape(4, 2)
+  ds = tf.data.Dataset.from_tensor_slices(x).batch(4, drop_remainder=True)
+
+  def step_fn(batch):  # a global mean over the global batch: no hand-written all-reduce
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.matmul(batch, w))
+    w.assign_sub(0.1 * tape.gradient(loss, w))
+    return loss
+
+  loss = repl.run(step_fn, ds, view="global")
+  assert float(loss) == float(np.mean(x @ [[1.0], [2.0]]))
+  np.testing.assert_allclose(np.asarray(w.components[1]), [[1.0], [2.0]] - 0.1 * x.mean(0)[:, None], rtol=1e-6)
