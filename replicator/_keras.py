@@ -40,6 +40,7 @@ tests/test_keras.py fails if either changes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 
 import tensorflow as tf
@@ -63,6 +64,13 @@ MODEL_OUTSIDE = (
     "repl.context(): the model was created outside the context (or compiled outside it), so Keras "
     "trains it on one device and its variables are not the Replicator's. Fix: create and compile the "
     "model inside `with repl.context():`."
+)
+SHARDED_MODEL = (
+    "model.{what} of a model with sharded variables ({name!r} has layout {spec}) is not supported: "
+    "Keras's step is written for whole variables, and in the local view a step reads each device's "
+    "piece. Fix: train it with repl.run in the global view (Replicator(view=\"global\"), which "
+    "partitions the unchanged step by the layouts), or leave the model's variables replicated "
+    "(no layouts) to use fit."
 )
 JIT_COMPILE = (
     "model.fit/evaluate with jit_compile=True is not supported for a model made in repl.context(): "
@@ -151,9 +159,28 @@ class KerasStrategy(tf.distribute.Strategy):
     if tf.executing_eagerly():
       what = "predict" if getattr(fn, "__name__", "") not in KERAS_STEPS else "fit/evaluate"
       raise _errors.UnsupportedError(RUN_EAGERLY.format(what=what))
-    if getattr(getattr(fn, "__self__", None), "jit_compile", False) is True:
+    model = _model_of(fn)
+    if getattr(model, "jit_compile", False) is True:
       raise _errors.UnsupportedError(JIT_COMPILE)
+    what = "fit/evaluate" if getattr(fn, "__name__", "") in KERAS_STEPS else "predict"
+    for variable in getattr(model, "variables", None) or ():
+      layout = _variables.layout_of(variable)
+      if layout is not None:
+        raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
     return run_in_graph(replicator, fn, args[0])
+
+
+def _model_of(fn):
+  """The Keras model whose step ``fn`` is: ``train_step``'s object, or predict's closure's ``self``."""
+  model = getattr(fn, "__self__", None)
+  inner = fn
+  for _ in range(4):  # decorators (functools.wraps) and a tf.function (jit_compile) around Keras's function
+    if model is not None or not callable(inner):
+      break
+    inner = inspect.unwrap(getattr(inner, "python_function", inner))
+    if inspect.isfunction(inner):
+      model = inspect.getclosurevars(inner).nonlocals.get("self")
+  return model
 
 
 class GlobalBatch(_inputs.Source):

@@ -7,6 +7,7 @@ import tensorflow as tf
 from conftest import cpus
 from conftest import replica_values
 
+import mesh
 import replicator
 
 X = np.random.RandomState(0).randn(96, 6).astype(np.float32)
@@ -185,6 +186,20 @@ def test_a_model_made_outside_the_context_is_refused_not_trained_on_one_device()
   with pytest.raises(replicator.UnsupportedError, match=r"the model was created outside the context .* Keras "
                      r"trains it on one device.*Fix: create and compile the model inside"):
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("view", ["local", "global"])
+def test_a_sharded_model_is_refused_with_the_way_to_train_it(view):
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"dense/kernel$": (None, "model")}), view=view)
+  with repl.context():
+    model = _compiled(_mlp)
+  with pytest.raises(replicator.UnsupportedError, match=r"model.fit/evaluate of a model with sharded variables "
+                     r"\('sequential/dense/kernel' has layout \(None, 'model'\)\).*Fix: train it with repl.run "
+                     r"in the global view"):
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+  with pytest.raises(replicator.UnsupportedError, match=r"model.predict of a model with sharded variables"):
+    model.predict(X, batch_size=16, verbose=0)
 
 
 def test_jit_compile_is_refused():
