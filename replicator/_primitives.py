@@ -60,6 +60,16 @@ def user_location() -> str:
   return "<unknown location>"
 
 
+def user_stacklevel() -> int:
+  """``warnings.warn``'s ``stacklevel``, for the function calling this one, that points at user code."""
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None:
+    if _user_frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name) is not None:
+      return level
+    frame, level = frame.f_back, level + 1
+  return 1
+
+
 def _user_frame(filename: str, lineno: int, name: str) -> str | None:
   """'file.py:12 in fn' if the frame is user code (autograph's generated code mapped back), else None."""
   if "__autograph_generated" in filename:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -102,27 +101,20 @@ class _WeakCallableMap:
       ref = lambda owner=owner: owner  # noqa: E731
     self._entries[key] = (ref, value)
 
+  def setdefault(self, fn, default):
+    """The value for ``fn``, set to ``default`` first if there is none."""
+    value = self.get(fn)
+    if value is None:
+      self.set(fn, default)
+      value = default
+    return value
+
   def values(self) -> list:
     return [value for _, value in self._entries.values()]
 
   def discard(self, value) -> None:
     for key in [k for k, (_, v) in self._entries.items() if v is value]:
       del self._entries[key]
-
-
-def _caller_stacklevel() -> int:
-  """The ``warnings.warn`` stacklevel of the first frame outside this library (and AutoGraph's wrappers)."""
-  library = os.path.dirname(os.path.abspath(__file__))
-  frame, level = inspect.currentframe(), 0
-  try:
-    while frame is not None:
-      filename = os.path.abspath(frame.f_code.co_filename)
-      if level > 0 and not filename.startswith(library) and f"{os.sep}autograph{os.sep}" not in filename:
-        return level
-      frame, level = frame.f_back, level + 1
-    return 1
-  finally:
-    del frame
 
 
 def _autograph(fn: Callable) -> Callable:
@@ -409,10 +401,7 @@ class Replicator:
     """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once)."""
     # Traced at static global shapes: the element's own (a partial last batch is a new trace).
     spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
-    by_spec = self._global_steps.get(step_fn)
-    if by_spec is None:
-      by_spec = {}
-      self._global_steps.set(step_fn, by_spec)
+    by_spec = self._global_steps.setdefault(step_fn, {})
     step = by_spec.get(str(spec))
     if step is None:
       self.trace_count += 1
@@ -549,11 +538,7 @@ class Replicator:
 
   def _compiled_keras(self, fn: Callable, source: _inputs.Source, wrap: Callable) -> _step.CompiledStep:
     """The step Keras's trainer runs (``_keras``), built like :meth:`run`'s and cached with them."""
-    by_source = self._steps.get(fn)
-    if by_source is None:
-      by_source = {}
-      self._steps.set(fn, by_source)
-    variants = by_source.setdefault(source.key, {})
+    variants = self._steps.setdefault(fn, {}).setdefault(source.key, {})
     step = variants.get(())
     if step is None:
       step = _step.build(self, fn, source, self._choose, wrap)
@@ -585,7 +570,7 @@ class Replicator:
       self._warned_new_steps = True
       warnings.warn(NEW_STEP_OBJECTS.format(count=count, name=code.co_name,
                                             where=f"{code.co_filename}:{code.co_firstlineno}"),
-                    stacklevel=_caller_stacklevel())
+                    stacklevel=_primitives.user_stacklevel())
 
   def _choose(self, collective: rewrite.Collective) -> str:
     if self._implementation != "auto":
