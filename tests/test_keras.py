@@ -71,6 +71,18 @@ def _check_history_equal(history, ref):
     np.testing.assert_allclose(history.history[key], want, atol=1e-5, err_msg=key)
 
 
+def _fits_as_one_device(make, *fit_args, **fit_kwargs):
+  """The same fit on one device and on 4 replicas: history, every variable and slot on every replica."""
+  ref = make()
+  ref_history = ref.fit(*fit_args, verbose=0, **fit_kwargs)
+  keras.backend.clear_session()
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    model = make()
+  _check_history_equal(model.fit(*fit_args, verbose=0, **fit_kwargs), ref_history)
+  _check_state_equal(model, ref)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_fit_evaluate_predict_equal_one_device(n):
   ref = _compiled(_mlp)
@@ -119,54 +131,23 @@ def test_a_last_batch_split_unevenly_equals_one_device():
   """100 rows in batches of 16: the last batch's 4 rows go to 4 of 4 replicas, then 3 of 4 (3 rows)."""
   for rows in (100, 99):
     keras.backend.clear_session()
-    ref = _compiled(_mlp, optimizer=lambda: keras.optimizers.SGD(0.1))
-    ref_history = ref.fit(np.resize(X, (rows, 6)), np.resize(Y, rows), batch_size=16, epochs=2, shuffle=False,
-                          verbose=0)
-    keras.backend.clear_session()
-    repl = replicator.Replicator(cpus(4))
-    with repl.context():
-      model = _compiled(_mlp, optimizer=lambda: keras.optimizers.SGD(0.1))
-    history = model.fit(np.resize(X, (rows, 6)), np.resize(Y, rows), batch_size=16, epochs=2, shuffle=False,
-                        verbose=0)
-    _check_history_equal(history, ref_history)
-    _check_state_equal(model, ref)
+    _fits_as_one_device(lambda: _compiled(_mlp, optimizer=lambda: keras.optimizers.SGD(0.1)),
+                        np.resize(X, (rows, 6)), np.resize(Y, rows), batch_size=16, epochs=2, shuffle=False)
 
 
 def test_embedding_with_adam_fits_as_one_device():
   """Sparse gradients (IndexedSlices) through Keras's own gradient sum, weighted per replica."""
-  ref = _compiled(_embedding)
-  ref_history = ref.fit(TOKENS, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  keras.backend.clear_session()
-  repl = replicator.Replicator(cpus(4))
-  with repl.context():
-    model = _compiled(_embedding)
-  history = model.fit(TOKENS, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  _check_history_equal(history, ref_history)
-  _check_state_equal(model, ref)
+  _fits_as_one_device(lambda: _compiled(_embedding), TOKENS, Y, batch_size=16, epochs=2, shuffle=False)
 
 
 def test_synchronized_batch_norm_fits_as_one_device():
-  ref = _compiled(_batch_norm)
-  ref_history = ref.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  keras.backend.clear_session()
-  repl = replicator.Replicator(cpus(4))
-  with repl.context():
-    model = _compiled(_batch_norm)
-  history = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  _check_history_equal(history, ref_history)
-  _check_state_equal(model, ref)  # moving statistics included
+  # Moving statistics included.
+  _fits_as_one_device(lambda: _compiled(_batch_norm), X, Y, batch_size=16, epochs=2, shuffle=False)
 
 
 def test_a_dataset_of_global_batches():
   ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
-  ref = _compiled(_mlp)
-  ref_history = ref.fit(ds, epochs=2, verbose=0)
-  keras.backend.clear_session()
-  repl = replicator.Replicator(cpus(4))
-  with repl.context():
-    model = _compiled(_mlp)
-  _check_history_equal(model.fit(ds, epochs=2, verbose=0), ref_history)
-  _check_state_equal(model, ref)
+  _fits_as_one_device(lambda: _compiled(_mlp), ds, epochs=2)
 
 
 def test_run_eagerly_is_refused():
