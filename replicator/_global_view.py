@@ -136,13 +136,14 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   given = {}
   for placeholder, spec in zip(graph.inputs[:len(specs)], specs):
     given[placeholder.name] = _batch_layout(spec, axes)
-  handles = {}
+  handles, handle_shapes = {}, {}
   for external, internal in graph.captures:
     variable = trace.owners.get(id(external))
     if variable is not None:
       given[internal.name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
       handles[internal.name] = [c.handle for c in variable.components]
-  partition = _partition.propagate(graph, mesh, given)
+      handle_shapes[internal.name] = variable.shape.as_list()
+  partition = _partition.propagate(graph, mesh, given, handle_shapes)
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
     raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why,

@@ -29,6 +29,7 @@ from rewrite import _placeholders
 from rewrite import _rules
 from rewrite import _rules_contraction  # noqa: F401  (registers rules)
 from rewrite import _rules_elementwise  # noqa: F401
+from rewrite import _rules_gather  # noqa: F401
 from rewrite import _rules_reduction  # noqa: F401
 from rewrite import _rules_resource  # noqa: F401
 from rewrite import _rules_shape  # noqa: F401
@@ -67,7 +68,7 @@ class Partition:
 MAX_ROUNDS = 8
 
 
-def propagate(graph: tf.Graph, mesh, given: dict) -> Partition:
+def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None) -> Partition:
   """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
 
   Forward, each op's rule gives its outputs' layouts from its inputs'.
@@ -82,25 +83,82 @@ def propagate(graph: tf.Graph, mesh, given: dict) -> Partition:
     mesh: the device mesh (``mesh.Mesh``).
     given: tensor name -> layout for the graph's inputs (arguments and resource
       handles); other placeholders are replicated.
+    handle_shapes: resource handle tensor name -> its variable's global shape.
 
   Returns:
     The :class:`Partition`.
   """
   ops = graph.get_operations()  # creation order: a topological order
+  context = _Context(mesh, handle_shapes or {})
   wants: dict = {}
-  partition = _forward(ops, mesh, given, wants)
+  partition = _forward(ops, context, given, wants)
   for _ in range(MAX_ROUNDS):
-    wants = _backward(ops, mesh, partition, wants)
-    again = _forward(ops, mesh, given, wants)
+    wants = _backward(ops, context, partition, wants)
+    again = _forward(ops, context, given, wants)
     if again.layouts == partition.layouts:
       return again
     partition = again
   return partition
 
 
-def _decide(op, mesh, ins, wants) -> _rules.Decision:
+_FOLDED_DTYPES = (tf.int32, tf.int64, tf.bool)
+MAX_FOLDED_ELEMENTS = 64
+
+
+class _Context:
+  """What rules see besides the op: the mesh, the variables' shapes, and constant shape arithmetic."""
+
+  def __init__(self, mesh, handle_shapes):
+    self.mesh = mesh
+    self.handle_shapes = handle_shapes
+    self._values: dict = {}
+
+  def value(self, t: tf.Tensor):
+    """``t``'s value if the traced shapes determine it (``tf.get_static_value``, or shape arithmetic folded)."""
+    if t.name not in self._values:
+      value = tf.get_static_value(t)
+      if value is None and _foldable(t.op):
+        inputs = [self.value(x) for x in t.op.inputs]
+        if all(x is not None and x.size <= MAX_FOLDED_ELEMENTS for x in inputs):
+          value = _evaluate(t.op, inputs)[t.value_index]
+      self._values[t.name] = value
+    return self._values[t.name]
+
+
+def _foldable(op) -> bool:
+  """Small integer arithmetic without state (on shapes: gradient broadcasting, slices of shapes)."""
+  if op.op_def.is_stateful or not op.inputs or op.type in ("Placeholder", "ReadVariableOp"):
+    return False
+  for t in op.outputs:
+    if t.dtype not in _FOLDED_DTYPES or (t.shape.is_fully_defined() and t.shape.num_elements() > MAX_FOLDED_ELEMENTS):
+      return False
+  return all(x.dtype in _FOLDED_DTYPES for x in op.inputs)
+
+
+def _evaluate(op, inputs):
+  """Runs ``op`` on constant ``inputs`` (numpy values of each output)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    consts = [tf.constant(v, dtype=x.dtype) for v, x in zip(inputs, op.inputs)]
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.versions.producer = op.graph.graph_def_versions.producer
+    node = graph_def.node.add()
+    node.CopyFrom(op.node_def)
+    node.device = ""
+    if "_class" in node.attr:
+      del node.attr["_class"]
+    del node.input[:]
+    node.input.extend(c.op.name for c in consts)
+    (copy,) = tf.graph_util.import_graph_def(graph_def, input_map={c.op.name: c for c in consts},
+                                             return_elements=[node.name], name="fold")
+  with tf.compat.v1.Session(graph=graph) as session:
+    return session.run(list(copy.outputs))
+
+
+def _decide(op, context, ins, wants) -> _rules.Decision:
   rule = _rules.get(op.type)
-  view = _rules.OpView(op, mesh, [wants.get(t.name) for t in op.outputs])
+  view = _rules.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
+                       context.value)
   return rule(view, ins) if rule is not None else _rules.fallback(view, ins)
 
 
@@ -108,7 +166,7 @@ def _inputs_of(op, layouts):
   return [layouts.get(t.name, _rules.replicated(_rules.rank_of(t))) for t in op.inputs]
 
 
-def _forward(ops, mesh, given, wants) -> Partition:
+def _forward(ops, context, given, wants) -> Partition:
   layouts = dict(given)
   decisions = {}
   fallbacks = []
@@ -118,7 +176,7 @@ def _forward(ops, mesh, given, wants) -> Partition:
       if t.name not in layouts:
         layouts[t.name] = _rules.replicated(_rules.rank_of(t))
       continue
-    decision = _decide(op, mesh, _inputs_of(op, layouts), wants)
+    decision = _decide(op, context, _inputs_of(op, layouts), wants)
     if decision.fallback:
       fallbacks.append(op.name)
     decisions[op.name] = decision
@@ -127,7 +185,7 @@ def _forward(ops, mesh, given, wants) -> Partition:
   return Partition(layouts, decisions, fallbacks)
 
 
-def _backward(ops, mesh, partition, wants) -> dict:
+def _backward(ops, context, partition, wants) -> dict:
   """The layouts tensors want: the one all their consumers require, where it differs from theirs."""
   wants = dict(wants)
   required: dict = {}  # tensor name -> layouts its consumers require
@@ -139,7 +197,7 @@ def _backward(ops, mesh, partition, wants) -> dict:
       if needs and all(n == needs[0] for n in needs) and needs[0] != partition.layouts.get(t.name):
         wants[t.name] = needs[0]
     # Re-decide with the wants, so that they reach this op's inputs in the same pass.
-    decision = _decide(op, mesh, _inputs_of(op, partition.layouts), wants)
+    decision = _decide(op, context, _inputs_of(op, partition.layouts), wants)
     for t, need in zip(op.inputs, decision.inputs):
       if need is not None and t.dtype != tf.resource:
         required.setdefault(t.name, []).append(need)
@@ -252,11 +310,17 @@ class _Expander:
               x = self.relayout(r, x, layouts[t.name], want, t.shape.as_list(), op)
             inputs.append(x)
         inputs_per_device.append(inputs)
-      copies = self._copy(op, inputs_per_device)
-      for r, (device, copy) in enumerate(zip(self.devices, copies)):
+      if decision.lower is not None:  # the rule computes each device's outputs itself
+        outputs_per_device = []
+        for r, device in enumerate(self.devices):
+          with tf.device(device), tf.name_scope(f"replica_{r}/{op.name}"):
+            outputs_per_device.append(list(decision.lower(r, inputs_per_device[r])))
+      else:
+        outputs_per_device = [copy.outputs for copy in self._copy(op, inputs_per_device)]
+      for r, (device, outputs) in enumerate(zip(self.devices, outputs_per_device)):
         with tf.device(device):
           for k, t in enumerate(op.outputs):
-            y = copy.outputs[k]
+            y = outputs[k]
             if decision.reduce[k] is not None:
               combine, axes = decision.reduce[k]
               y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)

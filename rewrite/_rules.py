@@ -38,6 +38,9 @@ class Decision:
     values: output index -> the constant value that output has on every device
       (a shape query answers with the global shape).
     unsupported: why the op cannot run partitioned at all ("" if it can).
+    lower: if set, ``lower(r, inputs) -> outputs`` computes device ``r``'s
+      outputs from its (relayouted) inputs, instead of a copy of the op (a
+      lookup in a table split along its rows, say).
   """
 
   inputs: list
@@ -47,6 +50,7 @@ class Decision:
   fallback: bool = False
   values: dict = dataclasses.field(default_factory=dict)
   unsupported: str = ""
+  lower: Callable | None = None
 
   def __post_init__(self):
     if not self.reduce:
@@ -60,6 +64,8 @@ class OpView:
   op: tf.Operation
   mesh: Any
   wants: list = dataclasses.field(default_factory=list)  # per output: the layout its consumers want, or None
+  handle_shapes: dict = dataclasses.field(default_factory=dict)  # resource tensor name -> its variable's shape
+  values: Callable = tf.get_static_value  # a tensor's constant value (shape arithmetic folded), or None
 
   def want(self, index: int = 0):
     """The layout all consumers of output ``index`` require (None: no common wish)."""
@@ -67,7 +73,11 @@ class OpView:
 
   def const(self, index: int) -> np.ndarray | None:
     """The constant value of input ``index`` (a shape operand), or None if not constant."""
-    return tf.get_static_value(self.op.inputs[index])
+    return self.values(self.op.inputs[index])
+
+  def handle_shape(self, index: int) -> list:
+    """The global shape of the variable whose handle is input ``index``."""
+    return list(self.handle_shapes[self.op.inputs[index].name])
 
   def in_shape(self, index: int) -> list:
     return self.op.inputs[index].shape.as_list()
@@ -80,6 +90,10 @@ class OpView:
 
   def shards(self, axes: tuple) -> int:
     return self.mesh.axis_size(axes) if axes else 1
+
+  def offset(self, r: int, axes: tuple, size: int) -> int:
+    """Where device ``r``'s piece starts along a dimension of ``size`` split over ``axes``."""
+    return self.mesh.axis_index(r, axes) * (size // self.shards(axes)) if axes else 0
 
 
 Rule = Callable[[OpView, list], Decision]
@@ -117,6 +131,16 @@ def with_wanted(layout: TensorLayout, want: TensorLayout | None) -> TensorLayout
     else:
       out.append(have)
   return tuple(out)
+
+
+def axes_in(layout) -> set:
+  """The mesh axes ``layout`` splits any dimension over."""
+  return {a for axes in layout for a in axes} if layout else set()
+
+
+def keep(layout: TensorLayout, dims) -> TensorLayout:
+  """``layout`` with every dimension not in ``dims`` made whole."""
+  return tuple(axes if d in dims else () for d, axes in enumerate(layout))
 
 
 def replicated(rank: int | None) -> TensorLayout | None:

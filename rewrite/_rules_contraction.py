@@ -1,29 +1,101 @@
-"""Rules for contractions: a split contracted dimension leaves partial sums (all-reduce "sum")."""
+"""Rules for contractions: a split contracted dimension leaves partial sums (all-reduce "sum").
+
+``MatMul``, ``BatchMatMulV2`` and ``Einsum`` are all written as one labelled
+contraction (an einsum equation): every label (dimension) takes one split,
+the first that an operand has at full size; labels that no operand splits take
+the split the consumers want. An operand whose dimension is split otherwise is
+relayouted to it; a contracted label that is split leaves partial sums.
+"""
 
 from __future__ import annotations
+
+import string
 
 from rewrite import _rules
 
 
+def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decision:
+  """The decision for a contraction of operands labelled ``labels`` into ``out_labels``.
+
+  A label repeated within one operand (a diagonal) is not a contraction this
+  rule understands: the op falls back.
+  """
+  if any(len(set(ls)) != len(ls) for ls in labels + [out_labels]):
+    return _rules.fallback(view, layouts)
+  shapes = [view.in_shape(i) for i in range(len(labels))]
+  size = {}
+  for ls, shape in zip(labels, shapes):
+    for label, n in zip(ls, shape):
+      size[label] = max(size.get(label, 1), n)
+  split: dict = {}
+  used: set = set()
+  for ls, layout, shape in zip(labels, layouts, shapes):  # the first operand's splits win
+    for label, axes, n in zip(ls, layout, shape):
+      if axes and label not in split and n == size[label] and used.isdisjoint(axes):
+        split[label] = axes
+        used.update(axes)
+  want = view.want()
+  if want is not None:  # whole output dimensions the consumers want split: slice the operands instead
+    for label, axes in zip(out_labels, want):
+      if axes and label not in split and used.isdisjoint(axes) and size[label] % view.shards(axes) == 0:
+        split[label] = axes
+        used.update(axes)
+  inputs = [tuple(split.get(label, ()) if n == size[label] else () for label, n in zip(ls, shape))
+            for ls, shape in zip(labels, shapes)]
+  summed = tuple(a for label in sorted(split) if label not in out_labels for a in split[label])
+  return _rules.Decision(inputs=inputs, outputs=[tuple(split.get(label, ()) for label in out_labels)],
+                         reduce=[("sum", summed) if summed else None])
+
+
 @_rules.register("MatMul")
 def matmul(view, layouts):
-  a, b = layouts
-  ta, tb = view.attr("transpose_a"), view.attr("transpose_b")
-  a_m, a_k = (a[1], a[0]) if ta else (a[0], a[1])
-  b_k, b_n = (b[1], b[0]) if tb else (b[0], b[1])
-  # The contracted dimension keeps a split that either operand has (the other is sliced to match).
-  k = a_k if a_k or not b_k else b_k
-  if a_k and b_k and a_k != b_k:
-    k = a_k  # b is relayouted to a's split
-  m = a_m if set(a_m).isdisjoint(k) else ()
-  n = b_n if set(b_n).isdisjoint(k) and set(b_n).isdisjoint(m) else ()
-  want = view.want()
-  if want is not None:  # a whole output dimension the consumers want split: slice the operand instead
-    if not m and want[0] and set(want[0]).isdisjoint(k + n):
-      m = want[0]
-    if not n and want[1] and set(want[1]).isdisjoint(k + m):
-      n = want[1]
-  need_a = (k, m) if ta else (m, k)
-  need_b = (n, k) if tb else (k, n)
-  return _rules.Decision(inputs=[need_a, need_b], outputs=[(m, n)],
-                         reduce=[("sum", k) if k else None])
+  a = "km" if view.attr("transpose_a") else "mk"
+  b = "nk" if view.attr("transpose_b") else "kn"
+  return contract(view, layouts, [a, b], "mn")
+
+
+@_rules.register("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul")
+def batch_matmul(view, layouts):
+  ra, rb = len(view.in_shape(0)), len(view.in_shape(1))
+  rank = len(view.out_shape())
+  batch = string.ascii_lowercase[:rank - 2]
+  a = batch[rank - ra:] + ("km" if view.attr("adj_x") else "mk")
+  b = batch[rank - rb:] + ("nk" if view.attr("adj_y") else "kn")
+  return contract(view, layouts, [a, b], batch + "mn")
+
+
+@_rules.register("Einsum")
+def einsum(view, layouts):
+  equation = view.attr("equation")
+  equation = equation.decode() if isinstance(equation, bytes) else equation
+  parsed = _parse_einsum(equation.replace(" ", ""), [len(view.in_shape(i)) for i in range(len(layouts))],
+                         len(view.out_shape()))
+  if parsed is None:
+    return _rules.fallback(view, layouts)
+  labels, out_labels = parsed
+  return contract(view, layouts, labels, out_labels)
+
+
+def _parse_einsum(equation: str, ranks: list[int], out_rank: int):
+  """``(operand labels, output labels)`` with each ``...`` spelled out (labels are single characters)."""
+  if "->" not in equation:
+    return None
+  ins, out = equation.split("->")
+  ins = ins.split(",")
+  if len(ins) != len(ranks):
+    return None
+  fresh = [c for c in string.digits]  # labels no equation uses
+  ellipsis_rank = max([r - (len(s) - 3) for s, r in zip(ins, ranks) if "..." in s] + [0])
+  dots = "".join(fresh[:ellipsis_rank])
+  labels = []
+  for s, r in zip(ins, ranks):
+    if "..." in s:
+      n = r - (len(s) - 3)
+      s = s.replace("...", dots[ellipsis_rank - n:])  # broadcast ellipsis dimensions align right
+    if len(s) != r:
+      return None
+    labels.append(s)
+  out = out.replace("...", dots)
+  if len(out) != out_rank:
+    return None
+  return labels, out

@@ -6,11 +6,15 @@ from rewrite import _rules
 
 UNARY = ("Identity", "Relu", "Neg", "Sqrt", "Rsqrt", "Square", "Cast", "Exp", "Log", "Abs", "Sign",
          "Tanh", "Sigmoid", "Reciprocal", "StopGradient", "Softplus", "Floor", "Round", "ZerosLike",
-         "OnesLike", "Log1p", "Elu", "Relu6", "LeakyRelu")
+         "OnesLike", "Log1p", "Elu", "Relu6", "LeakyRelu", "Erf", "Erfc", "Expm1", "Selu", "Softsign", "Sin",
+         "Cos", "Ceil", "Inv", "IsFinite", "IsNan", "IsInf", "LogicalNot", "CheckNumerics", "Snapshot",
+         "PreventGradient", "Atan", "Asinh", "Erfinv", "Rint", "Invert")
 BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "DivNoNan", "Pow", "Maximum", "Minimum",
           "SquaredDifference", "ReluGrad", "Relu6Grad", "EluGrad", "TanhGrad", "SigmoidGrad",
           "SqrtGrad", "RsqrtGrad", "MulNoNan", "FloorDiv", "FloorMod", "Equal", "NotEqual", "Less",
-          "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "SelectV2", "LeakyReluGrad")
+          "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "SelectV2", "LeakyReluGrad",
+          "AddN", "SeluGrad", "SoftplusGrad", "SoftsignGrad", "ReciprocalGrad", "Xdivy", "Xlogy", "Atan2",
+          "ClipByValue", "TruncateDiv", "TruncateMod", "BitwiseAnd", "BitwiseOr", "BitwiseXor")
 
 
 def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list) -> tuple:

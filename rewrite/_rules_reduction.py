@@ -42,3 +42,23 @@ def sparse_softmax_cross_entropy(view, layouts):
   want = view.want(0) or view.want(1) or ((),)
   batch = logits[0] or labels[0] or want[0]
   return _rules.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])
+
+
+@_rules.register("Softmax", "LogSoftmax")
+def softmax(view, layouts):
+  """Normalises the last dimension: that one whole (gathered if split), the others keep their splits."""
+  layout = _rules.with_wanted(layouts[0][:-1] + ((),), view.want())
+  layout = layout[:-1] + ((),)
+  return _rules.Decision(inputs=[layout], outputs=[layout])
+
+
+@_rules.register("ArgMax", "ArgMin")
+def arg_max(view, layouts):
+  """The index of the largest entry along a dimension: that dimension whole, the others keep their splits."""
+  axis = view.const(1)
+  if axis is None:
+    return _rules.fallback(view, layouts)
+  layout = layouts[0]
+  axis = int(axis) % len(layout)
+  need = layout[:axis] + ((),) + layout[axis + 1:]
+  return _rules.Decision(inputs=[need, None], outputs=[need[:axis] + need[axis + 1:]])

@@ -11,23 +11,256 @@ from rewrite import _rules
 
 @_rules.register("Reshape")
 def reshape(view, layouts):
+  """A split survives a reshape where its dimension starts a dimension of the output it divides.
+
+  Then each device's contiguous block of the flattened tensor is the same
+  block of that output dimension (merging ``[batch, time]`` into rows, or
+  splitting rows back). Other splits are gathered first.
+  """
   layout = layouts[0]
   target = view.const(1)
   in_shape, out_shape = view.in_shape(0), view.out_shape()
   if target is None or None in in_shape or None in out_shape:
     return _rules.fallback(view, layouts)
-  out = [()] * len(out_shape)
+  starts_in = {math.prod(in_shape[:i]): i for i in range(len(in_shape))}
+  starts_out = {math.prod(out_shape[:j]): j for j in range(len(out_shape))}
+
+  def partner(d, shape, other_starts, other_shape, axes):
+    j = other_starts.get(math.prod(shape[:d]))
+    k = view.shards(axes)
+    return j if j is not None and other_shape[j] % k == 0 and shape[d] % k == 0 else None
+
+  need, out = list(layout), [()] * len(out_shape)
   for i, axes in enumerate(layout):
-    if not axes:
-      continue
-    before = math.prod(in_shape[:i])
-    j = next((j for j in range(len(out_shape) + 1) if math.prod(out_shape[:j]) == before), None)
-    if j is None or j >= len(out_shape) or out_shape[j] != in_shape[i]:
-      return _rules.fallback(view, layouts)  # the split dimension does not survive the reshape
-    out[j] = axes
+    j = partner(i, in_shape, starts_out, out_shape, axes) if axes else None
+    if j is None or not axes:
+      need[i] = ()
+    else:
+      out[j] = axes
+  want = view.want()
+  if want is not None:  # whole output dimensions the consumers want split: slice the input instead
+    used = _rules.axes_in(out)
+    for j, axes in enumerate(want):
+      if axes and not out[j] and used.isdisjoint(axes):
+        i = partner(j, out_shape, starts_in, in_shape, axes)
+        if i is not None and not need[i]:
+          need[i], out[j] = axes, axes
+          used.update(axes)
   local = [n // view.shards(a) for n, a in zip(out_shape, out)]
-  return _rules.Decision(inputs=[layout, None], outputs=[tuple(out)],
+  return _rules.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
                          consts={1: np.asarray(local, dtype=target.dtype)})
+
+
+@_rules.register("Transpose")
+def transpose(view, layouts):
+  perm = view.const(1)
+  if perm is None:
+    return _rules.fallback(view, layouts)
+  perm = [int(p) for p in perm]
+  want = view.want()
+  layout = layouts[0]
+  if want is not None:
+    inverse = [0] * len(perm)
+    for j, p in enumerate(perm):
+      inverse[p] = j
+    layout = _rules.with_wanted(layout, tuple(want[inverse[d]] for d in range(len(perm))))
+  return _rules.Decision(inputs=[layout, None], outputs=[tuple(layout[p] for p in perm)])
+
+
+def _passthrough(view, layout, dims, out_map):
+  """Keeps the splits of input ``dims`` (whole elsewhere); ``out_map``: per output dim, its input dim or None."""
+  need = _rules.keep(layout, dims)
+  want = view.want()
+  if want is not None:
+    wished = [()] * len(need)
+    for j, d in enumerate(out_map):
+      if d is not None and d in dims:
+        wished[d] = want[j]
+    need = _rules.with_wanted(need, tuple(wished))
+  return need, tuple(() if d is None else need[d] for d in out_map)
+
+
+@_rules.register("Slice")
+def slice_(view, layouts):
+  begin, size = view.const(1), view.const(2)
+  shape = view.in_shape(0)
+  if begin is None or size is None:
+    return _rules.fallback(view, layouts)
+  full = {d for d, (b, n) in enumerate(zip(begin, size)) if b == 0 and n in (-1, shape[d])}
+  need, out = _passthrough(view, layouts[0], full, list(range(len(shape))))
+  local = np.asarray([-1 if need[d] else int(n) for d, n in enumerate(size)], dtype=size.dtype)
+  return _rules.Decision(inputs=[need, None, None], outputs=[out], consts={2: local})
+
+
+def strided_dims(view, shape):
+  """For a StridedSlice's spec: (input dims taken whole, per output dim its input dim or None)."""
+  begin, end, strides = view.const(1), view.const(2), view.const(3)
+  if begin is None or end is None or strides is None:
+    return None
+  mask = {name: view.attr(name) for name in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                            "shrink_axis_mask")}
+  n = len(begin)
+  consuming = sum(1 for i in range(n) if not (mask["ellipsis_mask"] >> i) & 1 and not (mask["new_axis_mask"] >> i) & 1)
+  rank = len(shape)
+  full, out_map, d = set(), [], 0
+  for i in range(n):
+    if (mask["ellipsis_mask"] >> i) & 1:
+      for _ in range(rank - consuming):
+        full.add(d)
+        out_map.append(d)
+        d += 1
+    elif (mask["new_axis_mask"] >> i) & 1:
+      out_map.append(None)
+    elif (mask["shrink_axis_mask"] >> i) & 1:
+      d += 1
+    else:
+      whole_begin = (mask["begin_mask"] >> i) & 1 or begin[i] == 0
+      whole_end = (mask["end_mask"] >> i) & 1 or end[i] >= shape[d]
+      if strides[i] == 1 and whole_begin and whole_end:
+        full.add(d)
+      out_map.append(d)
+      d += 1
+  while d < rank:
+    full.add(d)
+    out_map.append(d)
+    d += 1
+  return full, out_map
+
+
+@_rules.register("StridedSlice")
+def strided_slice(view, layouts):
+  dims = strided_dims(view, view.in_shape(0))
+  if dims is None:
+    return _rules.fallback(view, layouts)
+  need, out = _passthrough(view, layouts[0], *dims)
+  return _rules.Decision(inputs=[need, None, None, None], outputs=[out])
+
+
+@_rules.register("StridedSliceGrad")
+def strided_slice_grad(view, layouts):
+  """The gradient of a StridedSlice: ``dy`` scattered into zeros of the input's shape."""
+  shape = view.const(0)
+  dims = None if shape is None else strided_dims(view, [int(n) for n in shape])
+  if dims is None:
+    return _rules.fallback(view, layouts)
+  full, out_map = dims
+  dy = layouts[4]
+  out = [()] * len(shape)
+  for j, d in enumerate(out_map):
+    if d is not None and d in full:
+      out[d] = dy[j]
+  need = tuple(out[d] if d is not None else () for d in out_map)
+  local = np.asarray([int(n) // view.shards(a) for n, a in zip(shape, out)], dtype=shape.dtype)
+  return _rules.Decision(inputs=[None, None, None, None, need], outputs=[tuple(out)], consts={0: local})
+
+
+def _first_splits(layouts, rank, skip=()):
+  """Per dimension, the first split an input has there (axes used once)."""
+  out, used = [()] * rank, set()
+  for layout in layouts:
+    for d, axes in enumerate(layout):
+      if d not in skip and axes and not out[d] and used.isdisjoint(axes):
+        out[d] = axes
+        used.update(axes)
+  return tuple(out)
+
+
+@_rules.register("ConcatV2")
+def concat(view, layouts):
+  axis = view.const(len(layouts) - 1)
+  values = layouts[:-1]
+  if axis is None:
+    return _rules.fallback(view, layouts)
+  rank = len(view.out_shape())
+  axis = int(axis) % rank
+  layout = _rules.with_wanted(_first_splits(values, rank, skip=(axis,)),
+                              _rules.keep(view.want(), set(range(rank)) - {axis}) if view.want() else None)
+  return _rules.Decision(inputs=[layout] * len(values) + [None], outputs=[layout])
+
+
+@_rules.register("Pack")
+def pack(view, layouts):
+  rank = len(view.in_shape(0))
+  axis = view.attr("axis") % (rank + 1)
+  layout = _first_splits(layouts, rank)
+  want = view.want()
+  if want is not None:
+    layout = _rules.with_wanted(layout, want[:axis] + want[axis + 1:])
+  return _rules.Decision(inputs=[layout] * len(layouts), outputs=[layout[:axis] + ((),) + layout[axis:]])
+
+
+@_rules.register("Unpack")
+def unpack(view, layouts):
+  layout = layouts[0]
+  axis = view.attr("axis") % len(layout)
+  need = layout[:axis] + ((),) + layout[axis + 1:]
+  out = need[:axis] + need[axis + 1:]
+  return _rules.Decision(inputs=[need], outputs=[out] * len(view.op.outputs))
+
+
+@_rules.register("Split", "SplitV")
+def split(view, layouts):
+  value, axis_index = (1, 0) if view.op.type == "Split" else (0, 2)
+  axis = view.const(axis_index)
+  if axis is None:
+    return _rules.fallback(view, layouts)
+  layout = layouts[value]
+  axis = int(axis) % len(layout)
+  need = layout[:axis] + ((),) + layout[axis + 1:]
+  inputs = [None] * len(layouts)
+  inputs[value] = need
+  return _rules.Decision(inputs=inputs, outputs=[need] * len(view.op.outputs))
+
+
+@_rules.register("Fill")
+def fill(view, layouts):
+  """A filled tensor is made at the local shape the consumers want."""
+  dims = view.const(0)
+  if dims is None:
+    return _rules.fallback(view, layouts)
+  out = tuple(axes if axes and int(n) % view.shards(axes) == 0 else ()
+              for n, axes in zip(dims, view.want() or ((),) * len(dims)))
+  used = [a for axes in out for a in axes]
+  if len(used) != len(set(used)):
+    out = ((),) * len(dims)
+  local = np.asarray([int(n) // view.shards(a) for n, a in zip(dims, out)], dtype=dims.dtype)
+  return _rules.Decision(inputs=[None, ()], outputs=[out], consts={0: local})
+
+
+@_rules.register("BroadcastTo")
+def broadcast_to(view, layouts):
+  shape = view.const(1)
+  if shape is None:
+    return _rules.fallback(view, layouts)
+  in_shape, out_shape = view.in_shape(0), [int(n) for n in shape]
+  offset = len(out_shape) - len(in_shape)
+  out = [()] * len(out_shape)
+  for i, axes in enumerate(layouts[0]):
+    if in_shape[i] == out_shape[i + offset]:
+      out[i + offset] = axes
+  out = list(_rules.with_wanted(tuple(out), view.want()))
+  need = tuple(out[i + offset] if in_shape[i] == out_shape[i + offset] else () for i in range(len(in_shape)))
+  local = np.asarray([n // view.shards(a) for n, a in zip(out_shape, out)], dtype=shape.dtype)
+  return _rules.Decision(inputs=[need, None], outputs=[tuple(out)], consts={1: local})
+
+
+@_rules.register("Pad", "PadV2", "MirrorPad")
+def pad(view, layouts):
+  paddings = view.const(1)
+  if paddings is None:
+    return _rules.fallback(view, layouts)
+  whole = {d for d, (lo, hi) in enumerate(paddings) if lo == 0 and hi == 0}
+  rank = len(whole) + sum(1 for lo, hi in paddings if lo or hi)
+  need, out = _passthrough(view, layouts[0], whole, list(range(rank)))
+  return _rules.Decision(inputs=[need] + [None] * (len(layouts) - 1), outputs=[out])
+
+
+@_rules.register("MatrixBandPart")
+def matrix_band_part(view, layouts):
+  """A mask by position in the last two dimensions: those are whole, the rest keep their splits."""
+  rank = len(layouts[0])
+  need, out = _passthrough(view, layouts[0], set(range(rank - 2)), list(range(rank)))
+  return _rules.Decision(inputs=[need, None, None], outputs=[out])
 
 
 @_rules.register("Tile")

@@ -39,3 +39,21 @@ def _fresh_keras_state():
 
 def pytest_report_header(config):
   return f"tensorflow {tf.__version__}, {NUM_CPUS} logical CPUs"
+
+
+def pytest_addoption(parser):
+  parser.addoption("--full-grid", action="store_true", default=False,
+                   help="also run the cases marked full_grid (every mesh x layout; CI runs representative ones)")
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "full_grid: a sweep case beyond CI's representative ones (run with --full-grid)")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--full-grid"):
+    return
+  skip = pytest.mark.skip(reason="sweep case: run with --full-grid")
+  for item in items:
+    if "full_grid" in item.keywords:
+      item.add_marker(skip)

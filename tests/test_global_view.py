@@ -347,8 +347,37 @@ def test_an_unruled_op_on_a_sharded_variable_is_refused_not_wrong():
   with repl.context():
     table = tf.Variable(tf.reshape(tf.range(8.0), [4, 2]), name="table")
   ds = tf.data.Dataset.from_tensor_slices(np.array([0, 3, 1, 2], "int32")).batch(4, drop_remainder=True)
-  with pytest.raises(replicator.UnsupportedError, match=r"cannot partition ResourceGather .* sharded variable"):
-    repl.run(lambda ids: tf.reduce_sum(tf.gather(table, ids)), ds)
+
+  def step_fn(ids):
+    table.scatter_add(tf.IndexedSlices(tf.ones([4, 2]), ids))
+    return tf.reduce_sum(table)
+
+  with pytest.raises(replicator.UnsupportedError, match=r"cannot partition ResourceScatterAdd .* sharded variable"):
+    repl.run(step_fn, ds)
+
+
+@pytest.mark.parametrize("layout", [("model", None), (None, "model"), ("batch", "model")])
+def test_gather_from_a_sharded_table_equals_numpy(layout):
+  # tf.gather on a variable (ResourceGather): rows split (masked lookups, summed) or columns split.
+  repl = _global_repl({r"table$": layout})
+  values = np.arange(16.0, dtype="float32").reshape(8, 2) ** 1.5
+  with repl.context():
+    table = tf.Variable(values, name="table")
+  ids = np.array([0, 7, 3, 3, 6, 1, 2, 5], "int32")
+  ds = tf.data.Dataset.from_tensor_slices(ids).batch(8, drop_remainder=True)
+
+  def step_fn(batch):
+    with tf.GradientTape() as tape:
+      rows = tf.gather(table, batch)
+      loss = tf.reduce_sum(rows * rows)
+    table.assign_sub(0.01 * tf.convert_to_tensor(tape.gradient(loss, table)))
+    return rows
+
+  rows = repl.run(step_fn, ds)
+  np.testing.assert_allclose(rows.numpy(), values[ids], rtol=0, atol=0)
+  grad = np.zeros_like(values)
+  np.add.at(grad, ids, 2 * values[ids])
+  np.testing.assert_allclose(np.asarray(table), values - 0.01 * grad, rtol=1e-6)
 
 
 def test_run_view_overrides_the_replicator_s_view():

@@ -1,0 +1,112 @@
+"""Rules for gathers (embedding lookups) and their gradients' segment sums.
+
+A table split along its other dimensions (the embedding dimension) is looked up
+locally: each device's rows hold its columns. A table split along the gathered
+dimension (the vocabulary) is looked up by every device in its own rows, with
+the ids of other devices' rows masked to zero, and the lookups are summed
+(all-reduce) over the vocabulary's axes: the Megatron vocabulary-parallel
+embedding. The gradient's ``UnsortedSegmentSum`` into a vocabulary-split
+gradient likewise keeps only its own rows.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from rewrite import _rules
+
+
+def _lookup(view, params, ids, axis, make_lookup):
+  """The decision for looking up ids (layout ``ids``) along ``axis`` of a table (layout ``params``)."""
+  table_split = params[axis]
+  other = params[:axis] + params[axis + 1:]
+  used = _rules.axes_in(other) | set(table_split)
+  ids_need = tuple(axes if used.isdisjoint(axes) else () for axes in ids)
+  if len(_rules.axes_in(ids_need)) != sum(len(a) for a in ids_need):
+    ids_need = tuple(() for _ in ids_need)
+  want = view.want()
+  if want is not None:  # id dimensions the consumers want split: slice the ids instead
+    wished = want[axis:axis + len(ids_need)]
+    ids_need = _rules.with_wanted(ids_need, wished) if not set(table_split) & _rules.axes_in(wished) else ids_need
+  out = params[:axis] + ids_need + params[axis + 1:]
+  inputs = [params, ids_need] + [None] * (len(view.op.inputs) - 2)
+  if not table_split:
+    return _rules.Decision(inputs=inputs, outputs=[out])
+  rows = (view.handle_shape(0) if view.op.type == "ResourceGather" else view.in_shape(0))[axis]
+  local_rows = rows // view.shards(table_split)
+
+  def lower(r, inputs):
+    table, indices = inputs[0], inputs[1]
+    start = view.offset(r, table_split, rows)
+    local = indices - tf.cast(start, indices.dtype)
+    inside = tf.logical_and(local >= 0, local < local_rows)
+    looked_up = make_lookup(table, tf.where(inside, local, tf.zeros_like(local)), inputs)
+    trailing = looked_up.shape.rank - axis - inside.shape.rank
+    mask = tf.reshape(inside, [1] * axis + inside.shape.as_list() + [1] * trailing)
+    return [tf.where(mask, looked_up, tf.zeros_like(looked_up))]
+
+  return _rules.Decision(inputs=inputs, outputs=[out], reduce=[("sum", table_split)], lower=lower)
+
+
+@_rules.register("GatherV2")
+def gather(view, layouts):
+  params, ids = layouts[0], layouts[1]
+  axis = view.const(2)
+  if axis is None or view.attr("batch_dims") != 0:
+    return _rules.fallback(view, layouts)
+  axis = int(axis) % len(params)
+
+  def lookup(table, local_ids, inputs):
+    return tf.gather(table, local_ids, axis=inputs[2])
+
+  return _lookup(view, params, ids, axis, lookup)
+
+
+@_rules.register("ResourceGather")
+def resource_gather(view, layouts):
+  params, ids = layouts[0], layouts[1]
+  if params is None or view.attr("batch_dims") != 0:
+    return _rules.fallback(view, layouts)
+  dtype = view.attr("dtype")
+
+  def lookup(handle, local_ids, inputs):
+    return tf.raw_ops.ResourceGather(resource=handle, indices=local_ids, dtype=dtype)
+
+  decision = _lookup(view, params, ids, 0, lookup)
+  decision.inputs[0] = None  # the handle: each device's own piece
+  return decision
+
+
+@_rules.register("UnsortedSegmentSum")
+def unsorted_segment_sum(view, layouts):
+  """Sums rows into segments: split rows leave partial sums; a wanted split of the segments keeps own rows."""
+  data = layouts[0]
+  segments = view.const(2)
+  if segments is None:
+    return _rules.fallback(view, layouts)
+  segments = int(segments)
+  prefix = len(view.in_shape(1))
+  rest = data[prefix:]
+  want = view.want()
+  table_split = ()
+  if want is not None and want[0] and _rules.axes_in(rest).isdisjoint(want[0]) and segments % view.shards(want[0]) == 0:
+    table_split = want[0]
+  rows = tuple(axes if set(axes).isdisjoint(table_split) and _rules.axes_in(rest).isdisjoint(axes) else ()
+               for axes in data[:prefix])
+  summed = tuple(a for axes in rows for a in axes)
+  out = (table_split,) + rest
+  inputs = [rows + rest, rows, None]
+  reduce = [("sum", summed) if summed else None]
+  if not table_split:
+    return _rules.Decision(inputs=inputs, outputs=[out], reduce=reduce)
+  local_segments = segments // view.shards(table_split)
+
+  def lower(r, ins):
+    values, segment_ids = ins[0], ins[1]
+    start = view.offset(r, table_split, segments)
+    local = segment_ids - tf.cast(start, segment_ids.dtype)
+    inside = tf.logical_and(local >= 0, local < local_segments)
+    local = tf.where(inside, local, -tf.ones_like(local))  # a negative id is dropped
+    return [tf.math.unsorted_segment_sum(values, local, local_segments)]
+
+  return _rules.Decision(inputs=inputs, outputs=[out], reduce=reduce, lower=lower)
