@@ -30,6 +30,7 @@ from rewrite import _rules
 from rewrite import _rules_contraction  # noqa: F401  (registers rules)
 from rewrite import _rules_elementwise  # noqa: F401
 from rewrite import _rules_gather  # noqa: F401
+from rewrite import _rules_random  # noqa: F401
 from rewrite import _rules_reduction  # noqa: F401
 from rewrite import _rules_resource  # noqa: F401
 from rewrite import _rules_shape  # noqa: F401

@@ -265,14 +265,15 @@ def matrix_band_part(view, layouts):
 
 @_rules.register("Tile")
 def tile(view, layouts):
-  layout = layouts[0]
   multiples = view.const(1)
-  if multiples is None or any(a and m != 1 for a, m in zip(layout, multiples)):
+  if multiples is None:
     return _rules.fallback(view, layouts)
+  # A split dimension tiled more than once is gathered first (its pieces would interleave).
+  layout = tuple(() if m != 1 else axes for axes, m in zip(layouts[0], multiples))
   # A whole dimension tiled m times is split as wanted by tiling m/k times on each device.
   want = view.want() or ((),) * len(layout)
   out, local = list(layout), [int(m) for m in multiples]
-  used = {a for axes in layout for a in axes}
+  used = _rules.axes_in(layout)
   for d, (have, wish) in enumerate(zip(layout, want)):
     k = view.shards(wish)
     if not have and wish and used.isdisjoint(wish) and local[d] % k == 0:

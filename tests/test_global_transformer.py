@@ -150,6 +150,9 @@ def test_heads_and_ff_communicate_like_megatron():
              if c.axes == ("model",) and "gradient_tape" not in c.members[0].call]
   # Two partial sums in the forward pass, as in Megatron: the attention output and the second feed-forward kernel.
   assert forward == [("BatchMatMulV2", [BATCH // 2, TIME, DIM]), ("MatMul", [BATCH // 2 * TIME, DIM])]
+  # The dropout mask is drawn per device, its piece of the global draw only.
+  (draw,) = [d for n, d in step.partition.decisions.items() if n.endswith("/StatelessRandomUniformV2")]
+  assert draw.outputs == [(("batch",), (), ())] and draw.lower is not None
 
 
 def test_sharded_kernels_and_adam_slots_hold_their_piece():

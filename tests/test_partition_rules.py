@@ -1,0 +1,163 @@
+"""Every rule family of the global view, forward and gradient, against the same graph on one device.
+
+Each case is a small function of a batch-split input ``x`` and a variable ``w``
+under a layout; ``repl.run`` in the global view (2x2 mesh) returns the loss and
+the gradients with respect to ``w`` and ``x``, which must equal TensorFlow's
+on one device. No case may fall back (warnings are errors in the tests).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import mesh
+import replicator
+from rewrite import _rules
+
+M = ("model",)
+
+
+def _case(x_shape, w_shape, layout, fn):
+  return (x_shape, w_shape, layout, fn)
+
+
+CASES = {
+    # contractions
+    "matmul_columns": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.matmul(x, w)),
+    "matmul_rows": _case([8, 6], [6, 4], ("model", None), lambda x, w: tf.matmul(x, w)),
+    "matmul_transposed": _case([8, 6], [4, 6], ("model", None), lambda x, w: tf.matmul(x, w, transpose_b=True)),
+    "batch_matmul_broadcast": _case([8, 3, 6], [6, 4], (None, "model"), lambda x, w: tf.matmul(x, w)),
+    "batch_matmul_both": _case([8, 3, 6], [6, 4], ("model", None),
+                               lambda x, w: tf.matmul(tf.matmul(x, w), tf.matmul(x, w), transpose_b=True)),
+    "einsum_heads": _case([8, 3, 6], [6, 2, 4], (None, "model", None), lambda x, w: tf.einsum("btd,dhe->bthe", x, w)),
+    "einsum_heads_back": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
+                               lambda x, w: tf.einsum("bthe,dhe->btd", tf.einsum("btd,dhe->bthe", x, w), w)),
+    "einsum_ellipsis": _case([8, 3, 6], [6, 4], (None, "model"), lambda x, w: tf.einsum("...d,de->...e", x, w)),
+    # elementwise
+    "gelu_erf": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.nn.gelu(tf.matmul(x, w), approximate=False)),
+    "unary_mix": _case([8, 6], [6, 4], (None, "model"),
+                       lambda x, w: tf.nn.softplus(tf.matmul(x, w)) * tf.tanh(tf.matmul(x, w)) + tf.sigmoid(x[:, :4])),
+    "select_clip": _case([8, 6], [6, 4], (None, "model"),
+                         lambda x, w: tf.where(tf.matmul(x, w) > 0, tf.clip_by_value(tf.matmul(x, w), -0.5, 0.5),
+                                               tf.maximum(tf.matmul(x, w), -1.0))),
+    "add_n": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.add_n([tf.matmul(x, w)] * 3)),
+    # reductions
+    "softmax_split_classes": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.nn.softmax(tf.matmul(x, w))),
+    "log_softmax": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
+                         lambda x, w: tf.nn.log_softmax(tf.einsum("btd,dhe->bhte", x, w))),
+    "max_over_split": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.reduce_max(tf.matmul(x, w), axis=1)),
+    "mean_and_moments": _case([8, 6], [6, 4], (None, "model"),
+                              lambda x, w: tf.nn.batch_normalization(tf.matmul(x, w),
+                                                                     *tf.nn.moments(tf.matmul(x, w), [1], keepdims=True),
+                                                                     None, None, 1e-3)),
+    "argmax": _case([8, 6], [6, 4], (None, "model"),
+                    lambda x, w: tf.cast(tf.argmax(tf.matmul(x, w), axis=1), tf.float32)[:, None] * tf.matmul(x, w)),
+    # shape changes
+    "reshape_split_dim": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.reshape(tf.matmul(x, w), [8, 2, 2])),
+    "reshape_merge_batch": _case([8, 3, 6], [6, 4], (None, "model"),
+                                 lambda x, w: tf.reshape(tf.matmul(x, w), [24, 4]) * tf.range(24.0)[:, None]),
+    "reshape_across_split": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.reshape(tf.matmul(x, w), [16, 2])),
+    "transpose": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
+                       lambda x, w: tf.transpose(tf.einsum("btd,dhe->bthe", x, w), [2, 0, 3, 1])),
+    "concat_split_axis": _case([8, 6], [6, 4], (None, "model"),
+                               lambda x, w: tf.concat([tf.matmul(x, w), x], axis=1)),
+    "concat_other_axis": _case([8, 6], [6, 4], (None, "model"),
+                               lambda x, w: tf.concat([tf.matmul(x, w), 2.0 * tf.matmul(x, w)], axis=0)),
+    "stack_unstack_split": _case([8, 6], [6, 4], (None, "model"),
+                                 lambda x, w: tf.stack(tf.unstack(tf.matmul(x, w), axis=1)[::-1], axis=0)),
+    "split": _case([8, 6], [6, 4], (None, "model"),
+                   lambda x, w: tf.split(tf.matmul(x, w), 2, axis=1)[1][:3] * tf.split(tf.matmul(x, w), [3, 5], axis=0)[0][:, 2:]),
+    "slice_and_strided": _case([8, 6], [6, 4], (None, "model"),
+                               lambda x, w: tf.matmul(x, w)[2:6, ::2] + tf.slice(tf.matmul(x, w), [0, 0], [4, -1])[:, 1:3]),
+    "strided_keeps_split": _case([8, 3, 6], [6, 4], (None, "model"),
+                                 lambda x, w: tf.matmul(x, w)[:, -1, :] + tf.matmul(x, w)[..., 0, tf.newaxis, :][:, 0]),
+    "pad": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.pad(tf.matmul(x, w), [[1, 2], [0, 0]])),
+    "tile_broadcast_fill": _case([8, 6], [6, 4], (None, "model"),
+                                 lambda x, w: tf.tile(tf.matmul(x, w), [2, 1]) + tf.broadcast_to(w[0], [16, 4])
+                                 + tf.fill([16, 4], 0.5)),
+    # gathers
+    "gather_vocabulary_split": _case([8, 6], [10, 4], ("model", None),
+                                     lambda x, w: tf.gather(w, tf.cast(tf.abs(x) * 3, tf.int32) % 10)),
+    "gather_dim_split": _case([8, 6], [10, 4], (None, "model"),
+                              lambda x, w: tf.gather(w, tf.cast(tf.abs(x) * 3, tf.int32) % 10)),
+    "gather_read_value": _case([8, 6], [10, 4], ("model", None),
+                               lambda x, w: tf.gather(tf.convert_to_tensor(w), tf.cast(tf.abs(x) * 3, tf.int32) % 10)
+                               * x[..., None]),
+    "gather_axis1": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.gather(tf.matmul(x, w), [3, 0, 0], axis=1)),
+    "segment_sum": _case([8, 6], [6, 4], (None, "model"),
+                         lambda x, w: tf.math.unsorted_segment_sum(tf.matmul(x, w), [0, 1, 0, 2, 2, 1, 0, 0], 3)),
+    # random draws: each device draws its piece of the global draw
+    "stateless_uniform": _case([8, 6], [6, 4], (None, "model"),
+                               lambda x, w: tf.random.stateless_uniform([8, 4], seed=[1, 2]) * tf.matmul(x, w)),
+    "stateless_normal_3d": _case([8, 3, 6], [6, 4], (None, "model"),
+                                 lambda x, w: tf.random.stateless_normal([8, 3, 4], seed=[3, 4]) * tf.matmul(x, w)),
+    # masks by position
+    "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
+                       lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
+}
+
+
+def _loss_and_grads(fn, x, w):
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = fn(x, w)
+    loss = tf.reduce_sum(y * y * 0.5 + y)
+  dw, dx = tape.gradient(loss, [w, x])
+  return y, loss, tf.convert_to_tensor(dw), tf.zeros_like(x) if dx is None else dx  # None: ids are not differentiable
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_family_equals_one_device(name):
+  x_shape, w_shape, layout, fn = CASES[name]
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=x_shape).astype("float32")
+  w0 = rng.normal(size=w_shape).astype("float32")
+  expected = tf.function(lambda x, w: _loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": layout}), batch_axes=("batch",), view="global")
+  with repl.context():
+    w = tf.Variable(w0, name="w")
+  assert w.components[0].shape.num_elements() == w0.size // 2  # the layout splits it
+  ds = tf.data.Dataset.from_tensors(x)
+  got = repl.run(lambda batch: _loss_and_grads(fn, batch, w), ds)
+  for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
+
+
+def test_the_keras_transformer_step_is_covered():
+  for op_type in ("Einsum", "BatchMatMulV2", "Transpose", "Reshape", "StridedSlice", "StridedSliceGrad", "ConcatV2",
+                  "Softmax", "GatherV2", "ResourceGather", "UnsortedSegmentSum", "MatrixBandPart", "Erfc", "AddN",
+                  "Fill", "Pack", "Mean", "SquaredDifference", "Rsqrt", "RsqrtGrad"):
+    assert op_type in _rules.covered(), op_type
+
+
+def test_keras_layer_normalization_over_a_split_feature_dimension():
+  # LayerNormalization's moments over a feature dimension split over "model": partial means, all-reduced.
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"w$": (None, "model")}), batch_axes=("batch",),
+                               view="global")
+  rng = np.random.default_rng(3)
+  x, w0 = rng.normal(size=[8, 6]).astype("float32"), rng.normal(size=[6, 4]).astype("float32")
+  norm = keras.layers.LayerNormalization()
+  expected = norm(x @ w0).numpy()
+  with repl.context():
+    w = tf.Variable(w0, name="w")
+    ours = keras.layers.LayerNormalization()
+    ours.build([8, 4])
+  out = repl.run(lambda batch: ours(tf.matmul(batch, w)), tf.data.Dataset.from_tensors(x))
+  np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_split_random_draw_draws_only_the_local_piece():
+  from rewrite import _partition  # pylint: disable=import-outside-toplevel
+
+  def fn(x):
+    return tf.random.stateless_uniform([8, 4], seed=[1, 2]) * x
+
+  graph = tf.function(fn, autograph=False).get_concrete_function(tf.TensorSpec([8, 4])).graph
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  part = _partition.propagate(graph, m, {graph.inputs[0].name: (("batch",), ())})
+  (draw,) = [d for n, d in part.decisions.items() if graph.get_operation_by_name(n).type == "StatelessRandomUniformV2"]
+  assert draw.outputs == [(("batch",), ())] and draw.lower is not None
