@@ -28,6 +28,7 @@ from rewrite import _errors
 from rewrite import _placeholders
 from rewrite import _rules
 from rewrite import _rules_contraction  # noqa: F401  (registers rules)
+from rewrite import _rules_convolution  # noqa: F401
 from rewrite import _rules_elementwise  # noqa: F401
 from rewrite import _rules_gather  # noqa: F401
 from rewrite import _rules_random  # noqa: F401
@@ -114,6 +115,10 @@ class _Context:
     self.handle_shapes = handle_shapes
     self._values: dict = {}
 
+  def know(self, t: tf.Tensor, value) -> None:
+    """Records ``t``'s value (a shape query's global answer)."""
+    self._values[t.name] = value
+
   def value(self, t: tf.Tensor):
     """``t``'s value if the traced shapes determine it (``tf.get_static_value``, or shape arithmetic folded)."""
     if t.name not in self._values:
@@ -178,6 +183,8 @@ def _forward(ops, context, given, wants) -> Partition:
         layouts[t.name] = _rules.replicated(_rules.rank_of(t))
       continue
     decision = _decide(op, context, _inputs_of(op, layouts), wants)
+    for k, value in decision.values.items():
+      context.know(op.outputs[k], value)
     if decision.fallback:
       fallbacks.append(op.name)
     decisions[op.name] = decision

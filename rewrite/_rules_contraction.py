@@ -37,7 +37,7 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decisi
   want = view.want()
   if want is not None:  # whole output dimensions the consumers want split: slice the operands instead
     for label, axes in zip(out_labels, want):
-      if axes and label not in split and used.isdisjoint(axes) and size[label] % view.shards(axes) == 0:
+      if axes and label in size and label not in split and used.isdisjoint(axes) and size[label] % view.shards(axes) == 0:
         split[label] = axes
         used.update(axes)
   inputs = [tuple(split.get(label, ()) if n == size[label] else () for label, n in zip(ls, shape))

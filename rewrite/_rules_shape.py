@@ -314,3 +314,14 @@ def shape_query(view, layouts):
   value = {"Shape": shape, "Size": math.prod(shape), "Rank": len(shape)}[view.op.type]
   return _rules.Decision(inputs=[None], outputs=[_rules.replicated(view.op.outputs[0].shape.rank)],
                          values={0: np.asarray(value, dtype=dtype)})
+
+
+@_rules.register("ShapeN")
+def shape_n(view, layouts):
+  """Several shape queries: each the GLOBAL shape."""
+  shapes = [view.in_shape(i) for i in range(len(layouts))]
+  if any(None in shape for shape in shapes):
+    return _rules.fallback(view, layouts)
+  dtype = view.op.outputs[0].dtype.as_numpy_dtype
+  return _rules.Decision(inputs=[None] * len(layouts), outputs=[((),)] * len(layouts),
+                         values={k: np.asarray(shape, dtype=dtype) for k, shape in enumerate(shapes)})

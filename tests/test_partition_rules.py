@@ -93,6 +93,16 @@ CASES = {
                                lambda x, w: tf.random.stateless_uniform([8, 4], seed=[1, 2]) * tf.matmul(x, w)),
     "stateless_normal_3d": _case([8, 3, 6], [6, 4], (None, "model"),
                                  lambda x, w: tf.random.stateless_normal([8, 3, 4], seed=[3, 4]) * tf.matmul(x, w)),
+    # convolutions and pooling (NHWC)
+    "conv_output_channels": _case([4, 6, 6, 3], [3, 3, 3, 4], (None, None, None, "model"),
+                                  lambda x, w: tf.nn.conv2d(x, w, 1, "SAME")),
+    "conv_input_channels": _case([4, 6, 6, 3], [3, 3, 4, 2], (None, None, "model", None),
+                                 lambda x, w: tf.nn.conv2d(tf.concat([x, x[..., :1]], -1), w, 2, "VALID")),
+    "depthwise_channels": _case([4, 6, 6, 4], [3, 3, 4, 2], (None, None, "model", None),
+                                lambda x, w: tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME")),
+    "pools": _case([4, 6, 6, 3], [3, 3, 3, 4], (None, None, None, "model"),
+                   lambda x, w: tf.nn.max_pool2d(tf.nn.conv2d(x, w, 1, "SAME"), 2, 2, "VALID")
+                   + tf.nn.avg_pool2d(tf.nn.conv2d(x, w, 1, "SAME"), 2, 2, "VALID")),
     # masks by position
     "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                        lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
