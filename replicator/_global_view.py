@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from typing import Any
 from typing import Callable
@@ -50,6 +51,12 @@ FALLBACK = (
 UNSUPPORTED = (
     "The global view cannot partition {type} ({name}, at {location}): {why}. Fix: keep the "
     "variables this op uses replicated (leave them out of the layouts) until the op has a rule."
+)
+
+CHANGES_SHAPE = (
+    "step_fn assigns a value of shape {value} to the variable {name!r} of global shape {shape}: in the global "
+    "view every variable keeps its global shape (a sharded one is split by it). Fix: assign a value of shape "
+    "{shape}, or make a new variable outside the step."
 )
 
 CREATES_VARIABLES = (
@@ -131,7 +138,15 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     return tree.flatten(result)
 
   with _context.global_trace_scope(trace), tf.variable_creator_scope(creator):
-    concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
+    try:
+      concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
+    except ValueError as e:
+      changed = re.search(r"Cannot assign value to variable ' ?([^']*?)(:0)?': Shape mismatch.*variable shape "
+                          r"(\([^)]*\)), and the assigned value shape (\([^)]*\))", str(e), re.S)
+      if changed is None:
+        raise
+      raise _errors.ArgumentError(CHANGES_SHAPE.format(name=changed.group(1), shape=changed.group(3),
+                                                       value=changed.group(4))) from None
   graph = concrete.graph
   given = {}
   for placeholder, spec in zip(graph.inputs[:len(specs)], specs):

@@ -50,6 +50,11 @@ SHARDED_ON_READ = (
     "variable, such as a metric's or an accumulator's; those cannot be sharded. Fix: "
     "narrow the LayoutMap pattern so it matches only model weights."
 )
+SHARDED_UNKNOWN_SHAPE = (
+    "Variable {name!r} matches a layout ({spec}) but was made with shape={shape}, which lets a step "
+    "change its shape; a sharded variable's global shape is fixed (each device keeps its piece). Fix: "
+    "make it without shape= (or with its full shape), or narrow the LayoutMap so it does not match it."
+)
 SHARDED_SCATTER = (
     "{method}() outside a step is not supported for the sharded variable {name!r} "
     "(layout {spec}). Fix: assign the whole global value with assign(), or scatter inside "
@@ -824,6 +829,9 @@ def make_creator(replicator):
       layout = _choose_layout(replicator, path, value.shape, reference)
       if layout is not None and on_read:
         raise _errors.VariableCreationError(SHARDED_ON_READ.format(name=path, spec=layout.spec))
+      if layout is not None and kwargs.get("shape") is not None and not tf.TensorShape(kwargs["shape"]).is_fully_defined():
+        raise _errors.VariableCreationError(SHARDED_UNKNOWN_SHAPE.format(name=path, spec=layout.spec,
+                                                                         shape=tf.TensorShape(kwargs["shape"])))
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
       # The global view runs one program: one random stream, drawn at global shapes and sliced.
       offsets = None if replicator._view == "global" else seed_offsets(name, value, len(devices))  # pylint: disable=protected-access

@@ -396,3 +396,33 @@ def test_run_view_overrides_the_replicator_s_view():
   loss = repl.run(step_fn, ds, view="global")
   assert float(loss) == float(np.mean(x @ [[1.0], [2.0]]))
   np.testing.assert_allclose(np.asarray(w.components[1]), [[1.0], [2.0]] - 0.1 * x.mean(0)[:, None], rtol=1e-6)
+
+
+# -- errors a user can cause (pinned wording, never a hang) --------------------------------------
+
+def test_a_layout_that_does_not_divide_a_dimension_is_refused():
+  repl = _global_repl({r"w$": (None, "model")})
+  with pytest.raises(mesh.LayoutError, match=r"dimension 1 has size 3, which is not divisible by 2, the size of mesh "
+                                             r"axis 'model'. Fix: make dimension 1 a multiple of 2"):
+    with repl.context():
+      tf.Variable(np.ones([3, 3], "float32"), name="w")
+
+
+def test_a_layout_naming_an_unknown_axis_is_refused():
+  repl = _global_repl({r"w$": ("modle", None)})
+  with pytest.raises(mesh.LayoutError, match=r"names mesh axis 'modle' .* but the mesh has axes \('batch', 'model'\)"):
+    with repl.context():
+      tf.Variable(np.ones([4, 3], "float32"), name="w")
+
+
+def test_a_step_that_changes_a_sharded_variable_s_shape_is_refused():
+  repl = _global_repl({r"w$": ("model", None)})
+  with repl.context():
+    w = tf.Variable(np.ones([4, 3], "float32"), name="w")
+  ds = tf.data.Dataset.from_tensor_slices(np.ones([4, 3], "float32")).batch(4, drop_remainder=True)
+  with pytest.raises(replicator.ArgumentError, match=r"step_fn assigns a value of shape \(2, 3\) to the variable 'w' "
+                                                     r"of global shape \(4, 3\): in the global view every variable"):
+    repl.run(lambda x: w.assign(x[:2]), ds)
+  with pytest.raises(replicator.VariableCreationError, match=r"matches a layout .* but was made with shape=<unknown>"):
+    with repl.context():
+      tf.Variable(np.ones([4, 3], "float32"), name="w", shape=tf.TensorShape(None))
