@@ -23,6 +23,7 @@ from replicator import _errors
 from replicator import _global_view
 from replicator import _inputs
 from replicator import _keras
+from replicator import _keras_distribution
 from replicator import _optimizer
 from replicator import _primitives
 from replicator import _step
@@ -137,9 +138,12 @@ def _check_view(view: str) -> str:
 def _as_layout_map(layouts):
   if layouts is None or isinstance(layouts, mesh_lib.LayoutMap):
     return layouts
+  if _keras_distribution.is_layout_map(layouts):
+    return _keras_distribution.as_layout_map(layouts)
   if isinstance(layouts, dict):
     return mesh_lib.LayoutMap(layouts)
-  raise _errors.ArgumentTypeError(f"layouts must be a mesh.LayoutMap or a dict of variable path pattern to layout spec, "
+  raise _errors.ArgumentTypeError(f"layouts must be a mesh.LayoutMap, a keras.distribution.LayoutMap or a dict of "
+                                  f"variable path pattern to layout spec, "
                   f"found {type(layouts).__name__}.")
 
 
@@ -169,8 +173,9 @@ class Replicator:
   Args:
     devices: device strings, or None for all local logical devices of the
       preferred type (GPUs if any, else CPUs).
-    mesh: a :class:`mesh.Mesh` to run on instead of ``devices`` (one replica per
-      mesh device). By default a one-dimensional mesh ``{"replica": N}``.
+    mesh: a :class:`mesh.Mesh` (or a ``keras.distribution.DeviceMesh``) to run
+      on instead of ``devices`` (one replica per mesh device). By default a
+      one-dimensional mesh ``{"replica": N}``.
     implementation: collective implementation: ``"auto"`` (chosen per
       collective) or a registered lowering name (``"one_device"``,
       ``"collective_ops"``).
@@ -184,8 +189,9 @@ class Replicator:
       axes get the same elements). By default the mesh's ``"batch"`` axis, or
       its ``"replica"`` axis (the default one-dimensional mesh); ``()`` gives
       every device the same input.
-    layouts: a :class:`mesh.LayoutMap` (or dict) choosing the layout of
-      variables created in :meth:`context` and in steps; see :meth:`context`.
+    layouts: a :class:`mesh.LayoutMap` (or dict, or ``keras.distribution.LayoutMap``)
+      choosing the layout of variables created in :meth:`context` and in
+      steps; see :meth:`context`.
     drop_remainder: when the replicas' ``input_fn`` datasets have different
       lengths, end the epoch as soon as one runs out, dropping the rows left
       on the others. By default (False) the epoch ends when every dataset has
@@ -202,6 +208,8 @@ class Replicator:
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
+    if _keras_distribution.is_device_mesh(mesh):  # code written for Keras's distribution API
+      mesh = _keras_distribution.as_mesh(mesh)
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
     self._view = _check_view(view)
     self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: _global_view.GlobalStep}

@@ -426,3 +426,26 @@ def test_a_step_that_changes_a_sharded_variable_s_shape_is_refused():
   with pytest.raises(replicator.VariableCreationError, match=r"matches a layout .* but was made with shape=<unknown>"):
     with repl.context():
       tf.Variable(np.ones([4, 3], "float32"), name="w", shape=tf.TensorShape(None))
+
+
+def test_keras_distribution_mesh_and_layout_map_carry_over():
+  # Code written for Keras 3's distribution API: its DeviceMesh and LayoutMap, unchanged.
+  device_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=cpus(4))
+  layout_map = keras.distribution.LayoutMap(device_mesh)
+  layout_map[r"ff_in/kernel$"] = (None, "model")
+  layout_map[r"ff_in/bias$"] = keras.distribution.TensorLayout(("model",))
+  layout_map[r"ff_out/kernel$"] = ("model", None)
+  repl = replicator.Replicator(mesh=device_mesh, layouts=layout_map, batch_axes=("batch",), view="global")
+  assert repl.mesh.shape == {"batch": 2, "model": 2}
+  assert list(repl.mesh.devices) == [f"/device:CPU:{i}" for i in range(4)]
+  one_model, one_opt = _model_and_optimizer(contextlib.nullcontext(), "adam")
+  one_step = tf.function(_make_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  model, opt = _model_and_optimizer(repl.context(), "adam")
+  step_fn = _make_step(model, opt)
+  dataset = _dataset()
+  losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  assert [c.shape.as_list() for c in model.layers[0].kernel.value.components] == [[8, 8]] * 4
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
