@@ -242,10 +242,12 @@ class PartitionReport:
 
   @property
   def devices(self) -> tuple[str, ...]:
+    """The plan's devices, in mesh order."""
     return self.plan.devices
 
   @property
   def num_replicas(self) -> int:
+    """The number of devices."""
     return self.plan.num_replicas
 
   # -- totals ---------------------------------------------------------------------
@@ -259,10 +261,6 @@ class PartitionReport:
       nbytes[row.op_type] += row.bytes_per_step
     totals = [OpTypeTotal(t, tuple(sorted(counts[t].items())), nbytes[t]) for t in counts]
     return sorted(totals, key=lambda total: (-total.bytes_per_step, total.op_type))
-
-  def variable_bytes_per_device(self) -> int:
-    """Bytes of the variables' pieces on one device."""
-    return sum(row.bytes_per_device or 0 for row in self.variables)
 
   def summary(self) -> dict[str, Any]:
     """Every table as lists of dicts (JSON-able: strings, numbers, lists)."""
