@@ -8,7 +8,9 @@
 3. expand it into one subgraph per device at local shapes, with collective
    placeholders where a layout needs communication;
 4. plan and lower the placeholders (``rewrite.plan`` / ``rewrite.apply``) and
-   import the result into one function, as for the local view.
+   import the result into one function, as for the local view;
+5. report what the partition does (``rewrite.PartitionReport``, what
+   ``repl.explain`` returns), the variables and inputs named.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from replicator import _errors
 from replicator import _primitives
 from replicator import _variables
 from rewrite import _partition
+from rewrite import _partition_report
 
 NOT_DATASET = (
     "repl.run(step_fn, {what}) in the global view takes a tf.data.Dataset of global batches (each "
@@ -46,6 +49,14 @@ FALLBACK = (
     "split ({layouts}): its inputs are gathered and it runs on whole values on every device, as do "
     "the ops after it that only see its output. The result is right; the step communicates and "
     "computes more than it needs to."
+)
+
+STRICT_FALLBACK = (
+    "Replicator(strict=True): the global view has no layout rule for {count} op(s) whose inputs are "
+    "split; each would gather its inputs and run on whole values on every device:\n{ops}\n"
+    "Fix: add a layout rule for the op type (rewrite/_rules_*.py), keep the op's inputs replicated (leave "
+    "the variables they come from out of the layouts), or pass Replicator(strict=False) to run it on "
+    "gathered inputs, with a warning."
 )
 
 UNSUPPORTED = (
@@ -80,6 +91,7 @@ class GlobalStep:
   output_names: list
   structure: Any
   function: Any = None
+  report: rewrite.PartitionReport | None = None  # what repl.explain returns
 
   def __call__(self, flat_args):
     if self.function is None:
@@ -163,10 +175,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     op = graph.get_operation_by_name(name)
     raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why,
                                                       location=_primitives.location_of(op)))
-  for name in partition.fallbacks:
-    op = graph.get_operation_by_name(name)
-    warnings.warn(FALLBACK.format(type=op.type, name=name, location=_primitives.location_of(op),
-                                  layouts=[partition.layouts.get(t.name) for t in op.inputs]), stacklevel=4)
+  _check_fallbacks(graph, partition, replicator._strict)  # pylint: disable=protected-access
 
   def expanded(*flat):
     local = {}
@@ -189,13 +198,45 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
   plan = rewrite.plan(expanded.records, mesh, choose)
   rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, replicator._lowerings)  # pylint: disable=protected-access
+  report = _report(graph, partition, plan, mesh, trace, element_spec)
   return GlobalStep(
-      partition=partition, plan=plan, graph_def=rewritten.graph_def,
+      partition=partition, plan=plan, report=report, graph_def=rewritten.graph_def,
       input_names=[t.name for t in scratch.graph.inputs[:len(specs)]],
       captures=_captures.Captures([(internal.name, external) for external, internal in scratch.graph.captures]
                                   + list(rewritten.external_inputs.items())),
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       structure=structure["value"])
+
+
+def _check_fallbacks(graph, partition, strict: bool) -> None:
+  """Warns of every fallback (an op without a rule on split inputs), or refuses them all if ``strict``."""
+  rows = []
+  for name in partition.fallbacks:
+    op = graph.get_operation_by_name(name)
+    layouts = [partition.layouts.get(t.name) for t in op.inputs]
+    location = _primitives.location_of(op)
+    if not strict:
+      warnings.warn(FALLBACK.format(type=op.type, name=name, location=location, layouts=layouts),
+                    stacklevel=_primitives.user_stacklevel())
+    shown = ", ".join(_partition_report.format_layout(x) for x in layouts)
+    rows.append(f"  {op.type} ({name}, at {location}): input layouts {shown}")
+  if strict and rows:
+    raise _errors.UnsupportedError(STRICT_FALLBACK.format(count=len(rows), ops="\n".join(rows)))
+
+
+def _report(graph, partition, plan, mesh, trace, element_spec) -> rewrite.PartitionReport:
+  """The partition's report, the step's inputs named by their place in the batch and variables by their names."""
+  paths = [path for path, _ in tree.flatten_with_path(element_spec)]
+  inputs = {t.name: "input" + "".join(f"[{p!r}]" for p in path)
+            for t, path in zip(graph.inputs[:len(paths)], paths)}
+  variables = {}
+  for external, internal in graph.captures:
+    variable = trace.owners.get(id(external))
+    if variable is not None:
+      variables[internal.name] = tf.TensorSpec(variable.shape, variable.dtype, name=variable.name.split(":")[0])
+  return rewrite.PartitionReport.from_partition(graph, partition, plan, mesh.shape, inputs=inputs,
+                                                variables=variables, outputs=graph.outputs,
+                                                locate=_primitives.location_of)
 
 
 def _split_axes(mesh, axes) -> tuple[str, ...]:

@@ -199,12 +199,20 @@ class Replicator:
       empty batch (as tf.distribute does), so every row is used; divide a
       summed loss by ``repl.all_sum(tf.shape(x)[0])`` and use
       ``wrap_optimizer(reduction="sum")`` to match one device then.
+    view: ``"local"`` (the default): ``step_fn`` sees each device's piece and
+      calls collectives itself. ``"global"`` (experimental): ``step_fn`` is the
+      single-device step, seeing global values, partitioned by the layouts
+      alone (see the README's "The global view").
+    strict: in the global view, refuse (``UnsupportedError``, when the step is
+      built) an op without a layout rule whose inputs are split, instead of
+      gathering its inputs and running it on whole values with a warning.
+      Use it to make sure a step communicates only what its layouts require.
   """
 
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
                batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False,
-               view: str = "local"):
+               view: str = "local", strict: bool = False):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
@@ -212,6 +220,7 @@ class Replicator:
       mesh = _keras_distribution.as_mesh(mesh)
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
     self._view = _check_view(view)
+    self._strict = bool(strict)
     self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: _global_view.GlobalStep}
     self._global_iterators: dict = {}  # id(dataset) -> (dataset, iterator)
     if batch_axes is None:
@@ -473,18 +482,25 @@ class Replicator:
     pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
     return _distributed_dataset.DistributedDataset(dataset, pipelines, self._host, prefetch)
 
-  def explain(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None) -> rewrite.Plan:
+  def explain(self, step_fn: Callable, input_fn: Callable | None = None, *,
+              inputs: Any = None) -> rewrite.Plan | rewrite.PartitionReport:
     """Returns the rewrite plan of ``step_fn``: every collective, its size and implementation.
 
     Builds (and caches) the step like :meth:`run` but does not run it. ``print``
     the result for a table.
+
+    In the global view (``input_fn``: the dataset of global batches) it returns
+    a :class:`rewrite.PartitionReport`: the layout and bytes per device of every
+    variable and input, every collective with the op and source line that
+    required it, every relayout and every fallback. Its ``collectives``,
+    ``bytes_per_step`` and ``devices`` are the plan's (``.plan``).
     """
     self._check_called_from_python("explain")
     if self._view == "global":
       if not isinstance(input_fn, tf.data.Dataset):
         raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=type(input_fn).__name__,
                                                                     axes=self.batch_axes))
-      return self._global_step(step_fn, next(iter(input_fn))).plan  # a fresh iterator: run's is untouched
+      return self._global_step(step_fn, next(iter(input_fn))).report  # a fresh iterator: run's is untouched
     return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
 
   def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:

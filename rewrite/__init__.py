@@ -7,6 +7,9 @@ The pass has two separately testable halves:
 * :func:`apply` rewrites a ``GraphDef``, splicing in each lowering's ops and
   rewiring the placeholders' consumers.
 
+:class:`PartitionReport` says what a partition of a global graph does (the
+global view's ``repl.explain``): layouts, collectives by op, relayouts, fallbacks.
+
 This package knows nothing about Keras or about how a step was traced.
 """
 
@@ -24,6 +27,7 @@ from rewrite._lowering import get as get_lowering
 from rewrite._lowering import names as lowering_names
 from rewrite._lowering import register as register_lowering
 from rewrite._lowering import task_of
+from rewrite._partition_report import PartitionReport
 from rewrite._placeholders import KINDS
 from rewrite._placeholders import Placeholder
 from rewrite._placeholders import emit
@@ -49,6 +53,7 @@ __all__ = (
     "Lowering",
     "LoweringContext",
     "OneDevice",
+    "PartitionReport",
     "Placeholder",
     "Plan",
     "RewriteError",

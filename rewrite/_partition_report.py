@@ -1,0 +1,402 @@
+"""What a partition of a global graph does, row by row: the report ``repl.explain`` prints in the global view.
+
+It answers "why does this step communicate that much?": the layout and size per
+device of every variable and input, every collective with the op that required
+it and the user's source line, every relayout (an op input whose required layout
+differs from the tensor's: a free local slice or an ``all_gather``) and every
+fallback (an op without a rule, run on gathered inputs).
+
+Built from what the partitioner and the plan pass already know (a
+:class:`_partition.Partition`, the traced global graph and a :class:`Plan`);
+the caller names the inputs and variables. This module knows nothing about
+Keras.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from rewrite._plan import Collective
+from rewrite._plan import Plan
+
+Layout = tuple  # per dimension, the mesh axes it is split over; () for a scalar
+
+
+def format_layout(layout: Layout | None) -> str:
+  """``[batch, -]``: per dimension the axes it is split over (``-``: whole); ``?`` if unknown."""
+  if layout is None:
+    return "?"
+  dims = ["-" if not axes else axes[0] if len(axes) == 1 else "(" + ",".join(axes) + ")" for axes in layout]
+  return "[" + ", ".join(dims) + "]"
+
+
+def _format_shape(shape: Sequence[int | None] | None) -> str:
+  if shape is None:
+    return "?"
+  return "[" + ",".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _format_bytes(n: int | None) -> str:
+  return "?" if n is None else f"{n:,}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRow:
+  """A variable or an input of the step: its global shape and how it is laid out.
+
+  Attributes:
+    name: the caller's label (a variable's name, an input's position in the batch).
+    tensor: the tensor of the global graph (a variable's resource handle).
+    shape: the global shape.
+    dtype: the dtype's name.
+    layout: per dimension, the mesh axes it is split over.
+    bytes_per_device: bytes of one device's piece.
+  """
+
+  name: str
+  tensor: str
+  shape: tuple[int, ...]
+  dtype: str
+  layout: Layout
+  bytes_per_device: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRow:
+  """One collective of the plan, with the op of the global graph that required it.
+
+  Attributes:
+    index: position in call order.
+    kind: "all_reduce", "all_gather", ...
+    op: its reduction ("sum", ...) for reductions, else "".
+    axes: mesh axes communicated over.
+    dtype: the payload's dtype name.
+    shape: one device's input shape.
+    bytes_per_device: bytes of one device's input (None if not static).
+    bytes_per_step: bytes of every device's input, summed.
+    op_type: type of the op that required it (a contraction over a split dimension, say).
+    op_name: that op's name in the global graph.
+    why: what it completes: "partial sum" (the op's output holds partial sums),
+      "gather <tensor> dim d (input i)" (a relayout of the op's input i).
+    location: the user's source line of that op.
+  """
+
+  index: int
+  kind: str
+  op: str
+  axes: tuple[str, ...]
+  dtype: str
+  shape: tuple[int | None, ...] | None
+  bytes_per_device: int | None
+  bytes_per_step: int
+  op_type: str
+  op_name: str
+  why: str
+  location: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayoutRow:
+  """An op input whose required layout differs from the layout its producer gave the tensor.
+
+  Attributes:
+    tensor: the tensor of the global graph.
+    source: its layout.
+    target: the layout the consuming op requires.
+    op_type: the consuming op's type ("return" for a step output, gathered whole).
+    op_name: the consuming op's name ("output k" for a step output).
+    input: the input's position among the op's inputs (the output's among the step's).
+    location: the user's source line of the consuming op (of the producer, for a step output).
+    gathered: ``(dimension, axes)`` of every dimension gathered (one ``all_gather``
+      each); empty if the relayout only slices locally.
+  """
+
+  tensor: str
+  source: Layout
+  target: Layout
+  op_type: str
+  op_name: str
+  input: int
+  location: str
+  gathered: tuple[tuple[int, tuple[str, ...]], ...]
+
+  @property
+  def free(self) -> bool:
+    """Whether it only slices (every changed dimension goes from whole to split): no communication."""
+    return not self.gathered
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackRow:
+  """An op without a layout rule whose inputs were split: it runs on gathered, whole inputs.
+
+  Attributes:
+    op_type: the op's type.
+    op_name: its name in the global graph.
+    location: the user's source line.
+    inputs: its input tensors.
+    input_layouts: their layouts (before gathering).
+  """
+
+  op_type: str
+  op_name: str
+  location: str
+  inputs: tuple[str, ...]
+  input_layouts: tuple[Layout | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTypeTotal:
+  """The collectives that ops of one type required: how many of each kind, and their bytes per step."""
+
+  op_type: str
+  counts: tuple[tuple[str, int], ...]  # (kind, count), by kind
+  bytes_per_step: int
+
+
+@dataclasses.dataclass
+class PartitionReport:
+  """How a global-view step is partitioned: layouts, collectives, relayouts and fallbacks.
+
+  ``print`` it for tables; :meth:`summary` gives JSON-able dicts. The plan's
+  :attr:`collectives`, :attr:`bytes_per_step` and :attr:`devices` read as on
+  the :class:`Plan` it wraps (:attr:`plan`).
+
+  Attributes:
+    plan: the rewrite plan of the expanded step.
+    mesh_shape: the mesh's axis sizes.
+    variables: one row per variable the step uses, in the order given.
+    inputs: one row per input of the step, in the order given.
+    collective_rows: one row per collective of the plan, in call order.
+    relayouts: every op input (and step output) relayouted, in graph order.
+    fallbacks: every op that ran on gathered inputs for want of a rule.
+  """
+
+  plan: Plan
+  mesh_shape: dict[str, int]
+  variables: list[TensorRow]
+  inputs: list[TensorRow]
+  collective_rows: list[CollectiveRow]
+  relayouts: list[RelayoutRow]
+  fallbacks: list[FallbackRow]
+
+  @classmethod
+  def from_partition(cls, graph: tf.Graph, partition, plan: Plan, mesh_shape: Mapping[str, int], *,
+                     inputs: Mapping[str, str], variables: Mapping[str, tf.TensorSpec],
+                     outputs: Sequence[tf.Tensor] = (),
+                     locate: Callable[[tf.Operation], str] = lambda op: "<unknown location>") -> PartitionReport:
+    """The report of ``partition`` of ``graph``, expanded and planned into ``plan``.
+
+    Args:
+      graph: the traced global graph.
+      partition: its ``Partition`` (``layouts``: tensor name -> layout;
+        ``decisions``: op name -> decision with ``inputs``, ``outputs``,
+        ``reduce``, ``fallback``; ``fallbacks``: op names).
+      plan: the plan of the expanded graph's placeholders.
+      mesh_shape: axis name -> size.
+      inputs: tensor name of each of the step's inputs -> its label.
+      variables: tensor name of each variable's resource handle -> a spec with
+        its label (``name``), global shape and dtype.
+      outputs: the step's outputs (gathered whole on every device).
+      locate: the user's source line of an op.
+
+    Returns:
+      The report.
+    """
+    mesh_shape = dict(mesh_shape)
+    layouts = partition.layouts
+    variable_rows = [_tensor_row(spec.name, name, spec.shape, spec.dtype, layouts.get(name), mesh_shape)
+                     for name, spec in variables.items()]
+    input_rows = []
+    for name, label in inputs.items():
+      t = graph.get_tensor_by_name(name)
+      input_rows.append(_tensor_row(label, name, t.shape, t.dtype, layouts.get(name), mesh_shape))
+    relayouts, expected = _relayouts(graph, partition, outputs, locate)
+    fallbacks = []
+    for name in partition.fallbacks:
+      op = graph.get_operation_by_name(name)
+      fallbacks.append(FallbackRow(op.type, name, locate(op), tuple(t.name for t in op.inputs),
+                                   tuple(layouts.get(t.name) for t in op.inputs)))
+    rows = [_collective_row(c, expected) for c in plan.collectives]
+    return cls(plan, mesh_shape, variable_rows, input_rows, rows, relayouts, fallbacks)
+
+  # -- the plan's ---------------------------------------------------------------
+
+  @property
+  def collectives(self) -> tuple[Collective, ...]:
+    """The plan's collectives, in call order."""
+    return self.plan.collectives
+
+  @property
+  def bytes_per_step(self) -> int:
+    """Payload bytes entering collectives per step, summed over devices."""
+    return self.plan.bytes_per_step
+
+  @property
+  def devices(self) -> tuple[str, ...]:
+    """The plan's devices, in mesh order."""
+    return self.plan.devices
+
+  @property
+  def num_replicas(self) -> int:
+    """The number of devices."""
+    return self.plan.num_replicas
+
+  # -- totals ---------------------------------------------------------------------
+
+  def by_op_type(self) -> list[OpTypeTotal]:
+    """The collectives grouped by the type of the op that required them, most bytes first."""
+    counts: dict = collections.defaultdict(collections.Counter)
+    nbytes: dict = collections.Counter()
+    for row in self.collective_rows:
+      counts[row.op_type][row.kind] += 1
+      nbytes[row.op_type] += row.bytes_per_step
+    totals = [OpTypeTotal(t, tuple(sorted(counts[t].items())), nbytes[t]) for t in counts]
+    return sorted(totals, key=lambda total: (-total.bytes_per_step, total.op_type))
+
+  def summary(self) -> dict[str, Any]:
+    """Every table as lists of dicts (JSON-able: strings, numbers, lists)."""
+    return {
+        "devices": list(self.devices),
+        "mesh": dict(self.mesh_shape),
+        "bytes_per_step": self.bytes_per_step,
+        "variables": [_jsonable(r) for r in self.variables],
+        "inputs": [_jsonable(r) for r in self.inputs],
+        "collectives": [_jsonable(r) for r in self.collective_rows],
+        "by_op_type": [dict(op_type=t.op_type, counts=dict(t.counts), bytes_per_step=t.bytes_per_step)
+                       for t in self.by_op_type()],
+        "relayouts": [dict(_jsonable(r), free=r.free) for r in self.relayouts],
+        "fallbacks": [_jsonable(r) for r in self.fallbacks],
+    }
+
+  def __str__(self) -> str:
+    mesh = ", ".join(f"{a}: {n}" for a, n in self.mesh_shape.items())
+    lines = [f"Global view on {len(self.devices)} device(s), mesh {{{mesh}}}: {len(self.collective_rows)} "
+             f"collective(s), {self.bytes_per_step:,} bytes/step"]
+    for title, rows in (("Variables", self.variables), ("Inputs", self.inputs)):
+      total = sum(r.bytes_per_device or 0 for r in rows)
+      lines.append(f"\n{title} ({len(rows)}, {total:,} bytes/device):")
+      lines += _table(("name", "shape", "dtype", "layout", "bytes/device"),
+                      [(r.name, _format_shape(r.shape), r.dtype, format_layout(r.layout),
+                        _format_bytes(r.bytes_per_device)) for r in rows])
+    lines.append(f"\nCollectives ({len(self.collective_rows)}, {self.bytes_per_step:,} bytes/step):")
+    lines += _table(("#", "collective", "axes", "shape", "bytes/device", "bytes/step", "op", "why", "called at"),
+                    [(str(r.index), f"{r.kind}({r.op})" if r.op else r.kind, ",".join(r.axes), _format_shape(r.shape),
+                      _format_bytes(r.bytes_per_device), f"{r.bytes_per_step:,}", f"{r.op_type} {r.op_name}", r.why,
+                      r.location) for r in self.collective_rows])
+    if self.collective_rows:
+      lines.append("\nBy op type:")
+      lines += _table(("op type", "collectives", "bytes/step"),
+                      [(t.op_type, ", ".join(f"{n} {kind}" for kind, n in t.counts), f"{t.bytes_per_step:,}")
+                       for t in self.by_op_type()])
+    communicating = sum(not r.free for r in self.relayouts)
+    lines.append(f"\nRelayouts ({len(self.relayouts)}, {communicating} communicating):")
+    lines += _table(("tensor", "from", "to", "cost", "for", "at"),
+                    [(r.tensor, format_layout(r.source), format_layout(r.target), _cost(r),
+                      f"{r.op_type} {r.op_name} input {r.input}", r.location) for r in self.relayouts])
+    lines.append(f"\nFallbacks ({len(self.fallbacks)}: ops without a layout rule, run on gathered inputs):")
+    lines += _table(("op", "input layouts", "at"),
+                    [(f"{r.op_type} {r.op_name}", ", ".join(format_layout(x) for x in r.input_layouts), r.location)
+                     for r in self.fallbacks])
+    return "\n".join(lines)
+
+
+def _cost(row: RelayoutRow) -> str:
+  if row.free:
+    return "free (local slice)"
+  return ", ".join(f"all_gather dim {d} over {','.join(axes)}" for d, axes in row.gathered)
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
+  if not rows:
+    return ["  (none)"]
+  widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+  lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(header, widths)).rstrip(),
+           "  " + "  ".join("-" * w for w in widths)]
+  lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+  return lines
+
+
+def _jsonable(row) -> dict[str, Any]:
+  def convert(value):
+    if isinstance(value, (tuple, list)):
+      return [convert(v) for v in value]
+    return value
+  return {k: convert(v) for k, v in dataclasses.asdict(row).items()}
+
+
+def _tensor_row(label, name, shape, dtype, layout, mesh_shape) -> TensorRow:
+  shape = tf.TensorShape(shape)
+  dims = tuple(shape.as_list()) if shape.rank is not None else None
+  nbytes = None
+  if shape.is_fully_defined() and layout is not None and len(layout) == len(dims):
+    pieces = math.prod(math.prod(mesh_shape[a] for a in axes) for axes in layout)
+    nbytes = math.prod(dims) // pieces * tf.as_dtype(dtype).size
+  return TensorRow(label, name, dims, tf.as_dtype(dtype).name, layout, nbytes)
+
+
+def _gathered(source: Layout, target: Layout) -> tuple[tuple[int, tuple[str, ...]], ...]:
+  """The dimensions the expander gathers to go from ``source`` to ``target`` (their split changes)."""
+  return tuple((d, tuple(s)) for d, (s, t) in enumerate(zip(source, target)) if s and s != t)
+
+
+def _relayouts(graph, partition, outputs, locate):
+  """Every relayout the expander makes, and per op the collectives it emits, in order (kind, axes, why)."""
+  layouts = partition.layouts
+  rows = []
+  expected: dict = collections.defaultdict(collections.deque)
+
+  def relayout(t, target, op, index, returned=False):
+    """``t`` relayouted for input ``index`` of ``op`` (or, ``returned``, as output ``index`` of the step)."""
+    source = layouts.get(t.name)
+    if source is None or source == target or len(source) != len(target):
+      return
+    op_type, op_name = ("return", f"output {index}") if returned else (op.type, op.name)
+    row = RelayoutRow(t.name, source, target, op_type, op_name, index, locate(op), _gathered(source, target))
+    rows.append(row)
+    for d, axes in row.gathered:  # the expander's all_gathers, attributed to ``op``
+      why = f"gather {t.name} dim {d}" + (" to return it" if returned else f" (input {index})")
+      expected[op.name].append(("all_gather", axes, why))
+
+  for op in graph.get_operations():
+    decision = partition.decisions.get(op.name)
+    if decision is None:
+      continue
+    for i, t in enumerate(op.inputs):
+      target = decision.inputs[i] if i < len(decision.inputs) else None
+      if target is not None and t.dtype != tf.resource:
+        relayout(t, target, op, i)
+    for k, reduce in enumerate(decision.reduce[:len(op.outputs)]):
+      if reduce is not None:
+        combine, axes = reduce
+        why = f"partial {combine}" + (f" (output {k})" if len(op.outputs) > 1 else "")
+        expected[op.name].append(("all_reduce", tuple(axes), why))
+  for k, t in enumerate(outputs):
+    rank = t.shape.rank
+    if t.dtype != tf.resource and rank is not None:
+      relayout(t, ((),) * rank, t.op, k, returned=True)  # returned whole on every device
+  return rows, expected
+
+
+def _collective_row(c: Collective, expected: dict) -> CollectiveRow:
+  op_type, _, op_name = c.members[0].call.partition(" ")
+  why = ""
+  queue = expected.get(op_name, ())
+  for item in queue:
+    if item[0] == c.kind and item[1] == c.axes:
+      queue.remove(item)
+      why = item[2]
+      break
+  shape = tuple(c.shape.as_list()) if c.shape.rank is not None else None
+  return CollectiveRow(index=c.index, kind=c.kind, op=str(c.param_dict.get("op", "")), axes=c.axes,
+                       dtype=c.dtype.name, shape=shape, bytes_per_device=c.nbytes,
+                       bytes_per_step=sum(b or 0 for b in c.member_nbytes), op_type=op_type, op_name=op_name,
+                       why=why, location=c.location)
