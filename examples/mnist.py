@@ -8,9 +8,12 @@ on its slice of every global batch, gradients averaged by ``wrap_optimizer``.
 With ``--mesh`` and ``--layout`` it is the Mesh TensorFlow README's 2x2
 example instead: the devices form a named mesh, Mesh-TensorFlow-style layout
 rules split the batch over one axis and the hidden layer over another, and
-each device keeps only its slice of ``w1``, ``b1`` and ``w2``. The step is
-written in the local view: the second layer's partial products are summed
-over the axes that split "hidden".
+each device keeps only its slice of ``w1``, ``b1`` and ``w2``. The model and
+the step are the same code as in the data-parallel run: they run in the
+global view (``Replicator(..., view="global")``), where the step sees global
+batches and global weights and the layouts alone decide the partitioning
+(the second layer's partial products over "hidden" are summed by the
+replicator, not by the step).
 
 Data: scikit-learn's bundled handwritten digits (1,797 real 8x8 images), so
 nothing is downloaded. Run:
@@ -91,7 +94,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--learning-rate", type=float, default=1e-3)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--mesh", default="", help="named mesh axes, e.g. batch:2,model:2 (overrides --devices)")
-  parser.add_argument("--layout", default="", help="layout rules tensor-dimension:mesh-axis, e.g. batch:batch,hidden:model")
+  parser.add_argument("--layout", default="",
+                      help="layout rules tensor-dimension:mesh-axis, e.g. batch:batch,hidden:model")
   args = parser.parse_args(argv)
 
   axes = dict(parse_pairs(args.mesh, "mesh", int))
@@ -99,14 +103,15 @@ def main(argv=None) -> dict:
   import keras
   import tensorflow as tf
 
+  keras.utils.set_random_seed(args.seed)  # the shuffle's order depends on TensorFlow's global seed too
   (x_train, y_train), (x_test, y_test) = load_digits(seed=args.seed)
-  if axes:
+  global_view = bool(axes)
+  if global_view:
     rules = mesh.LayoutRules(parse_pairs(args.layout, "layout"))
-    repl = replicator.Replicator(mesh=mesh.Mesh(axes), batch_axes=rules.mesh_axes("batch"))
-    layouts = rules.layout_map(DIMENSIONS)
-    hidden_axes = rules.mesh_axes("hidden")  # the second layer's partial sums are reduced over these
+    repl = replicator.Replicator(mesh=mesh.Mesh(axes), layouts=rules.layout_map(DIMENSIONS),
+                                 batch_axes=rules.mesh_axes("batch"), view="global")
   else:
-    repl, layouts, hidden_axes = replicator.Replicator(), None, ()
+    repl = replicator.Replicator()  # data-parallel, in the local view: each replica sees its rows
   n = repl.num_replicas
   shards = repl.num_input_pipelines  # data-parallel replicas: devices along the batch axes
   per_replica = args.batch_size // shards
@@ -117,61 +122,80 @@ def main(argv=None) -> dict:
         f"{len(x_test)} test digits; global batch {args.batch_size} ({per_replica} per batch shard), "
         f"{steps_per_epoch} steps per epoch")
 
-  with repl.context(layouts=layouts):
+  # The same model and step in both views. In the local view the optimizer is
+  # wrapped to average the replicas' gradients; in the global view a plain
+  # optimizer is enough (the step sees the global batch).
+  with repl.context():
     model = build_model(tf, rows=x_train.shape[1], cols=x_train.shape[2], seed=args.seed)
-    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(args.learning_rate))
-  if layouts is not None:
+    optimizer = keras.optimizers.Adam(args.learning_rate)
+    if not global_view:
+      optimizer = repl.wrap_optimizer(optimizer)
+  if global_view:
     for v in (model.w1, model.b1, model.w2):
       print(f"  {v.name.split(':')[0]}: global {v.shape.as_list()}, layout {v.layout.spec}, "
             f"{v.components[0].shape.as_list()} per device")
-  # One device per batch shard reports accuracy (the others compute the same numbers).
-  reporters = sorted({repl.input_pipeline(r): r for r in reversed(range(n))}.values())
-
-  def logits_of(images):
-    if not hidden_axes:
-      return model(images)
-    hidden_act = tf.nn.relu(tf.einsum("brc,rch->bh", images, model.w1) + model.b1)  # local hidden slice
-    partial = tf.einsum("bh,hk->bk", hidden_act, model.w2)
-    return repl.all_reduce(partial, axis=hidden_axes) + model.b2
-
-  def train_input_fn(ctx: replicator.InputContext):
-    # Every replica shuffles the same global batches and keeps its own rows.
-    b = ctx.get_per_replica_batch_size(args.batch_size)
-    ds = tf.data.Dataset.from_tensor_slices((x_train, y_train))
-    ds = ds.shuffle(len(x_train), seed=args.seed, reshuffle_each_iteration=True).repeat()
-    ds = ds.batch(args.batch_size, drop_remainder=True)
-    return ds.map(lambda x, y: (x[ctx.replica_id * b:(ctx.replica_id + 1) * b],
-                                y[ctx.replica_id * b:(ctx.replica_id + 1) * b])).prefetch(2)
 
   def train_step(batch):
     images, labels = batch
     with tf.GradientTape() as tape:
-      logits = logits_of(images)
+      logits = model(images)
       loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.int32))
     return loss, correct
 
-  test_shards = replicator.PerReplica([(x_test[p::shards], y_test[p::shards])
-                                       for p in map(repl.input_pipeline, range(n))])
-
   def eval_step(batch):
     images, labels = batch
-    predictions = tf.argmax(logits_of(images), -1, output_type=tf.int32)
+    predictions = tf.argmax(model(images), -1, output_type=tf.int32)
     return tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.int32))
+
+  def global_batches():
+    # The same shuffled global batches in both views (and on any mesh).
+    ds = tf.data.Dataset.from_tensor_slices((x_train, y_train))
+    ds = ds.shuffle(len(x_train), seed=args.seed, reshuffle_each_iteration=True).repeat()
+    return ds.batch(args.batch_size, drop_remainder=True)
+
+  if global_view:
+    # A dataset of global batches; the step's results are global values.
+    train_data = global_batches()
+    # The whole test set as one global batch, padded with label -1 (never predicted) to divide evenly.
+    pad = -len(x_test) % shards
+    test_data = tf.data.Dataset.from_tensors((np.concatenate([x_test, np.zeros((pad, *x_test.shape[1:]), np.float32)]),
+                                              np.concatenate([y_test, np.full([pad], -1, np.int32)]))).repeat()
+
+    def train():
+      loss, right = repl.run(train_step, train_data)
+      return float(loss), int(right)
+
+    def test():
+      return int(repl.run(eval_step, test_data))
+  else:
+    def train_input_fn(ctx: replicator.InputContext):
+      # Every replica shuffles the same global batches and keeps its own rows.
+      b = ctx.get_per_replica_batch_size(args.batch_size)
+      return global_batches().map(lambda x, y: (x[ctx.replica_id * b:(ctx.replica_id + 1) * b],
+                                                y[ctx.replica_id * b:(ctx.replica_id + 1) * b])).prefetch(2)
+
+    test_shards = replicator.PerReplica([(x_test[r::n], y_test[r::n]) for r in range(n)])
+
+    def train():  # per-replica results: combine them
+      loss, right = repl.run(train_step, train_input_fn)
+      return float(repl.reduce("mean", loss)), int(repl.reduce("sum", right))
+
+    def test():
+      return int(repl.reduce("sum", repl.run(eval_step, inputs=test_shards)))
 
   history = []
   for epoch in range(1, args.epochs + 1):
     bar = Progress(steps_per_epoch, prefix=f"epoch {epoch:>2}/{args.epochs}")
     losses, correct = [], 0
     for step in range(1, steps_per_epoch + 1):
-      loss, right = repl.run(train_step, train_input_fn)
-      losses.append(float(repl.reduce("mean", loss)))
-      correct += sum(int(right.values[r]) for r in reporters)
+      loss, right = train()
+      losses.append(loss)
+      correct += right
       bar.update(step, loss=float(np.mean(losses)))
-    test_right = repl.run(eval_step, inputs=test_shards)
-    test_accuracy = sum(int(test_right.values[r]) for r in reporters) / len(x_test)
+    test_accuracy = test() / len(x_test)
     train_accuracy = correct / (steps_per_epoch * args.batch_size)
     history.append(dict(epoch=epoch, loss=float(np.mean(losses)), train_accuracy=train_accuracy,
                         test_accuracy=test_accuracy))

@@ -1,50 +1,49 @@
-"""A character-level transformer language model, Megatron-style on a 2-D mesh.
+"""A Keras 3 transformer language model, written for one device, split over a 2-D mesh by layouts alone.
 
-A small decoder-only transformer (token and learned position embeddings, N
-pre-LayerNorm blocks of causal multi-head attention and a GELU feed-forward
-network, a final LayerNorm and an output projection tied to the embedding)
-learns to predict the next character of the Python reference documentation
-that ships with Python (``pydoc_data.topics``, about 465 KB of English text,
-so nothing is downloaded). The last 10% of the text is held out.
+The model is ordinary single-device Keras 3 code: a decoder-only transformer
+(``keras.layers.Embedding`` for tokens, a learned position table, pre-
+LayerNorm blocks of ``keras.layers.MultiHeadAttention`` with a causal mask
+and a ``Dense`` GELU feed-forward network, seeded ``Dropout`` on both
+residual branches, a final ``LayerNormalization`` and an output ``Dense``).
+It learns to predict the next character of the Python reference
+documentation that ships with Python (``pydoc_data.topics``, about 465 KB of
+English text, so nothing is downloaded); the last 10% is held out.
 
-The devices form a named mesh (``--mesh batch:2,model:2``: 4 logical CPUs)
-and Mesh-TensorFlow-style layout rules (``--layout``) name which mesh axis
-splits which tensor dimension. By default the batch is split over "batch"
-and, as in Megatron-LM, the attention heads and the feed-forward hidden units
-over "model":
+The training step is the single-device step, byte for byte (a
+``tf.GradientTape`` and a plain ``keras.optimizers.Adam``), run with
+``repl.run(train_step, dataset)`` in the *global view*
+(``Replicator(..., view="global")``): the step sees global batches and
+variables at their global shapes, and the layouts alone decide how it is
+partitioned over the mesh. ``--layout`` switches between named layout sets;
+the model and the step do not change:
 
-* ``wq``, ``wk``, ``wv`` ``[d_model, heads, d_head]`` are split by heads
-  (column-parallel): each device computes the queries, keys and values of its
-  own heads and attends with them, with no communication.
-* ``wo`` ``[heads, d_head, d_model]`` is split by heads too (row-parallel):
-  each device multiplies its heads' outputs by its rows of ``wo``, giving a
-  partial sum of the attention output; one all-reduce over "model" adds the
-  partial sums before the (replicated) output bias is added.
-* ``w_in`` ``[d_model, ff]`` and ``b_in`` ``[ff]`` are split by ff units
-  (column-parallel) and ``w_out`` ``[ff, d_model]`` by ff units
-  (row-parallel, then an all-reduce over "model").
-* Embeddings, LayerNorm parameters and output biases are replicated.
+* ``data``: the batch is split over "batch"; every weight is replicated.
+* ``megatron``: also, as in Megatron-LM, the attention heads (the query, key
+  and value kernels by heads, the attention output kernel by its input
+  heads) and the feed-forward units (``ff_in`` by columns, ``ff_out`` by
+  rows) are split over "model". The replicator inserts the two all-reduces
+  per block that Megatron writes by hand.
+* ``2d``: ``megatron`` plus the vocabulary split over "model": the token
+  embedding by rows (a masked lookup, then a sum) and the output projection
+  by columns (the softmax cross-entropy reduces over the split vocabulary).
 
-So each block costs two all-reduces in the forward pass and two in the
-backward pass, and every device stores 1/k of the attention and
-feed-forward weights (and of their Adam slots) for a "model" axis of size k.
-The step is written in the *local view*: inside ``repl.run`` a sharded
-variable reads as this device's piece, so the code sees only its local heads
-and ff units (their number follows from the piece's shape, never from the
-variable's global ``shape``). Without a rule for "heads" or "ff" (e.g.
-``--layout batch:batch``) the same code runs with whole weights and no
-all-reduce.
+Every layout gives the same losses as one device (``--one-device``: the same
+code under ``tf.function``, no Replicator). For the same model written by hand
+in the *local view* (each device sees its own piece and sums partial results
+itself), see ``examples/transformer_local.py``.
 
-Run (about a minute on a 2-core CPU):
+Run (a minute or two on a 2-core CPU):
 
-  python -m examples.transformer
-  python -m examples.transformer --mesh batch:4,model:1 --layout batch:batch
-  python -m examples.transformer --mesh batch:1,model:4 --explain
+  python -m examples.transformer                      # 2x2 mesh, --layout megatron
+  python -m examples.transformer --layout 2d --explain
+  python -m examples.transformer --layout data --mesh batch:4
+  python -m examples.transformer --one-device
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -57,285 +56,208 @@ import numpy as np  # noqa: E402
 import mesh  # noqa: E402
 import replicator  # noqa: E402
 from examples.mnist import parse_pairs  # noqa: E402
+from examples.transformer_local import load_text  # noqa: E402
+from examples.transformer_local import windows  # noqa: E402
 
-# Named tensor dimensions of the variables that may be split (the others are
-# replicated). Keys are patterns over the variable path, e.g.
-# "transformer/layer0/wq"; anchored so that each variable matches one.
-DIMENSIONS = {
-    r"/wq$": ("embed", "heads", "head_dim"),
-    r"/wk$": ("embed", "heads", "head_dim"),
-    r"/wv$": ("embed", "heads", "head_dim"),
-    r"/wo$": ("heads", "head_dim", "embed"),
-    r"/w_in$": ("embed", "ff"),
-    r"/b_in$": ("ff",),
-    r"/w_out$": ("ff", "embed"),
+# Layout sets: Keras variable path pattern -> one entry per dimension (a mesh axis or None).
+MEGATRON = {
+    r"attn/(query|key|value)/kernel$": (None, "model", None),  # [d_model, heads, d_head]: column-parallel
+    r"attn/(query|key|value)/bias$": ("model", None),  # [heads, d_head]
+    r"attn/attention_output/kernel$": ("model", None, None),  # [heads, d_head, d_model]: row-parallel
+    r"ff_in/kernel$": (None, "model"),  # [d_model, ff]: column-parallel
+    r"ff_in/bias$": ("model",),
+    r"ff_out/kernel$": ("model", None),  # [ff, d_model]: row-parallel
 }
-# Every kind of variable, in the order the model uses them.
-KINDS = ("embedding", "position", "ln1_scale", "ln1_bias", "wq", "wk", "wv", "wo", "bo", "ln2_scale",
-         "ln2_bias", "w_in", "b_in", "w_out", "b_out", "lnf_scale", "lnf_bias")
+VOCABULARY = {
+    r"^embed/embeddings$": ("model", None),  # [vocabulary, d_model]: rows
+    r"^head/kernel$": (None, "model"),  # [d_model, vocabulary]: columns
+    r"^head/bias$": ("model",),
+}
+LAYOUTS = {"data": {}, "megatron": MEGATRON, "2d": {**MEGATRON, **VOCABULARY}}
+VOCABULARY_MULTIPLE = 8  # the vocabulary is padded to a multiple of this, so that it splits evenly
 HELD_OUT_FRACTION = 0.1
 
 
-def load_text() -> str:
-  """The Python reference documentation's topics (``pydoc_data``), as one string."""
-  from pydoc_data.topics import topics
-  return "".join(topics[key] for key in sorted(topics))
+def build_model(keras, vocab: int, seq_len: int, d_model: int, heads: int, ff: int, layers: int,
+                dropout: float, seed: int):
+  """The transformer as a functional Keras model: ``model(tokens [batch, seq_len]) -> logits``.
 
-
-def build_model(tf, vocab: int, seq_len: int, d_model: int, heads: int, ff: int, layers: int, seed: int = 0):
-  """The transformer as a tf.Module: ``model(tokens, heads_sum, ff_sum) -> logits``.
-
-  ``heads_sum`` and ``ff_sum`` sum partial products over the devices that
-  split the heads and the ff units (identity when they are not split).
+  Plain single-device Keras: nothing here knows about devices or layouts.
   """
-  d_head = d_model // heads
-  counter = iter(range(1, 1_000_000))
+  keras.utils.set_random_seed(seed)  # the same initial weights and dropout masks on any mesh
 
-  def normal(shape, stddev=0.02):
-    # Stateless: the same global initial values on any mesh (they are computed once, then split).
-    return tf.random.stateless_normal(shape, seed=[seed, next(counter)], stddev=stddev)
+  class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per position to ``[batch, seq_len, d_model]`` inputs."""
 
-  def layer_norm(x, scale, bias, eps=1e-5):
-    mean = tf.reduce_mean(x, axis=-1, keepdims=True)
-    variance = tf.reduce_mean(tf.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * tf.math.rsqrt(variance + eps) * scale + bias
+    def build(self, input_shape):
+      self.table = self.add_weight(shape=tuple(input_shape[1:]), name="table",
+                                   initializer=keras.initializers.RandomNormal(stddev=0.01))
 
-  def identity(x):
-    return x
+    def call(self, x):
+      return x + self.table
 
-  class Block(tf.Module):
-    """Pre-LayerNorm block: x + attention(ln1(x)), then x + ffn(ln2(x))."""
-
-    def __init__(self, name: str):
-      super().__init__(name=name)
-      residual_std = 0.02 / math.sqrt(2 * layers)  # GPT-2: scale the layers that write the residual stream
-      with self.name_scope:
-        self.ln1_scale = tf.Variable(tf.ones([d_model]), name="ln1_scale")
-        self.ln1_bias = tf.Variable(tf.zeros([d_model]), name="ln1_bias")
-        self.wq = tf.Variable(normal([d_model, heads, d_head]), name="wq")
-        self.wk = tf.Variable(normal([d_model, heads, d_head]), name="wk")
-        self.wv = tf.Variable(normal([d_model, heads, d_head]), name="wv")
-        self.wo = tf.Variable(normal([heads, d_head, d_model], residual_std), name="wo")
-        self.bo = tf.Variable(tf.zeros([d_model]), name="bo")
-        self.ln2_scale = tf.Variable(tf.ones([d_model]), name="ln2_scale")
-        self.ln2_bias = tf.Variable(tf.zeros([d_model]), name="ln2_bias")
-        self.w_in = tf.Variable(normal([d_model, ff]), name="w_in")
-        self.b_in = tf.Variable(tf.zeros([ff]), name="b_in")
-        self.w_out = tf.Variable(normal([ff, d_model], residual_std), name="w_out")
-        self.b_out = tf.Variable(tf.zeros([d_model]), name="b_out")
-
-    def __call__(self, x, heads_sum, ff_sum):
-      # Attention over this device's heads: wq/wk/wv read as [d_model, local heads, d_head].
-      h = layer_norm(x, self.ln1_scale, self.ln1_bias)
-      q = tf.einsum("btd,dhk->bthk", h, self.wq)
-      k = tf.einsum("btd,dhk->bthk", h, self.wk)
-      v = tf.einsum("btd,dhk->bthk", h, self.wv)
-      length = tf.shape(x)[1]
-      causal = tf.cast(tf.linalg.band_part(tf.ones([length, length]), -1, 0), tf.bool)
-      scores = tf.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(d_head)
-      weights = tf.nn.softmax(tf.where(causal, scores, -1e9), axis=-1)
-      heads_out = tf.einsum("bhqs,bshk->bqhk", weights, v)
-      partial = tf.einsum("bqhk,hkd->bqd", heads_out, self.wo)  # this device's heads' share
-      x = x + heads_sum(partial) + self.bo
-      # Feed-forward over this device's ff units: w_in reads as [d_model, local ff].
-      h = layer_norm(x, self.ln2_scale, self.ln2_bias)
-      u = tf.nn.gelu(tf.einsum("btd,df->btf", h, self.w_in) + self.b_in)
-      partial = tf.einsum("btf,fd->btd", u, self.w_out)
-      return x + ff_sum(partial) + self.b_out
-
-  class Transformer(tf.Module):
-    """Decoder-only transformer; the output projection is the transposed token embedding."""
-
-    def __init__(self):
-      super().__init__(name="transformer")
-      with self.name_scope:
-        self.embedding = tf.Variable(normal([vocab, d_model]), name="embedding")
-        self.position = tf.Variable(normal([seq_len, d_model], 0.01), name="position")
-        self.blocks = [Block(f"layer{i}") for i in range(layers)]
-        self.lnf_scale = tf.Variable(tf.ones([d_model]), name="lnf_scale")
-        self.lnf_bias = tf.Variable(tf.zeros([d_model]), name="lnf_bias")
-
-    def __call__(self, tokens, heads_sum=identity, ff_sum=identity):
-      embedding = tf.convert_to_tensor(self.embedding)
-      x = tf.gather(embedding, tokens) + tf.convert_to_tensor(self.position)[:tf.shape(tokens)[1]]
-      for block in self.blocks:
-        x = block(x, heads_sum, ff_sum)
-      x = layer_norm(x, self.lnf_scale, self.lnf_bias)
-      return tf.einsum("btd,vd->btv", x, embedding)
-
-  return Transformer()
-
-
-def windows(ids: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
-  """``ids[s:s + length]`` for every start ``s`` (any shape of ``starts``)."""
-  return ids[starts[..., None] + np.arange(length)]
-
-
-def kind_of(variable) -> str:
-  """``"transformer/layer0/wq:0"`` -> ``"wq"``."""
-  return variable.name.split(":")[0].rsplit("/", 1)[-1]
+  tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
+  x = keras.layers.Embedding(vocab, d_model, name="embed")(tokens)
+  x = PositionEmbedding(name="position")(x)
+  for i in range(layers):
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln1")(x)
+    h = keras.layers.MultiHeadAttention(heads, d_model // heads, name=f"block{i}_attn")(h, h, use_causal_mask=True)
+    x = x + keras.layers.Dropout(dropout, seed=seed + 2 * i + 1, name=f"block{i}_drop1")(h)
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln2")(x)
+    h = keras.layers.Dense(ff, activation="gelu", name=f"block{i}_ff_in")(h)
+    h = keras.layers.Dense(d_model, name=f"block{i}_ff_out")(h)
+    x = x + keras.layers.Dropout(dropout, seed=seed + 2 * i + 2, name=f"block{i}_drop2")(h)
+  x = keras.layers.LayerNormalization(epsilon=1e-5, name="final_ln")(x)
+  logits = keras.layers.Dense(vocab, name="head")(x)
+  return keras.Model(tokens, logits, name="transformer")
 
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--mesh", default="batch:2,model:2", help="named mesh axes, e.g. batch:2,model:2")
+  parser.add_argument("--layout", default="megatron", choices=sorted(LAYOUTS),
+                      help="which weights the mesh axes split (the batch is always split over 'batch')")
+  parser.add_argument("--one-device", action="store_true",
+                      help="run the same model and step on one device under tf.function (no Replicator)")
   parser.add_argument("--devices", type=int, default=0, help="logical CPU devices (default: the mesh's size)")
-  parser.add_argument("--layout", default="batch:batch,heads:model,ff:model",
-                      help="layout rules tensor-dimension:mesh-axis (dimensions: batch, heads, ff)")
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--steps-per-call", type=int, default=25, help="training steps per repl.run call")
+  parser.add_argument("--epochs", type=int, default=5)
+  parser.add_argument("--steps-per-epoch", type=int, default=60)
   parser.add_argument("--batch-size", type=int, default=32, help="global batch size (sequences)")
   parser.add_argument("--seq-len", type=int, default=64)
   parser.add_argument("--d-model", type=int, default=64)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--ff", type=int, default=256)
   parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--dropout", type=float, default=0.1)
   parser.add_argument("--learning-rate", type=float, default=3e-3)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--eval-batches", type=int, default=0,
-                      help="held-out batches to evaluate (0: all of the held-out text)")
-  parser.add_argument("--generate", type=int, default=300, help="characters to sample after training")
+  parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches evaluated after every epoch")
+  parser.add_argument("--generate", type=int, default=200, help="characters to sample after training")
   parser.add_argument("--prompt", default="The ")
   parser.add_argument("--temperature", type=float, default=0.8)
-  parser.add_argument("--explain", action="store_true", help="print the rewrite plan (every collective)")
+  parser.add_argument("--explain", action="store_true", help="print the global view's plan (every collective)")
   args = parser.parse_args(argv)
 
   axes = dict(parse_pairs(args.mesh, "mesh", int))
-  if not axes:
-    sys.exit("--mesh needs at least one axis, e.g. --mesh batch:2,model:2.")
-  rules = dict(parse_pairs(args.layout, "layout"))
+  if not args.one_device and "batch" not in axes:
+    sys.exit(f"--mesh {args.mesh!r} needs a 'batch' axis (of size 1 for model parallelism only), e.g. batch:2,model:2.")
   if args.d_model % args.heads:
     sys.exit(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}.")
-  # The mesh takes the first of the logical CPUs (a test session already has 8: pass --devices 8).
-  replicator.virtual_cpus(max(args.devices, math.prod(axes.values())))
+  devices = args.devices if args.one_device else max(args.devices, math.prod(axes.values()))
+  if devices:
+    replicator.virtual_cpus(devices)  # the mesh takes the first ones (a test session has 8: pass --devices 8)
   import keras
   import tensorflow as tf
 
   text = load_text()
   chars = sorted(set(text))
+  vocab = -(-len(chars) // VOCABULARY_MULTIPLE) * VOCABULARY_MULTIPLE  # ids past the characters are never seen
   char_to_id = {c: i for i, c in enumerate(chars)}
   ids = np.array([char_to_id[c] for c in text], dtype=np.int32)
   split_at = int(len(ids) * (1 - HELD_OUT_FRACTION))
   train_ids, held_ids = ids[:split_at], ids[split_at:]
 
-  layout_rules = mesh.LayoutRules(list(rules.items()))
-  repl = replicator.Replicator(mesh=mesh.Mesh(axes), batch_axes=layout_rules.mesh_axes("batch"))
-  heads_axes, ff_axes = layout_rules.mesh_axes("heads"), layout_rules.mesh_axes("ff")
-  shards = repl.num_input_pipelines
-  if args.batch_size % shards:
-    sys.exit(f"--batch-size {args.batch_size} must be a multiple of the {shards} batch shards.")
-  print(f"{repl.num_replicas} devices, mesh {repl.mesh.shape}, layout rules {rules}; "
-        f"{len(train_ids):,} train / {len(held_ids):,} held-out characters, vocabulary {len(chars)} "
-        f"(ln {math.log(len(chars)):.3f}); global batch {args.batch_size} x {args.seq_len} "
-        f"({args.batch_size // shards} sequences per batch shard)")
+  # Global batches of (inputs, next characters), drawn on the host with a seeded RNG: the same data
+  # whatever the mesh. Each dataset element is one global batch.
+  def batches(windows_of_text: np.ndarray):
+    pairs = (windows_of_text[:, :-1], windows_of_text[:, 1:])
+    return tf.data.Dataset.from_tensor_slices(pairs).batch(args.batch_size, drop_remainder=True)
 
-  with repl.context(layouts=layout_rules.layout_map(DIMENSIONS)):
-    model = build_model(tf, vocab=len(chars), seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
-                        ff=args.ff, layers=args.layers, seed=args.seed)
-    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(args.learning_rate))
-  variables = list(model.trainable_variables)
-  by_kind: dict[str, list] = {kind: [] for kind in KINDS}
-  for v in variables:
-    by_kind[kind_of(v)].append(v)
-  bytes_by_kind = {kind: replicator.bytes_per_device(vs) for kind, vs in by_kind.items()}
-  print(f"{'variable':<10} {'count':>5}  {'global shape':<14} {'layout':<26} {'per device':<14} bytes/device")
-  for kind, vs in by_kind.items():
-    v = vs[0]
-    print(f"{kind:<10} {len(vs):>5}  {str(v.shape.as_list()):<14} {str(v.layout.spec):<26} "
-          f"{str(v.components[0].shape.as_list()):<14} {bytes_by_kind[kind][repl.devices[0]]:,}")
+  rng = np.random.RandomState(args.seed)
+  starts = rng.randint(0, len(train_ids) - args.seq_len, size=args.epochs * args.steps_per_epoch * args.batch_size)
+  train_data = batches(windows(train_ids, starts, args.seq_len + 1))
+  held_starts = np.arange(0, len(held_ids) - args.seq_len, args.seq_len)[:args.eval_batches * args.batch_size]
+  held_data = batches(windows(held_ids, held_starts, args.seq_len + 1)).repeat()  # the same batches every epoch
 
-  # Only call all_reduce for dimensions that some mesh axis splits.
-  def heads_sum(x):
-    return repl.all_reduce(x, axis=heads_axes) if heads_axes else x
+  if args.one_device:
+    repl, where = None, "one device (tf.function)"
+  else:
+    layouts = mesh.LayoutMap(LAYOUTS[args.layout]) if LAYOUTS[args.layout] else None
+    repl = replicator.Replicator(mesh=mesh.Mesh(axes), layouts=layouts, batch_axes=("batch",), view="global")
+    where = f"{repl.num_replicas} devices, mesh {repl.mesh.shape}, layout {args.layout!r}"
+  print(f"{where}; {len(train_ids):,} train / {len(held_ids):,} held-out characters, {len(chars)} distinct "
+        f"(vocabulary {vocab}, ln {math.log(len(chars)):.3f}); global batch {args.batch_size} x {args.seq_len}")
 
-  def ff_sum(x):
-    return repl.all_reduce(x, axis=ff_axes) if ff_axes else x
-
-  def loss_of(batch):
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model(inputs, heads_sum, ff_sum)
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits))
+  # ---- Single-device code: the model, the optimizer and the steps. ----
+  with repl.context() if repl else contextlib.nullcontext():  # under repl.context(), the layouts apply
+    model = build_model(keras, vocab=vocab, seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
+                        ff=args.ff, layers=args.layers, dropout=args.dropout, seed=args.seed)
+    optimizer = keras.optimizers.Adam(args.learning_rate)
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
   def train_step(batch):
+    inputs, targets = batch
     with tf.GradientTape() as tape:
-      loss = loss_of(batch)
-    grads = tape.gradient(loss, variables)
-    optimizer.apply_gradients(zip(grads, variables))
+      loss = loss_fn(targets, model(inputs, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
 
-  # Global batches, drawn on the host with a seeded RNG: the same data order
-  # on every mesh. repl.run splits each one into the batch shards' rows.
-  rng = np.random.RandomState(args.seed)
-  starts = np.stack([rng.randint(0, len(train_ids) - args.seq_len, size=args.batch_size)
-                     for _ in range(args.steps)])
-  train_data = tf.data.Dataset.from_tensor_slices(windows(train_ids, starts, args.seq_len + 1))
-  # Held-out: consecutive non-overlapping windows, in global batches.
-  held_windows = windows(held_ids, np.arange(0, len(held_ids) - args.seq_len, args.seq_len), args.seq_len + 1)
-  eval_batches = len(held_windows) // args.batch_size
-  if args.eval_batches:
-    eval_batches = min(eval_batches, args.eval_batches)
-  held_windows = held_windows[:eval_batches * args.batch_size]
-  held_data = tf.data.Dataset.from_tensor_slices(held_windows).batch(args.batch_size)
+  def eval_step(batch):
+    inputs, targets = batch
+    return loss_fn(targets, model(inputs, training=False))
+  # ---- End of the single-device code. ----
 
-  start = time.perf_counter()
-  plan = repl.explain(train_step, train_data)  # builds the step (cached: repl.run reuses it)
-  print(f"built the step in {time.perf_counter() - start:.1f} s; " +
-        (str(plan) if args.explain else str(plan).splitlines()[0] + " (--explain lists them)"))
+  if repl is None:
+    train_iterator, held_iterator = iter(train_data), iter(held_data)
+    train_fn, eval_fn = tf.function(train_step), tf.function(eval_step)
 
-  history: list[float] = []
-  seconds: list[float] = []  # per step, of each call
-  done = 0
-  while done < args.steps:
-    k = min(args.steps_per_call, args.steps - done)
+    def run_train():
+      return train_fn(next(train_iterator))
+
+    def run_eval():
+      return eval_fn(next(held_iterator))
+  else:
+    def run_train():
+      return repl.run(train_step, train_data)  # the next global batch; returns the global loss
+
+    def run_eval():
+      return repl.run(eval_step, held_data)
+
     start = time.perf_counter()
-    losses = repl.reduce("mean", repl.run(train_step, train_data, steps=k, all_steps=True)).numpy()
+    plan = str(repl.explain(train_step, train_data))  # builds the step (run reuses it)
+    print(f"built the step in {time.perf_counter() - start:.1f} s; "
+          + (plan if args.explain else plan.splitlines()[0] + " (--explain lists them)"))
+
+  history: list[dict] = []
+  losses: list[float] = []
+  for epoch in range(1, args.epochs + 1):
+    start = time.perf_counter()
+    epoch_losses = [float(run_train()) for _ in range(args.steps_per_epoch)]
     elapsed = time.perf_counter() - start
-    seconds.append(elapsed / k)
-    done += k
-    history.extend(float(x) for x in losses)
-    print(f"step {done:>5}: loss {losses[-1]:.4f} (mean of the last {k}: {losses.mean():.4f}); "
-          f"{1000 * elapsed / k:.0f} ms/step" + (" (first call: builds the loop)" if len(seconds) == 1 else ""))
-
-  held_losses = repl.run(loss_of, held_data, steps=eval_batches, all_steps=True)
-  heldout_loss = float(np.mean(repl.reduce("mean", held_losses).numpy()))
-  ms_per_step = 1000 * float(np.mean(seconds[1:] or seconds))  # the first call also builds its loop
-  print(f"initial loss {history[0]:.4f} (ln vocabulary {math.log(len(chars)):.4f}), final train loss "
-        f"{history[-1]:.4f}, held-out loss {heldout_loss:.4f} ({eval_batches * args.batch_size} windows); "
-        f"{ms_per_step:.0f} ms/step")
-
-  # Outside a step the sharded variables read as their global values, so the
-  # same model runs on one device with whole weights and no all-reduce.
-  @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32)])
-  def host_logits(tokens):
-    return model(tokens)
-
-  held_targets = held_windows[:, 1:]
-  host_losses = [tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-      labels=held_targets[i:i + args.batch_size], logits=host_logits(held_windows[i:i + args.batch_size, :-1])))
-      for i in range(0, len(held_windows), args.batch_size)]
-  heldout_loss_host = float(np.mean(host_losses))
-  print(f"held-out loss recomputed on one device from the global weights: {heldout_loss_host:.4f}")
+    losses.extend(epoch_losses)
+    held = float(np.mean([float(run_eval()) for _ in range(args.eval_batches)])) if args.eval_batches else math.nan
+    history.append(dict(epoch=epoch, loss=float(np.mean(epoch_losses)), heldout_loss=held,
+                        perplexity=math.exp(held) if args.eval_batches else math.nan))
+    print(f"epoch {epoch:>2}: loss {history[-1]['loss']:.4f}  held-out loss {held:.4f} "
+          f"(perplexity {history[-1]['perplexity']:.2f})  {1000 * elapsed / args.steps_per_epoch:.0f} ms/step")
 
   sample = ""
   if args.generate:
+    # Outside a step the variables read as their global values: the model runs on one device.
+    predict = tf.function(lambda tokens: model(tokens, training=False))
     sample_rng = np.random.RandomState(args.seed)
     tokens = [char_to_id[c] for c in args.prompt if c in char_to_id] or [0]
     for _ in range(args.generate):
-      logits = host_logits(np.array([tokens[-args.seq_len:]], np.int32))[0, -1].numpy().astype(np.float64)
+      context = tokens[-args.seq_len:]
+      padded = np.array([context + [0] * (args.seq_len - len(context))], np.int32)  # causal: padding is unseen
+      logits = predict(padded)[0, len(context) - 1, :len(chars)].numpy().astype(np.float64)
       p = np.exp((logits - logits.max()) / args.temperature)
       tokens.append(int(sample_rng.choice(len(chars), p=p / p.sum())))
     sample = "".join(chars[t] for t in tokens)
     print(f"sample (temperature {args.temperature}):\n{sample}")
 
-  bytes_per_device = replicator.bytes_per_device(variables)
-  # The wrapped optimizer's own list: ReplicatedOptimizer.variables (tf.Module's) is empty.
-  with_slots = replicator.bytes_per_device(variables + list(optimizer.optimizer.variables))
-  print("bytes per device (weights / weights + Adam slots): " + ", ".join(
-      f"{d.rsplit('/', 1)[-1]} {bytes_per_device[d]:,} / {with_slots[d]:,}" for d in repl.devices))
-  return dict(history=history, initial_loss=history[0], final_loss=history[-1], heldout_loss=heldout_loss,
-              heldout_loss_host=heldout_loss_host, vocabulary=len(chars), ms_per_step=ms_per_step,
-              bytes_per_device=bytes_per_device, bytes_by_kind=bytes_by_kind, sample=sample,
-              replicas=repl.num_replicas, collectives=plan.summary())
+  result = dict(losses=losses, history=history, initial_loss=losses[0], final_loss=losses[-1],
+                heldout_loss=history[-1]["heldout_loss"], perplexity=history[-1]["perplexity"],
+                characters=len(chars), vocabulary=vocab, sample=sample, replicas=repl.num_replicas if repl else 1,
+                weight_bytes=sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_variables))
+  if repl is not None:
+    weights = replicator.bytes_per_device(model.trainable_variables)
+    with_slots = replicator.bytes_per_device(model.trainable_variables + optimizer.variables)
+    print("bytes per device (weights / weights + Adam slots): " + ", ".join(
+        f"{d.rsplit('/', 1)[-1]} {weights[d]:,} / {with_slots[d]:,}" for d in repl.devices))
+    result.update(bytes_per_device=weights, trace_count=repl.trace_count)
+  return result
 
 
 if __name__ == "__main__":

@@ -10,9 +10,14 @@ import tensorflow as tf
 from examples import mnist
 
 
-def test_mnist_learns():
+@pytest.fixture(scope="module", name="mnist_data_parallel")
+def _mnist_data_parallel():
   pytest.importorskip("sklearn")
-  result = mnist.main(["--devices", "8", "--epochs", "6"])  # conftest made 8 CPUs; 4 replicas default
+  return mnist.main(["--devices", "8", "--epochs", "6"])  # conftest made 8 CPUs; 4 replicas default
+
+
+def test_mnist_learns(mnist_data_parallel):
+  result = mnist_data_parallel
   assert result["replicas"] == 8
   assert result["test_accuracy"] > 0.90
   losses = [h["loss"] for h in result["history"]]
@@ -45,16 +50,20 @@ def test_convnet_learns_and_resumes_from_a_checkpoint(tmp_path):
   assert abs(np.mean(epoch_losses) - result["history"][-1]["loss"]) < 0.05 * result["history"][-1]["loss"]
 
 
-def test_mnist_on_a_2d_mesh_with_layout_rules():
-  pytest.importorskip("sklearn")
-  # conftest made 8 CPUs; the meshes take the first 2 and 4.
-  dp = mnist.main(["--devices", "8", "--mesh", "batch:2", "--layout", "batch:batch", "--epochs", "3"])
+def test_mnist_on_a_2d_mesh_with_layout_rules(mnist_data_parallel):
+  # The same model code and step in the global view, hidden layer split over "model" (conftest made 8 CPUs;
+  # the mesh takes the first 4). The data order does not depend on the mesh.
   result = mnist.main(["--devices", "8", "--mesh", "batch:2,model:2", "--layout", "batch:batch,hidden:model",
                        "--epochs", "3"])
-  assert result["replicas"] == 4 and dp["replicas"] == 2
-  # The same model, data order and math: the same accuracy as data-parallel training.
-  assert abs(result["test_accuracy"] - dp["test_accuracy"]) <= 0.01
-  assert [round(h["loss"], 3) for h in result["history"]] == [round(h["loss"], 3) for h in dp["history"]]
+  dp = mnist_data_parallel
+  assert result["replicas"] == 4 and dp["replicas"] == 8
+  # The same model, data order and math: the losses and accuracies of data-parallel training, epoch by epoch.
+  np.testing.assert_allclose([h["loss"] for h in result["history"]], [h["loss"] for h in dp["history"][:3]],
+                             rtol=0, atol=1e-5)
+  for key in ("train_accuracy", "test_accuracy"):
+    assert [h[key] for h in result["history"]] == [h[key] for h in dp["history"][:3]], key
+  losses = [h["loss"] for h in result["history"]]
+  assert losses[-1] < losses[0] / 3 and result["test_accuracy"] > 0.85
   # w1, b1 and w2 are split in two along "model": each device holds half of them plus all of b2.
   full = (8 * 8 * 1024 + 1024 + 1024 * 10) * 4
   assert set(result["bytes_per_device"].values()) == {full // 2 + 10 * 4}
