@@ -255,6 +255,7 @@ class _Expander:
     self._imported: dict = {}  # batch node name -> imported operation
     self._pending_records: list = []  # (replica, record index, _Pending input)
     self._count = 0
+    self._relayouts: dict = {}  # (tensor name, device, layout) -> the relayouted piece
 
   def _new_batch(self):
     graph_def = tf.compat.v1.GraphDef()
@@ -404,8 +405,11 @@ class _Expander:
             continue
           x = self._local(r, t)
           want = decision.inputs[i] if i < len(decision.inputs) else None
-          if want is not None and t.dtype != tf.resource:
-            x = self.relayout(r, x, layouts[t.name], want, t.shape.as_list(), op)
+          if want is not None and t.dtype != tf.resource and want != layouts[t.name]:
+            key = (t.name, r, want)  # one relayout per tensor, device and layout, whatever its consumers
+            if key not in self._relayouts:
+              self._relayouts[key] = self.relayout(r, x, layouts[t.name], want, t.shape.as_list(), op)
+            x = self._relayouts[key]
           inputs.append(x)
         inputs_per_device.append(inputs)
       if decision.lower is not None:  # the rule computes each device's outputs itself, in Python

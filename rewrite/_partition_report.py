@@ -353,6 +353,7 @@ def _relayouts(graph, partition, outputs, locate):
   layouts = partition.layouts
   rows = []
   expected: dict = collections.defaultdict(collections.deque)
+  done: set = set()
 
   def relayout(t, target, op, index, returned=False):
     """``t`` relayouted for input ``index`` of ``op`` (or, ``returned``, as output ``index`` of the step)."""
@@ -360,7 +361,11 @@ def _relayouts(graph, partition, outputs, locate):
     if source is None or source == target or len(source) != len(target):
       return
     op_type, op_name = ("return", f"output {index}") if returned else (op.type, op.name)
-    row = RelayoutRow(t.name, source, target, op_type, op_name, index, locate(op), _gathered(source, target))
+    gathered = _gathered(source, target)
+    if not returned:  # the expander relayouts a tensor once per layout: later consumers reuse it, for free
+      gathered = () if (t.name, target) in done else gathered
+      done.add((t.name, target))
+    row = RelayoutRow(t.name, source, target, op_type, op_name, index, locate(op), gathered)
     rows.append(row)
     for d, axes in row.gathered:  # the expander's all_gathers, attributed to ``op``
       why = f"gather {t.name} dim {d}" + (" to return it" if returned else f" (input {index})")

@@ -254,3 +254,26 @@ def test_report_of_a_partition_without_keras():
   assert (gather.kind, gather.axes, gather.why) == ("all_gather", ("model",), f"gather {output.tensor} dim 0 to return it")
   assert _partition_report.format_layout((("batch", "model"), (), ("model",))) == "[(batch,model), -, model]"
   assert _partition_report.format_layout(None) == "?"
+
+
+def test_a_tensor_relayouted_for_several_consumers_is_gathered_once():
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"w$": (None, "model")}), batch_axes=("batch",),
+                               view="global")
+  with repl.context():
+    w = tf.Variable(np.arange(12.0, dtype="float32").reshape(3, 4), name="w")
+  x = np.arange(24.0, dtype="float32").reshape(8, 3)
+  ds = tf.data.Dataset.from_tensors(x)
+
+  def step_fn(batch):
+    h = tf.matmul(batch, w)  # [batch, model]
+    return tf.cumsum(h, axis=1) + tf.math.cumprod(h, axis=1)  # two unruled consumers want h whole
+
+  with pytest.warns(UserWarning, match="no layout rule"):
+    report = repl.explain(step_fn, ds)
+  gathers = [c for c in report.collectives if c.kind == "all_gather" and c.members[0].call.startswith("Cum")]
+  assert len(gathers) == 2  # h gathered over "model" and "batch" once, for both consumers
+  assert sum(not r.free for r in report.relayouts if r.op_type in ("Cumsum", "Cumprod")) == 1
+  out = repl.run(step_fn, ds)  # the step explain built (it warned then)
+  h = x @ np.asarray(w)
+  np.testing.assert_allclose(out.numpy(), np.cumsum(h, 1) + np.cumprod(h, 1), rtol=1e-6)
