@@ -37,6 +37,17 @@ def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list)
         used.update(layout[i])
       break
   out = list(_rules.with_wanted(tuple(out), view.want()))
+  want = view.want()
+  if want is not None and len(want) == rank:
+    # A dimension the consumers want whole, split in one input only: gather that input instead of the output
+    # (as cheap, and the gather moves up to where several consumers can share it: a gradient that feeds both
+    # of Adam's slot updates is gathered once).
+    for j in range(rank):
+      split = [k for k, (layout, shape) in enumerate(zip(layouts, shapes))
+               if layout is not None and j - (rank - len(shape)) >= 0 and layout[j - (rank - len(shape))]
+               and shape[j - (rank - len(shape))] == out_shape[j]]
+      if out[j] and not want[j] and len(split) <= 1:
+        out[j] = ()
   required = []
   for shape in shapes:
     offset = rank - len(shape)
@@ -48,6 +59,9 @@ def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list)
 @_rules.register(*UNARY)
 def unary(view, layouts):
   layout = _rules.with_wanted(layouts[0], view.want())
+  want = view.want()
+  if want is not None and layout is not None and len(want) == len(layout):  # wanted whole: gather the input
+    layout = tuple(() if not w else axes for axes, w in zip(layout, want))
   return _rules.Decision(inputs=[layout], outputs=[layout])
 
 

@@ -449,3 +449,34 @@ def test_keras_distribution_mesh_and_layout_map_carry_over():
   assert [c.shape.as_list() for c in model.layers[0].kernel.value.components] == [[8, 8]] * 4
   for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+
+
+def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
+  # s is replicated, its gradient comes out split over "model": Adam's two slot updates (and the variable's)
+  # share one all_gather of the gradient, instead of gathering each update.
+  repl = _global_repl({r"w$": (None, "model")})
+  rng = np.random.default_rng(0)
+  w0, s0 = rng.normal(size=[3, 4]).astype("float32"), rng.normal(size=[4]).astype("float32")
+  x = rng.normal(size=[8, 3]).astype("float32")
+  with repl.context():
+    w, s = tf.Variable(w0, name="w"), tf.Variable(s0, name="s")
+    opt = keras.optimizers.Adam(0.1)
+    opt.build([w, s])
+  one_w, one_s, one_opt = tf.Variable(w0), tf.Variable(s0), keras.optimizers.Adam(0.1)
+
+  def make_step(w, s, opt):
+    def step_fn(batch):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(tf.matmul(batch, w) * s))
+      opt.apply_gradients(zip(tape.gradient(loss, [w, s]), [w, s]))
+      return loss
+    return step_fn
+
+  step_fn = make_step(w, s, opt)
+  plan = repl.explain(step_fn, tf.data.Dataset.from_tensors(x))
+  gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+  assert [c.shape.as_list() for c in gathers] == [[2]]  # one gather of each device's half of the gradient
+  repl.run(step_fn, tf.data.Dataset.from_tensors(x))
+  tf.function(make_step(one_w, one_s, one_opt))(tf.constant(x))
+  for a, b in zip([one_w, one_s] + one_opt.variables, [w, s] + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
