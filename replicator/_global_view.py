@@ -93,9 +93,11 @@ class GlobalStep:
   function: Any = None
   report: rewrite.PartitionReport | None = None  # what repl.explain returns
 
-  def __call__(self, flat_args):
+  loops: dict = dataclasses.field(default_factory=dict)  # steps k -> tf.function of k steps over an iterator
+
+  def concrete(self, specs):
+    """The step as one function of the flattened global batch (imported on first use)."""
     if self.function is None:
-      specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
 
       def call(*args):
         input_map = dict(zip(self.input_names, args))
@@ -104,8 +106,45 @@ class GlobalStep:
                                               return_elements=self.output_names, name="step")
 
       self.function = tf.function(call, autograph=False).get_concrete_function(*specs)
-    flat = self.function(*flat_args)
+    return self.function
+
+  def __call__(self, flat_args):
+    flat = self.concrete([tf.TensorSpec(a.shape, a.dtype) for a in flat_args])(*flat_args)
     return tree.unflatten_as(self.structure, list(flat))
+
+  def run_steps(self, iterator, element, steps: int):
+    """Up to ``steps`` steps in one graph call, on ``element`` then the next batches of ``iterator``.
+
+    Returns the last step's results and the number of steps run (fewer at the
+    end of the dataset).
+    """
+    loop = self.loops.get(steps)
+    if loop is None:
+      function = self.concrete([tf.TensorSpec(a.shape, a.dtype) for a in tree.flatten(element)])
+
+      def run(first, it):
+        def cond(i, more, *_):
+          return tf.logical_and(i < steps, more)
+
+        def body(i, more, *outputs):
+          del more
+          optional = it.get_next_as_optional()
+
+          def step():
+            return [tf.constant(True)] + list(function(*tree.flatten(optional.get_value())))
+
+          def stop():
+            return [tf.constant(False)] + list(outputs)
+
+          more, *outputs = tf.cond(optional.has_value(), step, stop)
+          return [i + tf.cast(more, tf.int32), more] + outputs
+
+        outputs = list(function(*first))
+        return tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + outputs)
+
+      loop = self.loops[steps] = tf.function(run, autograph=False)
+    count, _, *flat = loop(tree.flatten(element), iterator)
+    return tree.unflatten_as(self.structure, flat), int(count)
 
 
 def _batch_layout(spec: tf.TensorSpec, axes: tuple[str, ...]) -> tuple:

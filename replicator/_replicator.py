@@ -397,11 +397,20 @@ class Replicator:
     return _values.combine(results)
 
   def _run_global(self, step_fn, dataset, inputs, steps, all_steps):
-    """One step of ``step_fn`` in the global view on the next global batch of ``dataset``."""
-    if inputs is not None or not isinstance(dataset, tf.data.Dataset) or steps != 1 or all_steps:
-      what = "inputs=..." if inputs is not None else (f"steps={steps}" if steps != 1 or all_steps
-                                                      else type(dataset).__name__)
+    """``steps`` steps of ``step_fn`` in the global view on the next global batches of ``dataset``."""
+    if inputs is not None or not isinstance(dataset, tf.data.Dataset):
+      what = "inputs=..." if inputs is not None else type(dataset).__name__
       raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=self.batch_axes))
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+      raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
+    if all_steps:
+      raise _errors.UnsupportedError(
+          "repl.run(..., all_steps=True) is not supported in the global view yet. Fix: return what you need "
+          "from each step through a variable, or call repl.run once per step.")
+    if steps > 1 and not all(s.shape.is_fully_defined() for s in tree.flatten(dataset.element_spec)):
+      raise _errors.ArgumentError(
+          f"repl.run(steps={steps}) in the global view loops over global batches of one static shape, but the "
+          f"dataset's elements are {dataset.element_spec}. Fix: batch it with drop_remainder=True.")
     entry = self._global_iterators.get(id(dataset))
     if entry is None or entry[0] is not dataset:
       entry = self._global_iterators[id(dataset)] = (dataset, iter(dataset))
@@ -411,8 +420,11 @@ class Replicator:
       del self._global_iterators[id(dataset)]
       raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
     step = self._global_step(step_fn, element)
-    self.steps_run = 1
-    return step(tree.flatten(element))
+    if steps == 1:
+      self.steps_run = 1
+      return step(tree.flatten(element))
+    results, self.steps_run = step.run_steps(entry[1], element, steps)
+    return results
 
   def _global_step(self, step_fn, element) -> _global_view.GlobalStep:
     """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once)."""

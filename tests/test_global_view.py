@@ -480,3 +480,23 @@ def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
   tf.function(make_step(one_w, one_s, one_opt))(tf.constant(x))
   for a, b in zip([one_w, one_s] + one_opt.variables, [w, s] + opt.variables):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+
+
+def test_steps_runs_several_global_steps_in_one_call():
+  _, (one_model, one_opt, expected), _, _ = _train(LAYOUTS["hidden"])
+  repl = _global_repl(LAYOUTS["hidden"])
+  model, opt = _model_and_optimizer(repl.context(), "adam")
+  step_fn = _make_step(model, opt)
+  dataset = _dataset()
+  loss = repl.run(step_fn, dataset, steps=2)  # batches 0 and 1: the second loss
+  assert repl.steps_run == 2
+  np.testing.assert_allclose(float(loss), expected[1], rtol=0, atol=1e-6)
+  loss = repl.run(step_fn, dataset, steps=5)  # one batch left: stops at the end of the dataset
+  assert repl.steps_run == 1
+  np.testing.assert_allclose(float(loss), expected[2], rtol=0, atol=1e-6)
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  with pytest.raises(replicator.EndOfInput):
+    repl.run(step_fn, dataset, steps=2)
+  with pytest.raises(replicator.ArgumentError, match="loops over global batches of one static shape"):
+    repl.run(step_fn, _dataset().unbatch().batch(BATCH), steps=2)
