@@ -91,6 +91,10 @@ class OpView:
   def shards(self, axes: tuple) -> int:
     return self.mesh.axis_size(axes) if axes else 1
 
+  def local_shape(self, shape, layout, dtype) -> np.ndarray:
+    """``shape`` (a global shape) as each device's piece of it in ``layout`` (for a shape operand)."""
+    return np.asarray([int(n) // self.shards(axes) for n, axes in zip(shape, layout)], dtype=dtype)
+
   def offset(self, r: int, axes: tuple, size: int) -> int:
     """Where device ``r``'s piece starts along a dimension of ``size`` split over ``axes``."""
     return self.mesh.axis_index(r, axes) * (size // self.shards(axes)) if axes else 0

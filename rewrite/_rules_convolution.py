@@ -12,8 +12,6 @@ gathered first.
 
 from __future__ import annotations
 
-import numpy as np
-
 from rewrite import _rules
 from rewrite._rules_contraction import contract
 
@@ -27,7 +25,7 @@ def _whole(layout, dims):
 def _local_shape(view, index, layout):
   """The constant shape operand ``index`` made local to ``layout``."""
   shape = view.const(index)
-  return np.asarray([int(n) // view.shards(a) for n, a in zip(shape, layout)], dtype=shape.dtype)
+  return view.local_shape(shape, layout, shape.dtype)
 
 
 @_rules.register("Conv2D")

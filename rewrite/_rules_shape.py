@@ -46,9 +46,8 @@ def reshape(view, layouts):
         if i is not None and not need[i]:
           need[i], out[j] = axes, axes
           used.update(axes)
-  local = [n // view.shards(a) for n, a in zip(out_shape, out)]
   return _rules.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
-                         consts={1: np.asarray(local, dtype=target.dtype)})
+                         consts={1: view.local_shape(out_shape, out, target.dtype)})
 
 
 @_rules.register("Transpose")
@@ -150,8 +149,8 @@ def strided_slice_grad(view, layouts):
     if d is not None and d in full:
       out[d] = dy[j]
   need = tuple(out[d] if d is not None else () for d in out_map)
-  local = np.asarray([int(n) // view.shards(a) for n, a in zip(shape, out)], dtype=shape.dtype)
-  return _rules.Decision(inputs=[None, None, None, None, need], outputs=[tuple(out)], consts={0: local})
+  return _rules.Decision(inputs=[None, None, None, None, need], outputs=[tuple(out)],
+                         consts={0: view.local_shape(shape, out, shape.dtype)})
 
 
 def _first_splits(layouts, rank, skip=()):
@@ -223,8 +222,7 @@ def fill(view, layouts):
   used = [a for axes in out for a in axes]
   if len(used) != len(set(used)):
     out = ((),) * len(dims)
-  local = np.asarray([int(n) // view.shards(a) for n, a in zip(dims, out)], dtype=dims.dtype)
-  return _rules.Decision(inputs=[None, ()], outputs=[out], consts={0: local})
+  return _rules.Decision(inputs=[None, ()], outputs=[out], consts={0: view.local_shape(dims, out, dims.dtype)})
 
 
 @_rules.register("BroadcastTo")
@@ -240,8 +238,8 @@ def broadcast_to(view, layouts):
       out[i + offset] = axes
   out = list(_rules.with_wanted(tuple(out), view.want()))
   need = tuple(out[i + offset] if in_shape[i] == out_shape[i + offset] else () for i in range(len(in_shape)))
-  local = np.asarray([n // view.shards(a) for n, a in zip(out_shape, out)], dtype=shape.dtype)
-  return _rules.Decision(inputs=[need, None], outputs=[tuple(out)], consts={1: local})
+  return _rules.Decision(inputs=[need, None], outputs=[tuple(out)],
+                         consts={1: view.local_shape(out_shape, out, shape.dtype)})
 
 
 @_rules.register("Pad", "PadV2", "MirrorPad")
@@ -304,24 +302,17 @@ def squeeze(view, layouts):
   return _rules.Decision(inputs=[layout], outputs=[tuple(a for d, a in enumerate(layout) if d not in dims)])
 
 
-@_rules.register("Shape", "Size", "Rank")
+@_rules.register("Shape", "Size", "Rank", "ShapeN")
 def shape_query(view, layouts):
-  """A shape query answers with the GLOBAL shape, whatever the layout (the traced shapes are static)."""
-  shape = view.in_shape(0)
-  if None in shape:
-    return _rules.fallback(view, layouts)
-  dtype = view.op.outputs[0].dtype.as_numpy_dtype
-  value = {"Shape": shape, "Size": math.prod(shape), "Rank": len(shape)}[view.op.type]
-  return _rules.Decision(inputs=[None], outputs=[_rules.replicated(view.op.outputs[0].shape.rank)],
-                         values={0: np.asarray(value, dtype=dtype)})
+  """A shape query answers with the GLOBAL shape, whatever the layout (the traced shapes are static).
 
-
-@_rules.register("ShapeN")
-def shape_n(view, layouts):
-  """Several shape queries: each the GLOBAL shape."""
+  ``ShapeN`` asks for several shapes, one per input and output.
+  """
   shapes = [view.in_shape(i) for i in range(len(layouts))]
   if any(None in shape for shape in shapes):
     return _rules.fallback(view, layouts)
-  dtype = view.op.outputs[0].dtype.as_numpy_dtype
-  return _rules.Decision(inputs=[None] * len(layouts), outputs=[((),)] * len(layouts),
-                         values={k: np.asarray(shape, dtype=dtype) for k, shape in enumerate(shapes)})
+  answer = {"Shape": lambda shape: shape, "ShapeN": lambda shape: shape, "Size": math.prod, "Rank": len}[view.op.type]
+  outputs = view.op.outputs
+  return _rules.Decision(inputs=[None] * len(layouts), outputs=[_rules.replicated(t.shape.rank) for t in outputs],
+                         values={k: np.asarray(answer(shape), dtype=t.dtype.as_numpy_dtype)
+                                 for k, (shape, t) in enumerate(zip(shapes, outputs))})
