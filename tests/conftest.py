@@ -41,6 +41,18 @@ def pytest_report_header(config):
   return f"tensorflow {tf.__version__}, {NUM_CPUS} logical CPUs"
 
 
+MESH_SHAPES = ((1, 4), (2, 2), (4, 1), (2, 4))  # (batch, model) meshes of the global view's sweeps
+
+
+def mesh_sweep(layouts, representative):
+  """``pytest.param(shape, layout)`` for every mesh shape x layout name; those not in ``representative`` are
+  marked full_grid (CI runs the representative ones, ``--full-grid`` all)."""
+  for shape in MESH_SHAPES:
+    for layout in sorted(layouts):
+      marks = () if (shape, layout) in representative else (pytest.mark.full_grid,)
+      yield pytest.param(shape, layout, marks=marks, id=f"{shape[0]}x{shape[1]}-{layout}")
+
+
 def pytest_addoption(parser):
   parser.addoption("--full-grid", action="store_true", default=False,
                    help="also run the cases marked full_grid (every mesh x layout; CI runs representative ones)")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import mesh_sweep
 
 import mesh
 import replicator
@@ -68,14 +69,7 @@ def one_device():
   return train(None)
 
 
-def _grid():
-  for shape in [(1, 4), (2, 2), (4, 1), (2, 4)]:
-    for layout in sorted(LAYOUTS):
-      marks = () if (shape, layout) in REPRESENTATIVE else (pytest.mark.full_grid,)
-      yield pytest.param(shape, layout, marks=marks, id=f"{shape[0]}x{shape[1]}-{layout}")
-
-
-@pytest.mark.parametrize("shape,layout", list(_grid()))
+@pytest.mark.parametrize("shape,layout", list(mesh_sweep(LAYOUTS, REPRESENTATIVE)))
 def test_convnet_equals_one_device(shape, layout, one_device):
   m = mesh.Mesh({"batch": shape[0], "model": shape[1]}, devices=cpus(shape[0] * shape[1]))
   repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(LAYOUTS[layout]) if LAYOUTS[layout] else None,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import mesh_sweep
 
 import mesh
 import replicator
@@ -52,14 +53,7 @@ def one_device():
   return train(None)
 
 
-def _grid():
-  for shape in [(1, 4), (2, 2), (4, 1), (2, 4)]:
-    for rules in sorted(RULES):
-      marks = () if (shape, rules) in REPRESENTATIVE else (pytest.mark.full_grid,)
-      yield pytest.param(shape, rules, marks=marks, id=f"{shape[0]}x{shape[1]}-{rules}")
-
-
-@pytest.mark.parametrize("shape,rules", list(_grid()))
+@pytest.mark.parametrize("shape,rules", list(mesh_sweep(RULES, REPRESENTATIVE)))
 def test_mnist_model_equals_one_device(shape, rules, one_device):
   m = mesh.Mesh({"batch": shape[0], "model": shape[1]}, devices=cpus(shape[0] * shape[1]))
   layout_rules = mesh.LayoutRules(RULES[rules])

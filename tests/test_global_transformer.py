@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import mesh_sweep
 
 import mesh
 import replicator
@@ -118,14 +119,7 @@ def one_device():
   return {tied: train(None, tied) for tied in (False, True)}
 
 
-def _grid():
-  for shape in [(1, 4), (2, 2), (4, 1), (2, 4)]:
-    for layout in sorted(LAYOUTS):
-      marks = () if (shape, layout) in REPRESENTATIVE else (pytest.mark.full_grid,)
-      yield pytest.param(shape, layout, marks=marks, id=f"{shape[0]}x{shape[1]}-{layout}")
-
-
-@pytest.mark.parametrize("shape,layout", list(_grid()))
+@pytest.mark.parametrize("shape,layout", list(mesh_sweep(LAYOUTS, REPRESENTATIVE)))
 def test_transformer_equals_one_device(shape, layout, one_device):
   repl = global_repl(shape, LAYOUTS[layout])
   ours = train(repl)  # a fallback would warn, and warnings are errors in the tests
