@@ -41,6 +41,22 @@ def pytest_report_header(config):
   return f"tensorflow {tf.__version__}, {NUM_CPUS} logical CPUs"
 
 
+def keras_step(model, opt):
+  """The single-device Keras training step the global view's tests run unchanged (sparse labels, logits)."""
+  import keras  # pylint: disable=import-outside-toplevel
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step_fn(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step_fn
+
+
 MESH_SHAPES = ((1, 4), (2, 2), (4, 1), (2, 4))  # (batch, model) meshes of the global view's sweeps
 
 

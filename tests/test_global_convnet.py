@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import keras_step
 from conftest import mesh_sweep
 
 import mesh
@@ -44,16 +45,7 @@ def train(repl):
   with repl.context() if repl else contextlib.nullcontext():
     model = make_convnet()
     opt = keras.optimizers.Adam(1e-2)
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  def step_fn(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
+  step_fn = keras_step(model, opt)
   rng = np.random.default_rng(0)
   x = rng.normal(size=(BATCH * STEPS, 12, 12, 3)).astype("float32")
   y = rng.integers(0, 10, size=BATCH * STEPS).astype("int32")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import keras_step
 from conftest import mesh_sweep
 
 import mesh
@@ -62,20 +63,6 @@ def make_transformer(tied=False):
   return keras.Model(tokens, logits)
 
 
-def make_step(model, opt):
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  def step_fn(batch):  # the single-device step, unchanged in every case
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-  return step_fn
-
-
 def dataset():
   rng = np.random.default_rng(0)
   x = rng.integers(0, VOCAB, size=(BATCH * STEPS, TIME)).astype("int32")
@@ -88,7 +75,7 @@ def train(repl, tied=False):
   with repl.context() if repl else contextlib.nullcontext():
     model = make_transformer(tied)
     opt = keras.optimizers.Adam(1e-2)
-  step_fn = make_step(model, opt)
+  step_fn = keras_step(model, opt)  # the single-device step, unchanged in every case
   if repl is None:
     step = tf.function(step_fn)
     losses = [float(step(batch)) for batch in dataset()]
