@@ -28,9 +28,11 @@ import rewrite
 from replicator import _captures
 from replicator import _context
 from replicator import _errors
+from replicator import _optimizer
 from replicator import _primitives
 from replicator import _variables
 from rewrite import _partition
+from rewrite import _partition_owners
 from rewrite import _partition_report
 
 NOT_DATASET = (
@@ -91,6 +93,7 @@ class GlobalStep:
   output_names: list
   structure: Any
   function: Any = None
+  ownership: _partition_owners.Ownership | None = None  # the sharded update's owners
   report: rewrite.PartitionReport | None = None  # what repl.explain returns
 
   loops: dict = dataclasses.field(default_factory=dict)  # steps k -> tf.function of k steps over an iterator
@@ -215,6 +218,9 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why,
                                                       location=_primitives.location_of(op)))
   _check_fallbacks(graph, partition, replicator._strict)  # pylint: disable=protected-access
+  variables = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
+               if id(external) in trace.owners}
+  ownership = _ownership(replicator, graph, partition, axes, variables)
 
   def expanded(*flat):
     local = {}
@@ -230,21 +236,60 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       else:
         local[internal.name] = [_captures.capture(external)] * len(mesh.devices)
     values, records = _partition.expand(graph, mesh, partition, local, graph.outputs,
-                                        locate=_primitives.location_of)
+                                        locate=_primitives.location_of, ownership=ownership)
     expanded.records = records
     return [per_device[0] for per_device in values]  # every device holds the whole output
 
   scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
   plan = rewrite.plan(expanded.records, mesh, choose)
   rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, replicator._lowerings)  # pylint: disable=protected-access
-  report = _report(graph, partition, plan, mesh, trace, element_spec)
+  report = _report(graph, partition, plan, mesh, trace, element_spec, ownership)
   return GlobalStep(
-      partition=partition, plan=plan, report=report, graph_def=rewritten.graph_def,
+      partition=partition, plan=plan, report=report, graph_def=rewritten.graph_def, ownership=ownership,
       input_names=[t.name for t in scratch.graph.inputs[:len(specs)]],
       captures=_captures.Captures([(internal.name, external) for external, internal in scratch.graph.captures]
                                   + list(rewritten.external_inputs.items())),
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       structure=structure["value"])
+
+
+UPDATES = ("auto", "sharded", "replicated")
+
+STALE_OWNER = (
+    "The variable {name!r} is kept current only on one device of each group along {axes} (a sharded optimizer "
+    "update owns it), but this global-view step uses it on every device. Fix: run the step that updates it and "
+    "this one with the same kind of update: Replicator(update=\"replicated\") for the global view, "
+    "wrap_optimizer(update=\"replicated\") for the local view."
+)
+
+
+def sharded_update(replicator) -> bool:
+  """Whether the global view gives each optimizer update one owner per batch group (``Replicator(update=)``)."""
+  update = replicator._update  # pylint: disable=protected-access
+  if update == "auto":
+    # As wrap_optimizer's "auto": on CPUs of one process a broadcast is a hand-over, cheaper than the repeats.
+    return len(replicator.devices) > 1 and _optimizer._one_cpu_process(replicator.devices)  # pylint: disable=protected-access
+  return update == "sharded"
+
+
+def _ownership(replicator, graph, partition, axes, variables) -> _partition_owners.Ownership:
+  """The sharded update's owners (none if the update is replicated); marks the variables they own."""
+  ownership = _partition_owners.Ownership()
+  if sharded_update(replicator):
+    fixed = {}
+    for name, variable in variables.items():
+      if variable.owner is not None and variable.owner[1] == axes:
+        fixed[name] = variable.owner[0]
+    handle_bytes = {name: v.shape.num_elements() * v.dtype.size for name, v in variables.items()}
+    load = replicator._global_owner_load.setdefault(axes, [0] * replicator.mesh.axis_size(axes) if axes else [])  # pylint: disable=protected-access
+    ownership = _partition_owners.assign(graph, partition, replicator.mesh, axes, handle_bytes, fixed, load)
+  for name, variable in variables.items():
+    owner = ownership.variables.get(name)
+    if variable.owner is not None and (owner is None or (owner.position, owner.axes) != variable.owner):
+      raise _errors.UnsupportedError(STALE_OWNER.format(name=variable.name.split(":")[0], axes=variable.owner[1]))
+    if owner is not None:
+      variable.set_owner(owner.position, owner.axes)
+  return ownership
 
 
 def _check_fallbacks(graph, partition, strict: bool) -> None:
@@ -263,7 +308,7 @@ def _check_fallbacks(graph, partition, strict: bool) -> None:
     raise _errors.UnsupportedError(STRICT_FALLBACK.format(count=len(rows), ops="\n".join(rows)))
 
 
-def _report(graph, partition, plan, mesh, trace, element_spec) -> rewrite.PartitionReport:
+def _report(graph, partition, plan, mesh, trace, element_spec, ownership=None) -> rewrite.PartitionReport:
   """The partition's report, the step's inputs named by their place in the batch and variables by their names."""
   paths = [path for path, _ in tree.flatten_with_path(element_spec)]
   inputs = {t.name: "input" + "".join(f"[{p!r}]" for p in path)
@@ -275,7 +320,7 @@ def _report(graph, partition, plan, mesh, trace, element_spec) -> rewrite.Partit
       variables[internal.name] = tf.TensorSpec(variable.shape, variable.dtype, name=variable.name.split(":")[0])
   return rewrite.PartitionReport.from_partition(graph, partition, plan, mesh.shape, inputs=inputs,
                                                 variables=variables, outputs=graph.outputs,
-                                                locate=_primitives.location_of)
+                                                locate=_primitives.location_of, ownership=ownership)
 
 
 def _split_axes(mesh, axes) -> tuple[str, ...]:

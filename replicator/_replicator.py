@@ -207,12 +207,19 @@ class Replicator:
       built) an op without a layout rule whose inputs are split, instead of
       gathering its inputs and running it on whole values with a warning.
       Use it to make sure a step communicates only what its layouts require.
+    update: in the global view, how the optimizer updates a variable that is
+      replicated over the batch axes: ``"sharded"``, by one owner device of
+      each batch group (its slots current there only), which broadcasts the
+      new value to the group; ``"replicated"``, by every device; ``"auto"``
+      (default), sharded on the CPUs of one process, as
+      ``wrap_optimizer(update="auto")`` does for the local view (where this
+      argument has no effect). Results are the same either way.
   """
 
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
                batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False,
-               view: str = "local", strict: bool = False):
+               view: str = "local", strict: bool = False, update: str = "auto"):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
@@ -221,6 +228,10 @@ class Replicator:
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
     self._view = _check_view(view)
     self._strict = bool(strict)
+    if update not in _global_view.UPDATES:
+      raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")
+    self._update = update
+    self._global_owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (global view)
     self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: _global_view.GlobalStep}
     self._global_iterators: dict = {}  # id(dataset) -> (dataset, iterator)
     if batch_axes is None:

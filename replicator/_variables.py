@@ -199,6 +199,7 @@ class ReplicatedVariable(tf.Variable):
     self._offsets = offsets
     # home[i]: the component that holds device i's current value (see set_owner).
     self._home = tuple(range(len(self._components)))
+    self._owner = None  # (position, axes) once a sharded update owns it (set_owner)
     # A never-assigned handle of the global shape, made by the first read inside a
     # function that combines components (see _export); None until then.
     self._serving_handle = None
@@ -224,6 +225,11 @@ class ReplicatedVariable(tf.Variable):
       return self._sharding
     return mesh_lib.Layout.replicated(self._replicator.mesh, self._components[0].shape.rank)
 
+  @property
+  def owner(self) -> tuple[int, tuple[str, ...]] | None:
+    """``(position, axes)`` of the device of each group kept current (``set_owner``), or None: all of them."""
+    return self._owner
+
   def set_owner(self, position: int, axes: tuple[str, ...]) -> None:
     """Marks the member at ``position`` of each device group along ``axes`` as the one kept current.
 
@@ -232,6 +238,7 @@ class ReplicatedVariable(tf.Variable):
     and checkpoints take the owner's component; writes still go to every
     component.
     """
+    self._owner = (position, tuple(axes))
     home = list(range(len(self._components)))
     for group in self._replicator.mesh.groups(axes):
       for device in group:

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from rewrite import _errors
+from rewrite import _partition_owners
 from rewrite import _placeholders
 from rewrite import _rules
 from rewrite import _rules_contraction  # noqa: F401  (registers rules)
@@ -213,6 +214,9 @@ def _backward(ops, context, partition, wants) -> dict:
   return wants
 
 
+_ABSENT = object()  # a local value a device does not compute (another device of its group owns the op)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pending:
   """An output of a node in the expander's batch, not imported yet: the node, output index, dtype, local shape."""
@@ -240,11 +244,13 @@ class _Expander:
   imported name afterwards.
   """
 
-  def __init__(self, graph, mesh, partition, locate):
+  def __init__(self, graph, mesh, partition, locate, ownership=None):
     self.graph = graph
     self.mesh = mesh
     self.partition = partition
     self.locate = locate
+    self.ownership = ownership if ownership is not None else _partition_owners.Ownership()
+    self._broadcasts: dict = {}  # (tensor name, device) -> the owner's value, received
     self.devices = mesh.devices
     self.records = [[] for _ in self.devices]
     self.local = {}  # global tensor name -> per-device local tensors (or _Pending)
@@ -303,6 +309,17 @@ class _Expander:
     node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=dtype))
     return _Pending(node.name, 0, tf.as_dtype(dtype), tf.TensorShape(np.shape(value)))
 
+  def _zeros(self, r, shape, dtype) -> _Pending:
+    dims, zero = self._ref(self._const(r, shape.as_list(), tf.int32)), self._ref(self._const(r, 0, dtype))
+    node = self._batch.node.add()
+    node.name = f"replica_{r}/zeros_{self._count}"
+    node.op = "Fill"
+    node.device = self.devices[r]
+    node.input.extend([dims, zero])
+    node.attr["T"].type = tf.as_dtype(dtype).as_datatype_enum
+    node.attr["index_type"].type = tf.int32.as_datatype_enum
+    return _Pending(node.name, 0, tf.as_dtype(dtype), shape)
+
   def _slice(self, r, x, begin, size, shape) -> _Pending:
     begin_ref, size_ref = self._ref(self._const(r, begin, tf.int32)), self._ref(self._const(r, size, tf.int32))
     node = self._batch.node.add()
@@ -328,6 +345,18 @@ class _Expander:
       self._pending_records.append((r, len(self.records[r]), x))
     self.records[r].append(record)
     return y
+
+  def _received(self, r, t, owner, op):
+    """Device ``r``'s copy of ``t``, which only the owner of each group computed: broadcast from it."""
+    key = (t.name, r)
+    if key not in self._broadcasts:
+      shape = self._local_shape(t, self.partition.layouts[t.name])
+      if self.mesh.axis_index(r, owner.axes) == owner.position:
+        x = self.local[t.name][r]
+      else:
+        x = self._zeros(r, shape, t.dtype)  # what the owner sends replaces it
+      self._broadcasts[key] = self._emit(r, x, "broadcast", {"source": owner.position}, owner.axes, shape, op)
+    return self._broadcasts[key]
 
   def relayout(self, r, x, have, want, global_shape, op):
     """Device ``r``'s piece ``x`` (layout ``have``) as its piece in layout ``want``."""
@@ -362,6 +391,9 @@ class _Expander:
     """Every device's copy of ``op`` (NodeDefs of the batch): per device, its outputs (_Pending)."""
     outputs = []
     for r, inputs in enumerate(inputs_per_device):
+      if inputs is None:  # not run on this device
+        outputs.append(None)
+        continue
       node = self._batch.node.add()
       node.CopyFrom(op.node_def)
       node.name = f"replica_{r}/{op.name}"
@@ -396,14 +428,22 @@ class _Expander:
         for k, t in enumerate(op.outputs):
           self.local[t.name] = [self._const(r, decision.values[k], t.dtype) for r in range(len(self.devices))]
         continue
+      owned = op.name in self.ownership.ops
       inputs_per_device = []
       for r in range(len(self.devices)):
+        if not self.ownership.runs_on(op.name, self.mesh, r):
+          inputs_per_device.append(None)  # another device of the group runs it
+          continue
         inputs = []
         for i, t in enumerate(op.inputs):
           if i in decision.consts:
             inputs.append(self._const(r, decision.consts[i], t.dtype))
             continue
-          x = self._local(r, t)
+          source = self.ownership.ops.get(t.op.name)
+          if source is not None and not owned:
+            x = self._received(r, t, source, op)
+          else:
+            x = self._local(r, t)
           want = decision.inputs[i] if i < len(decision.inputs) else None
           if want is not None and t.dtype != tf.resource and want != layouts[t.name]:
             key = (t.name, r, want)  # one relayout per tensor, device and layout, whatever its consumers
@@ -420,6 +460,10 @@ class _Expander:
       else:
         outputs_per_device = self._copies(op, decision, inputs_per_device)
       for r, outputs in enumerate(outputs_per_device):
+        if outputs is None:
+          for t in op.outputs:
+            self.local.setdefault(t.name, [None] * len(self.devices))[r] = _ABSENT
+          continue
         for k, t in enumerate(op.outputs):
           y = outputs[k]
           if decision.reduce[k] is not None:
@@ -433,6 +477,9 @@ class _Expander:
     values = self.local[t.name]
     if values[r] is None:  # a constant, made on this device
       values[r] = self._const(r, tf.get_static_value(t), t.dtype)
+    if values[r] is _ABSENT:
+      raise _errors.RewriteError(f"{t.name} is computed by one device of each group only, and device {r} "
+                                 "needs it: the sharded update's ownership is inconsistent (a bug).")
     return values[r]
 
   def output(self, t, replicated: bool = True) -> list:
@@ -455,7 +502,7 @@ class _Expander:
 
 
 def expand(graph: tf.Graph, mesh, partition: Partition, local_inputs: dict, outputs,
-           locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}"):
+           locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}", ownership=None):
   """Builds every device's copy of ``graph`` in the current graph.
 
   Args:
@@ -466,12 +513,14 @@ def expand(graph: tf.Graph, mesh, partition: Partition, local_inputs: dict, outp
       device (its piece of an argument; the device's component handle of a variable).
     outputs: tensors of ``graph`` whose whole values every device returns.
     locate: names where an op came from, for the placeholders' records.
+    ownership: ops run by one device per group (``_partition_owners.assign``);
+      None: every op on every device.
 
   Returns:
     ``(values, records)``: per output, one tensor per device; per device, its
     placeholder records in call order (for :func:`rewrite.plan`).
   """
-  expander = _Expander(graph, mesh, partition, locate)
+  expander = _Expander(graph, mesh, partition, locate, ownership)
   expander.run(local_inputs)
   values = expander.finish([expander.output(t) for t in outputs])
   return values, expander.records

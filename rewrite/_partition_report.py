@@ -59,6 +59,8 @@ class TensorRow:
     dtype: the dtype's name.
     layout: per dimension, the mesh axes it is split over.
     bytes_per_device: bytes of one device's piece.
+    owner: for a variable a sharded update keeps current on one device of each
+      batch group only (an optimizer's slot): "position p along <axes>"; else "".
   """
 
   name: str
@@ -67,6 +69,7 @@ class TensorRow:
   dtype: str
   layout: Layout
   bytes_per_device: int | None
+  owner: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,8 @@ class CollectiveRow:
     op_type: type of the op that required it (a contraction over a split dimension, say).
     op_name: that op's name in the global graph.
     why: what it completes: "partial sum" (the op's output holds partial sums),
-      "gather <tensor> dim d (input i)" (a relayout of the op's input i).
+      "gather <tensor> dim d (input i)" (a relayout of the op's input i),
+      "sharded update: ..." (a value one device of each group computed, for the op).
     location: the user's source line of that op.
   """
 
@@ -192,7 +196,8 @@ class PartitionReport:
   def from_partition(cls, graph: tf.Graph, partition, plan: Plan, mesh_shape: Mapping[str, int], *,
                      inputs: Mapping[str, str], variables: Mapping[str, tf.TensorSpec],
                      outputs: Sequence[tf.Tensor] = (),
-                     locate: Callable[[tf.Operation], str] = lambda op: "<unknown location>") -> PartitionReport:
+                     locate: Callable[[tf.Operation], str] = lambda op: "<unknown location>",
+                     ownership=None) -> PartitionReport:
     """The report of ``partition`` of ``graph``, expanded and planned into ``plan``.
 
     Args:
@@ -207,19 +212,25 @@ class PartitionReport:
         its label (``name``), global shape and dtype.
       outputs: the step's outputs (gathered whole on every device).
       locate: the user's source line of an op.
+      ownership: the sharded update's owners (``_partition_owners.Ownership``), if any.
 
     Returns:
       The report.
     """
     mesh_shape = dict(mesh_shape)
     layouts = partition.layouts
-    variable_rows = [_tensor_row(spec.name, name, spec.shape, spec.dtype, layouts.get(name), mesh_shape)
+    owned = ownership.variables if ownership is not None else {}
+    variable_rows = [_tensor_row(spec.name, name, spec.shape, spec.dtype, layouts.get(name), mesh_shape,
+                                 _owner_label(owned.get(name)))
                      for name, spec in variables.items()]
     input_rows = []
     for name, label in inputs.items():
       t = graph.get_tensor_by_name(name)
       input_rows.append(_tensor_row(label, name, t.shape, t.dtype, layouts.get(name), mesh_shape))
     relayouts, expected = _relayouts(graph, partition, outputs, locate)
+    for (op_name, index), owner in (ownership.broadcasts.items() if ownership is not None else ()):
+      why = f"sharded update: input {index}, computed by {_owner_label(owner)} only"
+      expected[op_name].appendleft(("broadcast", owner.axes, why))
     fallbacks = []
     for name in partition.fallbacks:
       op = graph.get_operation_by_name(name)
@@ -284,9 +295,11 @@ class PartitionReport:
     for title, rows in (("Variables", self.variables), ("Inputs", self.inputs)):
       total = sum(r.bytes_per_device or 0 for r in rows)
       lines.append(f"\n{title} ({len(rows)}, {total:,} bytes/device):")
-      lines += _table(("name", "shape", "dtype", "layout", "bytes/device"),
+      owners = any(r.owner for r in rows)
+      lines += _table(("name", "shape", "dtype", "layout", "bytes/device") + (("kept current on",) if owners else ()),
                       [(r.name, _format_shape(r.shape), r.dtype, format_layout(r.layout),
-                        _format_bytes(r.bytes_per_device)) for r in rows])
+                        _format_bytes(r.bytes_per_device)) + ((r.owner or "every device",) if owners else ())
+                       for r in rows])
     lines.append(f"\nCollectives ({len(self.collective_rows)}, {self.bytes_per_step:,} bytes/step):")
     lines += _table(("#", "collective", "axes", "shape", "bytes/device", "bytes/step", "op", "why", "called at"),
                     [(str(r.index), f"{r.kind}({r.op})" if r.op else r.kind, ",".join(r.axes), _format_shape(r.shape),
@@ -333,14 +346,18 @@ def _jsonable(row) -> dict[str, Any]:
   return {k: convert(v) for k, v in dataclasses.asdict(row).items()}
 
 
-def _tensor_row(label, name, shape, dtype, layout, mesh_shape) -> TensorRow:
+def _owner_label(owner) -> str:
+  return "" if owner is None else f"position {owner.position} along {','.join(owner.axes)}"
+
+
+def _tensor_row(label, name, shape, dtype, layout, mesh_shape, owner="") -> TensorRow:
   shape = tf.TensorShape(shape)
   dims = tuple(shape.as_list()) if shape.rank is not None else None
   nbytes = None
   if shape.is_fully_defined() and layout is not None and len(layout) == len(dims):
     pieces = math.prod(math.prod(mesh_shape[a] for a in axes) for axes in layout)
     nbytes = math.prod(dims) // pieces * tf.as_dtype(dtype).size
-  return TensorRow(label, name, dims, tf.as_dtype(dtype).name, layout, nbytes)
+  return TensorRow(label, name, dims, tf.as_dtype(dtype).name, layout, nbytes, owner)
 
 
 def _gathered(source: Layout, target: Layout) -> tuple[tuple[int, tuple[str, ...]], ...]:

@@ -122,11 +122,16 @@ def test_tied_output_projection_equals_one_device(layout, one_device):
 
 def test_heads_and_ff_communicate_like_megatron():
   repl = global_repl((2, 2), HEADS_AND_FF)
-  _, _, _, step_fn = train(repl)  # the step is kept while its step_fn lives
+  model, _, _, step_fn = train(repl)  # the step is kept while its step_fn lives
   (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
   (step,) = by_spec.values()
   assert not step.partition.fallbacks
-  assert not [c for c in step.plan.collectives if c.kind != "all_reduce"]  # no gathers: no relayouts
+  # No gathers (no relayouts); besides all-reduces, only the sharded Adam update's broadcasts of new values,
+  # one per trainable variable (every one is replicated over "batch"), written by each device of the group.
+  others = [c for c in step.plan.collectives if c.kind != "all_reduce"]
+  assert {(c.kind, c.axes, c.members[0].call.split()[0]) for c in others} == {
+      ("broadcast", ("batch",), "AssignSubVariableOp")}
+  assert len(others) == len(model.trainable_variables)
   forward = [(c.members[0].call.split()[0], c.shape.as_list()) for c in step.plan.collectives
              if c.axes == ("model",) and "gradient_tape" not in c.members[0].call]
   # Two partial sums in the forward pass, as in Megatron: the attention output and the second feed-forward kernel.

@@ -1,5 +1,6 @@
 """The global view: one step written for one device, partitioned over the mesh by layouts alone."""
 
+import collections
 import contextlib
 import re
 
@@ -120,6 +121,11 @@ def test_hidden_split_communicates_like_megatron():
       ("all_reduce", "sum", ("batch",), (8, 4)),
       ("all_reduce", "sum", ("batch",), (8,)),
       ("all_reduce", "sum", ("batch",), (8, 8)),
+      # The sharded Adam update: each variable's new value, computed by one device of each "batch" group.
+      ("broadcast", None, ("batch",), (4,)),
+      ("broadcast", None, ("batch",), (8, 4)),
+      ("broadcast", None, ("batch",), (8,)),
+      ("broadcast", None, ("batch",), (8, 8)),
   ])
   assert not step.partition.fallbacks
   # Sharded variables and their Adam slots keep half of the hidden dimension per device.
@@ -135,8 +141,9 @@ def test_hidden_split_communicates_like_megatron():
 def test_batch_only_sums_gradients_over_batch_without_gathers():
   repl, _, _, _step_fn = _train(LAYOUTS["batch"])
   step = _built(repl)
-  assert {(c.kind, c.axes) for c in step.plan.collectives} == {("all_reduce", ("batch",))}
-  assert len(step.plan.collectives) == 5  # the loss and four gradients
+  kinds = collections.Counter((c.kind, c.axes) for c in step.plan.collectives)
+  # The loss and four gradients; the sharded Adam update's four new values.
+  assert kinds == {("all_reduce", ("batch",)): 5, ("broadcast", ("batch",)): 4}
 
 
 def test_local_view_is_the_default():
@@ -312,7 +319,7 @@ def test_explain_and_reduce_in_the_global_view():
   model, opt = _model_and_optimizer(repl.context(), "adam")
   step_fn = _make_step(model, opt)
   plan = repl.explain(step_fn, _dataset())
-  assert len(plan.collectives) == 6
+  assert len(plan.collectives) == 6 + 4  # and the sharded Adam update's four broadcasts
   loss = repl.run(step_fn, _dataset())
   assert repl.trace_count == 1  # explain built the step that run uses
   assert float(repl.reduce("mean", loss)) == float(loss)
