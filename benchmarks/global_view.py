@@ -55,7 +55,35 @@ Adam, the one-device step unchanged: on one device, in the global view on 2x2
 with heads and feed-forward over "model" (Megatron), in the global view
 data-parallel on ``{"batch": 4}``, and in the local view data-parallel on 4
 devices (``wrap_optimizer(Adam)``; its dropout masks are drawn per replica, so
-its losses are not compared).
+its losses are not compared). Issue 16's transformer target pairs two more
+configurations, both of the model **without dropout** (``_transformer(0)``:
+the Dropout layer is the identity; same seed, same initial weights, checked):
+
+* ``global view 2x2 megatron, no dropout``: as the Megatron one above;
+* ``local view 2x2 megatron, hand-written`` (``_megatron_local``): the same
+  model written by hand in the local view on the same mesh and layouts, the
+  variables (``tf.Variable``) named by the Keras paths (``MEGATRON`` splits them)
+  and initialised from the Keras model's weights: per device, plain TF ops on
+  its pieces (the embedding lookup, its two heads' causal attention as Keras
+  computes it, ``repl.all_reduce(..., axis="model")`` after the attention
+  output projection and after ``ff_out``, LayerNormalization with epsilon
+  1e-3, exact GELU as Keras's ``activation="gelu"``, the head, sparse softmax
+  cross-entropy mean), then the gradients reduced by hand (pieces: mean over
+  "batch" divided by the "model" size; the replicated variables upstream of
+  an all-reduce, ``ln1`` and the attention output bias: mean over both axes,
+  the rest over "batch"; the embedding's rows meaned over "model", then
+  summed densely with their squares over "batch", as Keras's Adam treats
+  them) and Keras 3's Adam written out on every device's pieces (the global
+  view also runs Adam on every batch shard's copy). It draws no dropout: the
+  global view draws exactly each device's piece of the global mask, which
+  plain TF ops on the pieces cannot do without the library's counter
+  arithmetic, so the pair compares the model without it.
+
+Both are checked against ``one device, no dropout`` (losses over 3 steps and
+every parameter within 1e-4; that configuration is not timed) and ``repl.explain``
+counts their collectives and the step graph's nodes. The ratio
+"megatron global / megatron local (hand-written)" (target <= 1.10) is of
+these two; "megatron no dropout / megatron" shows what dropout costs.
 
 ``build``: the first ``repl.run`` of a data-parallel step of
 ``keras.applications.MobileNetV2(input_shape=(96, 96, 3), classes=10,
@@ -117,6 +145,13 @@ MEGATRON = {r"attn/(query|key|value)/kernel$": (None, "model", None), r"attn/(qu
             r"ff_in/bias$": ("model",), r"ff_out/kernel$": ("model", None)}
 TF_ONE, TF_MEGATRON, TF_DATA, TF_LOCAL = ("one device", "global view 2x2 megatron", "global view 4x1 data",
                                           "local view 4 data, wrap_optimizer(Adam)")
+# The pair of issue 16's target: the model without dropout (the twin draws none), global view and hand-written.
+TF_ONE_NODROP, TF_MEGATRON_NODROP, TF_TWIN = ("one device, no dropout", "global view 2x2 megatron, no dropout",
+                                              "local view 2x2 megatron, hand-written")
+DROPOUT, ADAM_LR = 0.2, 1e-3
+# Replicated dense variables whose local-view gradient differs between the two "model" devices (see
+# _megatron_local; the embedding's, also such, is reduced as rows there).
+ACROSS_MODEL = (r"^ln1/", r"^attn/attention_output/bias$")
 
 # The build of MobileNetV2.
 LOCAL_BUILD, GRAPPLER_OFF, REPLICATED = "local view", "Grappler off", "update=replicated"
@@ -323,14 +358,17 @@ def mlp(rounds: int, budget_seconds: float) -> dict:
 # -- the transformer ----------------------------------------------------------------------------------------------
 
 
-def _transformer():
-  """tests/test_global_transformer.py's one-block Keras 3 transformer, at benchmark sizes."""
+def _transformer(dropout: float = DROPOUT):
+  """tests/test_global_transformer.py's one-block Keras 3 transformer, at benchmark sizes.
+
+  ``dropout=0`` makes the Dropout layer the identity; the weights are those of the default (same seed).
+  """
   import keras
   keras.utils.set_random_seed(1)
   tokens = keras.Input((TIME,), dtype="int32")
   x = keras.layers.Embedding(VOCAB, DIM, name="embed")(tokens)
   a = keras.layers.MultiHeadAttention(HEADS, DIM // HEADS, name="attn")(x, x, use_causal_mask=True)
-  x = keras.layers.LayerNormalization(name="ln1")(x + keras.layers.Dropout(0.2, seed=5)(a))
+  x = keras.layers.LayerNormalization(name="ln1")(x + keras.layers.Dropout(dropout, seed=5)(a))
   f = keras.layers.Dense(4 * DIM, activation="gelu", name="ff_in")(x)
   f = keras.layers.Dense(DIM, name="ff_out")(f)
   x = keras.layers.LayerNormalization(name="ln2")(x + f)
@@ -353,8 +391,110 @@ def _transformer_step(model, optimizer):
   return step_fn
 
 
+def _megatron_local(weights: dict, dataset):
+  """The hand-written local-view Megatron step of ``_transformer(dropout=0)``; returns ``(call, params, repl, step)``.
+
+  ``weights``: path (``"attn/query/kernel"``) -> initial value. Mesh ``{"batch": 2, "model": 2}``, the MEGATRON
+  layouts: each device holds its two heads' query/key/value kernels and biases and attention-output rows, its
+  half of the feed-forward units (``ff_in`` columns and bias, ``ff_out`` rows); the rest is replicated.
+  """
+  import math
+  import re
+
+  import numpy as np
+  import tensorflow as tf
+
+  import mesh
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=_cpus(DEVICES))
+  repl = replicator.Replicator(mesh=m, batch_axes=("batch",))
+  batches, model_size = m.shape["batch"], m.shape["model"]
+  paths = list(weights)
+  with repl.context(layouts=mesh.LayoutMap(MEGATRON)):
+    p = {path: tf.Variable(weights[path], name=path) for path in paths}
+    # Adam's slots, named so that MEGATRON's patterns give them their variable's layout.
+    slot_m = {path: tf.Variable(tf.zeros_like(weights[path]), name=f"adam_m/{path}") for path in paths}
+    slot_v = {path: tf.Variable(tf.zeros_like(weights[path]), name=f"adam_v/{path}") for path in paths}
+    iterations = tf.Variable(0, dtype=tf.int64, name="adam/iterations")
+  sharded = [path for path in paths if any(re.search(k, path) for k in MEGATRON)]
+  across_model = [path for path in paths if any(re.search(k, path) for k in ACROSS_MODEL)]
+  within_batch = [path for path in paths if path not in sharded + across_model + ["embed/embeddings"]]
+  scale = 1 / math.sqrt(DIM // HEADS)
+  large_negative = -0.7 * 3.38953e38  # Keras's masked logit (keras.src.backend.tensorflow.nn)
+
+  def layer_norm(x, name):  # keras.ops.layer_normalization, epsilon 1e-3
+    mean, variance = tf.nn.moments(x, [-1], keepdims=True)
+    inv = tf.math.rsqrt(variance + 1e-3) * p[f"{name}/gamma"]
+    return x * inv + (p[f"{name}/beta"] - mean * inv)
+
+  def heads(x, name):  # EinsumDense "abc,cde->abde" on this device's heads
+    return tf.einsum("abc,cde->abde", x, p[f"attn/{name}/kernel"]) + p[f"attn/{name}/bias"]
+
+  def forward(tokens):
+    x = tf.gather(tf.convert_to_tensor(p["embed/embeddings"]), tokens)
+    q, k, v = heads(x, "query"), heads(x, "key"), heads(x, "value")
+    logits = tf.einsum("BTNH,BSNH->BNTS", q, k) * scale
+    causal = tf.linalg.band_part(tf.ones((TIME, TIME), tf.bool), -1, 0)
+    probs = tf.nn.softmax(tf.where(causal, logits, large_negative), axis=-1)
+    partial = tf.einsum("abcd,cde->abe", tf.einsum("BNTS,BSNH->BTNH", probs, v), p["attn/attention_output/kernel"])
+    x = layer_norm(x + repl.all_reduce(partial, axis="model") + p["attn/attention_output/bias"], "ln1")
+    u = tf.nn.gelu(tf.einsum("btd,df->btf", x, p["ff_in/kernel"]) + p["ff_in/bias"], approximate=False)
+    partial = tf.einsum("btf,fd->btd", u, p["ff_out/kernel"])
+    x = layer_norm(x + repl.all_reduce(partial, axis="model") + p["ff_out/bias"], "ln2")
+    return tf.einsum("btd,dv->btv", x, p["head/kernel"]) + p["head/bias"]
+
+  def step_fn(batch):  # device (b, k): batch shard b, heads and feed-forward units k
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, forward(x)))
+    grads = dict(zip(paths, tape.gradient(loss, [p[path] for path in paths])))
+    # Reduced below to one device's gradient of the global batch's mean loss. Through an
+    # all-reduce over "model" a tensor's gradient is that of the sum of the group's two (equal) losses
+    # (README, "Semantics worth knowing"): a piece's gradient is twice its share, and a replicated tensor
+    # upstream of an all-reduce gets its own units' part twice and the other device's not at all, which the
+    # mean over "model" of the replicated variables upstream (ACROSS_MODEL) puts right. Downstream of both
+    # all-reduces the replicated gradients are equal over "model": reduced over "batch" only.
+    reduced = dict(zip(sharded, repl.all_reduce([grads[k] for k in sharded], "mean", axis="batch")))
+    reduced = {k: g / model_size for k, g in reduced.items()}
+    reduced.update(zip(across_model, repl.all_reduce([grads[k] for k in across_model], "mean",
+                                                     axis=("batch", "model"))))
+    reduced.update(zip(within_batch, repl.all_reduce([grads[k] for k in within_batch], "mean", axis="batch")))
+    squares = {k: tf.square(g) for k, g in reduced.items()}
+    # The embedding's gradient is rows (tf.IndexedSlices); Keras's Adam adds the rows to the first moment and
+    # their squares, row by row, to the second (a repeated token's squares, not the square of its sum).
+    embedding = grads["embed/embeddings"]
+    rows = repl.all_reduce(embedding.values, "mean", axis="model") / batches  # one device's rows, this shard's tokens
+    dense = tf.math.unsorted_segment_sum(rows, embedding.indices, VOCAB)
+    dense_squares = tf.math.unsorted_segment_sum(tf.square(rows), embedding.indices, VOCAB)
+    reduced["embed/embeddings"], squares["embed/embeddings"] = repl.all_reduce([dense, dense_squares], axis="batch")
+    # Keras 3's Adam (beta_1 0.9, beta_2 0.999, epsilon 1e-7), on every device's pieces.
+    t = tf.cast(iterations + 1, tf.float32)
+    alpha = ADAM_LR * tf.sqrt(1 - tf.pow(0.999, t)) / (1 - tf.pow(0.9, t))
+    for k in paths:
+      slot_m[k].assign_add((reduced[k] - slot_m[k]) * (1 - 0.9))
+      slot_v[k].assign_add((squares[k] - slot_v[k]) * (1 - 0.999))
+      p[k].assign_sub(slot_m[k] * alpha / (tf.sqrt(slot_v[k]) + 1e-7))
+    iterations.assign_add(1)
+    return loss
+
+  def call():
+    return float(np.mean([t.numpy() for t in repl.run(step_fn, dataset)]))
+
+  return call, lambda: {k: v.numpy() for k, v in p.items()}, repl, step_fn
+
+
+def _step_graph_nodes(repl) -> int:
+  """Nodes of the step graph ``repl`` built (its one step); private, as in ``child_build`` (no public accessor)."""
+  steps = repl._global_steps if repl._global_steps.values() else repl._steps  # pylint: disable=protected-access
+  graphs = []
+  for by_key in steps.values():
+    for step in by_key.values():
+      graphs += [s.graph_def for s in step.values()] if isinstance(step, dict) else [step.graph_def]
+  (graph_def,) = graphs
+  return _graph_nodes(graph_def)
+
+
 def transformer(rounds: int, budget_seconds: float) -> dict:
-  """The Keras 3 transformer: one device, global view (megatron 2x2, data 4x1), local view data-parallel."""
+  """The Keras 3 transformer: one device, global view (megatron 2x2, data 4x1), local view (data; megatron by hand)."""
   import keras
   import numpy as np
   import tensorflow as tf
@@ -365,52 +505,78 @@ def transformer(rounds: int, budget_seconds: float) -> dict:
   x = rng.integers(0, VOCAB, size=(TF_BATCH, TIME)).astype("int32")
   y = rng.integers(0, VOCAB, size=(TF_BATCH, TIME)).astype("int32")
   dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
-  calls = {}
-  with tf.device("/device:CPU:0"):
-    model, optimizer = _transformer(), keras.optimizers.Adam(1e-3)
-    optimizer.build(model.trainable_variables)
-    iterator = iter(dataset)
-  body = _transformer_step(model, optimizer)
-  one = tf.function(lambda it: body(next(it)))
-  calls[TF_ONE] = lambda: float(one(iterator))
-  for name, shape, layouts in ((TF_MEGATRON, {"batch": 2, "model": 2}, MEGATRON), (TF_DATA, {"batch": 4}, None)):
+  calls, models, repls, steps = {}, {}, {}, {}
+  for name, dropout in ((TF_ONE, DROPOUT), (TF_ONE_NODROP, 0.0)):
+    with tf.device("/device:CPU:0"):
+      model, optimizer = _transformer(dropout), keras.optimizers.Adam(ADAM_LR)
+      optimizer.build(model.trainable_variables)
+      iterator = iter(dataset)
+    one = tf.function(functools.partial(lambda body, it: body(next(it)), _transformer_step(model, optimizer)))
+    calls[name], models[name] = functools.partial(lambda one, it: float(one(it)), one, iterator), model
+  initial = {w.path: w.numpy() for w in models[TF_ONE_NODROP].trainable_weights}
+  if any(np.any(w.numpy() != initial[w.path]) for w in models[TF_ONE].trainable_weights):
+    raise AssertionError("_transformer(dropout=0) does not start from the weights of _transformer()")
+  for name, shape, layouts, dropout in ((TF_MEGATRON, {"batch": 2, "model": 2}, MEGATRON, DROPOUT),
+                                        (TF_DATA, {"batch": 4}, None, DROPOUT),
+                                        (TF_MEGATRON_NODROP, {"batch": 2, "model": 2}, MEGATRON, 0.0)):
     repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=_cpus(DEVICES)),
                                  layouts=mesh.LayoutMap(layouts) if layouts else None, batch_axes=("batch",),
                                  view="global")
     with repl.context():
-      model, optimizer = _transformer(), keras.optimizers.Adam(1e-3)
+      model, optimizer = _transformer(dropout), keras.optimizers.Adam(ADAM_LR)
       optimizer.build(model.trainable_variables)
     step_fn = _transformer_step(model, optimizer)
     calls[name] = functools.partial(lambda repl, step_fn: float(repl.run(step_fn, dataset)), repl, step_fn)
+    models[name], repls[name], steps[name] = model, repl, step_fn
   repl = replicator.Replicator(devices=_cpus(DEVICES))
   with repl.context():
-    model, optimizer = _transformer(), repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
+    model, optimizer = _transformer(), repl.wrap_optimizer(keras.optimizers.Adam(ADAM_LR))
     optimizer.build(model.trainable_variables)
   local_step = _transformer_step(model, optimizer)
   calls[TF_LOCAL] = lambda: float(np.mean([t.numpy() for t in repl.run(local_step, dataset)]))
+  calls[TF_TWIN], twin_params, repls[TF_TWIN], steps[TF_TWIN] = _megatron_local(initial, dataset)
   losses, first_call = {}, {}
   for name, call in calls.items():
     t0 = time.perf_counter()
     losses[name] = [call()]
     first_call[name] = time.perf_counter() - t0
     losses[name] += [call() for _ in range(CHECK_STEPS - 1)]
-  loss_diff = {name: float(np.max(np.abs(np.subtract(losses[name], losses[TF_ONE])))) for name in calls}
+  reference = {name: TF_ONE_NODROP if name in (TF_MEGATRON_NODROP, TF_TWIN) else TF_ONE for name in calls}
+  loss_diff = {name: float(np.max(np.abs(np.subtract(losses[name], losses[reference[name]])))) for name in calls}
+  params = {name: {w.path: w.numpy() for w in models[name].trainable_weights} for name in models}
+  params[TF_TWIN] = twin_params()
+  param_diff = {name: float(max(np.max(np.abs(v - params[reference[name]][k])) for k, v in params[name].items()))
+                for name in params}
   for name in calls:
-    log(f"  {name:<40} losses {['%.5f' % v for v in losses[name]]}  max|loss - one device| {loss_diff[name]:.1e}  "
-        f"first call {first_call[name]:.1f} s")
-  bad = {name: loss_diff[name] for name in (TF_MEGATRON, TF_DATA) if loss_diff[name] > TOLERANCE}
+    log(f"  {name:<40} losses {['%.5f' % v for v in losses[name]]}  max|loss - {reference[name]}| "
+        f"{loss_diff[name]:.1e}" + (f"  max|param - {reference[name]}| {param_diff[name]:.1e}"
+                                    if name in param_diff else "") + f"  first call {first_call[name]:.1f} s")
+  checked = (TF_MEGATRON, TF_DATA, TF_MEGATRON_NODROP, TF_TWIN)
+  bad = {f"{name} ({what})": d[name] for name in checked for what, d in (("losses", loss_diff), ("params", param_diff))
+         if d[name] > TOLERANCE}
   if bad:
-    raise AssertionError(f"transformer: the global view differs from one device by more than {TOLERANCE}: {bad}")
-  times = _timing.interleaved(calls, rounds, warmup=2, budget_seconds=budget_seconds)
+    raise AssertionError(f"transformer: configurations differ from one device by more than {TOLERANCE}: {bad}")
+  communication = {}
+  for name in (TF_MEGATRON_NODROP, TF_TWIN):
+    communication[name] = _communication(repls[name].explain(steps[name], dataset))
+    communication[name]["step_graph_nodes"] = _step_graph_nodes(repls[name])
+    log(f"  {name:<40} {communication[name]['collectives']}; {communication[name]['bytes_per_step']:,} bytes/step; "
+        f"step graph {communication[name]['step_graph_nodes']:,} nodes")
+  timed = {name: call for name, call in calls.items() if name != TF_ONE_NODROP}
+  times = _timing.interleaved(timed, rounds, warmup=2, budget_seconds=budget_seconds)
   stats = {name: _timing.summary(t) for name, t in times.items()}
   pairs = {"megatron / one device": (TF_MEGATRON, TF_ONE), "data / one device": (TF_DATA, TF_ONE),
            "local data / one device": (TF_LOCAL, TF_ONE), "global data / local data": (TF_DATA, TF_LOCAL),
-           "megatron / local data": (TF_MEGATRON, TF_LOCAL)}
+           "megatron / local data": (TF_MEGATRON, TF_LOCAL),
+           "megatron global / megatron local (hand-written)": (TF_MEGATRON_NODROP, TF_TWIN),
+           "megatron no dropout / megatron": (TF_MEGATRON_NODROP, TF_MEGATRON)}
   ratios = {label: dict(of_medians=stats[a]["median"] / stats[b]["median"],
                         per_round=_timing.paired_ratio(times[a], times[b])) for label, (a, b) in pairs.items()}
   return dict(model=f"transformer: vocab {VOCAB}, d_model {DIM}, {HEADS} heads, ff {4 * DIM}, seq {TIME}, "
-                    f"batch {TF_BATCH}, Adam", losses=losses, max_abs_loss_diff_vs_one_device=loss_diff,
-              first_call_s=first_call, stats=stats, ratios=ratios, times_s=times)
+                    f"batch {TF_BATCH}, Adam", losses=losses, reference=reference,
+              max_abs_loss_diff_vs_one_device=loss_diff, max_abs_param_diff_vs_one_device=param_diff,
+              first_call_s=first_call, communication=communication, stats=stats, ratios=ratios, times_s=times,
+              targets={"megatron global / megatron local (hand-written)": 1.10})
 
 
 # -- the build of MobileNetV2 (one subprocess per build) -------------------------------------------------------------
@@ -664,6 +830,11 @@ def markdown(results: dict) -> str:
     rows = [[label, f"{r['of_medians']:.2f}", _timing.interval(r["per_round"]),
              rec.get("targets", {}).get(label, "")] for label, r in rec["ratios"].items()]
     out.append(_timing.table(["ratio", "of medians", "per round [95% CI]", "target"], rows))
+    rows = [[name, c["collectives"], f"{c['bytes_per_step']:,}", f"{c['step_graph_nodes']:,}"]
+            for name, c in rec.get("communication", {}).items() if "step_graph_nodes" in c]
+    if rows:
+      out.append(_timing.table(["configuration", "collectives (repl.explain)", "bytes/step", "step graph nodes"],
+                               rows))
   if "build" in results:
     rec = results["build"]
     rows = [[c, f"{m['first_call_s']:.1f} s", f"{m['setup_s']:.1f} s", _timing.ms(m["second_call_s"]),
