@@ -92,7 +92,8 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
   Returns:
     The :class:`Partition`.
   """
-  ops = graph.get_operations()  # creation order: a topological order
+  dead = _dead(graph)
+  ops = [op for op in graph.get_operations() if op.name not in dead]  # creation order: a topological order
   context = _Context(mesh, handle_shapes or {})
   wants: dict = {}
   partition = _forward(ops, context, given, wants)
@@ -103,6 +104,31 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
       return again
     partition = again
   return partition
+
+
+def _dead(graph) -> set:
+  """Names of the ops of a function graph whose results nothing uses (no output, no effect depends on them).
+
+  Left out of the partition: expanded, they would cost every device their
+  work and, where their layouts need one, a collective (an unused gradient's
+  partial sum, say), which the runtime cannot prune. Empty for a graph that
+  is not a function's (no outputs known).
+  """
+  outputs = getattr(graph, "outputs", None)
+  if outputs is None:
+    return set()
+  ops = graph.get_operations()
+  by_name = {op.name: op for op in ops}
+  stack = [t.op.name for t in outputs] + [op.name for op in getattr(graph, "control_outputs", ())]
+  stack += [op.name for op in ops
+            if op.type in _SOURCES or (op.op_def.is_stateful and op.type != "ReadVariableOp")]
+  live: set = set()
+  while stack:
+    name = stack.pop()
+    if name not in live:
+      live.add(name)
+      stack.extend(t.op.name for t in by_name[name].inputs)
+  return {op.name for op in ops if op.name not in live}
 
 
 _FOLDED_DTYPES = (tf.int32, tf.int64, tf.bool)
@@ -421,8 +447,8 @@ class _Expander:
           raise _errors.RewriteError(f"The global graph's input {name} has no value to expand with.")
         self.local[name] = list(local_inputs[name])
         continue
-      if op.type in ("Const", "NoOp"):
-        continue  # constants are made per device on first use
+      if op.type in ("Const", "NoOp") or op.name not in self.partition.decisions:
+        continue  # constants are made per device on first use; dead ops are left out
       decision = self.partition.decisions[op.name]
       if decision.values:  # the same constant on every device (a shape query's global answer)
         for k, t in enumerate(op.outputs):

@@ -339,6 +339,24 @@ def test_shape_queries_answer_with_global_shapes():
   assert shape.numpy().tolist() == [8.0, 3.0] and float(size) == 24.0
 
 
+def test_unused_values_are_not_computed_or_communicated():
+  repl = _global_repl(None)
+  with repl.context():
+    v = tf.Variable(2.0)
+  ds = tf.data.Dataset.from_tensor_slices(np.arange(8.0, dtype="float32")).batch(8, drop_remainder=True)
+
+  def step_fn(x):
+    unused = tf.reduce_sum(x * v)  # a sum over the split batch: an all-reduce, were it kept
+    del unused
+    v.assign_add(1.0)  # an effect: kept
+    return tf.reduce_max(x)  # over the split batch: one all-reduce (max)
+
+  assert float(repl.run(step_fn, ds)) == 7.0
+  step = _built(repl)
+  assert [(c.kind, c.param_dict.get("op")) for c in step.plan.collectives] == [("all_reduce", "max")]
+  assert float(v) == 3.0
+
+
 def test_an_unruled_op_on_a_sharded_variable_is_refused_not_wrong():
   repl = _global_repl({r"table$": ("model", None)})
   with repl.context():
