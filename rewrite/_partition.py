@@ -240,6 +240,10 @@ def _backward(ops, context, partition, wants) -> dict:
   return wants
 
 
+# Ops that pass their inputs through unchanged at run time: not copied, their outputs are their inputs
+# (MobileNetV2's step has 1,500 per device; the runtime would remove them, at a cost in the first call).
+_ALIASES = ("Identity", "IdentityN", "StopGradient", "Snapshot")
+
 _ABSENT = object()  # a local value a device does not compute (another device of its group owns the op)
 
 
@@ -478,7 +482,9 @@ class _Expander:
             x = self._relayouts[key]
           inputs.append(x)
         inputs_per_device.append(inputs)
-      if decision.lower is not None:  # the rule computes each device's outputs itself, in Python
+      if op.type in _ALIASES and not any(r is not None for r in decision.reduce):
+        outputs_per_device = inputs_per_device  # no copy: its consumers read its (relayouted) input
+      elif decision.lower is not None:  # the rule computes each device's outputs itself, in Python
         outputs_per_device = []
         for r, device in enumerate(self.devices):
           with tf.device(device), tf.name_scope(f"replica_{r}/{op.name}"):
