@@ -242,7 +242,9 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
 
   scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
   plan = rewrite.plan(expanded.records, mesh, choose)
-  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, replicator._lowerings)  # pylint: disable=protected-access
+  graph_def = _without_unused_identities(scratch.graph.as_graph_def(), [t.name for t in scratch.outputs]
+                                        + [m.input for c in plan.collectives for m in c.members])
+  rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   report = _report(graph, partition, plan, mesh, trace, element_spec, ownership)
   return GlobalStep(
       partition=partition, plan=plan, report=report, graph_def=rewritten.graph_def, ownership=ownership,
@@ -290,6 +292,20 @@ def _ownership(replicator, graph, partition, axes, variables) -> _partition_owne
     if owner is not None:
       variable.set_owner(owner.position, owner.axes)
   return ownership
+
+
+def _without_unused_identities(graph_def, outputs):
+  """``graph_def`` without the Identity nodes nothing reads (capturing a handle leaves one behind).
+
+  ``outputs``: tensor names read from outside (the step's outputs, the collectives' inputs).
+  """
+  used = {name.split(":")[0].lstrip("^") for node in graph_def.node for name in node.input}
+  used.update(name.split(":")[0] for name in outputs)
+  kept = [node for node in graph_def.node if node.op != "Identity" or node.name in used]
+  if len(kept) < len(graph_def.node):
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
+  return graph_def
 
 
 def _check_fallbacks(graph, partition, strict: bool) -> None:
