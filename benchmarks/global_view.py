@@ -59,7 +59,10 @@ its losses are not compared). Issue 16's transformer target pairs two more
 configurations, both of the model **without dropout** (``_transformer(0)``:
 the Dropout layer is the identity; same seed, same initial weights, checked):
 
-* ``global view 2x2 megatron, no dropout``: as the Megatron one above;
+* ``global view 2x2 megatron, no dropout``: as the Megatron one above, with
+  ``Replicator(update="replicated")`` (Adam on every device, as the twin; the
+  other global-view configurations take the default, on CPUs the sharded
+  update: each variable's Adam on one device of its "batch" group);
 * ``local view 2x2 megatron, hand-written`` (``_megatron_local``): the same
   model written by hand in the local view on the same mesh and layouts, the
   variables (``tf.Variable``) named by the Keras paths (``MEGATRON`` splits them)
@@ -73,8 +76,8 @@ the Dropout layer is the identity; same seed, same initial weights, checked):
   an all-reduce, ``ln1`` and the attention output bias: mean over both axes,
   the rest over "batch"; the embedding's rows meaned over "model", then
   summed densely with their squares over "batch", as Keras's Adam treats
-  them) and Keras 3's Adam written out on every device's pieces (the global
-  view also runs Adam on every batch shard's copy). It draws no dropout: the
+  them) and Keras 3's Adam written out on every device's pieces (as its
+  global-view pair does). It draws no dropout: the
   global view draws exactly each device's piece of the global mask, which
   plain TF ops on the pieces cannot do without the library's counter
   arithmetic, so the pair compares the model without it.
@@ -516,12 +519,15 @@ def transformer(rounds: int, budget_seconds: float) -> dict:
   initial = {w.path: w.numpy() for w in models[TF_ONE_NODROP].trainable_weights}
   if any(np.any(w.numpy() != initial[w.path]) for w in models[TF_ONE].trainable_weights):
     raise AssertionError("_transformer(dropout=0) does not start from the weights of _transformer()")
-  for name, shape, layouts, dropout in ((TF_MEGATRON, {"batch": 2, "model": 2}, MEGATRON, DROPOUT),
-                                        (TF_DATA, {"batch": 4}, None, DROPOUT),
-                                        (TF_MEGATRON_NODROP, {"batch": 2, "model": 2}, MEGATRON, 0.0)):
+  # The global view's default update on CPUs is sharded (each Adam update on one device of its "batch" group,
+  # like the local view's wrap_optimizer default); the twin runs Adam on every device, so its pair does too.
+  for name, shape, layouts, dropout, update in (
+      (TF_MEGATRON, {"batch": 2, "model": 2}, MEGATRON, DROPOUT, "auto"),
+      (TF_DATA, {"batch": 4}, None, DROPOUT, "auto"),
+      (TF_MEGATRON_NODROP, {"batch": 2, "model": 2}, MEGATRON, 0.0, "replicated")):
     repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=_cpus(DEVICES)),
                                  layouts=mesh.LayoutMap(layouts) if layouts else None, batch_axes=("batch",),
-                                 view="global")
+                                 view="global", update=update)
     with repl.context():
       model, optimizer = _transformer(dropout), keras.optimizers.Adam(ADAM_LR)
       optimizer.build(model.trainable_variables)

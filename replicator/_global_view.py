@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import warnings
@@ -191,7 +192,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     structure["value"] = result
     return tree.flatten(result)
 
-  with _context.global_trace_scope(trace), tf.variable_creator_scope(creator):
+  with _context.global_trace_scope(trace), tf.variable_creator_scope(creator), _inlining_functions():
     try:
       concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
     except ValueError as e:
@@ -292,6 +293,24 @@ def _ownership(replicator, graph, partition, axes, variables) -> _partition_owne
     if owner is not None:
       variable.set_owner(owner.position, owner.axes)
   return ownership
+
+
+@contextlib.contextmanager
+def _inlining_functions():
+  """Calls of a ``tf.function`` by the step are traced into it (their ops, not a call op rules cannot see).
+
+  A call of a ``tf.function`` inside another's trace is a ``StatefulPartitionedCall`` op whose body is a
+  separate function: the partitioner could not give its ops layouts (and refuses a sharded variable's handle
+  passed in). With ``tf.config.run_functions_eagerly(True)`` while the step is traced, a called
+  ``tf.function`` runs its Python function, so its ops land in the step's graph (the outer trace still
+  traces). The setting is process-wide and restored afterwards.
+  """
+  before = tf.config.functions_run_eagerly()
+  tf.config.run_functions_eagerly(True)
+  try:
+    yield
+  finally:
+    tf.config.run_functions_eagerly(before)
 
 
 def _without_unused_identities(graph_def, outputs):

@@ -515,3 +515,41 @@ def test_steps_runs_several_global_steps_in_one_call():
     repl.run(step_fn, dataset, steps=2)
   with pytest.raises(replicator.ArgumentError, match="loops over global batches of one static shape"):
     repl.run(step_fn, _dataset().unbatch().batch(BATCH), steps=2)
+
+
+class _Trainer:
+  """A research habit: the step is a bound method, its forward pass a ``tf.function`` helper."""
+
+  def __init__(self, model, opt):
+    self.model, self.opt = model, opt
+    self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  @tf.function
+  def loss(self, x, y):
+    return self.loss_fn(y, self.model(x, training=True))
+
+  def step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.loss(x, y)
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
+    return loss
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_trainer_method_with_a_tf_function_helper_equals_one_device(layout):
+  # The helper is traced into the step (not a call op the layout rules cannot see into).
+  one = _Trainer(*_model_and_optimizer(contextlib.nullcontext(), "adam"))
+  one_step = tf.function(one.step)
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  repl = _global_repl(LAYOUTS[layout])
+  trainer = _Trainer(*_model_and_optimizer(repl.context(), "adam"))
+  dataset = _dataset()
+  losses = [float(repl.run(trainer.step, dataset)) for _ in range(STEPS)]
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  for a, b in zip(one.model.variables + one.opt.variables, trainer.model.variables + trainer.opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  step = _built(repl)
+  assert not step.partition.fallbacks
+  assert tf.config.functions_run_eagerly() is False  # restored after the trace
