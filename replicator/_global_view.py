@@ -318,9 +318,13 @@ def _without_unused_identities(graph_def, outputs):
 
   ``outputs``: tensor names read from outside (the step's outputs, the collectives' inputs).
   """
-  used = {name.split(":")[0].lstrip("^") for node in graph_def.node for name in node.input}
-  used.update(name.split(":")[0] for name in outputs)
-  kept = [node for node in graph_def.node if node.op != "Identity" or node.name in used]
+  identities = {node.name for node in graph_def.node if node.op == "Identity"}
+  unused = set(identities)
+  for node in graph_def.node:
+    for name in node.input:
+      unused.discard(name.partition(":")[0].lstrip("^"))
+  unused.difference_update(name.partition(":")[0] for name in outputs)
+  kept = [node for node in graph_def.node if node.name not in unused]
   if len(kept) < len(graph_def.node):
     del graph_def.node[:]
     graph_def.node.extend(kept)

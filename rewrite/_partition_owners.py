@@ -227,7 +227,7 @@ def _cones(nodes, owned, owned_variables, handle_users) -> dict:
       if not (_is_sink(sink, 1, owned_variables) and sink.producers[1] in owned):
         continue
       label = (sink.name, 1)
-      stack, seen = [sink.producers[1]], set()
+      stack, seen, variables = [sink.producers[1]], set(), set()
       while stack:
         name = stack.pop()
         if name in seen or name not in owned:
@@ -236,8 +236,10 @@ def _cones(nodes, owned, owned_variables, handle_users) -> dict:
         cones[name].add(label)
         node = by_name[name]
         stack.extend(p for p, resource in zip(node.producers, node.resource) if not resource)
-        if node.type in _STATEFUL_ALLOWED and node.inputs[0] in owned_variables:
-          stack.extend(u.name for u in handle_users[node.inputs[0]])  # the variable's other reads and writes
+        handle = node.inputs[0] if node.type in _STATEFUL_ALLOWED else None
+        if handle in owned_variables and handle not in variables:
+          variables.add(handle)
+          stack.extend(u.name for u in handle_users[handle])  # the variable's other reads and writes
   for node in nodes:  # creation order: producers first
     if node.name not in owned or node.name in cones:
       continue
