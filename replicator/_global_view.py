@@ -116,37 +116,44 @@ class GlobalStep:
     flat = self.concrete([tf.TensorSpec(a.shape, a.dtype) for a in flat_args])(*flat_args)
     return tree.unflatten_as(self.structure, list(flat))
 
-  def run_steps(self, iterator, element, steps: int):
+  def run_steps(self, iterator, element, steps: int, all_steps: bool = False):
     """Up to ``steps`` steps in one graph call, on ``element`` then the next batches of ``iterator``.
 
-    Returns the last step's results and the number of steps run (fewer at the
+    Returns the last step's results (``all_steps``: every step's, stacked
+    along a new leading dimension) and the number of steps run (fewer at the
     end of the dataset).
     """
-    loop = self.loops.get(steps)
+    loop = self.loops.get((steps, all_steps))
     if loop is None:
       function = self.concrete([tf.TensorSpec(a.shape, a.dtype) for a in tree.flatten(element)])
+
+      def keep(kept, i, outputs):
+        """What the loop carries of a step's ``outputs``: the outputs, or ``kept`` arrays with them written at ``i``."""
+        return [a.write(i, o) for a, o in zip(kept, outputs)] if all_steps else list(outputs)
 
       def run(first, it):
         def cond(i, more, *_):
           return tf.logical_and(i < steps, more)
 
-        def body(i, more, *outputs):
+        def body(i, more, *kept):
           del more
           optional = it.get_next_as_optional()
 
           def step():
-            return [tf.constant(True)] + list(function(*tree.flatten(optional.get_value())))
+            return [tf.constant(True)] + keep(kept, i, function(*tree.flatten(optional.get_value())))
 
           def stop():
-            return [tf.constant(False)] + list(outputs)
+            return [tf.constant(False)] + list(kept)
 
-          more, *outputs = tf.cond(optional.has_value(), step, stop)
-          return [i + tf.cast(more, tf.int32), more] + outputs
+          more, *kept = tf.cond(optional.has_value(), step, stop)
+          return [i + tf.cast(more, tf.int32), more] + kept
 
         outputs = list(function(*first))
-        return tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + outputs)
+        arrays = [tf.TensorArray(o.dtype, size=0, dynamic_size=True, element_shape=o.shape) for o in outputs]
+        count, more, *kept = tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + keep(arrays, 0, outputs))
+        return [count, more] + ([a.stack() for a in kept] if all_steps else kept)
 
-      loop = self.loops[steps] = tf.function(run, autograph=False)
+      loop = self.loops[(steps, all_steps)] = tf.function(run, autograph=False)
     count, _, *flat = loop(tree.flatten(element), iterator)
     return tree.unflatten_as(self.structure, flat), int(count)
 

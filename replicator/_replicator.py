@@ -414,10 +414,6 @@ class Replicator:
       raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=self.batch_axes))
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
-    if all_steps:
-      raise _errors.UnsupportedError(
-          "repl.run(..., all_steps=True) is not supported in the global view yet. Fix: return what you need "
-          "from each step through a variable, or call repl.run once per step.")
     if steps > 1 and not all(s.shape.is_fully_defined() for s in tree.flatten(dataset.element_spec)):
       raise _errors.ArgumentError(
           f"repl.run(steps={steps}) in the global view loops over global batches of one static shape, but the "
@@ -431,10 +427,10 @@ class Replicator:
       del self._global_iterators[id(dataset)]
       raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
     step = self._global_step(step_fn, element)
-    if steps == 1:
+    if steps == 1 and not all_steps:
       self.steps_run = 1
       return step(tree.flatten(element))
-    results, self.steps_run = step.run_steps(entry[1], element, steps)
+    results, self.steps_run = step.run_steps(entry[1], element, steps, all_steps)
     return results
 
   def _global_step(self, step_fn, element) -> _global_view.GlobalStep:

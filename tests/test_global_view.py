@@ -517,6 +517,28 @@ def test_steps_runs_several_global_steps_in_one_call():
     repl.run(step_fn, _dataset().unbatch().batch(BATCH), steps=2)
 
 
+def test_all_steps_stacks_every_step_of_the_call():
+  _, (one_model, one_opt, expected), _, _ = _train(LAYOUTS["hidden"])
+  repl = _global_repl(LAYOUTS["hidden"])
+  model, opt = _model_and_optimizer(repl.context(), "adam")
+  dataset = _dataset()
+
+  def step_fn(batch):  # a nest of outputs: the loss and the step's batch size
+    return {"loss": _make_step(model, opt)(batch), "n": tf.shape(batch[0])[0]}
+
+  out = repl.run(step_fn, dataset, steps=2, all_steps=True)
+  assert repl.steps_run == 2 and out["loss"].shape == [2] and out["n"].numpy().tolist() == [BATCH, BATCH]
+  np.testing.assert_allclose(out["loss"].numpy(), expected[:2], rtol=0, atol=1e-6)
+  out = repl.run(step_fn, dataset, steps=4, all_steps=True)  # one batch left: one entry
+  assert repl.steps_run == 1 and out["loss"].shape == [1]
+  np.testing.assert_allclose(out["loss"].numpy(), expected[2:], rtol=0, atol=1e-6)
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  dataset = _dataset()
+  out = repl.run(step_fn, dataset, all_steps=True)  # steps=1: one entry too
+  assert out["loss"].shape == [1]
+
+
 class _Trainer:
   """A research habit: the step is a bound method, its forward pass a ``tf.function`` helper."""
 
