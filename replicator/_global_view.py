@@ -74,11 +74,11 @@ CHANGES_SHAPE = (
 )
 
 CREATES_VARIABLES = (
-    "step_fn created the variable {name!r} during the global view's trace with an initial value that "
-    "is not a constant. The global view makes such variables once, before the step, from a constant "
-    "initial value (zeros, say) only. Fix: create them before the step (Keras: build the model by "
-    "calling it, and the optimizer with optimizer.build(model.trainable_variables)) inside "
-    "`with repl.context():`."
+    "step_fn created the variable {name!r} during the global view's trace from an initial value computed "
+    "inside the step (a Sonnet module builds its variables so on its first call). The global view makes "
+    "variables created in the step once, eagerly, from a constant or a callable initial value (Keras "
+    "layers and optimizers pass callables) only. Fix: build the module before the step, inside "
+    "`with repl.context():` (so that its layouts apply), by calling it once on a batch of the right shape."
 )
 
 
@@ -181,11 +181,13 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   replicated_creator = _variables.make_creator(replicator)
 
   def creator(next_creator, **kwargs):
-    # A variable made during the trace (a Keras optimizer's slots, built by its first
-    # apply_gradients) is made once, eagerly, by the Replicator, from its constant initial value.
+    # A variable made during the trace (a Keras optimizer's slots, built by its first apply_gradients; a
+    # Keras layer built by its first call) is made once, eagerly, by the Replicator. A callable initial
+    # value is called eagerly, as a tf.function lifts it out of its first trace on one device.
     initial_value = kwargs.get("initial_value")
     if callable(initial_value):
-      initial_value = initial_value()
+      with tf.init_scope(), _context.global_trace_scope(None):
+        initial_value = initial_value()
     value = tf.get_static_value(initial_value) if tf.is_tensor(initial_value) else initial_value
     if value is None:
       raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))

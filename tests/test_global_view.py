@@ -173,8 +173,52 @@ def test_global_view_traces_at_the_first_batch_s_shapes():
 def test_global_view_refuses_variables_made_in_the_step_from_computed_values():
   repl = _global_repl(None)
   ds = tf.data.Dataset.from_tensor_slices(np.zeros([4, 2], "float32")).batch(4)
-  with pytest.raises(replicator.UnsupportedError, match="created the variable .* not a constant"):
+  with pytest.raises(replicator.UnsupportedError, match=re.escape(
+      "from an initial value computed inside the step (a Sonnet module builds its variables so on its first "
+      "call). The global view makes variables created in the step once, eagerly, from a constant or a callable "
+      "initial value (Keras layers and optimizers pass callables) only. Fix: build the module before the step, "
+      "inside `with repl.context():`")):
     repl.run(lambda x: tf.Variable(tf.reduce_sum(x)) * 2.0, ds)
+
+
+def test_a_sonnet_module_built_by_the_step_is_refused_with_the_fix():
+  snt = pytest.importorskip("sonnet")
+  repl = _global_repl(None)
+  with repl.context():
+    linear = snt.Linear(3)
+  ds = tf.data.Dataset.from_tensor_slices(np.ones([4, 2], "float32")).batch(4).repeat()
+  with pytest.raises(replicator.UnsupportedError, match=r"created the variable 'w' .* Fix: build the module"):
+    repl.run(lambda x: tf.reduce_sum(linear(x)), ds)
+  with repl.context():
+    linear(tf.ones([4, 2]))  # the fix: built once, eagerly
+  np.testing.assert_allclose(float(repl.run(lambda x: tf.reduce_sum(linear(x)), ds)),
+                             float(tf.reduce_sum(linear(tf.ones([4, 2])))), rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_keras_model_built_by_its_first_call_in_the_step_equals_one_device(layout):
+  # No Input layer: the layers (and Adam's slots) are built inside the first trace, as on one device.
+  def model_and_optimizer(context):
+    with context:
+      keras.utils.set_random_seed(1)
+      model = keras.Sequential([keras.layers.Dense(16, activation="relu", name="ff_in"),
+                                keras.layers.Dense(4, name="ff_out")])
+      return model, keras.optimizers.Adam(1e-2)
+
+  one_model, one_opt = model_and_optimizer(contextlib.nullcontext())
+  one_step = tf.function(_make_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  repl = _global_repl(LAYOUTS[layout])
+  model, opt = model_and_optimizer(repl.context())
+  step_fn = _make_step(model, opt)
+  dataset = _dataset()
+  losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  assert len(model.variables) == 4 and len(opt.variables) == 2 + 8
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  if layout == "hidden":
+    assert model.layers[0].kernel.value.layout.axes(1) == ("model",)  # the layouts applied to the lazy build
 
 
 # -- propagation on traced graphs (rewrite._partition, no Replicator) ----------------------------
