@@ -232,36 +232,41 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
                if id(external) in trace.owners}
   ownership = _ownership(replicator, graph, partition, axes, variables)
 
-  def expanded(*flat):
-    local = {}
-    for placeholder, value in zip(graph.inputs[:len(specs)], flat):
+  # The expansion is one GraphDef (rewrite._partition.expand), with the step's inputs and the variables'
+  # handles as placeholders of a plain graph: GlobalStep.concrete imports it once, into the step's function.
+  expansion_graph, n = tf.Graph(), len(mesh.devices)
+  fed = []  # (placeholder tensor name, eager value) of each value the step reads from outside
+  with expansion_graph.as_default():
+
+    def feed(value, name):
+      placeholder = tf.raw_ops.Placeholder(dtype=value.dtype, shape=value.shape, name=name)
+      fed.append((placeholder.name, value))
+      return placeholder
+
+    inputs, local = [], {}
+    for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
+      whole = tf.raw_ops.Placeholder(dtype=spec.dtype, shape=spec.shape, name=f"input_{i}")
+      inputs.append(whole)
       pieces = []
       for r, device in enumerate(mesh.devices):
         with tf.device(device):
-          pieces.append(_partition.local_piece(value, given[placeholder.name], mesh, r))
+          pieces.append(_partition.local_piece(whole, given[placeholder.name], mesh, r))
       local[placeholder.name] = pieces
-    for external, internal in graph.captures:
+    for k, (external, internal) in enumerate(graph.captures):
       if internal.name in handles:
-        local[internal.name] = [_captures.capture(h) for h in handles[internal.name]]
+        local[internal.name] = [feed(h, f"handle_{k}_{r}") for r, h in enumerate(handles[internal.name])]
       else:
-        local[internal.name] = [_captures.capture(external)] * len(mesh.devices)
-    values, records = _partition.expand(graph, mesh, partition, local, graph.outputs,
-                                        locate=_primitives.location_of, ownership=ownership)
-    expanded.records = records
-    return [per_device[0] for per_device in values]  # every device holds the whole output
-
-  scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
-  plan = rewrite.plan(expanded.records, mesh, choose)
-  graph_def = _without_unused_identities(scratch.graph.as_graph_def(), [t.name for t in scratch.outputs]
-                                        + [m.input for c in plan.collectives for m in c.members])
-  rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
+        local[internal.name] = [feed(external, f"capture_{k}")] * n
+    expansion = _partition.expand(graph, mesh, partition, local, graph.outputs, locate=_primitives.location_of,
+                                  ownership=ownership)
+  plan = rewrite.plan(expansion.records, mesh, choose)
+  rewritten = rewrite.apply(expansion.graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   report = _report(graph, partition, plan, mesh, trace, element_spec, ownership)
   return GlobalStep(
       partition=partition, plan=plan, report=report, graph_def=rewritten.graph_def, ownership=ownership,
-      input_names=[t.name for t in scratch.graph.inputs[:len(specs)]],
-      captures=_captures.Captures([(internal.name, external) for external, internal in scratch.graph.captures]
-                                  + list(rewritten.external_inputs.items())),
-      output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
+      input_names=[t.name for t in inputs],
+      captures=_captures.Captures(fed + list(rewritten.external_inputs.items())),
+      output_names=[rewritten.output_name(per_device[0]) for per_device in expansion.outputs],  # all whole
       structure=structure["value"])
 
 
@@ -320,24 +325,6 @@ def _inlining_functions():
     yield
   finally:
     tf.config.run_functions_eagerly(before)
-
-
-def _without_unused_identities(graph_def, outputs):
-  """``graph_def`` without the Identity nodes nothing reads (capturing a handle leaves one behind).
-
-  ``outputs``: tensor names read from outside (the step's outputs, the collectives' inputs).
-  """
-  identities = {node.name for node in graph_def.node if node.op == "Identity"}
-  unused = set(identities)
-  for node in graph_def.node:
-    for name in node.input:
-      unused.discard(name.partition(":")[0].lstrip("^"))
-  unused.difference_update(name.partition(":")[0] for name in outputs)
-  kept = [node for node in graph_def.node if node.name not in unused]
-  if len(kept) < len(graph_def.node):
-    del graph_def.node[:]
-    graph_def.node.extend(kept)
-  return graph_def
 
 
 def _check_fallbacks(graph, partition, strict: bool) -> None:

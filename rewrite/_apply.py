@@ -137,7 +137,11 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
   while any(n.startswith(prefix + "/") for n in existing):
     prefix += "_"
 
-  new_nodes = []
+  # Each group's collective goes where its last member's placeholder was (externals first): the graph keeps
+  # the order its ops were made in, which an importing function follows to order variable reads and writes.
+  position = {n.name: i for i, n in enumerate(graph_def.node) if n.name in placeholders}
+  placed: dict[str, list] = collections.defaultdict(list)  # last member's placeholder name -> the group's nodes
+  new_nodes = []  # externals
   replacement: dict[str, str] = {}  # placeholder node name -> result tensor ref
   external_nodes: dict[str, str] = {}  # external key -> node name in out
   external_inputs: dict[str, tf.Tensor] = {}
@@ -161,6 +165,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
           external_inputs[node.name + ":0"] = lowering.external_value(key)
         renamed[tnode] = external_nodes[key]
 
+      here = placed[max((collective.members[r].node for r in group), key=position.__getitem__)]
       for tnode in template.nodes:
         if tnode.name in inputs or tnode.name in template.externals:
           continue
@@ -174,12 +179,14 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
           if previous is not None:
             node.input.append(f"^{previous}")
           last_ordered[node.device] = node.name
-        new_nodes.append(node)
+        here.append(node)
       for r, output in zip(group, template.outputs):
         replacement[collective.members[r].node] = _remap(output, inputs, renamed, scope)
 
+  out.node.extend(new_nodes)
   for node in graph_def.node:
     if node.name in placeholders:
+      out.node.extend(placed.get(node.name, ()))
       continue
     copy = out.node.add()
     copy.CopyFrom(node)
@@ -196,7 +203,6 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
           refs.append(ref)
       copy.ClearField("input")
       copy.input.extend(refs)
-  out.node.extend(new_nodes)
 
   survivors = [n.name for n in out.node if n.name in placeholders]
   if survivors:

@@ -262,16 +262,19 @@ class _Pending:
 
 
 class _Expander:
-  """Builds the per-device copies of a global graph's ops in the current graph.
+  r"""Builds the per-device copies of a global graph's ops, as one ``GraphDef``.
 
-  The copies (and the slices of relayouts) are collected as ``NodeDef``s in
-  one batch and imported together (``tf.graph_util.import_graph_def``): each
-  import costs time in the size of the whole graph, so one per op would make
-  the expansion quadratic (MobileNetV2: 7,685 imports, 320 s). The batch is
-  imported early only when Python code must see a real tensor (a rule that
-  lowers itself); collective placeholders need only their input's name, dtype
-  and shape, so they are made at once and their records point at the
-  imported name afterwards.
+  The copies (and the slices of relayouts) are ``NodeDef``\ s of the global
+  graph's ops, renamed, re-placed and rewired: nothing is imported while
+  expanding (an import costs time in the size of the whole graph; a graph
+  built op by op costs more). Real ops are made in the current graph (a plain
+  ``tf.Graph`` the caller made, holding the step's inputs and handles) only
+  where Python must build them: collective placeholders (they need only their
+  input's name, dtype and shape) and rules that lower themselves (their
+  inputs are stand-in placeholders for the copies they read). :meth:`finish`
+  merges the two in the order they were made, so the ``GraphDef`` lists every
+  op after its inputs and the ops of each device in the step's order (its
+  caller orders reads and writes of a variable by it).
   """
 
   def __init__(self, graph, mesh, partition, locate, ownership=None):
@@ -284,67 +287,54 @@ class _Expander:
     self.devices = mesh.devices
     self.records = [[] for _ in self.devices]
     self.local = {}  # global tensor name -> per-device local tensors (or _Pending)
-    self.producer = graph.graph_def_versions.producer
-    self._batch = self._new_batch()
-    self._batch_inputs: dict = {}  # key in the batch -> real tensor
-    self._keys: dict = {}  # real tensor name -> its key in the batch
-    self._imported: dict = {}  # batch node name -> imported operation
-    self._pending_records: list = []  # (replica, record index, _Pending input)
+    self.target = tf.compat.v1.get_default_graph()  # where real ops are made
+    self._nodes: list = []  # the copies' NodeDefs, in order
+    self._marks: list = []  # (target graph version, number of copies made before those ops)
+    self._standins: dict = {}  # stand-in placeholder op name in the target graph -> the copy's tensor name
+    self._consts: dict = {}  # name of a constant's copy -> its NodeDef
     self._count = 0
     self._relayouts: dict = {}  # (tensor name, device, layout) -> the relayouted piece
+    self._mark()
 
-  def _new_batch(self):
-    graph_def = tf.compat.v1.GraphDef()
-    graph_def.versions.producer = self.producer
-    return graph_def
+  # -- the copies ------------------------------------------------------------------
 
-  # -- the batch -------------------------------------------------------------------
+  def _mark(self) -> None:
+    """Records that the target graph's ops made so far come before the copies made after now."""
+    self._marks.append((self.target.version, len(self._nodes)))
+
+  def _node(self, r: int, name: str, op: str) -> tf.compat.v1.NodeDef:
+    node = tf.compat.v1.NodeDef(name=f"{_PREFIX}/replica_{r}/{name}", op=op, device=self.devices[r])
+    self._nodes.append(node)
+    return node
 
   def _real(self, x):
-    """``x`` as a tensor of the current graph (importing the batch if ``x`` is in it)."""
+    """``x`` as a tensor of the target graph (a stand-in placeholder for a copy; a constant, remade)."""
     if not isinstance(x, _Pending):
       return x
-    if x.node not in self._imported:
-      self._flush()
-    return self._imported[x.node].outputs[x.index]
+    if x.node in self._consts:  # a rule may need its value (an axis, say)
+      node = self._consts[x.node]
+      with tf.device(node.device):
+        return tf.constant(tf.make_ndarray(node.attr["value"].tensor), dtype=x.dtype)
+    standin = tf.raw_ops.Placeholder(dtype=x.dtype, shape=x.shape, name="standin")
+    self._standins[standin.op.name] = x.name
+    return standin
 
-  def _ref(self, x) -> str:
-    """How a node of the batch names ``x`` as an input."""
-    if isinstance(x, _Pending):
-      if x.node not in self._imported:
-        return x.name
-      x = self._imported[x.node].outputs[x.index]
-    key = self._keys.get(x.name)
-    if key is None:
-      key = self._keys[x.name] = f"external_{len(self._keys)}:0"
-      self._batch_inputs[key] = x
-    return key
-
-  def _flush(self) -> None:
-    if not self._batch.node:
-      return
-    names = [n.name for n in self._batch.node]
-    imported = tf.graph_util.import_graph_def(self._batch, input_map=self._batch_inputs, return_elements=names,
-                                              name="expand")
-    self._imported.update(zip(names, imported))
-    self._batch, self._batch_inputs, self._keys = self._new_batch(), {}, {}
+  @staticmethod
+  def _ref(x) -> str:
+    """How a copy names ``x`` (a copy's output, or a tensor of the target graph) as an input."""
+    return x.name
 
   def _const(self, r, value, dtype) -> _Pending:
     self._count += 1
-    node = self._batch.node.add()
-    node.name = f"replica_{r}/const_{self._count}"
-    node.op = "Const"
-    node.device = self.devices[r]
+    node = self._node(r, f"const_{self._count}", "Const")
     node.attr["dtype"].type = tf.as_dtype(dtype).as_datatype_enum
     node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=dtype))
+    self._consts[node.name] = node
     return _Pending(node.name, 0, tf.as_dtype(dtype), tf.TensorShape(np.shape(value)))
 
   def _zeros(self, r, shape, dtype) -> _Pending:
     dims, zero = self._ref(self._const(r, shape.as_list(), tf.int32)), self._ref(self._const(r, 0, dtype))
-    node = self._batch.node.add()
-    node.name = f"replica_{r}/zeros_{self._count}"
-    node.op = "Fill"
-    node.device = self.devices[r]
+    node = self._node(r, f"zeros_{self._count}", "Fill")
     node.input.extend([dims, zero])
     node.attr["T"].type = tf.as_dtype(dtype).as_datatype_enum
     node.attr["index_type"].type = tf.int32.as_datatype_enum
@@ -352,10 +342,7 @@ class _Expander:
 
   def _slice(self, r, x, begin, size, shape) -> _Pending:
     begin_ref, size_ref = self._ref(self._const(r, begin, tf.int32)), self._ref(self._const(r, size, tf.int32))
-    node = self._batch.node.add()
-    node.name = f"replica_{r}/slice_{self._count}"
-    node.op = "Slice"
-    node.device = self.devices[r]
+    node = self._node(r, f"slice_{self._count}", "Slice")
     node.input.extend([self._ref(x), begin_ref, size_ref])
     node.attr["T"].type = x.dtype.as_datatype_enum
     node.attr["Index"].type = tf.int32.as_datatype_enum
@@ -371,8 +358,7 @@ class _Expander:
       y, record = _placeholders.emit(
           x, replica=r, index=len(self.records[r]), kind=kind, params=params, axes=tuple(axes),
           result_shape=shape, device=self.devices[r], location=self.locate(op), call=f"{op.type} {op.name}")
-    if isinstance(x, _Pending):  # the record names the input once it is imported
-      self._pending_records.append((r, len(self.records[r]), x))
+    self._mark()
     self.records[r].append(record)
     return y
 
@@ -424,9 +410,9 @@ class _Expander:
       if inputs is None:  # not run on this device
         outputs.append(None)
         continue
-      node = self._batch.node.add()
+      node = self._node(r, op.name, op.type)
       node.CopyFrom(op.node_def)
-      node.name = f"replica_{r}/{op.name}"
+      node.name = f"{_PREFIX}/replica_{r}/{op.name}"
       node.device = self.devices[r]
       if "_class" in node.attr:  # colocation with ops of the global graph, which is not imported
         del node.attr["_class"]
@@ -488,7 +474,11 @@ class _Expander:
         outputs_per_device = []
         for r, device in enumerate(self.devices):
           with tf.device(device), tf.name_scope(f"replica_{r}/{op.name}"):
-            outputs_per_device.append(list(decision.lower(r, [self._real(x) for x in inputs_per_device[r]])))
+            outputs = list(decision.lower(r, [self._real(x) for x in inputs_per_device[r]]))
+          for y, t, layout in zip(outputs, op.outputs, decision.outputs):
+            y.set_shape(self._local_shape(t, layout))  # the rule's ops may not infer it from stand-ins
+          outputs_per_device.append(outputs)
+          self._mark()
       else:
         outputs_per_device = self._copies(op, decision, inputs_per_device)
       for r, outputs in enumerate(outputs_per_device):
@@ -525,37 +515,81 @@ class _Expander:
       values.append(x)
     return values
 
-  def finish(self, values: list) -> list:
-    """Imports what is left of the batch; ``values`` (nested lists) as real tensors; records named."""
-    self._flush()
-    for r, k, pending in self._pending_records:
-      self.records[r][k] = dataclasses.replace(self.records[r][k], input=self._real(pending).name)
-    return [[self._real(x) for x in per_device] for per_device in values]
+  def finish(self, values: list) -> "Expansion":
+    """The expansion: the copies and the target graph's ops merged in order; ``values`` named."""
+    made = self.target.as_graph_def()  # creation order
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.versions.CopyFrom(made.versions)
+    graph_def.library.CopyFrom(made.library)
+    marks, m, copied = self._marks, 0, 0
+    for index, node in enumerate(made.node, start=1):  # an op's place: the copies made before it
+      while m < len(marks) and marks[m][0] < index:
+        m += 1
+      before = marks[m][1] if m < len(marks) else len(self._nodes)
+      graph_def.node.extend(self._nodes[copied:before])
+      copied = max(copied, before)
+      if node.name in self._standins:
+        continue
+      if any(_split(i)[0] in self._standins for i in node.input):
+        inputs = [self._standins[_split(i)[0]] if _split(i)[0] in self._standins else i for i in node.input]
+        del node.input[:]
+        node.input.extend(inputs)
+      graph_def.node.append(node)
+    graph_def.node.extend(self._nodes[copied:])
+    outputs = [[self._ref(x) for x in per_device] for per_device in values]
+    return Expansion(graph_def, outputs, self.records)
+
+
+_PREFIX = "expand"  # the copies' names: expand/replica_<r>/<op name in the global graph>
+
+
+def _split(ref: str) -> tuple[str, str]:
+  """``"a:1"`` -> ``("a", "1")`` (standins have one output, and no control edges point at them)."""
+  name, _, port = ref.partition(":")
+  return name, port
+
+
+@dataclasses.dataclass
+class Expansion:
+  """Every device's copy of a global graph (:func:`expand`).
+
+  Attributes:
+    graph_def: the copies, the step's inputs and collective placeholders, in order.
+    outputs: per output of the global graph, per device, its tensor's name in ``graph_def``.
+    records: per device, its collective placeholders' records in call order (for :func:`rewrite.plan`).
+  """
+
+  graph_def: tf.compat.v1.GraphDef
+  outputs: list
+  records: list
 
 
 def expand(graph: tf.Graph, mesh, partition: Partition, local_inputs: dict, outputs,
-           locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}", ownership=None):
-  """Builds every device's copy of ``graph`` in the current graph.
+           locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}", ownership=None) -> Expansion:
+  """Every device's copy of ``graph``, with the ops the current graph holds.
+
+  Call it with a plain ``tf.Graph`` as the default graph, holding the
+  ``local_inputs``: the result is that graph's ops and the copies, as one
+  ``GraphDef``.
 
   Args:
     graph: the traced global graph.
     mesh: the device mesh.
     partition: from :func:`propagate`.
     local_inputs: name of each placeholder of ``graph`` -> one local tensor per
-      device (its piece of an argument; the device's component handle of a variable).
+      device (its piece of an argument; the device's component handle of a
+      variable), tensors of the current graph.
     outputs: tensors of ``graph`` whose whole values every device returns.
     locate: names where an op came from, for the placeholders' records.
     ownership: ops run by one device per group (``_partition_owners.assign``);
       None: every op on every device.
 
   Returns:
-    ``(values, records)``: per output, one tensor per device; per device, its
-    placeholder records in call order (for :func:`rewrite.plan`).
+    The :class:`Expansion`.
   """
   expander = _Expander(graph, mesh, partition, locate, ownership)
   expander.run(local_inputs)
-  values = expander.finish([expander.output(t) for t in outputs])
-  return values, expander.records
+  return expander.finish([expander.output(t) for t in outputs])
 
 
 def local_piece(x: tf.Tensor, layout, mesh, r: int) -> tf.Tensor:

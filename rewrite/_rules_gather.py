@@ -68,9 +68,12 @@ def resource_gather(view, layouts):
   if params is None or view.attr("batch_dims") != 0:
     return _rules.fallback(view, layouts)
   dtype = view.attr("dtype")
+  rows_shape = [int(n) for n in view.local_shape(view.handle_shape(0), params, "int64")[1:]]
 
   def lookup(handle, local_ids, inputs):
-    return tf.raw_ops.ResourceGather(resource=handle, indices=local_ids, dtype=dtype)
+    looked_up = tf.raw_ops.ResourceGather(resource=handle, indices=local_ids, dtype=dtype)
+    looked_up.set_shape(local_ids.shape.concatenate(rows_shape))  # a bare handle carries no shape
+    return looked_up
 
   decision = _lookup(view, params, ids, 0, lookup)
   decision.inputs[0] = None  # the handle: each device's own piece

@@ -234,16 +234,11 @@ def test_report_of_a_partition_without_keras():
   x, w = graph.inputs
   given = {x.name: (("batch",), ()), w.name: ((), ("model",))}
   part = _partition.propagate(graph, m, given)
-  records = []
-
-  def expanded(xv, wv):
-    local = {p.name: [_partition.local_piece(v, given[p.name], m, r) for r in range(4)] for p, v in ((x, xv), (w, wv))}
-    values, recs = _partition.expand(graph, m, part, local, graph.outputs)
-    records.extend(recs)
-    return values[0]
-
-  tf.function(expanded, autograph=False).get_concrete_function(*specs)
-  plan = rewrite.plan(records, m, lambda c: "one_device")
+  with tf.Graph().as_default():
+    inputs = [tf.raw_ops.Placeholder(dtype=s.dtype, shape=s.shape) for s in specs]
+    local = {p.name: [_partition.local_piece(v, given[p.name], m, r) for r in range(4)] for p, v in zip((x, w), inputs)}
+    expansion = _partition.expand(graph, m, part, local, graph.outputs)
+  plan = rewrite.plan(expansion.records, m, lambda c: "one_device")
   report = rewrite.PartitionReport.from_partition(graph, part, plan, m.shape, inputs={x.name: "x", w.name: "w"},
                                                   variables={}, outputs=graph.outputs)
   assert [(r.name, r.layout, r.bytes_per_device) for r in report.inputs] == [

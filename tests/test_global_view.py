@@ -287,28 +287,23 @@ def test_expanded_graph_equals_the_global_one():
   x, w = graph.inputs
   given = {x.name: (("batch",), ()), w.name: ((), ("model",))}
   part = _partition.propagate(graph, m, given)
-  records = []
-
-  def expanded(xv, wv):
-    local = {}
-    for placeholder, value in ((x, xv), (w, wv)):
-      local[placeholder.name] = [_partition.local_piece(value, given[placeholder.name], m, r) for r in range(4)]
-    values, recs = _partition.expand(graph, m, part, local, graph.outputs)
-    records.extend(recs)
-    return values[0]
-
-  scratch = tf.function(expanded, autograph=False).get_concrete_function(*specs)
-  plan = rewrite.plan(records, m, lambda c: "one_device")
-  rewritten = rewrite.apply(scratch.graph.as_graph_def(), plan, {})
+  with tf.Graph().as_default():  # the expansion's inputs: placeholders of a plain graph
+    inputs = [tf.raw_ops.Placeholder(dtype=s.dtype, shape=s.shape, name=f"input_{i}") for i, s in enumerate(specs)]
+    local = {p.name: [_partition.local_piece(v, given[p.name], m, r) for r in range(4)]
+             for p, v in zip((x, w), inputs)}
+    expansion = _partition.expand(graph, m, part, local, graph.outputs)
+  plan = rewrite.plan(expansion.records, m, lambda c: "one_device")
+  rewritten = rewrite.apply(expansion.graph_def, plan, {})
   xv, wv = tf.random.normal([6, 8]), tf.random.normal([8, 4])
 
   @tf.function(autograph=False)
   def run(xv, wv):
     return tf.graph_util.import_graph_def(
-        rewritten.graph_def, input_map={scratch.graph.inputs[0].name: xv, scratch.graph.inputs[1].name: wv},
-        return_elements=[rewritten.output_name(t.name) for t in scratch.outputs])
+        rewritten.graph_def, input_map={inputs[0].name: xv, inputs[1].name: wv},
+        return_elements=[rewritten.output_name(name) for name in expansion.outputs[0]])  # every device's
 
   outs = run(xv, wv)
+  assert len(outs) == 4
   for out in outs:
     np.testing.assert_allclose(out.numpy(), fn(xv, wv).numpy(), rtol=1e-6, atol=1e-6)
   kinds = sorted((c.kind, c.axes) for c in plan.collectives)
