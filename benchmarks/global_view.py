@@ -732,7 +732,7 @@ def child_build(config: str) -> dict:
 
 
 # The first call's phases, in the order of the tables; each configuration has some of them.
-PHASES = ("trace", "propagate", "expand", "expand: its tf.function, checks", "plan", "apply (GraphDef, rewrite)",
+PHASES = ("trace", "propagate", "expand", "checks, owners, inputs", "plan", "apply (GraphDef, rewrite)",
           "report", "build: rest", "import (import_graph_def)", "import: its tf.function", "first execution",
           "rest")
 
@@ -756,7 +756,7 @@ def _phases(view: str, timeline: _Timeline, start: float, end: float) -> dict:
     phases["trace"] = g0 - b0
     phases["propagate"] = g1 - g0
     phases["expand"] = e1 - e0
-    phases["expand: its tf.function, checks"] = (p0 - g1) - (e1 - e0)
+    phases["checks, owners, inputs"] = (p0 - g1) - (e1 - e0)
     phases["plan"] = p1 - p0
     phases["apply (GraphDef, rewrite)"] = a1 - p1  # the scratch graph's GraphDef, then rewrite.apply
     phases["report"] = r1 - r0

@@ -5,16 +5,19 @@
    step's arguments and the variables' handles) and the op's rule
    (``_rules_*`` modules). An op without a rule runs replicated on gathered
    inputs (a *fallback*, recorded).
-2. :func:`expand` builds, in the current graph, one copy of every op per
-   device at local shapes: inputs relayouted as the rule requires (a local
-   slice, or an ``all_gather`` placeholder), constant shape operands replaced
-   by local values, and an ``all_reduce`` placeholder after every op whose
-   output holds partial sums. The placeholders are the ones :func:`rewrite.emit`
-   leaves for the local view, so :func:`rewrite.plan` and :func:`rewrite.apply`
-   lower them unchanged.
+2. :func:`expand` makes one copy of every op per device at local shapes
+   (of the ops whose results are used), as one ``GraphDef``: inputs
+   relayouted as the rule requires (a local slice, or an ``all_gather``
+   placeholder), constant shape operands replaced by local values, and an
+   ``all_reduce`` placeholder after every op whose output holds partial sums;
+   with a sharded update (``_partition_owners``), an optimizer update runs on
+   one device per batch group and a ``broadcast`` placeholder hands its result
+   to the group. The placeholders are the ones :func:`rewrite.emit` leaves for
+   the local view, so :func:`rewrite.plan` and :func:`rewrite.apply` lower them
+   unchanged.
 
-Ops are copied through :func:`tf.graph_util.import_graph_def` of their own
-``NodeDef`` (any op type, its attributes as traced).
+Ops are copied as their own ``NodeDef`` (any op type, its attributes as
+traced), renamed, placed and rewired.
 """
 
 from __future__ import annotations
@@ -98,7 +101,9 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
   wants: dict = {}
   partition = _forward(ops, context, given, wants)
   for _ in range(MAX_ROUNDS):
-    wants = _backward(ops, context, partition, wants)
+    before, wants = wants, _backward(ops, context, partition, wants)
+    if wants == before:
+      return partition  # no new wish: a forward pass would decide the same
     again = _forward(ops, context, given, wants)
     if again.layouts == partition.layouts:
       return again
