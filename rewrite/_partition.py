@@ -419,20 +419,22 @@ class _Expander:
   def _copies(self, op, decision, inputs_per_device) -> list:
     """Every device's copy of ``op`` (NodeDefs of the batch): per device, its outputs (_Pending)."""
     outputs = []
+    template = tf.compat.v1.NodeDef()
+    template.CopyFrom(op.node_def)  # read once (TensorFlow serializes it on each read)
+    del template.input[:]
+    if "_class" in template.attr:  # colocation with ops of the global graph, which is not imported
+      del template.attr["_class"]
+    kinds = [(k, t.dtype, self._local_shape(t, decision.outputs[k])) for k, t in enumerate(op.outputs)]
     for r, inputs in enumerate(inputs_per_device):
       if inputs is None:  # not run on this device
         outputs.append(None)
         continue
       node = self._node(r, op.name, op.type)
-      node.CopyFrom(op.node_def)
+      node.CopyFrom(template)
       node.name = f"{_PREFIX}/replica_{r}/{op.name}"
       node.device = self.devices[r]
-      if "_class" in node.attr:  # colocation with ops of the global graph, which is not imported
-        del node.attr["_class"]
-      del node.input[:]
       node.input.extend(self._ref(x) for x in inputs)
-      outputs.append([_Pending(node.name, k, t.dtype, self._local_shape(t, decision.outputs[k]))
-                      for k, t in enumerate(op.outputs)])
+      outputs.append([_Pending(node.name, k, dtype, shape) for k, dtype, shape in kinds])
     return outputs
 
   def _local_shape(self, t, layout) -> tf.TensorShape:
