@@ -758,7 +758,7 @@ def _phases(view: str, timeline: _Timeline, start: float, end: float) -> dict:
     phases["expand"] = e1 - e0
     phases["checks, owners, inputs"] = (p0 - g1) - (e1 - e0)
     phases["plan"] = p1 - p0
-    phases["apply (GraphDef, rewrite)"] = a1 - p1  # the scratch graph's GraphDef, then rewrite.apply
+    phases["apply (GraphDef, rewrite)"] = a1 - p1  # rewrite.apply on the expansion's GraphDef
     phases["report"] = r1 - r0
     phases["build: rest"] = (b1 - a1) - (r1 - r0)
   else:
