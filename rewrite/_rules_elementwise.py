@@ -72,6 +72,14 @@ def binary(view, layouts):
   return _rules.Decision(inputs=required, outputs=[out])
 
 
+@_rules.register("Select")
+def select(view, layouts):
+  """``Select`` (v1): elementwise when the condition has the values' shape (a rank-1 one picks rows: fallback)."""
+  if len({len(view.in_shape(i)) for i in range(3)}) != 1:
+    return _rules.fallback(view, layouts)
+  return binary(view, layouts)
+
+
 @_rules.register("BiasAdd")
 def bias_add(view, layouts):
   if view.attr("data_format") not in (b"NHWC", "NHWC"):

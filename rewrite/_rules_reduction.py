@@ -44,6 +44,17 @@ def sparse_softmax_cross_entropy(view, layouts):
   return _rules.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])
 
 
+@_rules.register("SoftmaxCrossEntropyWithLogits")
+def softmax_cross_entropy(view, layouts):
+  """Per row of ``[batch, classes]`` logits and labels: rows keep their split, the classes whole."""
+  logits, labels = layouts
+  want = view.want(0) or view.want(1) or ((),)
+  batch = logits[0] or labels[0] or want[0]
+  if len(logits) != 2 or len(labels) != 2:
+    return _rules.fallback(view, layouts)
+  return _rules.Decision(inputs=[(batch, ()), (batch, ())], outputs=[(batch,), (batch, ())])
+
+
 @_rules.register("Softmax", "LogSoftmax")
 def softmax(view, layouts):
   """Normalises the last dimension: that one whole (gathered if split), the others keep their splits."""

@@ -1,0 +1,116 @@
+"""Every loss in ``keras.losses`` in the global view: equal to one device, with no fallback (strict)."""
+
+import contextlib
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import mesh
+import replicator
+
+BATCH, FEATURES, CLASSES, STEPS = 8, 6, 4, 2
+
+# loss -> (constructor, targets: "onehot" | "binary" | "sparse" | "positive" | "real", output activation)
+LOSSES = {
+    "BinaryCrossentropy": (lambda: keras.losses.BinaryCrossentropy(), "binary", "sigmoid"),
+    "BinaryFocalCrossentropy": (lambda: keras.losses.BinaryFocalCrossentropy(), "binary", "sigmoid"),
+    "CategoricalCrossentropy": (lambda: keras.losses.CategoricalCrossentropy(from_logits=True), "onehot", None),
+    "CategoricalFocalCrossentropy": (lambda: keras.losses.CategoricalFocalCrossentropy(), "onehot", "softmax"),
+    "CategoricalGeneralizedCrossEntropy": (lambda: keras.losses.CategoricalGeneralizedCrossEntropy(), "sparse",
+                                           "softmax"),
+    "CategoricalHinge": (lambda: keras.losses.CategoricalHinge(), "onehot", None),
+    "Circle": (lambda: keras.losses.Circle(), "sparse", None),
+    "CosineSimilarity": (lambda: keras.losses.CosineSimilarity(), "real", None),
+    "Dice": (lambda: keras.losses.Dice(), "binary", "sigmoid"),
+    "Hinge": (lambda: keras.losses.Hinge(), "binary", None),
+    "Huber": (lambda: keras.losses.Huber(), "real", None),
+    "KLDivergence": (lambda: keras.losses.KLDivergence(), "onehot", "softmax"),
+    "LogCosh": (lambda: keras.losses.LogCosh(), "real", None),
+    "MeanAbsoluteError": (lambda: keras.losses.MeanAbsoluteError(), "real", None),
+    "MeanAbsolutePercentageError": (lambda: keras.losses.MeanAbsolutePercentageError(), "positive", None),
+    "MeanSquaredError": (lambda: keras.losses.MeanSquaredError(), "real", None),
+    "MeanSquaredLogarithmicError": (lambda: keras.losses.MeanSquaredLogarithmicError(), "positive", "softplus"),
+    "Poisson": (lambda: keras.losses.Poisson(), "positive", "softplus"),
+    "SparseCategoricalCrossentropy": (lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                      "sparse", None),
+    "SquaredHinge": (lambda: keras.losses.SquaredHinge(), "binary", None),
+    "Tversky": (lambda: keras.losses.Tversky(), "binary", "sigmoid"),
+}
+# CTC is left out: it takes label sequences and per-step logits, not a classifier's outputs.
+LAYOUTS = {
+    "batch": None,
+    "classes": {r"out/kernel$": (None, "model"), r"out/bias$": ("model",)},  # the loss reduces a split dimension
+}
+
+
+def _targets(kind, rng):
+  if kind == "sparse":
+    return rng.integers(0, CLASSES, size=(BATCH * STEPS,)).astype("int32")
+  if kind == "onehot":
+    return np.eye(CLASSES, dtype="float32")[rng.integers(0, CLASSES, size=BATCH * STEPS)]
+  if kind == "binary":
+    return rng.integers(0, 2, size=(BATCH * STEPS, CLASSES)).astype("float32")
+  if kind == "positive":
+    return rng.uniform(0.5, 2.0, size=(BATCH * STEPS, CLASSES)).astype("float32")
+  return rng.normal(size=(BATCH * STEPS, CLASSES)).astype("float32")
+
+
+def _dataset(kind):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(BATCH * STEPS, FEATURES)).astype("float32")
+  return tf.data.Dataset.from_tensor_slices((x, _targets(kind, rng))).batch(BATCH, drop_remainder=True)
+
+
+def _train(name, repl):
+  make_loss, kind, activation = LOSSES[name]
+  with repl.context() if repl else contextlib.nullcontext():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh", name="hidden"),
+                              keras.layers.Dense(CLASSES, activation=activation, name="out")])
+    opt = keras.optimizers.Adam(1e-2)
+    opt.build(model.trainable_variables)
+  loss_fn = make_loss()
+
+  def step_fn(batch):  # the single-device step
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  dataset = _dataset(kind)
+  if repl is None:
+    step = tf.function(step_fn)
+    losses = [float(step(batch)) for batch in dataset]
+  else:
+    losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
+  return losses, model.variables + opt.variables
+
+
+# Hinge and SquaredHinge check whether the labels are 0/1 with a tf.cond on the (split) labels: no rule for
+# control flow yet, so the cond runs on gathered labels (a fallback, right, with a warning).
+FALLING_BACK = {"Hinge": ("All", "StatelessIf"), "SquaredHinge": ("All", "StatelessIf")}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_loss_equals_one_device(name, layout):
+  expected, reference = _train(name, None)
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  strict = name not in FALLING_BACK  # elsewhere a fallback is an error
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(LAYOUTS[layout]) if LAYOUTS[layout] else None,
+                               batch_axes=("batch",), view="global", strict=strict)
+  with contextlib.ExitStack() as stack:
+    if not strict:
+      caught = stack.enter_context(pytest.warns(UserWarning, match="has no layout rule"))
+    losses, ours = _train(name, repl)
+  if not strict:
+    assert {re.search(r"no layout rule for (\w+)", str(w.message)).group(1) for w in caught} == set(FALLING_BACK[name])
+  np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-6)
+  for a, b in zip(reference, ours):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5, err_msg=a.path)
