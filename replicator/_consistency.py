@@ -34,8 +34,9 @@ STILL_DIVERGED = (
 )
 
 
-SETTLE_READS = 50  # snapshots of a failed step's writes, until two agree
-SETTLE_SECONDS = 0.02
+SETTLE_SECONDS = 0.02  # between two snapshots of a failed step's writes
+SETTLE_QUIET = 10  # consecutive equal snapshots (0.2 s unchanged) before the copies count as final
+SETTLE_LIMIT = 5.0  # seconds; after that, what is there is reported
 
 
 class Written:
@@ -65,16 +66,21 @@ class Written:
 
     A failed step's call can return while other devices' updates are still
     finishing (measured on TF 2.21: a copy read right after the error differed,
-    and agreed a moment later); reading until two snapshots agree (at most
-    about a second) reports what the step left, not a moment of it.
+    and agreed a moment later; on a loaded 2-core machine a write landed more
+    than 20 ms after the error). The copies count as final once
+    ``SETTLE_QUIET`` snapshots in a row, ``SETTLE_SECONDS`` apart, are equal
+    (at most ``SETTLE_LIMIT`` seconds): what the step left, not a moment of it.
+    Only a failed step pays this.
     """
     snapshot = self._snapshot()
-    for _ in range(SETTLE_READS):
+    quiet = 0
+    deadline = time.monotonic() + SETTLE_LIMIT
+    while quiet < SETTLE_QUIET and time.monotonic() < deadline:
       time.sleep(SETTLE_SECONDS)
       again = self._snapshot()
-      if all(a.keys() == b.keys() and all(np.array_equal(a[r], b[r]) for r in a)
-             for (_, a), (_, b) in zip(snapshot, again)):
-        return again
+      same = all(a.keys() == b.keys() and all(np.array_equal(a[r], b[r]) for r in a)
+                 for (_, a), (_, b) in zip(snapshot, again))
+      quiet = quiet + 1 if same else 0
       snapshot = again
     return snapshot
 

@@ -286,7 +286,9 @@ class ReplicatedOptimizer(tf.Module):
         g, scale = grads[i], 1.0 / (group * plans[i][1])
         if axes:
           ctx = _primitives.require_context(repl, "wrap_optimizer")
-          (reduced[i],) = _primitives.sparse_sum(ctx, [g], axes, _primitives.user_location(), scale)
+          reduced[i] = _primitives.sparse_gradient_sum(
+              ctx, g, tuple(a for a in axes if a in batch_axes), tuple(a for a in axes if a not in batch_axes),
+              _primitives.user_location(), scale)
         else:
           reduced[i] = g if scale == 1.0 else tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
                                                                 g.indices, g.dense_shape)

@@ -207,6 +207,47 @@ def sparse_sum(ctx, x, axes: tuple[str, ...], location: str, scale: float = 1.0)
                lambda t, call: _sparse_sum_leaf(ctx, t, axes, location, call, scale=scale), keep_slices=True)
 
 
+def sparse_gradient_sum(ctx, t: tf.IndexedSlices, batch_axes: tuple[str, ...], copy_axes: tuple[str, ...],
+                        location: str, scale: float = 1.0) -> tf.IndexedSlices:
+  """The sum of a sparse gradient over ``batch_axes + copy_axes``, with the rows one device would have.
+
+  Devices that differ only along ``copy_axes`` (non-batch axes) see the same
+  batch shard, so their rows are the same tokens, in the same order: the
+  whole rows (a replicated table used the same way) or pieces of them (each
+  device used its own columns). Concatenating them, as :func:`sparse_sum`
+  does, gives one device's gradient as a dense sum but counts each token
+  ``len(copies)`` times, which changes optimizers that treat a row's slices
+  one by one (Keras Adam's second moment). So the copies' rows are gathered
+  and, when their indices agree position by position (checked at run time,
+  without communication), summed slice by slice; otherwise (each copy looked
+  up different tokens, e.g. a sequence split) they stay concatenated. The
+  result is then gathered over ``batch_axes`` like :func:`sparse_sum`.
+  Needs the rows' count to be static; else everything is concatenated.
+  """
+  ctx.calls += 1
+  call = f"call {ctx.calls - 1}"
+  n = t.values.shape[0]
+  if copy_axes and n is not None:
+    k = ctx.replicator.mesh.axis_size(copy_axes)
+    values = _all_gather_leaf(ctx, t.values, 0, copy_axes, location, f"{call}, values of the copies")
+    indices = _all_gather_leaf(ctx, t.indices, 0, copy_axes, location, f"{call}, indices of the copies")
+    by_copy = tf.reshape(indices, [k, n])
+    aligned = tf.reduce_all(tf.equal(by_copy, by_copy[:1]))
+    # Aligned: copy 0's positions hold the slice sums and the rest is dropped; else all rows stay.
+    # (A mask, not a tf.cond: the step's graph is imported into the run's functions.)
+    summed = tf.reduce_sum(tf.reshape(values, tf.concat([[k, n], tf.shape(values)[1:]], 0)), axis=0)
+    summed = tf.concat([summed, tf.zeros_like(values[n:])], axis=0)
+    keep = tf.concat([tf.ones([n], tf.bool), tf.fill([(k - 1) * n], tf.logical_not(aligned))], axis=0)
+    t = tf.IndexedSlices(tf.boolean_mask(tf.where(aligned, summed, values), keep), tf.boolean_mask(indices, keep),
+                         t.dense_shape)
+  elif copy_axes:
+    batch_axes = tuple(batch_axes) + tuple(copy_axes)
+  if not batch_axes:
+    return t if scale == 1.0 else tf.IndexedSlices(t.values * tf.cast(scale, t.values.dtype), t.indices,
+                                                   t.dense_shape)
+  return _sparse_sum_leaf(ctx, t, tuple(batch_axes), location, call, scale=scale)
+
+
 def _sparse_sum_leaf(ctx, t, axes, location, call, mean: bool = False, scale: float = 1.0):
   if not isinstance(t, tf.IndexedSlices):
     raise _errors.ArgumentTypeError(f"A sparse reduction takes tf.IndexedSlices, found {type(t).__name__} at {location}.")

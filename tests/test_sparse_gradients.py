@@ -137,9 +137,17 @@ def test_plan_shows_the_gathered_rows_and_their_bytes():
 # -- a sharded embedding: rows gathered per piece ------------------------------------------
 
 
-def train_sharded_embedding(repl, optimizer):
-  """Embedding dimension split over "model" (local view): per-piece sparse gradients, gathered over "batch"."""
-  layouts = {r"embedding/embeddings$": (None, "model"), r"^w$": ("model", None)}
+def train_sharded_embedding(repl, optimizer, use="split table"):
+  """Local view on a 2-D mesh, as one device computes ``mean(embedding(x), 1) @ w``.
+
+  ``use``: "split table": the embedding dimension and ``w``'s rows split over
+  "model", per-piece sparse gradients gathered over "batch"; with the table
+  replicated, "columns": each "model" device uses its columns of the rows;
+  "whole": every device computes the same (``w`` replicated too); "tokens":
+  each "model" device looks up its half of the tokens (a sequence split).
+  """
+  layouts = {"split table": {r"embedding/embeddings$": (None, "model"), r"^w$": ("model", None)},
+             "columns": {r"^w$": ("model", None)}, "whole": {}, "tokens": {}}[use]
   context = repl.context(layouts=layouts) if repl else tf.device("/cpu:0")
   with context:
     keras.utils.set_random_seed(0)
@@ -149,12 +157,20 @@ def train_sharded_embedding(repl, optimizer):
     opt = OPTIMIZERS[optimizer]()
     opt = repl.wrap_optimizer(opt) if repl else opt
   params = [embedding.embeddings, w]
-  model_sum = (lambda t: repl.all_sum(t, axis="model")) if repl else (lambda t: t)
+
+  def piece(t, axis):  # this "model" device's half of dimension ``axis``
+    return tf.gather(tf.stack(tf.split(t, 2, axis=axis)), repl.axis_index("model"))
 
   def step(batch):
     x, y = batch
     with tf.GradientTape() as tape:
-      logits = model_sum(tf.reduce_mean(embedding(x), axis=1) @ w)  # this piece's partial product
+      if repl is None or use == "whole":
+        logits = tf.reduce_mean(embedding(x), axis=1) @ w
+      elif use == "tokens":
+        logits = repl.all_sum(tf.reduce_sum(embedding(piece(x, 1)), axis=1) / TOKENS, axis="model") @ w
+      else:  # this piece's partial product
+        pooled = tf.reduce_mean(embedding(x), axis=1)
+        logits = repl.all_sum((piece(pooled, 1) if use == "columns" else pooled) @ w, axis="model")
       loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
     grads = tape.gradient(loss, params)
     assert isinstance(grads[0], tf.IndexedSlices)
@@ -185,6 +201,28 @@ def test_sharded_embedding_equals_one_device(optimizer):
   plan = repl.explain(step, tf.data.Dataset.from_tensors(batches()[0]))
   gathers = [(c.axes, c.group_size, c.shape.as_list()) for c in plan.collectives if c.kind == "all_gather"]
   assert gathers == [(("batch",), 2, [64, 2]), (("batch",), 2, [64])]
+
+
+@pytest.mark.parametrize("use", ["whole", "columns", "tokens"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_replicated_embedding_on_a_2d_mesh_equals_one_device(optimizer, use):
+  # Was (before 2026-11-24), "whole" with Adam: the table 0.12 off one device. The two "model" devices
+  # of a batch shard hold rows of the same tokens; gathered over all four devices, each token's row
+  # came twice, at half the value, and Keras Adam's second moment sums the squares of a row's slices.
+  want, want_opt, _ = train_sharded_embedding(None, optimizer)
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)))
+  got, opt, step = train_sharded_embedding(repl, optimizer, use=use)
+  assert _variables.underlying(got[0]).components[0].shape.as_list() == [VOCAB, 4]
+  for a, b in zip(list(got) + list(opt.variables), list(want) + list(want_opt.variables)):
+    if _variables.underlying(a).sharding is None or _variables.underlying(a).sharding.spec == (None, None):
+      assert_every_replica_equals([b.numpy()], [a])  # the table, its slots, the counters: every copy
+    else:
+      np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=TOL, rtol=0, err_msg=b.name)
+  # The copies' rows (8 rows x 8 tokens, or half the tokens) over "model", then rows over "batch".
+  plan = repl.explain(step, tf.data.Dataset.from_tensors(batches()[0]))
+  rows = 32 if use == "tokens" else 64
+  gathers = [(c.axes, c.shape.as_list()) for c in plan.collectives if c.kind == "all_gather"]
+  assert gathers == [(("model",), [rows, 4]), (("model",), [rows]), (("batch",), [None, 4]), (("batch",), [None])]
 
 
 # -- tf.gather on a tf.Variable, Sonnet 2 optimizers --------------------------------------
