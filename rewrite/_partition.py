@@ -33,6 +33,7 @@ from rewrite import _partition_owners
 from rewrite import _placeholders
 from rewrite import _rules
 from rewrite import _rules_contraction  # noqa: F401  (registers rules)
+from rewrite import _rules_control_flow  # noqa: F401
 from rewrite import _rules_convolution  # noqa: F401
 from rewrite import _rules_elementwise  # noqa: F401
 from rewrite import _rules_gather  # noqa: F401
@@ -282,8 +283,9 @@ class _Expander:
   caller orders reads and writes of a variable by it).
   """
 
-  def __init__(self, graph, mesh, partition, locate, ownership=None):
+  def __init__(self, graph, mesh, partition, locate, ownership=None, only=None):
     self.graph = graph
+    self.only = only  # expand for this device alone (a branch of an If, made per device)
     self.mesh = mesh
     self.partition = partition
     self.locate = locate
@@ -448,6 +450,8 @@ class _Expander:
     for op in self.graph.get_operations():
       if op.type == "Placeholder":
         name = op.outputs[0].name
+        if name not in local_inputs and not op.outputs[0].consumers():
+          continue  # a function body's own argument, replaced on import (_functions.body)
         if name not in local_inputs:
           raise _errors.RewriteError(f"The global graph's input {name} has no value to expand with.")
         self.local[name] = list(local_inputs[name])
@@ -457,12 +461,13 @@ class _Expander:
       decision = self.partition.decisions[op.name]
       if decision.values:  # the same constant on every device (a shape query's global answer)
         for k, t in enumerate(op.outputs):
-          self.local[t.name] = [self._const(r, decision.values[k], t.dtype) for r in range(len(self.devices))]
+          self.local[t.name] = [self._const(r, decision.values[k], t.dtype) if self._here(r) else None
+                                for r in range(len(self.devices))]
         continue
       owned = op.name in self.ownership.ops
       inputs_per_device = []
       for r in range(len(self.devices)):
-        if not self.ownership.runs_on(op.name, self.mesh, r):
+        if not self._here(r) or not self.ownership.runs_on(op.name, self.mesh, r):
           inputs_per_device.append(None)  # another device of the group runs it
           continue
         inputs = []
@@ -488,6 +493,9 @@ class _Expander:
       elif decision.lower is not None:  # the rule computes each device's outputs itself, in Python
         outputs_per_device = []
         for r, device in enumerate(self.devices):
+          if inputs_per_device[r] is None:
+            outputs_per_device.append(None)
+            continue
           with tf.device(device), tf.name_scope(f"replica_{r}/{op.name}"):
             outputs = list(decision.lower(r, [self._real(x) for x in inputs_per_device[r]]))
           for y, t, layout in zip(outputs, op.outputs, decision.outputs):
@@ -508,6 +516,9 @@ class _Expander:
             y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)
           self.local.setdefault(t.name, [None] * len(self.devices))[r] = y
 
+  def _here(self, r) -> bool:
+    return self.only is None or r == self.only
+
   def _local(self, r, t):
     if t.op.type == "Const" and t.name not in self.local:
       self.local[t.name] = [None] * len(self.devices)
@@ -523,6 +534,8 @@ class _Expander:
     """Every device's value of global tensor ``t`` (gathered to its whole value if ``replicated``)."""
     values = []
     for r in range(len(self.devices)):
+      if not self._here(r):
+        continue
       x = self._local(r, t)
       if replicated and t.dtype != tf.resource:
         x = self.relayout(r, x, self.partition.layouts[t.name], _rules.replicated(t.shape.rank),
@@ -621,3 +634,30 @@ def local_piece(x: tf.Tensor, layout, mesh, r: int) -> tf.Tensor:
       size.append(-1)
   return tf.slice(x, begin, size) if any(layout) else x
 
+
+def expand_on_device(graph: tf.Graph, mesh, partition: Partition, r: int, *inputs,
+                     locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}") -> list:
+  """Device ``r``'s copy of ``graph`` (a function's body), made in the current graph on ``inputs``.
+
+  For a body that needs no communication (an ``If``'s branch whose layouts
+  need no collective): ``inputs`` are device ``r``'s pieces of the body's
+  arguments; returns its pieces of the body's outputs, in their layouts. Call
+  it while tracing a ``tf.function`` (its automatic control dependencies order
+  the body's reads and writes and keep its effects).
+  """
+  scratch = tf.Graph()
+  with scratch.as_default():
+    standins = [tf.raw_ops.Placeholder(dtype=x.dtype, shape=x.shape) for x in inputs]
+    local_inputs = {t.name: [x if k == r else None for k in range(len(mesh.devices))]
+                    for t, x in zip(graph.inputs, standins)}
+    expander = _Expander(graph, mesh, partition, locate, only=r)
+    expander.run(local_inputs)
+    expansion = expander.finish([expander.output(t, replicated=False) for t in graph.outputs])
+  if any(expansion.records):
+    raise _errors.RewriteError("A function body expanded per device needs communication (a bug: its rule "
+                               "should have refused it).")
+  input_map = {x.name: y for x, y in zip(standins, inputs)}
+  names = [per_device[0] for per_device in expansion.outputs]
+  imported = tf.graph_util.import_graph_def(expansion.graph_def, input_map=input_map, return_elements=names or None,
+                                            name="body")
+  return list(imported or [])

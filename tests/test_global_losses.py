@@ -92,9 +92,9 @@ def _train(name, repl):
   return losses, model.variables + opt.variables
 
 
-# Hinge and SquaredHinge check whether the labels are 0/1 with a tf.cond on the (split) labels: no rule for
-# control flow yet, so the cond runs on gathered labels (a fallback, right, with a warning).
-FALLING_BACK = {"Hinge": ("All", "StatelessIf"), "SquaredHinge": ("All", "StatelessIf")}
+# Hinge and SquaredHinge check whether the labels are 0/1 (tf.reduce_all, no rule for a bool all-reduce yet:
+# a fallback, right, with a warning) and convert them in a tf.cond, whose branches run on the split labels.
+FALLING_BACK = {"Hinge": ("All",), "SquaredHinge": ("All",)}
 
 
 # CI runs every loss with the class split (the loss reduces a split dimension) and these with the batch split

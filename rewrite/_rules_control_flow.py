@@ -1,0 +1,110 @@
+"""Rules for control flow: an ``If`` whose branches run on each device's pieces without communicating.
+
+Keras emits conditionals inside a training step (an optimizer's
+``gradient_accumulation_steps``: accumulate, or apply and reset; a loss's
+check of its labels). The predicate is a scalar, so every device has the same
+value (a reduction that produced it was all-reduced) and takes the same
+branch. Each branch's body is partitioned like the step (``_partition``),
+its arguments in the layouts they have outside; if no op of either branch
+needs a collective and both branches give their outputs the same layouts,
+each device runs a conditional over its own copies of the branches, made
+per device. Otherwise the op falls back (gathered, replicated), or, on a
+sharded variable's handle, is refused. Collectives inside branches and
+``While`` loops are not partitioned yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import tensorflow as tf
+
+from rewrite import _functions
+from rewrite import _rules
+
+
+def _needs_gather(have, want) -> bool:
+  return want is not None and have is not None and any(h and h != w for h, w in zip(have, want))
+
+
+def _communicates(partition) -> str:
+  """The first op of a partitioned body that would need a collective ("" if none)."""
+  for name, d in partition.decisions.items():
+    if any(r is not None for r in d.reduce) or d.fallback or d.unsupported:
+      return name
+  return ""
+
+
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> {(op, layouts, mesh): answer}
+
+
+def _branches(view, layouts):
+  """Both branches partitioned, or None and why not (cached: rules run on every propagation pass)."""
+  by_op = _CACHE.setdefault(view.op.graph, {})
+  key = (view.op.name, repr(layouts), id(view.mesh))
+  if key not in by_op:
+    by_op[key] = _partitioned_branches(view, layouts)
+  return by_op[key]
+
+
+def _partitioned_branches(view, layouts):
+  from rewrite import _partition  # pylint: disable=import-outside-toplevel  (it imports the rules)
+  op = view.op
+  args = list(op.inputs[1:])
+  parts = []
+  for attr in ("then_branch", "else_branch"):
+    body = _functions.body(op, attr, args)
+    given = {x.name: layout for x, layout in zip(body.inputs, layouts[1:]) if layout is not None}
+    handle_shapes = {x.name: view.handle_shapes[t.name] for x, t in zip(body.inputs, args)
+                     if t.name in view.handle_shapes}
+    partition = _partition.propagate(body, view.mesh, given, handle_shapes)
+    for o in body.get_operations():
+      d = partition.decisions.get(o.name)
+      if d is None:
+        continue
+      for i, t in enumerate(o.inputs):
+        want = d.inputs[i] if i < len(d.inputs) else None
+        if t.dtype != tf.resource and _needs_gather(partition.layouts.get(t.name), want):
+          return None, f"{o.type} {o.name} in its {attr} gathers a split input"
+    busy = _communicates(partition)
+    if busy:
+      return None, f"{busy} in its {attr} needs communication"
+    parts.append((body, partition))
+  outs = [[p.layouts.get(t.name) for t in body.outputs] for body, p in parts]
+  if outs[0] != outs[1]:
+    return None, "its branches give their outputs different layouts"
+  return parts, ""
+
+
+@_rules.register("If", "StatelessIf")
+def if_(view, layouts):
+  parts, why = _branches(view, layouts)
+  if parts is None:
+    decision = _rules.fallback(view, layouts)
+    if decision.unsupported:
+      decision.unsupported = f"{decision.unsupported} ({why})"
+    return decision
+  from rewrite import _partition  # pylint: disable=import-outside-toplevel
+  (then_body, then_part), (else_body, else_part) = parts
+  mesh = view.mesh
+  kept = []
+
+  def lower(r, inputs):
+    pred, args = inputs[0], list(inputs[1:])
+    specs = [tf.TensorSpec(x.shape, x.dtype) for x in args]
+    branches = [tf.function(functools.partial(_partition.expand_on_device, body, mesh, part, r),
+                            autograph=False).get_concrete_function(*specs)
+                for body, part in ((then_body, then_part), (else_body, else_part))]
+    for branch in branches:
+      branch.add_to_graph()  # into the expansion's graph, whose library goes with it
+    # Alive as long as the decision (the built step keeps its partition): a collected function is removed
+    # from TensorFlow's runtime by name, and the step's imported copy of it with it.
+    kept.extend(branches)
+    make = tf.raw_ops.If if view.op.type == "If" else tf.raw_ops.StatelessIf
+    outputs = make(cond=pred, input=args, Tout=[t.dtype for t in view.op.outputs], then_branch=branches[0],
+                   else_branch=branches[1])
+    return list(outputs) if isinstance(outputs, (list, tuple)) else []
+
+  outputs = [then_part.layouts.get(t.name) for t in then_body.outputs]
+  return _rules.Decision(inputs=[None] * len(view.op.inputs), outputs=outputs, lower=lower)
