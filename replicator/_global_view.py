@@ -180,6 +180,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
 
   replicated_creator = _variables.make_creator(replicator)
 
+  created = []
+
   def creator(next_creator, **kwargs):
     # A variable made during the trace (a Keras optimizer's slots, built by its first apply_gradients; a
     # Keras layer built by its first call) is made once, eagerly, by the Replicator. A callable initial
@@ -193,6 +195,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
     kwargs["initial_value"] = value
     with tf.init_scope(), _context.global_trace_scope(None):
+      created.append(kwargs.get("name"))
       return replicated_creator(next_creator, **kwargs)
 
   def traced(*flat):
@@ -204,6 +207,11 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   with _context.global_trace_scope(trace), tf.variable_creator_scope(creator), _inlining_functions():
     try:
       concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
+      if created:
+        # As a tf.function traces again after a first call that created variables: code that chose on
+        # whether they existed yet (Keras's LossScaleOptimizer.scale_loss before its first apply: the
+        # initial scale as a constant) now reads them.
+        concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
     except ValueError as e:
       changed = re.search(r"Cannot assign value to variable ' ?([^']*?)(:0)?': Shape mismatch.*variable shape "
                           r"(\([^)]*\)), and the assigned value shape (\([^)]*\))", str(e), re.S)

@@ -233,6 +233,12 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   try:
     with tf.variable_creator_scope(creator):
       scratch = tf.function(trace, autograph=False).get_concrete_function(*source.element_specs)
+      if created:
+        # As a tf.function traces again after a first call that created variables: replica 0's trace
+        # created them (an optimizer's first apply_gradients), and code that chose on whether they
+        # existed yet (Keras's LossScaleOptimizer.scale_loss: the initial scale as a constant) would
+        # differ between replica 0 and the others.
+        scratch = tf.function(trace, autograph=False).get_concrete_function(*source.element_specs)
   finally:
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
   written = _access.written_placeholders(scratch.graph)

@@ -354,6 +354,14 @@ class _Expander:
     node.attr["index_type"].type = tf.int32.as_datatype_enum
     return _Pending(node.name, 0, tf.as_dtype(dtype), shape)
 
+  def _cast(self, r, x, dtype) -> _Pending:
+    self._count += 1
+    node = self._node(r, f"cast_{self._count}", "Cast")
+    node.input.append(self._ref(x))
+    node.attr["SrcT"].type = x.dtype.as_datatype_enum
+    node.attr["DstT"].type = tf.as_dtype(dtype).as_datatype_enum
+    return _Pending(node.name, 0, tf.as_dtype(dtype), x.shape)
+
   def _slice(self, r, x, begin, size, shape) -> _Pending:
     begin_ref, size_ref = self._ref(self._const(r, begin, tf.int32)), self._ref(self._const(r, size, tf.int32))
     self._count += 1
@@ -513,7 +521,11 @@ class _Expander:
           y = outputs[k]
           if decision.reduce[k] is not None:
             combine, axes = decision.reduce[k]
-            y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)
+            if y.dtype == tf.bool:  # All, Any: the min or max of 0/1 (collectives take numbers)
+              y = self._emit(r, self._cast(r, y, tf.int32), "all_reduce", {"op": combine}, axes, y.shape, op)
+              y = self._cast(r, y, tf.bool)
+            else:
+              y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)
           self.local.setdefault(t.name, [None] * len(self.devices))[r] = y
 
   def _here(self, r) -> bool:

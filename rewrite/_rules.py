@@ -147,6 +147,24 @@ def keep(layout: TensorLayout, dims) -> TensorLayout:
   return tuple(axes if d in dims else () for d, axes in enumerate(layout))
 
 
+class Contents(tuple):
+  """The layout of a variant tensor: the layouts of the tensors it holds (an ``Optional``'s components).
+
+  ``Contents(())``: holds nothing known (``OptionalNone``). A ``tf.cond`` under a
+  gradient tape returns its branches' intermediates as optionals.
+  """
+
+
+def _holds_split(contents) -> bool:
+  for layout in contents:
+    if isinstance(layout, Contents):
+      if _holds_split(layout):
+        return True
+    elif layout is not None and any(layout):
+      return True
+  return False
+
+
 def replicated(rank: int | None) -> TensorLayout | None:
   return None if rank is None else ((),) * rank
 
@@ -165,6 +183,9 @@ def fallback(view: OpView, layouts: list) -> Decision:
   if any(t.dtype == tf.resource and layout is not None and any(layout) for t, layout in zip(op.inputs, layouts)):
     # A whole value cannot be gathered for a variable's handle: each device holds its piece.
     unsupported = "it takes the handle of a sharded variable, and no rule says how to use its pieces"
+  elif any(isinstance(layout, Contents) and _holds_split(layout) for layout in layouts):
+    # Nor for a variant holding pieces (a tf.cond's intermediates, kept for its gradient).
+    unsupported = "it takes a variant (an optional) holding split values, and no rule says how to use them"
   return Decision(inputs=[replicated(rank_of(t)) for t in op.inputs],
                   outputs=[replicated(rank_of(t)) for t in op.outputs], fallback=split,
                   unsupported=unsupported)

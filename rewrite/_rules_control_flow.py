@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 from rewrite import _functions
@@ -53,9 +54,9 @@ def _partitioned_branches(view, layouts):
   op = view.op
   args = list(op.inputs[1:])
   parts = []
-  for attr in ("then_branch", "else_branch"):
+  for side, attr in enumerate(("then_branch", "else_branch")):
     body = _functions.body(op, attr, args)
-    given = {x.name: layout for x, layout in zip(body.inputs, layouts[1:]) if layout is not None}
+    given = {x.name: _side(layout, side) for x, layout in zip(body.inputs, layouts[1:]) if layout is not None}
     handle_shapes = {x.name: view.handle_shapes[t.name] for x, t in zip(body.inputs, args)
                      if t.name in view.handle_shapes}
     partition = _partition.propagate(body, view.mesh, given, handle_shapes)
@@ -72,20 +73,76 @@ def _partitioned_branches(view, layouts):
       return None, f"{busy} in its {attr} needs communication"
     parts.append((body, partition))
   outs = [[p.layouts.get(t.name) for t in body.outputs] for body, p in parts]
-  if outs[0] != outs[1]:
+  unified = [_unify(a, b) for a, b in zip(*outs)]
+  if any(u is _DIFFERENT for u in unified):
     return None, "its branches give their outputs different layouts"
-  return parts, ""
+  return (parts, unified), ""
+
+
+_DIFFERENT = object()
+
+
+class Either(_rules.Contents):
+  """A variant output of an ``If`` that holds different things per branch: ``(then's, else's)`` contents.
+
+  A ``tf.cond`` under a gradient tape returns both branches' intermediates
+  in shared optional slots (the same position holds a then-intermediate or
+  an else-intermediate); its gradient's ``If`` reads each with the same
+  predicate, so each of its branches sees its own side.
+  """
+
+
+def _side(layout, side: int):
+  return layout[side] if isinstance(layout, Either) else layout
+
+
+def _unify(a, b):
+  """One layout for an output both branches give (variants: what each branch's holds)."""
+  if isinstance(a, _rules.Contents) and isinstance(b, _rules.Contents):
+    return a if a == b or not b else b if not a else Either((a, b))
+  return a if a == b else _DIFFERENT
+
+
+@_rules.register("OptionalFromValue")
+def optional_from_value(view, layouts):
+  return _rules.Decision(inputs=[None] * len(layouts), outputs=[_rules.Contents(layouts)])
+
+
+@_rules.register("OptionalNone")
+def optional_none(view, layouts):
+  return _rules.Decision(inputs=[], outputs=[_rules.Contents(())])
+
+
+@_rules.register("OptionalGetValue")
+def optional_get_value(view, layouts):
+  contents = layouts[0]
+  if not isinstance(contents, _rules.Contents) or len(contents) != len(view.op.outputs):
+    return _rules.fallback(view, layouts)  # what it holds is not known: replicated
+  shapes = [view.local_shape(t.shape.as_list(), layout, np.int64).tolist() if layout else t.shape
+            for t, layout in zip(view.op.outputs, contents)]
+  types = [t.dtype for t in view.op.outputs]
+
+  def lower(r, inputs):  # the attribute that states its outputs' shapes gets the local ones
+    return tf.raw_ops.OptionalGetValue(optional=inputs[0], output_types=types, output_shapes=shapes)
+
+  return _rules.Decision(inputs=[None], outputs=list(contents), lower=lower)
+
+
+@_rules.register("OptionalHasValue")
+def optional_has_value(view, layouts):
+  return _rules.Decision(inputs=[None], outputs=[()])
 
 
 @_rules.register("If", "StatelessIf")
 def if_(view, layouts):
-  parts, why = _branches(view, layouts)
-  if parts is None:
+  branches, why = _branches(view, layouts)
+  if branches is None:
     decision = _rules.fallback(view, layouts)
     if decision.unsupported:
       decision.unsupported = f"{decision.unsupported} ({why})"
     return decision
   from rewrite import _partition  # pylint: disable=import-outside-toplevel
+  parts, outputs = branches
   (then_body, then_part), (else_body, else_part) = parts
   mesh = view.mesh
   kept = []
@@ -106,5 +163,4 @@ def if_(view, layouts):
                    else_branch=branches[1])
     return list(outputs) if isinstance(outputs, (list, tuple)) else []
 
-  outputs = [then_part.layouts.get(t.name) for t in then_body.outputs]
   return _rules.Decision(inputs=[None] * len(view.op.inputs), outputs=outputs, lower=lower)

@@ -6,10 +6,10 @@ import numpy as np
 
 from rewrite import _rules
 
-_COMBINE = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min"}
+_COMBINE = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "All": "min", "Any": "max"}
 
 
-@_rules.register("Sum", "Mean", "Max", "Min", "Prod")
+@_rules.register("Sum", "Mean", "Max", "Min", "Prod", "All", "Any")
 def reduce(view, layouts):
   layout = layouts[0]
   axes = view.const(1)

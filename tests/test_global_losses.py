@@ -92,9 +92,10 @@ def _train(name, repl):
   return losses, model.variables + opt.variables
 
 
-# Hinge and SquaredHinge check whether the labels are 0/1 (tf.reduce_all, no rule for a bool all-reduce yet:
-# a fallback, right, with a warning) and convert them in a tf.cond, whose branches run on the split labels.
-FALLING_BACK = {"Hinge": ("All",), "SquaredHinge": ("All",)}
+# Every loss runs strict (a fallback is an error). Hinge and SquaredHinge check whether the labels are 0/1
+# (tf.reduce_all over the split labels: an all-reduce) and convert them in a tf.cond, whose branches run on
+# each device's labels.
+FALLING_BACK: dict = {}
 
 
 # CI runs every loss with the class split (the loss reduces a split dimension) and these with the batch split

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import replica_values
 
 import replicator
 from replicator import _variables
@@ -224,3 +225,41 @@ def test_sharded_update_rejects_extra_arguments():
   with pytest.raises(TypeError, match=r"sharded optimizer update takes only gradients and variables, but found "
                                       r"the extra argument\(s\) \['extra'\]\. Fix: .*update=\"replicated\""):
     repl.run(step)
+
+
+def _loss_scale_run(repl, steps=4):
+  """A Keras LossScaleOptimizer built by its first apply (inside the step), the scale growing every 2 steps."""
+  rng = np.random.RandomState(2)
+  x, y = rng.randn(steps, 8, 6).astype(np.float32), rng.randint(0, 3, size=(steps, 8))
+  with repl.context() if repl else tf.device("/cpu:0"):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    base = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=2.0**10,
+                                               dynamic_growth_steps=2)
+    optimizer = repl.wrap_optimizer(base) if repl else base
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
+      scaled = optimizer.scale_loss(loss)  # before the first apply: the initial scale, as a constant
+    optimizer.apply_gradients(zip(tape.gradient(scaled, model.trainable_variables), model.trainable_variables))
+
+  one_device = tf.function(step)
+  for i in range(steps):
+    if repl is None:
+      one_device((x[i], y[i]))
+    else:
+      repl.run(step, inputs=replicator.PerReplica(list(zip(np.split(x[i], 4), np.split(y[i], 4)))))
+  return model, base
+
+
+def test_a_loss_scale_optimizer_built_by_the_step_equals_one_device():
+  # Was: the first replica's trace built the optimizer, so replica 0 scaled its loss by the initial scale
+  # forever and the others by the current one: weights 0.014 off one device after the scale grew.
+  want_model, want_opt = _loss_scale_run(None)
+  model, opt = _loss_scale_run(replicator.Replicator(cpus(4)))
+  assert float(want_opt.dynamic_scale.numpy()) == 2.0**12
+  for a, b in zip(want_model.variables + want_opt.variables, model.variables + opt.variables, strict=True):
+    for r, got in enumerate(replica_values(b)):
+      np.testing.assert_allclose(got, a.numpy(), rtol=0, atol=1e-5, err_msg=f"{a.path}, replica {r}")

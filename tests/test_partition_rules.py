@@ -23,6 +23,11 @@ def _case(x_shape, w_shape, layout, fn):
   return (x_shape, w_shape, layout, fn)
 
 
+def _cond(pred, m, then_fn, else_fn):
+  """A tf.cond of elementwise branches on a split value (their gradient is a tf.cond too)."""
+  return tf.cond(pred, lambda: then_fn(m), lambda: else_fn(m))
+
+
 CASES = {
     # contractions
     "matmul_columns": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.matmul(x, w)),
@@ -54,6 +59,17 @@ CASES = {
                                                                      None, None, 1e-3)),
     "argmax": _case([8, 6], [6, 4], (None, "model"),
                     lambda x, w: tf.cast(tf.argmax(tf.matmul(x, w), axis=1), tf.float32)[:, None] * tf.matmul(x, w)),
+    "all_any_over_split": _case([8, 6], [6, 4], (None, "model"),  # pieces disagree: a bool all-reduce
+                                lambda x, w: tf.where(tf.reduce_all(tf.matmul(x, w) > -1.0, axis=1, keepdims=True)
+                                                      | tf.reduce_any(tf.matmul(x, w) > 2.5, axis=1, keepdims=True),
+                                                      tf.matmul(x, w), -tf.matmul(x, w))),
+    # control flow: branches on each device's pieces, forward and gradient
+    "cond_on_pieces": _case([8, 6], [6, 4], (None, "model"),
+                            lambda x, w: _cond(tf.reduce_sum(x) > 0.0, tf.matmul(x, w),
+                                               lambda m: tf.nn.relu(m) * 2.0, tf.tanh)),
+    "cond_on_pieces_else": _case([8, 6], [6, 4], (None, "model"),
+                                 lambda x, w: _cond(tf.reduce_sum(x) > 1e9, tf.matmul(x, w), tf.nn.relu,
+                                                    lambda m: tf.tanh(m) * m)),
     # shape changes
     "reshape_split_dim": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.reshape(tf.matmul(x, w), [8, 2, 2])),
     "reshape_merge_batch": _case([8, 3, 6], [6, 4], (None, "model"),

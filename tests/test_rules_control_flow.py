@@ -88,3 +88,51 @@ def test_a_branch_on_split_values_runs_on_each_piece():
   np.testing.assert_allclose(np.asarray(got), (np.maximum(x, 0) * 2).sum(axis=0))
   plan = repl.explain(step_fn, tf.data.Dataset.from_tensors(x))
   assert [c.kind for c in plan.collectives] == ["all_reduce", "all_reduce"]  # the min, the sum; none in the cond
+
+
+def _loss_scaled(context):
+  with context:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu", name="ff_in"),
+                              keras.layers.Dense(4, name="ff_out")])
+    # Small growth interval: the scale grows inside the apply branch (a tf.cond in a tf.cond) during the test.
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=2.0**10,
+                                              dynamic_growth_steps=2)
+  return model, opt
+
+
+def _scaled_step(model, opt):
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step_fn(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+      scaled = opt.scale_loss(loss)
+    grads = tape.gradient(scaled, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step_fn
+
+
+@pytest.mark.parametrize("update", ["auto", "replicated"])
+def test_keras_loss_scale_optimizer_with_a_hidden_split_equals_one_device(update):
+  # Its apply is a tf.cond on whether every gradient is finite (tf.reduce_all over split gradients: a bool
+  # all-reduce), with the inner Adam's update and the scale's growth (another tf.cond) in the branch.
+  one_model, one_opt = _loss_scaled(contextlib.nullcontext())
+  one_step = tf.function(_scaled_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
+                               layouts=mesh.LayoutMap(LAYOUTS["hidden"]), batch_axes=("batch",), view="global",
+                               update=update, strict=True)
+  model, opt = _loss_scaled(repl.context())
+  step_fn = _scaled_step(model, opt)
+  dataset = _dataset()
+  losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  reference, ours = one_model.variables + one_opt.variables, model.variables + opt.variables
+  assert len(ours) == len(reference)
+  for a, b in zip(reference, ours):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert float(opt.dynamic_scale.numpy()) == float(one_opt.dynamic_scale.numpy()) == 2.0**12
