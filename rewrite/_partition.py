@@ -97,7 +97,7 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
     The :class:`Partition`.
   """
   dead = _dead(graph)
-  ops = [op for op in graph.get_operations() if op.name not in dead]  # creation order: a topological order
+  ops = [op for op in ordered(graph) if op.name not in dead]
   context = _Context(mesh, handle_shapes or {})
   wants: dict = {}
   partition = _forward(ops, context, given, wants)
@@ -110,6 +110,43 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
       return again
     partition = again
   return partition
+
+
+def ordered(graph) -> list:
+  """``graph``'s ops in creation order, except that an op comes after its inputs.
+
+  Creation order is the step's program order, and topological but for ops
+  TensorFlow rewrites after making them: a ``tf.while_loop``'s gradient gives
+  the forward loop new inputs (its accumulators) made after it.
+  """
+  ops = graph.get_operations()
+  index = {op.name: i for i, op in enumerate(ops)}
+  late = [op for op in ops
+          if any(index[x.op.name] > index[op.name] for x in op.inputs)
+          or any(index[c.name] > index[op.name] for c in op.control_inputs)]
+  if not late:
+    return ops
+  done: set = set()
+  result: list = []
+
+  def visit(op):  # depth first over inputs (iterative: long chains)
+    stack = [(op, False)]
+    while stack:
+      o, expanded = stack.pop()
+      if o.name in done:
+        continue
+      if expanded:
+        done.add(o.name)
+        result.append(o)
+        continue
+      stack.append((o, True))
+      for x in reversed([x.op for x in o.inputs] + list(o.control_inputs)):
+        if x.name not in done:
+          stack.append((x, False))
+
+  for op in ops:
+    visit(op)
+  return result
 
 
 def _dead(graph) -> set:
@@ -455,7 +492,7 @@ class _Expander:
 
   def run(self, local_inputs: dict) -> None:
     layouts = self.partition.layouts
-    for op in self.graph.get_operations():
+    for op in ordered(self.graph):
       if op.type == "Placeholder":
         name = op.outputs[0].name
         if name not in local_inputs and not op.outputs[0].consumers():

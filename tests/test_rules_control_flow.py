@@ -136,3 +136,51 @@ def test_keras_loss_scale_optimizer_with_a_hidden_split_equals_one_device(update
   for a, b in zip(reference, ours):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
   assert float(opt.dynamic_scale.numpy()) == float(one_opt.dynamic_scale.numpy()) == 2.0**12
+
+
+LSTM_LAYOUTS = {"batch": None, "units": {r"lstm/lstm_cell/(recurrent_)?kernel$": (None, "model")}}
+
+
+def _lstm(context):
+  with context:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Input((5, 3)), keras.layers.LSTM(8, name="lstm"),
+                              keras.layers.Dense(4, name="out")])
+    opt = keras.optimizers.Adam(1e-2)
+  return model, opt
+
+
+def _sequences():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(BATCH * 3, 5, 3)).astype("float32")
+  y = rng.integers(0, 4, size=BATCH * 3).astype("int32")
+  return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+
+
+def test_a_keras_lstm_runs_on_gathered_inputs_and_equals_one_device():
+  # Was: a KeyError in the expander (the loop's gradient gives the forward tf.while_loop inputs made after
+  # it). While loops are not partitioned yet: the sequence is gathered (a fallback, with its warning) and
+  # the loop runs whole on every device, right.
+  one_model, one_opt = _lstm(contextlib.nullcontext())
+  one_step = tf.function(keras_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _sequences()]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)), batch_axes=("batch",),
+                               view="global")
+  model, opt = _lstm(repl.context())
+  step_fn = keras_step(model, opt)
+  dataset = _sequences()
+  with pytest.warns(UserWarning, match=r"no layout rule for TensorListFromTensor"):
+    losses = [float(repl.run(step_fn, dataset)) for _ in range(3)]
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables, strict=True):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+
+
+def test_a_keras_lstm_with_a_split_kernel_is_refused_with_the_fix():
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
+                               layouts=mesh.LayoutMap(LSTM_LAYOUTS["units"]), batch_axes=("batch",), view="global")
+  model, opt = _lstm(repl.context())
+  with pytest.raises(replicator.UnsupportedError,
+                     match=r"cannot partition While \(.*lstm.*\): it takes the handle of a sharded variable.*"
+                           r"Fix: keep the variables this op uses replicated"):
+    repl.run(keras_step(model, opt), _sequences())
