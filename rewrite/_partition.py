@@ -542,7 +542,11 @@ class _Expander:
             outputs_per_device.append(None)
             continue
           with tf.device(device), tf.name_scope(f"replica_{r}/{op.name}"):
-            outputs = list(decision.lower(r, [self._real(x) for x in inputs_per_device[r]]))
+            real = [self._real(x) for x in inputs_per_device[r]]
+            if decision.communicates:
+              outputs = list(decision.lower(r, real, _Comm(self, r, op)))
+            else:
+              outputs = list(decision.lower(r, real))
           for y, t, layout in zip(outputs, op.outputs, decision.outputs):
             y.set_shape(self._local_shape(t, layout))  # the rule's ops may not infer it from stand-ins
           outputs_per_device.append(outputs)
@@ -615,6 +619,16 @@ class _Expander:
     graph_def.node.extend(self._nodes[copied:])
     outputs = [[self._ref(x) for x in per_device] for per_device in values]
     return Expansion(graph_def, outputs, self.records)
+
+
+class _Comm:
+  """Collectives a self-lowering rule asks for in the middle of its ops (see ``Decision.communicates``)."""
+
+  def __init__(self, expander, r, op):
+    self._expander, self._r, self._op = expander, r, op
+
+  def all_reduce(self, x: tf.Tensor, op: str, axes: tuple) -> tf.Tensor:
+    return self._expander._emit(self._r, x, "all_reduce", {"op": op}, tuple(axes), x.shape, self._op)  # pylint: disable=protected-access
 
 
 _PREFIX = "expand"  # the copies' names: expand/replica_<r>/<op name in the global graph>

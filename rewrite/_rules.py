@@ -40,7 +40,11 @@ class Decision:
     unsupported: why the op cannot run partitioned at all ("" if it can).
     lower: if set, ``lower(r, inputs) -> outputs`` computes device ``r``'s
       outputs from its (relayouted) inputs, instead of a copy of the op (a
-      lookup in a table split along its rows, say).
+      lookup in a table split along its rows, say). With ``communicates``,
+      it is called as ``lower(r, inputs, comm)``: ``comm.all_reduce(x, op,
+      axes)`` sums (or takes the max of) ``x`` over ``axes`` in between (every
+      device must ask for the same collectives in the same order).
+    communicates: whether ``lower`` takes ``comm``.
   """
 
   inputs: list
@@ -51,6 +55,7 @@ class Decision:
   values: dict = dataclasses.field(default_factory=dict)
   unsupported: str = ""
   lower: Callable | None = None
+  communicates: bool = False
 
   def __post_init__(self):
     if not self.reduce:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
 from rewrite import _rules
 
@@ -38,10 +39,39 @@ def bias_add_grad(view, layouts):
 
 @_rules.register("SparseSoftmaxCrossEntropyWithLogits")
 def sparse_softmax_cross_entropy(view, layouts):
+  """Per row of ``[batch, classes]`` logits; classes split (a vocabulary-parallel output layer) stay split.
+
+  With the classes split, each device has its columns of every row: the
+  loss is ``log(sum exp) + max - logit[label]``, with the row's max, its sum
+  of exponentials and the label's logit (on the device holding that column,
+  zero elsewhere) all-reduced over the classes' axes: three ``[rows]``
+  all-reduces instead of gathering the ``[rows, classes]`` logits, and the
+  backprop (``softmax - one_hot``) comes out split like the logits.
+  """
   logits, labels = layouts
   want = view.want(0) or view.want(1) or ((),)
   batch = logits[0] or labels[0] or want[0]
-  return _rules.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])
+  classes = logits[1] if len(logits) == 2 else ()
+  if not classes or set(classes) & set(batch):
+    return _rules.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])
+  num_classes = view.in_shape(0)[1]
+  local_classes = num_classes // view.shards(classes)
+
+  def lower(r, inputs, comm):
+    logits, labels = inputs
+    row_max = comm.all_reduce(tf.reduce_max(logits, axis=1), "max", classes)
+    exp = tf.exp(logits - row_max[:, None])
+    total = comm.all_reduce(tf.reduce_sum(exp, axis=1), "sum", classes)
+    local = labels - tf.cast(view.offset(r, classes, num_classes), labels.dtype)
+    inside = tf.logical_and(local >= 0, local < local_classes)
+    picked = tf.gather(logits, tf.where(inside, local, tf.zeros_like(local)), axis=1, batch_dims=1)
+    label_logit = comm.all_reduce(tf.where(inside, picked, tf.zeros_like(picked)), "sum", classes)
+    loss = tf.math.log(total) + row_max - label_logit
+    backprop = exp / total[:, None] - tf.one_hot(local, local_classes, dtype=logits.dtype)  # off range: zeros
+    return [loss, backprop]
+
+  return _rules.Decision(inputs=[(batch, classes), (batch,)], outputs=[(batch,), (batch, classes)], lower=lower,
+                         communicates=True)
 
 
 @_rules.register("SoftmaxCrossEntropyWithLogits")

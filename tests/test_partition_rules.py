@@ -49,6 +49,10 @@ CASES = {
                                                tf.maximum(tf.matmul(x, w), -1.0))),
     "add_n": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.add_n([tf.matmul(x, w)] * 3)),
     # reductions
+    "sparse_cross_entropy_split_classes": _case(  # vocabulary-parallel: the loss and its backprop on pieces
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.nn.sparse_softmax_cross_entropy_with_logits(
+            tf.cast(tf.abs(x[:, 0]) * 3, tf.int32) % 4, tf.matmul(x, w))),
     "softmax_split_classes": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.nn.softmax(tf.matmul(x, w))),
     "log_softmax": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                          lambda x, w: tf.nn.log_softmax(tf.einsum("btd,dhe->bhte", x, w))),
@@ -187,3 +191,30 @@ def test_a_batch_split_random_draw_draws_only_the_local_piece():
   part = _partition.propagate(graph, m, {graph.inputs[0].name: (("batch",), ())})
   (draw,) = [d for n, d in part.decisions.items() if graph.get_operation_by_name(n).type == "StatelessRandomUniformV2"]
   assert draw.outputs == [(("batch",), ())] and draw.lower is not None
+
+
+def test_vocabulary_parallel_cross_entropy_communicates_rows_not_logits():
+  # Class-split logits were gathered ([rows, classes] per device); now the row max, the sum of exponentials
+  # and the label's logit are all-reduced over "model": three [rows] vectors.
+  rows, classes = 8, 64
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",),
+                               view="global", strict=True)
+  with repl.context():
+    w = tf.Variable(np.random.default_rng(3).normal(size=(6, classes)).astype("float32"), name="w")
+  x = np.random.default_rng(4).normal(size=(rows, 6)).astype("float32")
+  labels = np.arange(rows, dtype=np.int32) * 9 % classes  # in both halves of the classes
+
+  def step_fn(batch):
+    x, y = batch
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.matmul(x, w)))
+
+  dataset = tf.data.Dataset.from_tensors((x, labels))
+  want = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, x @ w.numpy()))
+  np.testing.assert_allclose(float(repl.run(step_fn, dataset)), float(want), rtol=1e-6)
+  plan = repl.explain(step_fn, dataset)
+  model_axis = [(c.kind, c.describe(), c.shape.as_list()) for c in plan.collectives if c.axes == ("model",)]
+  assert model_axis == [("all_reduce", "all_reduce(op='max')", [rows // 2]),
+                        ("all_reduce", "all_reduce(op='sum')", [rows // 2]),
+                        ("all_reduce", "all_reduce(op='sum')", [rows // 2])]
+  assert not [c for c in plan.collectives if c.kind == "all_gather"]
