@@ -63,9 +63,16 @@ STRICT_FALLBACK = (
 )
 
 UNSUPPORTED = (
-    "The global view cannot partition {type} ({name}, at {location}): {why}. Fix: keep the "
-    "variables this op uses replicated (leave them out of the layouts) until the op has a rule."
+    "The global view cannot partition {type} ({name}, at {location}): {why}. Fix: {fix}."
 )
+FIX_UNSUPPORTED = "keep the variables this op uses replicated (leave them out of the layouts) until the op has a rule"
+FIX_CONTROL_FLOW = (
+    "a tf.cond whose branches need no communication, and no tf.while_loop, runs partitioned: move what "
+    "communicates (a reduction over a split dimension, a split variable inside a loop) out of it, e.g. compute "
+    "both branches' values and choose with tf.where; or keep the variables it uses replicated (leave them out of "
+    "the layouts)"
+)
+_CONTROL_FLOW = ("If", "StatelessIf", "While", "StatelessWhile")
 
 CHANGES_SHAPE = (
     "step_fn assigns a value of shape {value} to the variable {name!r} of global shape {shape}: in the global "
@@ -180,9 +187,15 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
 
   replicated_creator = _variables.make_creator(replicator)
 
-  created = []
+  created = []  # (name, variable) of each variable the first trace made
+  again = []  # while tracing again: how many of them were asked for so far
 
   def creator(next_creator, **kwargs):
+    if again:  # tracing again: the first trace's variables, in order
+      i = again[0]
+      again[0] += 1
+      if i < len(created) and created[i][0] == kwargs.get("name"):
+        return created[i][1]
     # A variable made during the trace (a Keras optimizer's slots, built by its first apply_gradients; a
     # Keras layer built by its first call) is made once, eagerly, by the Replicator. A callable initial
     # value is called eagerly, as a tf.function lifts it out of its first trace on one device.
@@ -195,8 +208,10 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
     kwargs["initial_value"] = value
     with tf.init_scope(), _context.global_trace_scope(None):
-      created.append(kwargs.get("name"))
-      return replicated_creator(next_creator, **kwargs)
+      variable = replicated_creator(next_creator, **kwargs)
+    if not again:
+      created.append((kwargs.get("name"), variable))
+    return variable
 
   def traced(*flat):
     result = step_fn(tree.unflatten_as(element_spec, list(flat)))
@@ -210,7 +225,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       if created:
         # As a tf.function traces again after a first call that created variables: code that chose on
         # whether they existed yet (Keras's LossScaleOptimizer.scale_loss before its first apply: the
-        # initial scale as a constant) now reads them.
+        # initial scale as a constant) now reads them. Variables made again are the first trace's.
+        again.append(0)
         concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
     except ValueError as e:
       changed = re.search(r"Cannot assign value to variable ' ?([^']*?)(:0)?': Shape mismatch.*variable shape "
@@ -233,7 +249,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   partition = _partition.propagate(graph, mesh, given, handle_shapes)
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
-    raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why,
+    fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED
+    raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why, fix=fix,
                                                       location=_primitives.location_of(op)))
   _check_fallbacks(graph, partition, replicator._strict)  # pylint: disable=protected-access
   variables = {internal.name: trace.owners[id(external)] for external, internal in graph.captures

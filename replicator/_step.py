@@ -198,6 +198,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   if wrap is not None:
     fn = wrap(fn)
 
+  retracing = []  # non-empty while tracing again after a trace that created variables
+
   def trace(*flat_elements):
     # TF may trace more than once; only the records of the last trace count.
     for records in placeholders:
@@ -205,7 +207,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
     _gradient_registry.release(gradient_names)
     del gradient_names[:]
     accumulating.clear()
-    del created[:]
+    if not retracing:  # tracing again: the variables made the first time are reused, in order
+      del created[:]
     lifted.clear()
     graph = tf.compat.v1.get_default_graph()
     mesh = replicator.mesh
@@ -233,11 +236,14 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   try:
     with tf.variable_creator_scope(creator):
       scratch = tf.function(trace, autograph=False).get_concrete_function(*source.element_specs)
-      if created:
+      if created and not any(hasattr(v, "_initialized") for _, _, v in created):
         # As a tf.function traces again after a first call that created variables: replica 0's trace
         # created them (an optimizer's first apply_gradients), and code that chose on whether they
         # existed yet (Keras's LossScaleOptimizer.scale_loss: the initial scale as a constant) would
-        # differ between replica 0 and the others.
+        # differ between replica 0 and the others. Variables created again are the first trace's, by
+        # position. Not when an initial value comes from the step's data: the first trace's graph
+        # assigns it on the first run.
+        retracing.append(True)
         scratch = tf.function(trace, autograph=False).get_concrete_function(*source.element_specs)
   finally:
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace

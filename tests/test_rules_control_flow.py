@@ -182,5 +182,22 @@ def test_a_keras_lstm_with_a_split_kernel_is_refused_with_the_fix():
   model, opt = _lstm(repl.context())
   with pytest.raises(replicator.UnsupportedError,
                      match=r"cannot partition While \(.*lstm.*\): it takes the handle of a sharded variable.*"
-                           r"Fix: keep the variables this op uses replicated"):
+                           r"Fix: a tf.cond whose branches need no communication, and no tf.while_loop, runs "
+                           r"partitioned: move what communicates .* out of it"):
     repl.run(keras_step(model, opt), _sequences())
+
+
+def test_a_branch_that_communicates_on_a_split_variable_is_refused_with_the_fix():
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
+                               layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",), view="global")
+  with repl.context():
+    w = tf.Variable(np.ones([3, 4], np.float32), name="w")
+
+  def step_fn(x):  # the sum over w's split columns would need an all-reduce inside the branch
+    return tf.cond(tf.reduce_sum(x) > 0.0, lambda: tf.reduce_sum(w), lambda: tf.constant(0.0))
+
+  with pytest.raises(replicator.UnsupportedError,
+                     match=r"cannot partition If \(cond, at .*test_rules_control_flow.py.*\): it takes the handle of "
+                           r"a sharded variable.*\(cond/Sum in its then_branch needs communication\)\. Fix: .*"
+                           r"choose with tf.where"):
+    repl.run(step_fn, tf.data.Dataset.from_tensors(np.ones([4, 3], np.float32)))
