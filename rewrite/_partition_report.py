@@ -396,6 +396,8 @@ def _relayouts(graph, partition, outputs, locate):
       target = decision.inputs[i] if i < len(decision.inputs) else None
       if target is not None and t.dtype != tf.resource:
         relayout(t, target, op, i)
+    for kind, axes, why in decision.communicates:  # a self-lowering rule's own collectives
+      expected[op.name].append((kind, tuple(axes), why))
     for k, reduce in enumerate(decision.reduce[:len(op.outputs)]):
       if reduce is not None:
         combine, axes = reduce

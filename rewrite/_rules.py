@@ -44,7 +44,9 @@ class Decision:
       it is called as ``lower(r, inputs, comm)``: ``comm.all_reduce(x, op,
       axes)`` sums (or takes the max of) ``x`` over ``axes`` in between (every
       device must ask for the same collectives in the same order).
-    communicates: whether ``lower`` takes ``comm``.
+    communicates: ``(kind, axes, why)`` of each collective ``lower`` asks
+      ``comm`` for, in order (empty: ``lower`` takes no ``comm``); ``why``
+      is what ``repl.explain`` says of it.
   """
 
   inputs: list
@@ -55,7 +57,7 @@ class Decision:
   values: dict = dataclasses.field(default_factory=dict)
   unsupported: str = ""
   lower: Callable | None = None
-  communicates: bool = False
+  communicates: tuple = ()
 
   def __post_init__(self):
     if not self.reduce:

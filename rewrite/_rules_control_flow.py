@@ -32,7 +32,7 @@ def _needs_gather(have, want) -> bool:
 def _communicates(partition) -> str:
   """The first op of a partitioned body that would need a collective ("" if none)."""
   for name, d in partition.decisions.items():
-    if any(r is not None for r in d.reduce) or d.fallback or d.unsupported:
+    if any(r is not None for r in d.reduce) or d.communicates or d.fallback or d.unsupported:
       return name
   return ""
 

@@ -70,19 +70,45 @@ def sparse_softmax_cross_entropy(view, layouts):
     backprop = exp / total[:, None] - tf.one_hot(local, local_classes, dtype=logits.dtype)  # off range: zeros
     return [loss, backprop]
 
+  split = "vocabulary-parallel cross-entropy: "
   return _rules.Decision(inputs=[(batch, classes), (batch,)], outputs=[(batch,), (batch, classes)], lower=lower,
-                         communicates=True)
+                         communicates=(("all_reduce", classes, split + "row max"),
+                                       ("all_reduce", classes, split + "row sum of exp"),
+                                       ("all_reduce", classes, split + "label logit")))
 
 
 @_rules.register("SoftmaxCrossEntropyWithLogits")
 def softmax_cross_entropy(view, layouts):
-  """Per row of ``[batch, classes]`` logits and labels: rows keep their split, the classes whole."""
+  """Per row of ``[batch, classes]`` logits and labels; classes split (in the logits) stay split.
+
+  As the sparse one (above), with the labels split like the logits: the
+  loss is ``sum(labels) * (log(sum exp) + max) - sum(labels * logits)``, the
+  two label sums all-reduced together; the backprop is ``softmax - labels``.
+  """
   logits, labels = layouts
   want = view.want(0) or view.want(1) or ((),)
   batch = logits[0] or labels[0] or want[0]
   if len(logits) != 2 or len(labels) != 2:
     return _rules.fallback(view, layouts)
-  return _rules.Decision(inputs=[(batch, ()), (batch, ())], outputs=[(batch,), (batch, ())])
+  classes = logits[1]
+  if not classes or set(classes) & set(batch):
+    return _rules.Decision(inputs=[(batch, ()), (batch, ())], outputs=[(batch,), (batch, ())])
+
+  def lower(r, inputs, comm):
+    logits, labels = inputs
+    row_max = comm.all_reduce(tf.reduce_max(logits, axis=1), "max", classes)
+    exp = tf.exp(logits - row_max[:, None])
+    total = comm.all_reduce(tf.reduce_sum(exp, axis=1), "sum", classes)
+    sums = comm.all_reduce(tf.stack([tf.reduce_sum(labels * logits, 1), tf.reduce_sum(labels, 1)], 1), "sum",
+                           classes)
+    loss = sums[:, 1] * (tf.math.log(total) + row_max) - sums[:, 0]
+    return [loss, exp / total[:, None] - labels]
+
+  split = "vocabulary-parallel cross-entropy: "
+  return _rules.Decision(inputs=[(batch, classes), (batch, classes)], outputs=[(batch,), (batch, classes)],
+                         lower=lower, communicates=(("all_reduce", classes, split + "row max"),
+                                                    ("all_reduce", classes, split + "row sum of exp"),
+                                                    ("all_reduce", classes, split + "label sums")))
 
 
 @_rules.register("Softmax", "LogSoftmax")

@@ -53,6 +53,9 @@ CASES = {
         [8, 6], [6, 4], (None, "model"),
         lambda x, w: tf.nn.sparse_softmax_cross_entropy_with_logits(
             tf.cast(tf.abs(x[:, 0]) * 3, tf.int32) % 4, tf.matmul(x, w))),
+    "dense_cross_entropy_split_classes": _case(
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.nn.softmax_cross_entropy_with_logits(tf.nn.softmax(x[:, :4] * 3.0), tf.matmul(x, w))),
     "softmax_split_classes": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.nn.softmax(tf.matmul(x, w))),
     "log_softmax": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                          lambda x, w: tf.nn.log_softmax(tf.einsum("btd,dhe->bhte", x, w))),
@@ -218,3 +221,4 @@ def test_vocabulary_parallel_cross_entropy_communicates_rows_not_logits():
                         ("all_reduce", "all_reduce(op='sum')", [rows // 2]),
                         ("all_reduce", "all_reduce(op='sum')", [rows // 2])]
   assert not [c for c in plan.collectives if c.kind == "all_gather"]
+  assert "vocabulary-parallel cross-entropy: row max" in str(plan)
