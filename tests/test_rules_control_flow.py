@@ -201,3 +201,28 @@ def test_a_branch_that_communicates_on_a_split_variable_is_refused_with_the_fix(
                            r"a sharded variable.*\(cond/Sum in its then_branch needs communication\)\. Fix: .*"
                            r"choose with tf.where"):
     repl.run(step_fn, tf.data.Dataset.from_tensors(np.ones([4, 3], np.float32)))
+
+
+def test_a_branch_with_a_vocabulary_parallel_loss_falls_back_and_is_right():
+  # The cross-entropy of class-split logits communicates (three all-reduces) wherever it runs: inside a
+  # branch that makes the cond fall back (gathered logits, one warning), not fail while expanding.
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",),
+                               view="global")
+  w0 = np.random.default_rng(3).normal(size=(6, 8)).astype("float32")
+  with repl.context():
+    w = tf.Variable(w0, name="w")
+  x = np.random.default_rng(4).normal(size=(8, 6)).astype("float32")
+  labels = np.arange(8, dtype=np.int32)
+
+  def step_fn(batch):
+    x, y = batch
+    logits = tf.matmul(x, w)
+    per_row = tf.cond(tf.reduce_sum(x) > -1e9, lambda: tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits),
+                      lambda: tf.cast(y, tf.float32) * 0.0)
+    return tf.reduce_mean(per_row)
+
+  with pytest.warns(UserWarning, match=r"no layout rule for StatelessIf"):
+    got = repl.run(step_fn, tf.data.Dataset.from_tensors((x, labels)))
+  want = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, x @ w0))
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
