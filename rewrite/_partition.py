@@ -698,13 +698,14 @@ def local_piece(x: tf.Tensor, layout, mesh, r: int) -> tf.Tensor:
   return tf.slice(x, begin, size) if any(layout) else x
 
 
-def expand_on_device(graph: tf.Graph, mesh, partition: Partition, r: int, *inputs,
+def expand_on_device(graph: tf.Graph, mesh, partition: Partition, r: int, *inputs, outputs=None,
                      locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}") -> list:
   """Device ``r``'s copy of ``graph`` (a function's body), made in the current graph on ``inputs``.
 
   For a body that needs no communication (an ``If``'s branch whose layouts
   need no collective): ``inputs`` are device ``r``'s pieces of the body's
-  arguments; returns its pieces of the body's outputs, in their layouts. Call
+  arguments; returns its pieces of the body's outputs, in their layouts (or,
+  given ``outputs``, sliced to those layouts: no gather is made). Call
   it while tracing a ``tf.function`` (its automatic control dependencies order
   the body's reads and writes and keep its effects).
   """
@@ -715,7 +716,12 @@ def expand_on_device(graph: tf.Graph, mesh, partition: Partition, r: int, *input
                     for t, x in zip(graph.inputs, standins)}
     expander = _Expander(graph, mesh, partition, locate, only=r)
     expander.run(local_inputs)
-    expansion = expander.finish([expander.output(t, replicated=False) for t in graph.outputs])
+    pieces = [expander.output(t, replicated=False)[0] for t in graph.outputs]
+    if outputs is not None:
+      pieces = [x if want is None or isinstance(want, _rules.Contents) or t.dtype == tf.resource
+                else expander.relayout(r, x, partition.layouts[t.name], want, t.shape.as_list(), t.op)
+                for x, t, want in zip(pieces, graph.outputs, outputs)]
+    expansion = expander.finish([[x] for x in pieces])
   if any(expansion.records):
     raise _errors.RewriteError("A function body expanded per device needs communication (a bug: its rule "
                                "should have refused it).")

@@ -96,11 +96,23 @@ def _side(layout, side: int):
   return layout[side] if isinstance(layout, Either) else layout
 
 
+def _sliced_from(target, source) -> bool:
+  """Whether a value in layout ``source`` becomes one in ``target`` by a local slice (no communication)."""
+  return (target is not None and source is not None and len(target) == len(source)
+          and all(not s or s == t for s, t in zip(source, target)))
+
+
 def _unify(a, b):
-  """One layout for an output both branches give (variants: what each branch's holds)."""
+  """One layout for an output both branches give (variants: what each branch's holds).
+
+  Tensors: the same layout, or the more split one where the other branch's
+  value is sliced to it (a branch returning zeros, say), locally.
+  """
   if isinstance(a, _rules.Contents) and isinstance(b, _rules.Contents):
     return a if a == b or not b else b if not a else Either((a, b))
-  return a if a == b else _DIFFERENT
+  if a == b or _sliced_from(a, b):
+    return a
+  return b if _sliced_from(b, a) else _DIFFERENT
 
 
 @_rules.register("OptionalFromValue")
@@ -142,7 +154,7 @@ def if_(view, layouts):
       decision.unsupported = f"{decision.unsupported} ({why})"
     return decision
   from rewrite import _partition  # pylint: disable=import-outside-toplevel
-  parts, outputs = branches
+  parts, out_layouts = branches
   (then_body, then_part), (else_body, else_part) = parts
   mesh = view.mesh
   kept = []
@@ -150,7 +162,7 @@ def if_(view, layouts):
   def lower(r, inputs):
     pred, args = inputs[0], list(inputs[1:])
     specs = [tf.TensorSpec(x.shape, x.dtype) for x in args]
-    branches = [tf.function(functools.partial(_partition.expand_on_device, body, mesh, part, r),
+    branches = [tf.function(functools.partial(_partition.expand_on_device, body, mesh, part, r, outputs=out_layouts),
                             autograph=False).get_concrete_function(*specs)
                 for body, part in ((then_body, then_part), (else_body, else_part))]
     for branch in branches:
@@ -163,4 +175,4 @@ def if_(view, layouts):
                    else_branch=branches[1])
     return list(outputs) if isinstance(outputs, (list, tuple)) else []
 
-  return _rules.Decision(inputs=[None] * len(view.op.inputs), outputs=outputs, lower=lower)
+  return _rules.Decision(inputs=[None] * len(view.op.inputs), outputs=out_layouts, lower=lower)

@@ -226,3 +226,21 @@ def test_a_branch_with_a_vocabulary_parallel_loss_falls_back_and_is_right():
     got = repl.run(step_fn, tf.data.Dataset.from_tensors((x, labels)))
   want = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, x @ w0))
   np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+@pytest.mark.parametrize("take", ["then", "else"])
+def test_a_branch_returning_whole_zeros_is_sliced_to_the_other_branch_s_split(take):
+  # One branch keeps the batch split, the other returns a constant whole: each device slices it, no gather.
+  x = np.arange(24, dtype=np.float32).reshape(8, 3) - 12.0
+
+  def step_fn(x):
+    y = tf.cond(tf.reduce_min(x) < (0.0 if take == "then" else -100.0), lambda: tf.nn.relu(x) * 2.0,
+                lambda: tf.fill([8, 3], 0.5))
+    return tf.reduce_sum(y * x, axis=0)
+
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global", strict=True)
+  got = repl.run(step_fn, tf.data.Dataset.from_tensors(x))
+  y = np.maximum(x, 0) * 2 if take == "then" else np.full([8, 3], 0.5, np.float32)
+  np.testing.assert_allclose(np.asarray(got), (y * x).sum(axis=0))
+  plan = repl.explain(step_fn, tf.data.Dataset.from_tensors(x))
+  assert [c.kind for c in plan.collectives] == ["all_reduce", "all_reduce"]  # the min, the sum
