@@ -97,11 +97,14 @@ class GlobalTrace:
     replicator: the Replicator whose step is traced.
     standins: id(ReplicatedVariable) -> its global-shaped stand-in variable.
     owners: id(stand-in handle) -> the ReplicatedVariable.
+    accumulating: wrapped optimizers that accumulated gradients in the step
+      (``wrap_optimizer(accumulation_steps=k)``), in order.
   """
 
   replicator: Any
   standins: dict = dataclasses.field(default_factory=dict)
   owners: dict = dataclasses.field(default_factory=dict)
+  accumulating: list = dataclasses.field(default_factory=list)
 
 
 def current_global_trace() -> GlobalTrace | None:

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import warnings
@@ -26,6 +25,7 @@ import tensorflow as tf
 import tree
 
 import rewrite
+from replicator import _callables
 from replicator import _captures
 from replicator import _context
 from replicator import _errors
@@ -43,8 +43,10 @@ NOT_DATASET = (
 )
 
 INDIVISIBLE = (
-    "The global batch's dimension 0 of {name} has size {size}, which the batch axes {axes} (of size "
-    "{n}) do not divide. Fix: batch the dataset by a multiple of {n} (drop_remainder=True)."
+    "The global batch's dimension 0 ({inputs}) is not divided by the batch axes {axes} (of size {n}): this "
+    "step takes those inputs whole on every device, and computes what depends on them on each (the result is "
+    "the same; the work is not shared). A partial last batch does this once per epoch. Fix, if every batch "
+    "warns: batch the dataset by a multiple of {n}."
 )
 
 FALLBACK = (
@@ -103,6 +105,7 @@ class GlobalStep:
   function: Any = None
   ownership: _partition_owners.Ownership | None = None  # the sharded update's owners
   report: rewrite.PartitionReport | None = None  # what repl.explain returns
+  accumulating: tuple = ()  # wrapped optimizers accumulating gradients in the step (their phase is traced)
 
   loops: dict = dataclasses.field(default_factory=dict)  # steps k -> tf.function of k steps over an iterator
 
@@ -180,8 +183,10 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       raise _errors.ArgumentError(
           f"The global view traces at static global shapes, but input {i} has shape {spec.shape}. "
           "Fix: batch the dataset with drop_remainder=True (and give every other dimension a size).")
-    if spec.shape.rank and spec.shape[0] % n:
-      raise _errors.ArgumentError(INDIVISIBLE.format(name=f"input {i}", size=spec.shape[0], axes=axes, n=n))
+  whole = [i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] % n]
+  if whole:
+    inputs = ", ".join(f"input {i}: {specs[i].shape[0]} rows" for i in whole)
+    warnings.warn(INDIVISIBLE.format(inputs=inputs, axes=axes, n=n), stacklevel=_primitives.user_stacklevel())
   structure = {}
   trace = _context.GlobalTrace(replicator)
 
@@ -213,13 +218,15 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       created.append((kwargs.get("name"), variable))
     return variable
 
+  fn = replicator._convert(step_fn)  # AutoGraph, as tf.function on one device  # pylint: disable=protected-access
+
   def traced(*flat):
-    result = step_fn(tree.unflatten_as(element_spec, list(flat)))
+    result = fn(tree.unflatten_as(element_spec, list(flat)))
     result = tree.map_structure(tf.convert_to_tensor, result)
     structure["value"] = result
     return tree.flatten(result)
 
-  with _context.global_trace_scope(trace), tf.variable_creator_scope(creator), _inlining_functions():
+  with _context.global_trace_scope(trace), tf.variable_creator_scope(creator), _callables.inline_functions():
     try:
       concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
       if created:
@@ -237,16 +244,18 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
                                                        value=changed.group(4))) from None
   graph = concrete.graph
   given = {}
-  for placeholder, spec in zip(graph.inputs[:len(specs)], specs):
-    given[placeholder.name] = _batch_layout(spec, axes)
-  handles, handle_shapes = {}, {}
+  for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
+    given[placeholder.name] = _batch_layout(spec, () if i in whole else axes)
+  handles, handle_shapes, summed = {}, {}, set()
   for external, internal in graph.captures:
     variable = trace.owners.get(id(external))
     if variable is not None:
       given[internal.name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
       handles[internal.name] = [c.handle for c in variable.components]
       handle_shapes[internal.name] = variable.shape.as_list()
-  partition = _partition.propagate(graph, mesh, given, handle_shapes)
+      if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
+        summed.add(internal.name)
+  partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed))
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
     fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED
@@ -292,7 +301,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       input_names=[t.name for t in inputs],
       captures=_captures.Captures(fed + list(rewritten.external_inputs.items())),
       output_names=[rewritten.output_name(per_device[0]) for per_device in expansion.outputs],  # all whole
-      structure=structure["value"])
+      structure=structure["value"], accumulating=tuple(trace.accumulating))
 
 
 UPDATES = ("auto", "sharded", "replicated")
@@ -332,24 +341,6 @@ def _ownership(replicator, graph, partition, axes, variables) -> _partition_owne
     if owner is not None:
       variable.set_owner(owner.position, owner.axes)
   return ownership
-
-
-@contextlib.contextmanager
-def _inlining_functions():
-  """Calls of a ``tf.function`` by the step are traced into it (their ops, not a call op rules cannot see).
-
-  A call of a ``tf.function`` inside another's trace is a ``StatefulPartitionedCall`` op whose body is a
-  separate function: the partitioner could not give its ops layouts (and refuses a sharded variable's handle
-  passed in). With ``tf.config.run_functions_eagerly(True)`` while the step is traced, a called
-  ``tf.function`` runs its Python function, so its ops land in the step's graph (the outer trace still
-  traces). The setting is process-wide and restored afterwards.
-  """
-  before = tf.config.functions_run_eagerly()
-  tf.config.run_functions_eagerly(True)
-  try:
-    yield
-  finally:
-    tf.config.run_functions_eagerly(before)
 
 
 def _check_fallbacks(graph, partition, strict: bool) -> None:

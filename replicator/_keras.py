@@ -72,6 +72,14 @@ SHARDED_MODEL = (
     "partitions the unchanged step by the layouts), or leave the model's variables replicated "
     "(no layouts) to use fit."
 )
+SHARDED_MODEL_GLOBAL = (
+    "model.{what} of a model with sharded variables ({name!r} has layout {spec}) is not supported yet in the "
+    "global view: Keras's trainer traces its step with a batch dimension of unknown size, and the global view "
+    "partitions a step traced at static global shapes. Fix: write the training step as a function of one global "
+    "batch (forward pass, tape, optimizer.apply_gradients: the same code Keras runs) and call "
+    "repl.run(step_fn, dataset) with a dataset of global batches; or leave the model's variables replicated "
+    "(no layouts) to use fit."
+)
 JIT_COMPILE = (
     "model.fit/evaluate with jit_compile=True is not supported for a model made in repl.context(): "
     "XLA would compile Keras's step function around the Replicator's collectives, which run between "
@@ -166,7 +174,8 @@ class KerasStrategy(tf.distribute.Strategy):
     for variable in getattr(model, "variables", None) or ():
       layout = _variables.layout_of(variable)
       if layout is not None:
-        raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
+        message = SHARDED_MODEL_GLOBAL if replicator._view == "global" else SHARDED_MODEL  # pylint: disable=protected-access
+        raise _errors.UnsupportedError(message.format(what=what, name=variable.path, spec=layout.spec))
     return run_in_graph(replicator, fn, args[0])
 
 

@@ -250,6 +250,8 @@ class ReplicatedOptimizer(tf.Module):
     :func:`stays_sparse`).
     """
     repl = self._replicator
+    if _in_global_trace(repl):  # the global view: the step's gradients are the global batch's already
+      return list(grads)
     mesh = repl.mesh
     variables = [None] * len(grads) if variables is None else list(variables)
     if len(variables) != len(grads):
@@ -313,6 +315,9 @@ class ReplicatedOptimizer(tf.Module):
     ctx = _context.current_context()
     if ctx is not None:
       ctx.accumulating.add(self)
+    trace = _context.current_global_trace()
+    if trace is not None and self not in trace.accumulating:
+      trace.accumulating.append(self)
     if self._accumulators is None:
       object.__setattr__(self, "_accumulators", [_new_accumulator(v, g) for v, g in zip(variables, grads)])
     if len(self._accumulators) != len(variables):
@@ -570,8 +575,20 @@ class _RowAccumulator:
     self.indices.assign(tf.zeros([0], self.indices.dtype))
 
 
+def _in_global_trace(repl) -> bool:
+  """Whether a global-view step of ``repl`` is being traced (its values are global: nothing to reduce)."""
+  trace = _context.current_global_trace()
+  return trace is not None and trace.replicator is repl
+
+
 def _new_accumulator(variable, gradient):
   """A replica's accumulator for ``variable``'s gradients: rows for a sparse gradient, else a dense sum."""
+  if _context.current_global_trace() is not None:
+    # The global view: the step's gradient is global, and so is the sum of k of them: an ordinary variable
+    # laid out like its variable (a sparse gradient is summed densely: its rows vary in number).
+    with _variables.reference_scope(variable):
+      return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
+                         name="gradient_accumulator")
   if isinstance(gradient, tf.IndexedSlices):
     return _RowAccumulator(gradient)
   # Per-replica sums of local gradients: on-read, so outside a step they read

@@ -31,6 +31,10 @@ from replicator import _values
 from replicator import _variables
 from replicator._values import PerReplica
 
+ACCUMULATING_STEPS = (
+    "repl.run(steps={steps}) with an optimizer wrapped with accumulation_steps > 1 is not "
+    "supported: each step needs its own phase (accumulate or apply). Fix: run one step per call."
+)
 NESTED_RUN = (
     "repl.{name}() was called inside a step being built (replica {replica} of a Replicator's "
     "step_fn): steps do not nest. Fix: call the inner step's function directly; it runs on this replica."
@@ -391,9 +395,7 @@ class Replicator:
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
     if steps > 1 and step.accumulating:
-      raise _errors.ArgumentError(
-          f"repl.run(steps={steps}) with an optimizer wrapped with accumulation_steps > 1 is not "
-          "supported: each step needs its own phase (accumulate or apply). Fix: run one step per call.")
+      raise _errors.ArgumentError(ACCUMULATING_STEPS.format(steps=steps))
     self._check_replicas_agree()
     try:
       results, self.steps_run = step(source.call_args(), steps, all_steps)
@@ -409,6 +411,8 @@ class Replicator:
 
   def _run_global(self, step_fn, dataset, inputs, steps, all_steps):
     """``steps`` steps of ``step_fn`` in the global view on the next global batches of ``dataset``."""
+    if isinstance(dataset, _distributed_dataset.DistributedDataset):
+      dataset = dataset.dataset  # its global batches: the partitioner splits them
     if inputs is not None or not isinstance(dataset, tf.data.Dataset):
       what = "inputs=..." if inputs is not None else type(dataset).__name__
       raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=self.batch_axes))
@@ -427,21 +431,35 @@ class Replicator:
       del self._global_iterators[id(dataset)]
       raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
     step = self._global_step(step_fn, element)
+    if steps > 1 and step.accumulating:
+      raise _errors.ArgumentError(ACCUMULATING_STEPS.format(steps=steps))
     if steps == 1 and not all_steps:
-      self.steps_run = 1
-      return step(tree.flatten(element))
-    results, self.steps_run = step.run_steps(entry[1], element, steps, all_steps)
+      results, self.steps_run = step(tree.flatten(element)), 1
+    else:
+      results, self.steps_run = step.run_steps(entry[1], element, steps, all_steps)
+    for optimizer in step.accumulating:
+      optimizer.advance(self.steps_run)
     return results
 
   def _global_step(self, step_fn, element) -> _global_view.GlobalStep:
-    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once)."""
-    # Traced at static global shapes: the element's own (a partial last batch is a new trace).
-    spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
-    by_spec = self._global_steps.setdefault(step_fn, {})
-    step = by_spec.get(str(spec))
+    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).
+
+    Traced at static global shapes: the element's own (a partial last batch is
+    a new trace); and, as in the local view, one variant per combination of
+    accumulation phases of the wrapped optimizers it uses.
+    """
+    specs = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
+    spec = str(specs)
+    by_key = self._global_steps.setdefault(step_fn, {})  # (spec, phases) -> step
+    built = [step for (s, _), step in by_key.items() if s == spec]
+    used = built[0].accumulating if built else tuple(self._accumulating)
+    for optimizer in used:
+      optimizer.prepare_trace()
+    step = by_key.get((spec, tuple(o.phase() for o in used)))
     if step is None:
       self.trace_count += 1
-      step = by_spec[str(spec)] = _global_view.build(self, step_fn, spec, self._choose)
+      step = _global_view.build(self, step_fn, specs, self._choose)
+      by_key[(spec, tuple(o.phase() for o in step.accumulating))] = step
     return step
 
   def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:

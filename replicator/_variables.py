@@ -630,6 +630,11 @@ def seed_offsets(name: str, value: tf.Tensor, n: int) -> list | None:
   return [tf.constant([i * SEED_STREAM_STRIDE, 0], value.dtype) for i in range(n)]
 
 
+def summed_on_read(variable) -> bool:
+  """Whether ``variable``'s value is the sum of its components (on-read, ``SUM``): a metric's total or count."""
+  return variable._on_read and variable.aggregation == tf.VariableAggregation.SUM  # pylint: disable=protected-access
+
+
 def spread(value, like, n: int) -> list:
   """Per-component values of an on-read variable whose aggregate should be ``value``."""
   value = tf.convert_to_tensor(value, dtype=like.dtype)

@@ -35,6 +35,7 @@ from rewrite import _rules
 from rewrite import _rules_contraction  # noqa: F401  (registers rules)
 from rewrite import _rules_control_flow  # noqa: F401
 from rewrite import _rules_convolution  # noqa: F401
+from rewrite import _rules_effects  # noqa: F401
 from rewrite import _rules_elementwise  # noqa: F401
 from rewrite import _rules_gather  # noqa: F401
 from rewrite import _rules_random  # noqa: F401
@@ -76,7 +77,8 @@ class Partition:
 MAX_ROUNDS = 8
 
 
-def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None) -> Partition:
+def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None,
+              summed: frozenset = frozenset()) -> Partition:
   """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
 
   Forward, each op's rule gives its outputs' layouts from its inputs'.
@@ -92,13 +94,15 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
     given: tensor name -> layout for the graph's inputs (arguments and resource
       handles); other placeholders are replicated.
     handle_shapes: resource handle tensor name -> its variable's global shape.
+    summed: resource handle tensor names of variables whose value is the sum
+      of the devices' copies (on-read, ``SUM``-aggregated: a metric's state).
 
   Returns:
     The :class:`Partition`.
   """
   dead = _dead(graph)
   ops = [op for op in ordered(graph) if op.name not in dead]
-  context = _Context(mesh, handle_shapes or {})
+  context = _Context(mesh, handle_shapes or {}, frozenset(summed))
   wants: dict = {}
   partition = _forward(ops, context, given, wants)
   for _ in range(MAX_ROUNDS):
@@ -181,9 +185,10 @@ MAX_FOLDED_ELEMENTS = 64
 class _Context:
   """What rules see besides the op: the mesh, the variables' shapes, and constant shape arithmetic."""
 
-  def __init__(self, mesh, handle_shapes):
+  def __init__(self, mesh, handle_shapes, summed=frozenset()):
     self.mesh = mesh
     self.handle_shapes = handle_shapes
+    self.summed = summed
     self._values: dict = {}
 
   def know(self, t: tf.Tensor, value) -> None:
@@ -235,7 +240,7 @@ def _evaluate(op, inputs):
 def _decide(op, context, ins, wants) -> _rules.Decision:
   rule = _rules.get(op.type)
   view = _rules.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
-                       context.value)
+                       context.value, context.summed)
   return rule(view, ins) if rule is not None else _rules.fallback(view, ins)
 
 
@@ -471,6 +476,8 @@ class _Expander:
     del template.input[:]
     if "_class" in template.attr:  # colocation with ops of the global graph, which is not imported
       del template.attr["_class"]
+    for name, value in decision.attrs.items():
+      template.attr[name].i = value
     kinds = [(k, t.dtype, self._local_shape(t, decision.outputs[k])) for k, t in enumerate(op.outputs)]
     for r, inputs in enumerate(inputs_per_device):
       if inputs is None:  # not run on this device
@@ -533,6 +540,8 @@ class _Expander:
             x = self._relayouts[key]
           inputs.append(x)
         inputs_per_device.append(inputs)
+      if decision.once:  # its inputs were relayouted everywhere (collectives need the group); it runs on one
+        inputs_per_device = [inputs if r == 0 else None for r, inputs in enumerate(inputs_per_device)]
       if op.type in _ALIASES and not any(r is not None for r in decision.reduce):
         outputs_per_device = inputs_per_device  # no copy: its consumers read its (relayouted) input
       elif decision.lower is not None:  # the rule computes each device's outputs itself, in Python

@@ -163,7 +163,7 @@ def assign(graph: tf.Graph, partition, mesh, axes: tuple, handle_bytes: dict, fi
 def _candidate(op, partition, axes, fetched) -> bool:
   """Whether ``op`` computes the same value on every device of a group without communicating."""
   decision = partition.decisions[op.name]
-  if decision.fallback or decision.lower is not None or decision.values or decision.unsupported:
+  if decision.fallback or decision.lower is not None or decision.values or decision.unsupported or decision.once:
     return False
   if any(r is not None for r in decision.reduce):
     return False

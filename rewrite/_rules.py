@@ -47,6 +47,13 @@ class Decision:
     communicates: ``(kind, axes, why)`` of each collective ``lower`` asks
       ``comm`` for, in order (empty: ``lower`` takes no ``comm``); ``why``
       is what ``repl.explain`` says of it.
+    once: the op runs on the first device only (an effect that happens once
+      per step on one device: a summary written, a line printed, a delta
+      added to a variable whose value is the sum of the devices' copies);
+      its inputs are still relayouted on every device (the collectives of a
+      gather need every device of the group). It must have no outputs.
+    attrs: integer attributes to set on every device's copy (a stateful
+      random op's seeds, so that every copy draws the same numbers).
   """
 
   inputs: list
@@ -58,6 +65,8 @@ class Decision:
   unsupported: str = ""
   lower: Callable | None = None
   communicates: tuple = ()
+  once: bool = False
+  attrs: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if not self.reduce:
@@ -73,6 +82,7 @@ class OpView:
   wants: list = dataclasses.field(default_factory=list)  # per output: the layout its consumers want, or None
   handle_shapes: dict = dataclasses.field(default_factory=dict)  # resource tensor name -> its variable's shape
   values: Callable = tf.get_static_value  # a tensor's constant value (shape arithmetic folded), or None
+  summed: frozenset = frozenset()  # resource tensor names of variables whose value is the sum of their copies
 
   def want(self, index: int = 0):
     """The layout all consumers of output ``index`` require (None: no common wish)."""
@@ -85,6 +95,15 @@ class OpView:
   def handle_shape(self, index: int) -> list:
     """The global shape of the variable whose handle is input ``index``."""
     return list(self.handle_shapes[self.op.inputs[index].name])
+
+  def is_summed(self, index: int) -> bool:
+    """Whether input ``index`` is the handle of a variable whose value is the sum of the devices' copies.
+
+    A ``tf.VariableSynchronization.ON_READ`` variable with ``SUM`` aggregation
+    (a metric's total and count, say): each device holds a part, a read sums
+    them, and a delta is added to one copy.
+    """
+    return self.op.inputs[index].name in self.summed
 
   def in_shape(self, index: int) -> list:
     return self.op.inputs[index].shape.as_list()

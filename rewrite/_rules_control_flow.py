@@ -59,7 +59,8 @@ def _partitioned_branches(view, layouts):
     given = {x.name: _side(layout, side) for x, layout in zip(body.inputs, layouts[1:]) if layout is not None}
     handle_shapes = {x.name: view.handle_shapes[t.name] for x, t in zip(body.inputs, args)
                      if t.name in view.handle_shapes}
-    partition = _partition.propagate(body, view.mesh, given, handle_shapes)
+    summed = {x.name for x, t in zip(body.inputs, args) if t.name in view.summed}
+    partition = _partition.propagate(body, view.mesh, given, handle_shapes, summed)
     for o in body.get_operations():
       d = partition.decisions.get(o.name)
       if d is None:

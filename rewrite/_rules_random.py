@@ -1,17 +1,29 @@
-"""Rules for stateless random ops: each device draws only its piece of the global draw.
+"""Rules for random ops: every device's numbers are those of the one draw one device would make.
 
-For "layouts do not change results" a random tensor must be the same global
+Stateless ops: each device draws only its piece of the global draw. For
+"layouts do not change results" a random tensor must be the same global
 tensor whatever the layout (dropout masks included). The Philox generator of
 TensorFlow's stateless ops is counter-based: element ``i`` of a draw comes
 from counter ``+ i // per_call``, so a device whose piece is a contiguous block
 of the flattened tensor (a split of the first dimension) draws exactly that
 block by starting from the counter advanced to the block's first element.
 Other splits draw the whole tensor and slice it (the consumers' relayout).
+
+Stateful ops (``tf.random.uniform``, ``tf.nn.dropout`` without a seed): each
+device's copy has its own generator, seeded from the op's ``seed`` and
+``seed2``; with both 0 (no seed given) each copy seeds itself at random, and
+the devices would draw different numbers for one replicated tensor (the
+pieces of a split activation masked by different masks). Such an op gets a
+seed pair per traced step and op, the same on every device, so every copy
+draws the same stream: one draw, whole on every device.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import weakref
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -55,3 +67,22 @@ def stateless_random(view, layouts):
                  dtype=view.attr("dtype"))]
 
   return _rules.Decision(inputs=[None] * 4, outputs=[(axes,) + ((),) * (out_rank - 1)], lower=lower)
+
+
+# TF 2.21's random_ops.cc, stateful (a generator per op, seeded by the attributes seed and seed2).
+STATEFUL = ("RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt", "RandomGamma",
+            "RandomPoissonV2", "Multinomial", "RandomShuffle", "ParameterizedTruncatedNormal")
+_SALTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # traced graph -> its seed (one per trace)
+
+
+@_rules.register(*STATEFUL)
+def stateful_random(view, layouts):
+  """One draw, whole on every device: an unseeded op gets a seed pair, the same on every device."""
+  attrs = {}
+  if view.attr("seed") == 0 and view.attr("seed2") == 0:
+    graph = view.op.graph
+    if graph not in _SALTS:  # a new trace draws new numbers, as a new trace on one device does
+      _SALTS[graph] = random.SystemRandom().randrange(1, 2**31)
+    attrs = {"seed": _SALTS[graph], "seed2": zlib.crc32(view.op.name.encode()) & 0x7FFFFFFF or 1}
+  return _rules.Decision(inputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.inputs],
+                         outputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.outputs], attrs=attrs)

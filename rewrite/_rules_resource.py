@@ -1,21 +1,44 @@
 """Rules for resource variables: reads give, and writes take, the variable's layout.
 
 The layout of a variable's handle is given to the partitioner (``handle_layouts``).
+
+A variable whose value is the sum of the devices' copies (on-read, ``SUM``
+aggregation: a metric's total and count) keeps that invariant in the global
+view: a read all-reduces the copies, a delta is added to the first device's
+copy only, and an assigned value goes to the first device's copy, zeros to the
+others'.
 """
 
 from __future__ import annotations
+
+import tensorflow as tf
 
 from rewrite import _rules
 
 
 @_rules.register("ReadVariableOp")
 def read(view, layouts):
+  if view.is_summed(0):
+    axes = tuple(a for a in view.mesh.axis_names if view.mesh.shape[a] > 1)
+    reduce = [("sum", axes) if axes else None]
+    return _rules.Decision(inputs=[None], outputs=[_rules.replicated(view.op.outputs[0].shape.rank)], reduce=reduce)
   return _rules.Decision(inputs=[None], outputs=[layouts[0]])
 
 
 @_rules.register("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 def write(view, layouts):
-  return _rules.Decision(inputs=[None, layouts[0]], outputs=[])
+  if not view.is_summed(0):
+    return _rules.Decision(inputs=[None, layouts[0]], outputs=[])
+  whole = _rules.replicated(view.op.inputs[1].shape.rank)
+  if view.op.type != "AssignVariableOp":
+    return _rules.Decision(inputs=[None, whole], outputs=[], once=True)  # the sum moves by the delta
+
+  def lower(r, inputs):
+    handle, value = inputs
+    tf.raw_ops.AssignVariableOp(resource=handle, value=value if r == 0 else tf.zeros_like(value))
+    return []
+
+  return _rules.Decision(inputs=[None, whole], outputs=[], lower=lower)
 
 
 @_rules.register("NoOp")

@@ -114,7 +114,7 @@ def strided_dims(view, shape):
       d += 1
     else:
       whole_begin = (mask["begin_mask"] >> i) & 1 or begin[i] == 0
-      whole_end = (mask["end_mask"] >> i) & 1 or end[i] >= shape[d]
+      whole_end = (mask["end_mask"] >> i) & 1 or (shape[d] is not None and end[i] >= shape[d])  # unknown: a part
       if strides[i] == 1 and whole_begin and whole_end:
         full.add(d)
       out_map.append(d)
@@ -279,6 +279,19 @@ def tile(view, layouts):
       used.update(wish)
   return _rules.Decision(inputs=[layout, None], outputs=[tuple(out)],
                          consts={1: np.asarray(local, dtype=multiples.dtype)})
+
+
+@_rules.register("Bitcast")
+def bitcast(view, layouts):
+  """Same bits, another type: a wider type takes the last dimension away, a narrower one adds it."""
+  (layout,) = layouts
+  rank_in, rank_out = len(view.in_shape(0)), len(view.out_shape())
+  if rank_out == rank_in:  # types of one size: elementwise
+    return _rules.Decision(inputs=[layout], outputs=[layout])
+  if rank_out > rank_in:  # [..., n] of a type k times as wide -> [..., n, k]
+    return _rules.Decision(inputs=[layout], outputs=[layout + ((),)])
+  kept = layout[:-1] + ((),)  # [..., k] -> [...]: the bytes of one element stay together
+  return _rules.Decision(inputs=[kept], outputs=[kept[:-1]])
 
 
 @_rules.register("ExpandDims")

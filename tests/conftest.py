@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -28,6 +29,32 @@ def replica_values(variable):
   if replicated is None:
     return [variable.numpy()]
   return [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
+
+
+def assert_every_copy(ours, reference, atol=1e-5):
+  """Every device's copy of each variable of ``ours`` holds ``reference``'s value (one device's variables).
+
+  A sharded variable's component holds its device's piece; an on-read SUM
+  variable's components (a metric's total) add up to the value; a slot the
+  sharded update keeps current on one owner per group is read there.
+  """
+  import mesh  # pylint: disable=import-outside-toplevel
+  from replicator import _variables  # pylint: disable=import-outside-toplevel
+  assert len(ours) == len(reference)
+  for mine, theirs in zip(ours, reference):
+    expected, name = np.asarray(theirs), getattr(theirs, "path", None) or theirs.name
+    replicated = _variables.underlying(mine)
+    if replicated is None:
+      np.testing.assert_allclose(np.asarray(mine), expected, rtol=0, atol=atol, err_msg=name)
+      continue
+    components = replicated.components
+    if _variables.summed_on_read(replicated):
+      np.testing.assert_allclose(sum(c.numpy() for c in components), expected, rtol=0, atol=atol, err_msg=name)
+      continue
+    pieces = mesh.split(expected, replicated.layout)
+    for device, home in enumerate(replicated._home):  # pylint: disable=protected-access
+      np.testing.assert_allclose(components[home].numpy(), np.asarray(pieces[device]), rtol=0, atol=atol,
+                                 err_msg=f"{name} on device {device}")
 
 
 _TESTS_RUN = [0]

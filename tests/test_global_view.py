@@ -152,15 +152,6 @@ def test_local_view_is_the_default():
     replicator.Replicator(devices=cpus(2), view="both")
 
 
-def test_global_view_refuses_an_indivisible_batch():
-  repl = _global_repl(None)
-  with repl.context():
-    v = tf.Variable(1.0)
-  ds = tf.data.Dataset.from_tensor_slices(np.zeros([3, 2], "float32")).batch(3)
-  with pytest.raises(replicator.ArgumentError, match="has size 3, which the batch axes"):
-    repl.run(lambda x: tf.reduce_sum(x) * v, ds)
-
-
 def test_global_view_traces_at_the_first_batch_s_shapes():
   repl = _global_repl(None)
   with repl.context():

@@ -126,6 +126,10 @@ CASES = {
     "pools": _case([4, 6, 6, 3], [3, 3, 3, 4], (None, None, None, "model"),
                    lambda x, w: tf.nn.max_pool2d(tf.nn.conv2d(x, w, 1, "SAME"), 2, 2, "VALID")
                    + tf.nn.avg_pool2d(tf.nn.conv2d(x, w, 1, "SAME"), 2, 2, "VALID")),
+    "bitcast_bytes_and_back": _case([8, 6], [6, 4], (None, "model"),  # a Keras metric's bitcast; [8, 4(, 4)]
+                                    lambda x, w: tf.matmul(x, w) * tf.bitcast(tf.bitcast(tf.matmul(x, w), tf.uint8),
+                                                                              tf.float32)
+                                    + tf.cast(tf.bitcast(tf.matmul(x, w), tf.int32) % 2, tf.float32)),
     # masks by position
     "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                        lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
@@ -194,6 +198,30 @@ def test_a_batch_split_random_draw_draws_only_the_local_piece():
   part = _partition.propagate(graph, m, {graph.inputs[0].name: (("batch",), ())})
   (draw,) = [d for n, d in part.decisions.items() if graph.get_operation_by_name(n).type == "StatelessRandomUniformV2"]
   assert draw.outputs == [(("batch",), ())] and draw.lower is not None
+
+
+@pytest.mark.parametrize("draw", [
+    lambda: tf.random.uniform([8, 4]),
+    lambda: tf.random.normal([8, 4]),
+    lambda: tf.cast(tf.random.uniform([8, 4], maxval=10, dtype=tf.int32), tf.float32),
+    lambda: tf.nn.dropout(tf.ones([8, 4]), rate=0.5)], ids=["uniform", "normal", "uniform_int", "dropout"])
+def test_an_unseeded_stateful_draw_is_one_draw_on_every_device(draw):
+  # Each device's copy of an unseeded stateful op seeded itself: the pieces of a split product were multiplied
+  # by different numbers than the ones returned (a sum over the pieces was 106.0 instead of 74.6).
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",),
+                               view="global")
+  with repl.context():
+    w = tf.Variable(np.random.default_rng(3).normal(size=(6, 4)).astype("float32"), name="w")
+  x = np.random.default_rng(4).normal(size=(8, 6)).astype("float32")
+
+  def step_fn(batch):
+    noise = draw()
+    return tf.reduce_sum(tf.matmul(batch, w) * noise, axis=1), noise  # rows: a sum of each device's pieces
+
+  for _ in range(2):  # the second step's numbers are new, and one draw again
+    rows, noise = repl.run(step_fn, tf.data.Dataset.from_tensors(x))
+    np.testing.assert_allclose(rows.numpy(), np.sum((x @ w.numpy()) * noise.numpy(), axis=1), rtol=1e-5, atol=1e-5)
 
 
 def test_vocabulary_parallel_cross_entropy_communicates_rows_not_logits():
