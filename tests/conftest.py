@@ -31,7 +31,7 @@ def replica_values(variable):
   return [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
 
 
-def assert_every_copy(ours, reference, atol=1e-5):
+def assert_every_copy(ours, reference, atol=1e-5, rtol=0):
   """Every device's copy of each variable of ``ours`` holds ``reference``'s value (one device's variables).
 
   A sharded variable's component holds its device's piece; an on-read SUM
@@ -45,15 +45,15 @@ def assert_every_copy(ours, reference, atol=1e-5):
     expected, name = np.asarray(theirs), getattr(theirs, "path", None) or theirs.name
     replicated = _variables.underlying(mine)
     if replicated is None:
-      np.testing.assert_allclose(np.asarray(mine), expected, rtol=0, atol=atol, err_msg=name)
+      np.testing.assert_allclose(np.asarray(mine), expected, rtol=rtol, atol=atol, err_msg=name)
       continue
     components = replicated.components
     if _variables.summed_on_read(replicated):
-      np.testing.assert_allclose(sum(c.numpy() for c in components), expected, rtol=0, atol=atol, err_msg=name)
+      np.testing.assert_allclose(sum(c.numpy() for c in components), expected, rtol=rtol, atol=atol, err_msg=name)
       continue
     pieces = mesh.split(expected, replicated.layout)
     for device, home in enumerate(replicated._home):  # pylint: disable=protected-access
-      np.testing.assert_allclose(components[home].numpy(), np.asarray(pieces[device]), rtol=0, atol=atol,
+      np.testing.assert_allclose(components[home].numpy(), np.asarray(pieces[device]), rtol=rtol, atol=atol,
                                  err_msg=f"{name} on device {device}")
 
 

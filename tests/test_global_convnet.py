@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
 from conftest import mesh_sweep
@@ -71,8 +72,7 @@ def test_convnet_equals_one_device(shape, layout, one_device):
   np.testing.assert_allclose(losses, one_losses, rtol=0, atol=1e-5)
   mine, theirs = model.variables + opt.variables, one_model.variables + one_opt.variables
   assert [re.sub(r"_\d+", "", v.path) for v in mine] == [re.sub(r"_\d+", "", v.path) for v in theirs]
-  for a, b in zip(theirs, mine):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(mine, theirs)
   if layout == "channels" and shape[1] > 1:
     (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
     (step,) = by_spec.values()

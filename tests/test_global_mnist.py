@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import assert_every_copy
 from conftest import cpus
 from conftest import mesh_sweep
 
@@ -65,8 +66,7 @@ def test_mnist_model_equals_one_device(shape, rules, one_device):
   mine = list(model.trainable_variables) + opt.variables
   theirs = list(one_model.trainable_variables) + one_opt.variables
   assert len(mine) == len(theirs) == 4 + 2 + 8
-  for a, b in zip(theirs, mine):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.name)
+  assert_every_copy(mine, theirs)
   k = shape[1] if rules != "batch" else 1
   w1 = model.w1
   assert replicator.bytes_per_device([w1]) == {d: 8 * 8 * 32 * 4 // k for d in repl.devices}

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
 from conftest import mesh_sweep
@@ -97,8 +98,7 @@ def assert_equal_to_one_device(ours, reference):
   mine, theirs = model.variables + opt.variables, one_model.variables + one_opt.variables
   assert [re.sub(r"_\d+", "", v.path) for v in mine] == [re.sub(r"_\d+", "", v.path) for v in theirs]
   assert len(mine) > 40  # weights, Adam moments, the iteration counter and the seed generator's state
-  for a, b in zip(theirs, mine):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(mine, theirs)
 
 
 @pytest.fixture(scope="module")

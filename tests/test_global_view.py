@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
 
@@ -84,8 +85,7 @@ def test_mlp_equals_one_device(layout, optimizer, shape):
   ours = model.variables + opt.variables
   assert [re.sub(r"(sequential|adam_w|adam|sgd)_\d+", r"\1", v.path) for v in ours] == [v.path for v in reference]
   assert len(ours) >= 4 + (5 if optimizer == "sgd" else 9)
-  for a, b in zip(reference, ours):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(ours, reference)
   assert repl.trace_count == 1  # traced once, at the global batch's shapes
   # No collective over a mesh axis of size 1 (it would split nothing).
   assert all(repl.mesh.axis_size(c.axes) > 1 for c in _built(repl).plan.collectives)
@@ -95,8 +95,7 @@ def test_optimizer_built_by_the_step_gets_sharded_slots():
   # The spelling: the optimizer is built by its first apply_gradients, inside the trace.
   _, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS["hidden"], build=False)
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
-  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
   (momentum,) = [v.value for v in opt.variables if v.path.endswith("ff_in_kernel_momentum")]
   assert [c.shape.as_list() for c in momentum.components] == [[8, 8]] * 4
 
@@ -106,8 +105,7 @@ def test_dropout_with_a_seed_equals_one_device(layout):
   # One random stream (no per-device seed offsets), drawn at the global shape, then sliced.
   _, (one_model, one_opt, expected), (model, opt, losses), _step_fn = _train(LAYOUTS[layout], dropout=True)
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
-  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
 
 
 def test_hidden_split_communicates_like_megatron():
@@ -206,8 +204,7 @@ def test_a_keras_model_built_by_its_first_call_in_the_step_equals_one_device(lay
   losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   assert len(model.variables) == 4 and len(opt.variables) == 2 + 8
-  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
   if layout == "hidden":
     assert model.layers[0].kernel.value.layout.axes(1) == ("model",)  # the layouts applied to the lazy build
 
@@ -492,8 +489,7 @@ def test_keras_distribution_mesh_and_layout_map_carry_over():
   losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   assert [c.shape.as_list() for c in model.layers[0].kernel.value.components] == [[8, 8]] * 4
-  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
 
 
 def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
@@ -523,8 +519,7 @@ def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
   assert [c.shape.as_list() for c in gathers] == [[2]]  # one gather of each device's half of the gradient
   repl.run(step_fn, tf.data.Dataset.from_tensors(x))
   tf.function(make_step(one_w, one_s, one_opt))(tf.constant(x))
-  for a, b in zip([one_w, one_s] + one_opt.variables, [w, s] + opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+  assert_every_copy([w, s] + opt.variables, [one_w, one_s] + one_opt.variables, atol=1e-6)
 
 
 def test_steps_runs_several_global_steps_in_one_call():
@@ -539,8 +534,7 @@ def test_steps_runs_several_global_steps_in_one_call():
   loss = repl.run(step_fn, dataset, steps=5)  # one batch left: stops at the end of the dataset
   assert repl.steps_run == 1
   np.testing.assert_allclose(float(loss), expected[2], rtol=0, atol=1e-6)
-  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
   with pytest.raises(replicator.EndOfInput):
     repl.run(step_fn, dataset, steps=2)
   with pytest.raises(replicator.ArgumentError, match="loops over global batches of one static shape"):
@@ -562,8 +556,7 @@ def test_all_steps_stacks_every_step_of_the_call():
   out = repl.run(step_fn, dataset, steps=4, all_steps=True)  # one batch left: one entry
   assert repl.steps_run == 1 and out["loss"].shape == [1]
   np.testing.assert_allclose(out["loss"].numpy(), expected[2:], rtol=0, atol=1e-6)
-  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
   dataset = _dataset()
   out = repl.run(step_fn, dataset, all_steps=True)  # steps=1: one entry too
   assert out["loss"].shape == [1]
@@ -600,8 +593,7 @@ def test_a_trainer_method_with_a_tf_function_helper_equals_one_device(layout):
   dataset = _dataset()
   losses = [float(repl.run(trainer.step, dataset)) for _ in range(STEPS)]
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
-  for a, b in zip(one.model.variables + one.opt.variables, trainer.model.variables + trainer.opt.variables):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(trainer.model.variables + trainer.opt.variables, one.model.variables + one.opt.variables)
   step = _built(repl)
   assert not step.partition.fallbacks
   assert tf.config.functions_run_eagerly() is False  # restored after the trace

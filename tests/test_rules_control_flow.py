@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
 
@@ -53,8 +54,7 @@ def test_keras_gradient_accumulation_equals_one_device(layout, update):
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   reference, ours = one_model.variables + one_opt.variables, model.variables + opt.variables
   assert len(ours) == len(reference) and any("accumulator" in v.path for v in ours)
-  for a, b in zip(reference, ours):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(ours, reference)
   assert int(opt.iterations.numpy()) == STEPS // 2 == int(one_opt.iterations.numpy())
   if layout == "hidden":  # the accumulator follows its variable: half of it per device
     (acc,) = [v for v in opt.variables if v.path.endswith("ff_in_kernel_gradient_accumulator")]
@@ -133,8 +133,7 @@ def test_keras_loss_scale_optimizer_with_a_hidden_split_equals_one_device(update
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   reference, ours = one_model.variables + one_opt.variables, model.variables + opt.variables
   assert len(ours) == len(reference)
-  for a, b in zip(reference, ours):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(ours, reference)
   assert float(opt.dynamic_scale.numpy()) == float(one_opt.dynamic_scale.numpy()) == 2.0**12
 
 
@@ -172,8 +171,7 @@ def test_a_keras_lstm_runs_on_gathered_inputs_and_equals_one_device():
   with pytest.warns(UserWarning, match=r"no layout rule for TensorListFromTensor"):
     losses = [float(repl.run(step_fn, dataset)) for _ in range(3)]
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
-  for a, b in zip(one_model.variables + one_opt.variables, model.variables + opt.variables, strict=True):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=a.path)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
 
 
 def test_a_keras_lstm_with_a_split_kernel_is_refused_with_the_fix():
