@@ -266,6 +266,7 @@ def test_on_read_variable_exports_its_aggregate(tmp_path, aggregation, factor):
 
 
 def _replicated_variables() -> int:
+  gc.collect()  # live ones only: earlier tests' garbage, collected in between, would change the count
   return sum(isinstance(o, replicator.ReplicatedVariable) for o in gc.get_objects())
 
 
