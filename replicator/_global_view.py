@@ -273,9 +273,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   with expansion_graph.as_default():
 
     def feed(value, name):
-      placeholder = tf.raw_ops.Placeholder(dtype=value.dtype, shape=value.shape, name=name)
-      fed.append((placeholder.name, value))
-      return placeholder
+      fed.append((f"{name}:0", value))
+      return _partition.Feed(name, value.dtype, value.shape)
 
     inputs, local = [], {}
     for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):

@@ -88,6 +88,9 @@ def _build_template(lowering: _lowering.Lowering, collective: Collective, group:
           f"Lowering {lowering.name!r} returned {len(results)} results for a group of {len(group)}.")
     outputs = []
     for position, (y, device) in enumerate(zip(results, devices)):
+      if y.device and tf.DeviceSpec.from_string(y.device) == tf.DeviceSpec.from_string(device):
+        outputs.append(y.name)  # made on its member's device already (a copy there, a collective op)
+        continue
       with tf.device(device):
         outputs.append(tf.identity(y, name=f"output_{position}").name)
   externals = {t.op.name: key for key, t in ctx.externals.items()}

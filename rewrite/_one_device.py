@@ -107,7 +107,7 @@ class OneDevice(_lowering.Lowering):
         result = tf.concat(list(inputs), axis=params["concat_dimension"])
       else:
         raise _errors.UnsupportedError(f"{self.name} cannot lower {collective.kind}.")
-    return [_copy(result, d) for d in devices]
+    return [result] + [_copy(result, d) for d in devices[1:]]  # made on the first device
 
 
 def _copy(x: tf.Tensor, device: str) -> tf.Tensor:

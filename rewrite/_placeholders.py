@@ -98,13 +98,37 @@ def emit(x: tf.Tensor, *, replica: int, index: int, kind: str,
     The placeholder's output tensor (stands for the collective's result) and
     the record describing it.
   """
-  if kind not in KINDS:
-    raise _errors.ArgumentError(f"Unknown collective kind {kind!r}; expected one of {KINDS}.")
+  _check_kind(kind)
   with tf.name_scope(PLACEHOLDER_SCOPE):
     y = tf.raw_ops.Placeholder(dtype=x.dtype, shape=result_shape, name=kind)
-  record = Placeholder(
+  return y, _record(x, y.op.name, replica=replica, index=index, kind=kind, params=params, axes=axes,
+                    result_shape=result_shape, device=device, location=location, call=call)
+
+
+def emit_node(x, name: str, *, replica: int, index: int, kind: str, params: dict[str, Any], axes: tuple[str, ...],
+              result_shape: tf.TensorShape, device: str, location: str,
+              call: str) -> tuple[tf.compat.v1.NodeDef, Placeholder]:
+  """:func:`emit` as a ``NodeDef`` named ``name`` (for a graph built as a ``GraphDef``), and its record.
+
+  ``x`` needs only ``name``, ``dtype`` and ``shape`` (a tensor, or a node's
+  output not made yet).
+  """
+  _check_kind(kind)
+  node = tf.compat.v1.NodeDef(name=name, op="Placeholder", device=device)
+  node.attr["dtype"].type = x.dtype.as_datatype_enum
+  node.attr["shape"].shape.CopyFrom(tf.TensorShape(result_shape).as_proto())
+  return node, _record(x, name, replica=replica, index=index, kind=kind, params=params, axes=axes,
+                       result_shape=result_shape, device=device, location=location, call=call)
+
+
+def _check_kind(kind: str) -> None:
+  if kind not in KINDS:
+    raise _errors.ArgumentError(f"Unknown collective kind {kind!r}; expected one of {KINDS}.")
+
+
+def _record(x, node: str, *, replica, index, kind, params, axes, result_shape, device, location, call) -> Placeholder:
+  return Placeholder(
       replica=replica, index=index, kind=kind,
       params=tuple(sorted(params.items())), axes=tuple(axes), dtype=x.dtype,
       shape=tf.TensorShape(result_shape), input_shape=x.shape, input=x.name,
-      node=y.op.name, device=device, location=location, call=call)
-  return y, record
+      node=node, device=device, location=location, call=call)
