@@ -25,12 +25,14 @@ import tensorflow as tf
 import tree
 
 import rewrite
+from replicator import _access
 from replicator import _callables
 from replicator import _captures
 from replicator import _context
 from replicator import _errors
 from replicator import _optimizer
 from replicator import _primitives
+from replicator import _step
 from replicator import _variables
 from rewrite import _partition
 from rewrite import _partition_owners
@@ -243,6 +245,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       raise _errors.ArgumentError(CHANGES_SHAPE.format(name=changed.group(1), shape=changed.group(3),
                                                        value=changed.group(4))) from None
   graph = concrete.graph
+  # A variable made outside the Replicator is one resource: every device's copy of a write would write it.
+  _step.check_writes(graph, _access.written_placeholders(graph), replicated=lambda h: id(h) in trace.owners)
   given = {}
   for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
     given[placeholder.name] = _batch_layout(spec, () if i in whole else axes)

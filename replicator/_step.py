@@ -248,7 +248,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   finally:
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
   written = _access.written_placeholders(scratch.graph)
-  _check_writes(scratch.graph, written)
+  check_writes(scratch.graph, written)
   plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
   written_state = _consistency.Written([external for external, internal in scratch.graph.captures
@@ -301,11 +301,14 @@ def _independent_replicas(graph_def):
   return graph_def
 
 
-def _check_writes(graph, written: dict[str, str]) -> None:
-  """Every variable the step writes (``written``: placeholder -> writing op) must be the Replicator's."""
+def check_writes(graph, written: dict[str, str], replicated=_variables.is_replicated_handle) -> None:
+  """Every variable the step writes (``written``: placeholder -> writing op) must be the Replicator's.
+
+  ``replicated(handle)`` says whether a captured handle is one of the
+  Replicator's (a component's; in the global view, a global stand-in's).
+  """
   for external, internal in graph.captures:
-    if (internal.op.name in written and external.dtype == tf.resource
-        and not _variables.is_replicated_handle(external)):
+    if internal.op.name in written and external.dtype == tf.resource and not replicated(external):
       variable = _variables.variable_of(external)
       name = "a resource" if variable is None else f"the variable {variable.name!r}"
       location = _primitives.location_of(graph.get_operation_by_name(written[internal.op.name]))

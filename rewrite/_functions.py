@@ -61,3 +61,33 @@ def body(op: tf.Operation, attr: str, arguments: list) -> tf.Graph:
   graph.outputs = [graph.get_tensor_by_name(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
   graph.control_outputs = [graph.get_operation_by_name(fdef.control_ret[n]) for n in fdef.signature.control_output]
   return graph
+
+
+def _called(attrs) -> list:
+  """Names of the functions a node's attributes name (an ``If``'s branches, a call's function)."""
+  names = []
+  for value in attrs.values():
+    if value.HasField("func"):
+      names.append(value.func.name)
+    names.extend(f.name for f in value.list.func)
+  return names
+
+
+def nested_nodes(op: tf.Operation) -> list:
+  """The NodeDefs of every function ``op`` runs, and of the functions those call (each once).
+
+  Empty for an op without function-valued attributes.
+  """
+  names = _called(op.node_def.attr)
+  if not names:
+    return []
+  library, seen, nodes = _library(op.graph), set(), []
+  while names:
+    name = names.pop()
+    if name in seen or name not in library:
+      continue
+    seen.add(name)
+    for node in library[name].node_def:
+      nodes.append(node)
+      names.extend(_called(node.attr))
+  return nodes

@@ -51,7 +51,7 @@ class Decision:
       per step on one device: a summary written, a line printed, a delta
       added to a variable whose value is the sum of the devices' copies);
       its inputs are still relayouted on every device (the collectives of a
-      gather need every device of the group). It must have no outputs.
+      gather need every device of the group). Nothing may read its outputs.
     attrs: integer attributes to set on every device's copy (a stateful
       random op's seeds, so that every copy draws the same numbers).
   """
@@ -212,6 +212,53 @@ def fallback(view: OpView, layouts: list) -> Decision:
   elif any(isinstance(layout, Contents) and _holds_split(layout) for layout in layouts):
     # Nor for a variant holding pieces (a tf.cond's intermediates, kept for its gradient).
     unsupported = "it takes a variant (an optional) holding split values, and no rule says how to use them"
+  elif any(t.dtype == tf.resource and t.name in view.summed for t in op.inputs):
+    # Nor for a metric's state: each device holds a part of its value.
+    unsupported = ("it takes the handle of a variable whose value is the sum of the devices' parts (a metric's "
+                   "state), and no rule says how to use them")
+  else:
+    once, unsupported = _copied_whole(view)
+    if once:
+      return Decision(inputs=[replicated(rank_of(t)) for t in op.inputs],
+                      outputs=[replicated(rank_of(t)) for t in op.outputs], fallback=split, once=True)
   return Decision(inputs=[replicated(rank_of(t)) for t in op.inputs],
                   outputs=[replicated(rank_of(t)) for t in op.outputs], fallback=split,
                   unsupported=unsupported)
+
+
+def _copied_whole(view: OpView) -> tuple[bool, str]:
+  """What running a fallback's functions (a ``tf.cond``'s branches) on every device would repeat.
+
+  Returns ``(once, unsupported)``: effects (summaries, prints) happen once
+  per step on one device, so an op without outputs that has them runs on the
+  first device only; with outputs it is refused; so are unseeded stateful
+  random draws, which every device's copy would make differently.
+  """
+  from rewrite import _functions  # pylint: disable=import-outside-toplevel  (private TF, isolated there)
+  from rewrite import _rules_effects  # pylint: disable=import-outside-toplevel  (they import this module)
+  from rewrite import _rules_random  # pylint: disable=import-outside-toplevel
+  nodes = _functions.nested_nodes(view.op)
+  if any(n.op in _rules_random.STATEFUL and not n.attr["seed"].i and not n.attr["seed2"].i for n in nodes):
+    return False, ("its functions draw random numbers without a seed, and every device's copy would draw its own "
+                   "(seed them: tf.random.set_seed(...) before the step is built, or seed=... on the op)")
+  if any(n.op in _rules_effects.ONCE for n in nodes):
+    if any(_used(t) for t in view.op.outputs):
+      return False, ("its functions write summaries or print, and its outputs are used: every device's copy would "
+                     "write them (move the tf.summary or tf.print out of it)")
+    return True, ""
+  return False, ""
+
+
+def _used(t: tf.Tensor) -> bool:
+  """Whether anything but Identity ops leading nowhere reads ``t`` (AutoGraph's ``if`` returns a dummy)."""
+  outputs = {x.name for x in getattr(t.graph, "outputs", ())}
+  stack = [t]
+  while stack:
+    x = stack.pop()
+    if x.name in outputs:
+      return True
+    for consumer in x.consumers():
+      if consumer.type != "Identity":
+        return True
+      stack.extend(consumer.outputs)
+  return False

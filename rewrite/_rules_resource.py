@@ -22,7 +22,8 @@ def read(view, layouts):
     axes = tuple(a for a in view.mesh.axis_names if view.mesh.shape[a] > 1)
     reduce = [("sum", axes) if axes else None]
     return _rules.Decision(inputs=[None], outputs=[_rules.replicated(view.op.outputs[0].shape.rank)], reduce=reduce)
-  return _rules.Decision(inputs=[None], outputs=[layouts[0]])
+  out = layouts[0] if layouts[0] is not None else _rules.replicated(view.op.outputs[0].shape.rank)  # a plain variable
+  return _rules.Decision(inputs=[None], outputs=[out])
 
 
 @_rules.register("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")

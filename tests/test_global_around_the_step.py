@@ -299,3 +299,26 @@ def test_a_sonnet_module_built_in_the_context_equals_one_device():
   (w,) = [v for v in net.variables if v.name == "mlp/linear_0/w:0"]
   assert _variables.layout_of(w).spec == (None, "model")
   assert_every_copy(list(net.variables) + list(opt.variables), list(one_net.variables) + list(one_opt.variables))
+
+
+def test_a_variable_made_outside_the_replicator_is_read_but_never_written():
+  repl = _repl()
+  outside = tf.Variable(3.0)  # one resource, not the Replicator's
+  with repl.context():
+    inside = tf.Variable(1.0)
+
+  def reads(batch):
+    return tf.reduce_sum(batch[0]) * outside * inside
+
+  x = next(iter(_dataset()))[0].numpy()
+  assert float(repl.run(reads, _dataset())) == pytest.approx(3.0 * float(np.sum(x)), rel=1e-5)
+
+  def writes(batch):
+    outside.assign_add(1.0)  # every device's copy would add 1.0
+    return tf.reduce_sum(batch[0])
+
+  with pytest.raises(replicator.UnreplicatedStateError, match=r"The step writes the variable 'Variable:0' at "
+                     r".*test_global_around_the_step.py:\d+ in writes, but it was created outside every Replicator "
+                     r"context"):
+    repl.run(writes, _dataset())
+  assert float(outside.numpy()) == 3.0

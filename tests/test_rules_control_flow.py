@@ -242,3 +242,60 @@ def test_a_branch_returning_whole_zeros_is_sliced_to_the_other_branch_s_split(ta
   np.testing.assert_allclose(np.asarray(got), (y * x).sum(axis=0))
   plan = repl.explain(step_fn, tf.data.Dataset.from_tensors(x))
   assert [c.kind for c in plan.collectives] == ["all_reduce", "all_reduce"]  # the min, the sum
+
+
+def _batch_repl():
+  return replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global")
+
+
+def test_a_communicating_branch_that_writes_a_summary_writes_it_once(tmp_path):
+  # The norm over the split batch needs an all-reduce inside the branch: the cond falls back, and, having no
+  # outputs, runs on the first device only (each device wrote the point before).
+  x = np.arange(24, dtype=np.float32).reshape(8, 3)
+  repl = _batch_repl()
+  with repl.context():
+    step = tf.Variable(0, dtype=tf.int64)
+
+  def step_fn(x):
+    step.assign_add(1)
+    if step % 2 == 0:  # AutoGraph: a tf.cond whose branch writes the summary
+      tf.summary.scalar("norm", tf.norm(x), step=step)
+    return tf.reduce_sum(x)
+
+  writer = tf.summary.create_file_writer(str(tmp_path))
+  with writer.as_default(), pytest.warns(UserWarning, match=r"no layout rule for (Stateless)?If"):
+    for _ in range(4):
+      repl.run(step_fn, tf.data.Dataset.from_tensors(x))
+  writer.flush()
+  from tensorflow.core.util import event_pb2  # pylint: disable=import-outside-toplevel
+  points = [(e.step, float(tf.make_ndarray(v.tensor))) for path in tmp_path.glob("events.*")
+            for e in map(event_pb2.Event.FromString, (r.numpy() for r in tf.data.TFRecordDataset(str(path))))
+            for v in e.summary.value]
+  assert points == [(2, pytest.approx(float(np.linalg.norm(x)))), (4, pytest.approx(float(np.linalg.norm(x))))]
+
+
+def test_a_communicating_branch_that_draws_unseeded_numbers_is_refused_with_the_fix():
+  x = np.arange(24, dtype=np.float32).reshape(8, 3)
+
+  def step_fn(x):  # the branch's sum over the split batch communicates; its draw has no seed (whatever the global one)
+    draw = lambda: tf.raw_ops.RandomUniform(shape=[3], dtype=tf.float32, seed=0, seed2=0)  # noqa: E731
+    return tf.cond(tf.reduce_max(x) > 10.0, lambda: tf.reduce_sum(x, axis=0) * draw(),
+                   lambda: tf.reduce_max(x, axis=0))
+
+  with pytest.raises(replicator.UnsupportedError, match=r"its functions draw random numbers without a seed, and every "
+                     r"device's copy would draw its own \(seed them: tf.random.set_seed"):
+    _batch_repl().run(step_fn, tf.data.Dataset.from_tensors(x))
+
+
+def test_a_communicating_branch_that_reads_a_metric_is_refused_with_the_fix():
+  repl = _batch_repl()
+  with repl.context():
+    mean = keras.metrics.Mean()
+
+  def step_fn(x):
+    mean.update_state(x)
+    return tf.cond(tf.reduce_sum(x) > 0.0, lambda: mean.result() * tf.reduce_sum(x), lambda: tf.constant(0.0))
+
+  with pytest.raises(replicator.UnsupportedError, match=r"it takes the handle of a variable whose value is the sum "
+                     r"of the devices' parts \(a metric's state\).*Fix: .*out of it"):
+    repl.run(step_fn, tf.data.Dataset.from_tensors(np.ones([8, 3], np.float32)))
