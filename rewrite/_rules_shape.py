@@ -294,6 +294,14 @@ def bitcast(view, layouts):
   return _rules.Decision(inputs=[kept], outputs=[kept[:-1]])
 
 
+@_rules.register("OneHot")
+def one_hot(view, layouts):
+  """Indices to one-hot rows: the indices' splits, and the new (depth) dimension whole."""
+  layout = layouts[0]
+  axis = view.attr("axis") % (len(layout) + 1)
+  return _rules.Decision(inputs=[layout, (), (), ()], outputs=[layout[:axis] + ((),) + layout[axis:]])
+
+
 @_rules.register("ExpandDims")
 def expand_dims(view, layouts):
   layout = layouts[0]

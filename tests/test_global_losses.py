@@ -41,7 +41,7 @@ LOSSES = {
     "SquaredHinge": (lambda: keras.losses.SquaredHinge(), "binary", None),
     "Tversky": (lambda: keras.losses.Tversky(), "binary", "sigmoid"),
 }
-# CTC is left out: it takes label sequences and per-step logits, not a classifier's outputs.
+# CTC takes label sequences and per-step logits, not a classifier's outputs: its own test below.
 LAYOUTS = {
     "batch": None,
     "classes": {r"out/kernel$": (None, "model"), r"out/bias$": ("model",)},  # the loss reduces a split dimension
@@ -125,5 +125,46 @@ def test_loss_equals_one_device(name, layout):
     losses, ours = _train(name, repl)
   if not strict:
     assert {re.search(r"no layout rule for (\w+)", str(w.message)).group(1) for w in caught} == set(FALLING_BACK[name])
+  np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-6)
+  assert_every_copy(ours, reference, rtol=1e-5)
+
+
+def _train_ctc(repl, classes=6, time=10, labels=3):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(BATCH * STEPS, time, FEATURES)).astype("float32")
+  y = rng.integers(1, classes, size=(BATCH * STEPS, labels)).astype("int32")  # 0 is the blank
+  with repl.context() if repl else contextlib.nullcontext():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Input((time, FEATURES)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(classes, name="out")])
+    opt = keras.optimizers.Adam(1e-2)
+    opt.build(model.trainable_variables)
+  loss_fn = keras.losses.CTC()
+
+  def step_fn(batch):  # the single-device step
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+  step = tf.function(step_fn) if repl is None else lambda batch: repl.run(step_fn, dataset)
+  losses = [float(step(batch)) for batch in dataset]
+  return losses, model.variables + opt.variables
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_ctc_runs_its_loops_on_gathered_inputs_and_equals_one_device(layout):
+  # Keras's CTC is TensorFlow's dense CTC: two tf.while_loops over time, which run on gathered inputs (a
+  # fallback, with its warning; While has no rule yet), and a scatter after them.
+  expected, reference = _train_ctc(None)
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(LAYOUTS[layout]) if LAYOUTS[layout] else None,
+                               batch_axes=("batch",), view="global")
+  with pytest.warns(UserWarning, match="has no layout rule") as caught:
+    losses, ours = _train_ctc(repl)
+  fallbacks = {re.search(r"no layout rule for (\w+)", str(w.message)).group(1) for w in caught}
+  assert "While" in fallbacks and fallbacks <= {"While", "TensorScatterAdd"}
   np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-6)
   assert_every_copy(ours, reference, rtol=1e-5)

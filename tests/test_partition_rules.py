@@ -130,6 +130,9 @@ CASES = {
                                     lambda x, w: tf.matmul(x, w) * tf.bitcast(tf.bitcast(tf.matmul(x, w), tf.uint8),
                                                                               tf.float32)
                                     + tf.cast(tf.bitcast(tf.matmul(x, w), tf.int32) % 2, tf.float32)),
+    "one_hot_of_split_ids": _case([8, 6], [6, 4], (None, "model"),  # the ids split over "batch"
+                                  lambda x, w: tf.matmul(x, w) * tf.reduce_sum(
+                                      tf.one_hot(tf.cast(tf.abs(x[:, :2]) * 3, tf.int32) % 4, 4), axis=1)),
     # masks by position
     "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                        lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
