@@ -719,7 +719,7 @@ def child_build(config: str) -> dict:
     graph_def = fn.get_concrete_function(iterator).graph.as_graph_def()
   elif view == GLOBAL:
     (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access  (no public accessor)
-    (step,) = by_spec.values()
+    ((step,),) = [variants.values() for variants in by_spec.values()]
     graph_def = step.graph_def
   else:
     (by_source,) = repl._steps.values()  # pylint: disable=protected-access

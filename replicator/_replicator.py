@@ -236,7 +236,7 @@ class Replicator:
       raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")
     self._update = update
     self._global_owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (global view)
-    self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: _global_view.GlobalStep}
+    self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: {phases: _global_view.GlobalStep}}
     self._global_iterators: dict = {}  # id(dataset) -> (dataset, iterator)
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
@@ -449,17 +449,23 @@ class Replicator:
     accumulation phases of the wrapped optimizers it uses.
     """
     specs = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
-    spec = str(specs)
-    by_key = self._global_steps.setdefault(step_fn, {})  # (spec, phases) -> step
-    built = [step for (s, _), step in by_key.items() if s == spec]
-    used = built[0].accumulating if built else tuple(self._accumulating)
+    variants = self._global_steps.setdefault(step_fn, {}).setdefault(str(specs), {})
+    return self._variant(variants, lambda: _global_view.build(self, step_fn, specs, self._choose))
+
+  def _variant(self, variants: dict, build: Callable):
+    """The step in ``variants`` (accumulation phases -> step) for the next phases, built by ``build()`` if new.
+
+    The phases are those of the wrapped optimizers with ``accumulation_steps``
+    that the step uses (before its first build: all of this Replicator's).
+    """
+    used = next(iter(variants.values())).accumulating if variants else tuple(self._accumulating)
     for optimizer in used:
       optimizer.prepare_trace()
-    step = by_key.get((spec, tuple(o.phase() for o in used)))
+    step = variants.get(tuple(o.phase() for o in used)) if variants else None
     if step is None:
+      step = build()
       self.trace_count += 1
-      step = _global_view.build(self, step_fn, specs, self._choose)
-      by_key[(spec, tuple(o.phase() for o in step.accumulating))] = step
+      variants[tuple(o.phase() for o in step.accumulating)] = step
     return step
 
   def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:
@@ -583,18 +589,8 @@ class Replicator:
       by_source = {}
       self._steps.set(step_fn, by_source)
       self._count_step_object(step_fn)
-    variants = by_source.setdefault(source.key, {})
-    used = next(iter(variants.values())).accumulating if variants else tuple(self._accumulating)
-    for optimizer in used:
-      optimizer.prepare_trace()
-    phases = tuple(o.phase() for o in used) if variants else None
-    step = variants.get(phases)
-    if step is not None:
-      step.use_source(source)
-    else:
-      step = _step.build(self, step_fn, source, self._choose)
-      self.trace_count += 1
-      variants[tuple(o.phase() for o in step.accumulating)] = step
+    step = self._variant(by_source.setdefault(source.key, {}), lambda: _step.build(self, step_fn, source, self._choose))
+    step.use_source(source)  # a step built before may have run on another source (its last epoch's)
     return step, source
 
   def _compiled_keras(self, fn: Callable, source: _inputs.Source, wrap: Callable) -> _step.CompiledStep:

@@ -341,7 +341,7 @@ class _Expander:
     self._marks: list = []  # (target graph version, number of copies made before those ops)
     self._standins: dict = {}  # stand-in placeholder op name in the target graph -> the copy's tensor name
     self._consts: dict = {}  # name of a constant's copy -> its NodeDef
-    self._const_by_value: dict = {}  # (device, serialized value) -> the constant's copy
+    self._const_by_value: dict = {}  # (device, dtype, shape, bytes) -> the constant's copy
     self._count = 0
     self._relayouts: dict = {}  # (tensor name, device, layout) -> the relayouted piece
     self._feeds: dict = {}  # name -> the placeholder of a Feed

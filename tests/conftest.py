@@ -57,6 +57,14 @@ def assert_every_copy(ours, reference, atol=1e-5, rtol=0):
                                  err_msg=f"{name} on device {device}")
 
 
+def global_step_of(repl):
+  """The one global-view step ``repl`` built (its partition, plan and graph)."""
+  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
+  (variants,) = by_spec.values()
+  (step,) = variants.values()
+  return step
+
+
 _TESTS_RUN = [0]
 COLLECT_EVERY = 25  # tests between full garbage collections
 

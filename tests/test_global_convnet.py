@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import global_step_of
 from conftest import keras_step
 from conftest import mesh_sweep
 
@@ -74,8 +75,7 @@ def test_convnet_equals_one_device(shape, layout, one_device):
   assert [re.sub(r"_\d+", "", v.path) for v in mine] == [re.sub(r"_\d+", "", v.path) for v in theirs]
   assert_every_copy(mine, theirs)
   if layout == "channels" and shape[1] > 1:
-    (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
-    (step,) = by_spec.values()
+    step = global_step_of(repl)
     calls = {c.members[0].call.split()[0] for c in step.plan.collectives if c.axes == ("model",)}
     assert "Conv2D" in calls  # the row-split conv2's partial sums
     kernel = model.get_layer("conv1").kernel.value

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import global_step_of
 from conftest import keras_step
 from conftest import mesh_sweep
 
@@ -123,8 +124,7 @@ def test_tied_output_projection_equals_one_device(layout, one_device):
 def test_heads_and_ff_communicate_like_megatron():
   repl = global_repl((2, 2), HEADS_AND_FF)
   model, _, _, step_fn = train(repl)  # the step is kept while its step_fn lives
-  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
-  (step,) = by_spec.values()
+  step = global_step_of(repl)
   assert not step.partition.fallbacks
   # No gathers (no relayouts); besides all-reduces, only the sharded Adam update's broadcasts of new values,
   # one per trainable variable (every one is replicated over "batch"), written by each device of the group.

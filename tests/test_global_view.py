@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import global_step_of
 from conftest import keras_step
 
 import mesh
@@ -56,11 +57,7 @@ def _global_repl(layouts, shape=(2, 2)):
                                batch_axes=("batch",), view="global")
 
 
-def _built(repl):
-  """The one global-view step ``repl`` built."""
-  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
-  (step,) = by_spec.values()
-  return step
+_built = global_step_of
 
 
 def _train(layouts, optimizer="adam", shape=(2, 2), build=True, dropout=False):

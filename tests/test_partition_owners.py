@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import global_step_of
 from conftest import keras_step
 
 import mesh
@@ -46,10 +47,7 @@ def _repl(shape, layouts=None, update="auto"):
                                view="global", update=update)
 
 
-def _step(repl):
-  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
-  (step,) = by_spec.values()
-  return step
+_step = global_step_of
 
 
 def _one_device(optimizer):
