@@ -30,6 +30,7 @@ from replicator import _callables
 from replicator import _captures
 from replicator import _context
 from replicator import _errors
+from replicator import _lifting
 from replicator import _optimizer
 from replicator import _primitives
 from replicator import _step
@@ -86,10 +87,11 @@ CHANGES_SHAPE = (
 
 CREATES_VARIABLES = (
     "step_fn created the variable {name!r} during the global view's trace from an initial value computed "
-    "inside the step (a Sonnet module builds its variables so on its first call). The global view makes "
-    "variables created in the step once, eagerly, from a constant or a callable initial value (Keras "
-    "layers and optimizers pass callables) only. Fix: build the module before the step, inside "
-    "`with repl.context():` (so that its layouts apply), by calling it once on a batch of the right shape."
+    "from the step's data (its inputs, or what a collective returns). The global view makes variables "
+    "created in the step once, eagerly, before the step runs: from a constant, a callable, or a value "
+    "computed in the step from nothing but shapes, random draws and variables (a Sonnet module built by "
+    "its first call). Fix: make the variable before the step, inside `with repl.context():` (so that its "
+    "layouts apply), e.g. by calling the module once on a batch of the right shape there."
 )
 
 
@@ -210,10 +212,16 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     if callable(initial_value):
       with tf.init_scope(), _context.global_trace_scope(None):
         initial_value = initial_value()
-    value = tf.get_static_value(initial_value) if tf.is_tensor(initial_value) else initial_value
-    if value is None:
-      raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
-    kwargs["initial_value"] = value
+    if tf.is_tensor(initial_value) and tf.is_symbolic_tensor(initial_value):
+      # Computed in the step (a Sonnet module built by its first call): its ops are lifted out and run once,
+      # eagerly, as tf.function does; a value that needs the step's data cannot be.
+      value = tf.get_static_value(initial_value)
+      if value is None:
+        value = _lifting.lift(initial_value)
+      if value is None:
+        raise _errors.UnsupportedError(CREATES_VARIABLES.format(name=kwargs.get("name")))
+      initial_value = value
+    kwargs["initial_value"] = initial_value
     with tf.init_scope(), _context.global_trace_scope(None):
       variable = replicated_creator(next_creator, **kwargs)
     if not again:

@@ -167,8 +167,10 @@ def _dead(graph) -> set:
   ops = graph.get_operations()
   by_name = {op.name: op for op in ops}
   stack = [t.op.name for t in outputs] + [op.name for op in getattr(graph, "control_outputs", ())]
-  stack += [op.name for op in ops
-            if op.type in _SOURCES or (op.op_def.is_stateful and op.type != "ReadVariableOp")]
+  # Roots: effects. A read, or a random draw nobody reads (its own generator's state aside: a lazily built
+  # module's initializer, lifted out of the step), has none.
+  stack += [op.name for op in ops if op.type in _SOURCES
+            or (op.op_def.is_stateful and op.type != "ReadVariableOp" and op.type not in _rules_random.STATEFUL)]
   live: set = set()
   while stack:
     name = stack.pop()

@@ -160,25 +160,53 @@ def test_global_view_refuses_variables_made_in_the_step_from_computed_values():
   repl = _global_repl(None)
   ds = tf.data.Dataset.from_tensor_slices(np.zeros([4, 2], "float32")).batch(4)
   with pytest.raises(replicator.UnsupportedError, match=re.escape(
-      "from an initial value computed inside the step (a Sonnet module builds its variables so on its first "
-      "call). The global view makes variables created in the step once, eagerly, from a constant or a callable "
-      "initial value (Keras layers and optimizers pass callables) only. Fix: build the module before the step, "
-      "inside `with repl.context():`")):
+      "from an initial value computed from the step's data (its inputs, or what a collective returns). The "
+      "global view makes variables created in the step once, eagerly, before the step runs") + ".*" + re.escape(
+      "Fix: make the variable before the step, inside `with repl.context():`")):
     repl.run(lambda x: tf.Variable(tf.reduce_sum(x)) * 2.0, ds)
 
 
-def test_a_sonnet_module_built_by_the_step_is_refused_with_the_fix():
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_sonnet_mlp_built_by_its_first_call_in_the_step_equals_one_device(layout):
+  # Sonnet builds its variables in the first call, from initial values computed in the step (truncated normal
+  # draws of the input's shape): lifted out and drawn once, as tf.function does; the layouts apply to them.
   snt = pytest.importorskip("sonnet")
-  repl = _global_repl(None)
-  with repl.context():
-    linear = snt.Linear(3)
-  ds = tf.data.Dataset.from_tensor_slices(np.ones([4, 2], "float32")).batch(4).repeat()
-  with pytest.raises(replicator.UnsupportedError, match=r"created the variable 'w' .* Fix: build the module"):
-    repl.run(lambda x: tf.reduce_sum(linear(x)), ds)
-  with repl.context():
-    linear(tf.ones([4, 2]))  # the fix: built once, eagerly
-  np.testing.assert_allclose(float(repl.run(lambda x: tf.reduce_sum(linear(x)), ds)),
-                             float(tf.reduce_sum(linear(tf.ones([4, 2])))), rtol=1e-6)
+  layouts = {"hidden": {r"ff_in/w$": (None, "model"), r"ff_in/b$": ("model",), r"ff_out/w$": ("model", None)},
+             "batch": None}[layout]
+
+  def build(context):
+    with context:
+      tf.random.set_seed(1)
+      return snt.Sequential([snt.Linear(16, name="ff_in"), tf.nn.relu, snt.Linear(4, name="ff_out")]), \
+          snt.optimizers.Adam(1e-2)
+
+  def make_step(net, opt):
+    def step_fn(batch):
+      x, y = batch
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, net(x)))
+      opt.apply(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
+      return loss
+
+    return step_fn
+
+  repl = _global_repl(layouts)
+  net, opt = build(repl.context())
+  step_fn, dataset = make_step(net, opt), _dataset()
+  repl.explain(step_fn, dataset)  # builds the step: the modules' variables are made, not trained yet
+  assert len(net.variables) == 4
+  one_net, one_opt = build(contextlib.nullcontext())
+  one_net(next(iter(_dataset()))[0])
+  for mine, theirs in zip(one_net.variables, net.variables):
+    mine.assign(theirs.numpy())  # the lifted draws, as the initial weights of one device
+  losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
+  one_step = tf.function(make_step(one_net, one_opt))
+  np.testing.assert_allclose(losses, [float(one_step(batch)) for batch in _dataset()], rtol=0, atol=1e-6)
+  assert_every_copy(list(net.variables) + list(opt.variables), list(one_net.variables) + list(one_opt.variables))
+  (w,) = [v for v in net.variables if v.name.startswith("ff_in/w")]
+  assert w.layout.spec == ((None, "model") if layout == "hidden" else (None, None))
+  assert repl.trace_count == 1
+  assert not [n for n in _built(repl).graph_def.node if n.op == "TruncatedNormal"]  # drawn once, not every step
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
