@@ -99,6 +99,19 @@ def keras_step(model, opt):
   return step_fn
 
 
+def sonnet_step(net, opt):
+  """The single-device Sonnet 2 training step (sparse labels, logits, ``opt.apply``) the global view runs unchanged."""
+
+  def step_fn(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, net(x)))
+    opt.apply(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
+    return loss
+
+  return step_fn
+
+
 MESH_SHAPES = ((1, 4), (2, 2), (4, 1), (2, 4))  # (batch, model) meshes of the global view's sweeps
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
+from conftest import sonnet_step
 
 import mesh
 import replicator
@@ -276,24 +277,14 @@ def test_a_sonnet_module_built_in_the_context_equals_one_device():
     net(tf.zeros([1, 8]))  # built by one call, before the step
     return net, snt.optimizers.Adam(1e-2)
 
-  def make_step(net, opt):
-    def step_fn(batch):
-      x, y = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, net(x)))
-      opt.apply(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
-      return loss
-
-    return step_fn
-
   one_net, one_opt = build()
-  one_step = tf.function(make_step(one_net, one_opt))
+  one_step = tf.function(sonnet_step(one_net, one_opt))
   expected = [float(one_step(batch)) for batch in _dataset()]
   m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
   repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(layouts), batch_axes=("batch",), view="global")
   with repl.context():
     net, opt = build()
-  step_fn, dataset = make_step(net, opt), _dataset()
+  step_fn, dataset = sonnet_step(net, opt), _dataset()
   losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
   np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
   (w,) = [v for v in net.variables if v.name == "mlp/linear_0/w:0"]

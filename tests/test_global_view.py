@@ -12,6 +12,7 @@ from conftest import assert_every_copy
 from conftest import cpus
 from conftest import global_step_of
 from conftest import keras_step
+from conftest import sonnet_step
 
 import mesh
 import replicator
@@ -180,19 +181,9 @@ def test_a_sonnet_mlp_built_by_its_first_call_in_the_step_equals_one_device(layo
       return snt.Sequential([snt.Linear(16, name="ff_in"), tf.nn.relu, snt.Linear(4, name="ff_out")]), \
           snt.optimizers.Adam(1e-2)
 
-  def make_step(net, opt):
-    def step_fn(batch):
-      x, y = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, net(x)))
-      opt.apply(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
-      return loss
-
-    return step_fn
-
   repl = _global_repl(layouts)
   net, opt = build(repl.context())
-  step_fn, dataset = make_step(net, opt), _dataset()
+  step_fn, dataset = sonnet_step(net, opt), _dataset()
   repl.explain(step_fn, dataset)  # builds the step: the modules' variables are made, not trained yet
   assert len(net.variables) == 4
   one_net, one_opt = build(contextlib.nullcontext())
@@ -200,7 +191,7 @@ def test_a_sonnet_mlp_built_by_its_first_call_in_the_step_equals_one_device(layo
   for mine, theirs in zip(one_net.variables, net.variables):
     mine.assign(theirs.numpy())  # the lifted draws, as the initial weights of one device
   losses = [float(repl.run(step_fn, dataset)) for _ in range(STEPS)]
-  one_step = tf.function(make_step(one_net, one_opt))
+  one_step = tf.function(sonnet_step(one_net, one_opt))
   np.testing.assert_allclose(losses, [float(one_step(batch)) for batch in _dataset()], rtol=0, atol=1e-6)
   assert_every_copy(list(net.variables) + list(opt.variables), list(one_net.variables) + list(one_opt.variables))
   (w,) = [v for v in net.variables if v.name.startswith("ff_in/w")]
@@ -530,7 +521,7 @@ def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
     opt.build([w, s])
   one_w, one_s, one_opt = tf.Variable(w0), tf.Variable(s0), keras.optimizers.Adam(0.1)
 
-  def make_step(w, s, opt):
+  def sonnet_step(w, s, opt):
     def step_fn(batch):
       with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tf.square(tf.matmul(batch, w) * s))
@@ -538,12 +529,12 @@ def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
       return loss
     return step_fn
 
-  step_fn = make_step(w, s, opt)
+  step_fn = sonnet_step(w, s, opt)
   plan = repl.explain(step_fn, tf.data.Dataset.from_tensors(x))
   gathers = [c for c in plan.collectives if c.kind == "all_gather"]
   assert [c.shape.as_list() for c in gathers] == [[2]]  # one gather of each device's half of the gradient
   repl.run(step_fn, tf.data.Dataset.from_tensors(x))
-  tf.function(make_step(one_w, one_s, one_opt))(tf.constant(x))
+  tf.function(sonnet_step(one_w, one_s, one_opt))(tf.constant(x))
   assert_every_copy([w, s] + opt.variables, [one_w, one_s] + one_opt.variables, atol=1e-6)
 
 
