@@ -521,7 +521,7 @@ def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
     opt.build([w, s])
   one_w, one_s, one_opt = tf.Variable(w0), tf.Variable(s0), keras.optimizers.Adam(0.1)
 
-  def sonnet_step(w, s, opt):
+  def make_step(w, s, opt):
     def step_fn(batch):
       with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tf.square(tf.matmul(batch, w) * s))
@@ -529,12 +529,12 @@ def test_a_split_gradient_of_a_replicated_variable_is_gathered_once_for_adam():
       return loss
     return step_fn
 
-  step_fn = sonnet_step(w, s, opt)
+  step_fn = make_step(w, s, opt)
   plan = repl.explain(step_fn, tf.data.Dataset.from_tensors(x))
   gathers = [c for c in plan.collectives if c.kind == "all_gather"]
   assert [c.shape.as_list() for c in gathers] == [[2]]  # one gather of each device's half of the gradient
   repl.run(step_fn, tf.data.Dataset.from_tensors(x))
-  tf.function(sonnet_step(one_w, one_s, one_opt))(tf.constant(x))
+  tf.function(make_step(one_w, one_s, one_opt))(tf.constant(x))
   assert_every_copy([w, s] + opt.variables, [one_w, one_s] + one_opt.variables, atol=1e-6)
 
 
