@@ -390,10 +390,10 @@ class _Expander:
       proto = tf.make_tensor_proto(value, dtype=dtype)
       self._count += 1
       node = self._node(r, f"const_{self._count}", "Const")
-      node.attr["dtype"].type = tf.as_dtype(dtype).as_datatype_enum
+      node.attr["dtype"].type = dtype.as_datatype_enum
       node.attr["value"].tensor.CopyFrom(proto)
       self._consts[node.name] = node
-      self._const_by_value[key] = _Pending(node.name, 0, tf.as_dtype(dtype), tf.TensorShape(np.shape(value)))
+      self._const_by_value[key] = _Pending(node.name, 0, dtype, tf.TensorShape(np.shape(value)))
     return self._const_by_value[key]
 
   def _fed(self, feed: "Feed") -> _Pending:
