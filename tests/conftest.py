@@ -52,9 +52,18 @@ def assert_every_copy(ours, reference, atol=1e-5, rtol=0):
       np.testing.assert_allclose(sum(c.numpy() for c in components), expected, rtol=rtol, atol=atol, err_msg=name)
       continue
     pieces = mesh.split(expected, replicated.layout)
-    for device, home in enumerate(replicated._home):  # pylint: disable=protected-access
-      np.testing.assert_allclose(components[home].numpy(), np.asarray(pieces[device]), rtol=rtol, atol=atol,
-                                 err_msg=f"{name} on device {device}")
+    for device, (value, piece) in enumerate(zip(replica_values(replicated), pieces)):
+      np.testing.assert_allclose(value, np.asarray(piece), rtol=rtol, atol=atol, err_msg=f"{name} on device {device}")
+
+
+def summary_events(logdir) -> list:
+  """``(step, tag, value)`` of every summary written under ``logdir``, file by file in order (value: numpy)."""
+  import glob  # pylint: disable=import-outside-toplevel
+  found = []
+  for path in sorted(glob.glob(f"{logdir}/events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      found += [(event.step, value.tag, tf.make_ndarray(value.tensor)) for value in event.summary.value]
+  return found
 
 
 def global_step_of(repl):

@@ -3,8 +3,6 @@ gradient accumulation, distribute_dataset, partial batches, Python control flow,
 checkpoints and export. Each equals the same code on one device, every variable compared on every device."""
 
 import contextlib
-import glob
-import os
 
 import keras
 import numpy as np
@@ -14,6 +12,7 @@ from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
 from conftest import sonnet_step
+from conftest import summary_events
 
 import mesh
 import replicator
@@ -84,17 +83,6 @@ def test_keras_metrics_count_every_example_once(layout):
     assert float(m.result()) == pytest.approx(float(one.result()), abs=1e-6)
 
 
-def _events(logdir):
-  """(step, tag, value) of every summary written under ``logdir``, in order."""
-  from tensorflow.core.util import event_pb2  # pylint: disable=import-outside-toplevel
-  rows = []
-  for path in sorted(glob.glob(os.path.join(logdir, "events.*"))):
-    for record in tf.data.TFRecordDataset(path):
-      event = event_pb2.Event.FromString(record.numpy())
-      rows += [(event.step, v.tag, tf.make_ndarray(v.tensor)) for v in event.summary.value]
-  return rows
-
-
 def test_summaries_and_prints_happen_once_per_step(tmp_path):
   def with_effects(model, opt, printed):
     train = keras_step(model, opt)
@@ -122,7 +110,7 @@ def test_summaries_and_prints_happen_once_per_step(tmp_path):
     for _ in range(STEPS):
       repl.run(step_fn, dataset)
   writer.flush()
-  ours, theirs = _events(tmp_path / "ours"), _events(tmp_path / "one")
+  ours, theirs = summary_events(tmp_path / "ours"), summary_events(tmp_path / "one")
   assert [(s, t) for s, t, _ in ours] == [(s, t) for s, t, _ in theirs] == [
       (s, t) for s in (1, 2, 3) for t in ("loss", "hidden")]  # was every point once per device
   for (_, tag, a), (_, _, b) in zip(ours, theirs):

@@ -9,6 +9,7 @@ import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
+from conftest import summary_events
 
 import mesh
 import replicator
@@ -267,10 +268,7 @@ def test_a_communicating_branch_that_writes_a_summary_writes_it_once(tmp_path):
     for _ in range(4):
       repl.run(step_fn, tf.data.Dataset.from_tensors(x))
   writer.flush()
-  from tensorflow.core.util import event_pb2  # pylint: disable=import-outside-toplevel
-  points = [(e.step, float(tf.make_ndarray(v.tensor))) for path in tmp_path.glob("events.*")
-            for e in map(event_pb2.Event.FromString, (r.numpy() for r in tf.data.TFRecordDataset(str(path))))
-            for v in e.summary.value]
+  points = [(step, float(value)) for step, _, value in summary_events(tmp_path)]
   assert points == [(2, pytest.approx(float(np.linalg.norm(x)))), (4, pytest.approx(float(np.linalg.norm(x))))]
 
 

@@ -1,7 +1,5 @@
 """tf.distribute's replica context inside a step: Keras, Sonnet and user code that use it equal one device."""
 
-import glob
-
 import keras
 import numpy as np
 import pytest
@@ -9,6 +7,7 @@ import sonnet as snt
 import tensorflow as tf
 from conftest import cpus
 from conftest import replica_values
+from conftest import summary_events
 
 import mesh
 import replicator
@@ -158,15 +157,6 @@ def test_a_plain_keras_optimizer_is_still_refused_not_summed():
     repl.run(lambda batch: _train_keras(net, opt, *batch), inputs=inputs)
 
 
-def _events(logdir):
-  found = []
-  for path in sorted(glob.glob(f"{logdir}/events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        found.append((event.step, value.tag, float(tf.make_ndarray(value.tensor))))
-  return found
-
-
 def test_summaries_record_once_per_step_under_the_one_device_name(tmp_path):
   n = 4
   repl = replicator.Replicator(cpus(n))
@@ -186,5 +176,5 @@ def test_summaries_record_once_per_step_under_the_one_device_name(tmp_path):
       step.assign(k)
       repl.run(step_fn, inputs=replicator.PerReplica(xs))
   writer.flush()
-  assert sorted(_events(tmp_path)) == [(0, "loss", 1.0), (0, "train/mean_loss", 2.5),
+  assert sorted((step, tag, float(v)) for step, tag, v in summary_events(tmp_path)) == [(0, "loss", 1.0), (0, "train/mean_loss", 2.5),
                                        (1, "loss", 1.0), (1, "train/mean_loss", 2.5)]
