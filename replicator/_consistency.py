@@ -12,7 +12,6 @@ restored, or the variables assigned from outside a step).
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any
 
@@ -32,11 +31,6 @@ STILL_DIVERGED = (
     "this step would start from different states. Fix: restore the last checkpoint "
     "(tf.train.Checkpoint(...).restore(path)), or assign the variables from outside a step."
 )
-
-
-SETTLE_SECONDS = 0.02  # between two snapshots of a failed step's writes
-SETTLE_QUIET = 10  # consecutive equal snapshots (0.2 s unchanged) before the copies count as final
-SETTLE_LIMIT = 5.0  # seconds; after that, what is there is reported
 
 
 class Written:
@@ -61,33 +55,10 @@ class Written:
         values.append((variable, {r: variable.components[r].numpy() for r in sorted(indices)}))
     return values
 
-  def _settled(self) -> list[tuple[Any, dict[int, np.ndarray]]]:
-    """The written copies once they stop changing.
-
-    A failed step's call can return while other devices' updates are still
-    finishing (measured on TF 2.21: a copy read right after the error differed,
-    and agreed a moment later; on a loaded 2-core machine a write landed more
-    than 20 ms after the error). The copies count as final once
-    ``SETTLE_QUIET`` snapshots in a row, ``SETTLE_SECONDS`` apart, are equal
-    (at most ``SETTLE_LIMIT`` seconds): what the step left, not a moment of it.
-    Only a failed step pays this.
-    """
-    snapshot = self._snapshot()
-    quiet = 0
-    deadline = time.monotonic() + SETTLE_LIMIT
-    while quiet < SETTLE_QUIET and time.monotonic() < deadline:
-      time.sleep(SETTLE_SECONDS)
-      again = self._snapshot()
-      same = all(a.keys() == b.keys() and all(np.array_equal(a[r], b[r]) for r in a)
-                 for (_, a), (_, b) in zip(snapshot, again))
-      quiet = quiet + 1 if same else 0
-      snapshot = again
-    return snapshot
-
   def diverged(self) -> list[tuple[str, int, int]]:
     """``(name, replica a, replica b)`` for each written variable whose written copies differ."""
     found = []
-    for variable, values in self._settled():
+    for variable, values in self._snapshot():
       axes = variable._replicated_axes()  # pylint: disable=protected-access
       for group in variable._replicator.mesh.groups(axes):  # pylint: disable=protected-access
         members = [r for r in group if r in values]

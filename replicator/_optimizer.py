@@ -436,7 +436,8 @@ class ReplicatedOptimizer(tf.Module):
     for g in self._replicator.mesh.groups(owner.axes):
       self._load[g[owner.position]] += nbytes
     self._owners[id(replicated)] = (replicated, owner)
-    replicated.set_owner(owner.position, owner.axes)
+    # Only the slots are current on their owner alone; the variable's new value
+    # is broadcast and written on every device, each of which reads its own.
     for slot in self._slots.get(id(replicated), ()):
       slot.set_owner(owner.position, owner.axes)
     return owner
