@@ -24,6 +24,12 @@ there is trained by the Replicator:
   replica's result is the global one; ``train_step``/``test_step`` results
   are returned once, ``predict``'s outputs concatenated in batch order.
 
+A model with sharded variables needs the global view
+(``Replicator(view="global")``): there ``strategy.run`` traces Keras's step
+once at the global batch's shapes (which must be static) and partitions it by
+the layouts, as ``repl.run`` does for a global-view step; its outputs are
+already global.
+
 The strategy is TensorFlow's default strategy with these overrides (its
 class is taken from the default strategy object, no private import). Outside
 Keras's trainer, ``strategy.run`` raises: custom loops call ``repl.run``.
@@ -68,18 +74,22 @@ MODEL_OUTSIDE = (
 SHARDED_MODEL = (
     "model.{what} of a model with sharded variables ({name!r} has layout {spec}) is not supported: "
     "Keras's step is written for whole variables, and in the local view a step reads each device's "
-    "piece. Fix: train it with repl.run in the global view (Replicator(view=\"global\"), which "
-    "partitions the unchanged step by the layouts), or leave the model's variables replicated "
-    "(no layouts) to use fit."
+    "piece. Fix: make the Replicator with view=\"global\" (it partitions Keras's unchanged step by the "
+    "layouts; fit then takes a tf.data.Dataset batched with drop_remainder=True), or leave the model's "
+    "variables replicated (no layouts)."
 )
-SHARDED_MODEL_GLOBAL = (
-    "model.{what} of a model with sharded variables ({name!r} has layout {spec}) is not supported yet in the "
-    "global view: Keras's trainer traces its step with a batch dimension of unknown size, and the global view "
-    "partitions a step traced at static global shapes. Fix: write the training step as a function of one global "
-    "batch (forward pass, tape, optimizer.apply_gradients: the same code Keras runs) and call "
-    "repl.run(step_fn, dataset) with a dataset of global batches; or leave the model's variables replicated "
-    "(no layouts) to use fit."
+DYNAMIC_BATCH = (
+    "model.{what} of a model with sharded variables ({sharded}) runs Keras's step in the global view, which "
+    "partitions a step traced at static global shapes, but Keras traced it with inputs of shapes {shapes} (a "
+    "dimension of unknown size: Keras gives one to NumPy arrays whose rows batch_size does not divide, and to "
+    "datasets batched without drop_remainder=True). Fix: pass a tf.data.Dataset batched with "
+    "drop_remainder=True (e.g. tf.data.Dataset.from_tensor_slices((x, y)).batch(64, drop_remainder=True)), or "
+    "arrays whose rows batch_size divides."
 )
+ACCUMULATING = (
+    "An optimizer wrapped with accumulation_steps > 1 is used by a Keras train_step run by "
+    "model.fit: not supported. Fix: use keras.optimizers.Optimizer(gradient_accumulation_steps=...) "
+    "in fit, or repl.run for a custom loop with accumulation.")
 JIT_COMPILE = (
     "model.fit/evaluate with jit_compile=True is not supported for a model made in repl.context(): "
     "XLA would compile Keras's step function around the Replicator's collectives, which run between "
@@ -134,8 +144,8 @@ def _extended_class():
       return contextlib.nullcontext()
 
     def _update(self, var, fn, args, kwargs, group):
-      if (_context.current_context() is None and not tf.executing_eagerly()
-          and _tf_distribute.called_by(KERAS_CALLERS, depth=40)):  # Keras's trainer, on one device
+      if (_context.current_context() is None and _context.current_global_trace() is None
+          and not tf.executing_eagerly() and _tf_distribute.called_by(KERAS_CALLERS, depth=40)):  # Keras's trainer, on one device
         raise _errors.UnsupportedError(MODEL_OUTSIDE)
       return super()._update(var, fn, args, kwargs, group)
 
@@ -173,9 +183,11 @@ class KerasStrategy(tf.distribute.Strategy):
     what = "fit/evaluate" if getattr(fn, "__name__", "") in KERAS_STEPS else "predict"
     for variable in getattr(model, "variables", None) or ():
       layout = _variables.layout_of(variable)
-      if layout is not None:
-        message = SHARDED_MODEL_GLOBAL if replicator._view == "global" else SHARDED_MODEL  # pylint: disable=protected-access
-        raise _errors.UnsupportedError(message.format(what=what, name=variable.path, spec=layout.spec))
+      if layout is None:
+        continue
+      if replicator._view != "global":  # pylint: disable=protected-access
+        raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
+      return run_global(replicator, fn, args[0], what, f"{variable.path!r} has layout {layout.spec}")
     return run_in_graph(replicator, fn, args[0])
 
 
@@ -252,6 +264,22 @@ def run_in_graph(replicator, fn, data):
     return results[0]  # metrics: combined across replicas, the same on each
   firsts = [pipelines.index(p) for p in range(max(pipelines) + 1)]  # one replica per batch part
   return tree.map_structure(lambda *parts: _concat(parts), *[results[r] for r in firsts])
+
+
+def run_global(replicator, fn, data, what: str, sharded: str):
+  """Keras's ``fn`` on one global batch in the global view: traced once at global shapes and partitioned.
+
+  Its outputs are global values (metrics read in the step are combined
+  there; predictions are whole), as Keras expects of one device's step.
+  """
+  leaves = tree.flatten(data)
+  if not all(isinstance(t, tf.Tensor) and t.shape.is_fully_defined() for t in leaves):
+    shapes = ", ".join(str(getattr(t, "shape", None)) for t in leaves)
+    raise _errors.UnsupportedError(DYNAMIC_BATCH.format(what=what, sharded=sharded, shapes=shapes))
+  step = replicator._global_step(fn, data)  # pylint: disable=protected-access
+  if step.accumulating:
+    raise _errors.UnsupportedError(ACCUMULATING)
+  return step(leaves)
 
 
 def _concat(parts):

@@ -600,10 +600,7 @@ class Replicator:
     if step is None:
       step = _step.build(self, fn, source, self._choose, wrap)
       if step.accumulating:
-        raise _errors.UnsupportedError(
-            "An optimizer wrapped with accumulation_steps > 1 is used by a Keras train_step run by "
-            "model.fit: not supported. Fix: use keras.optimizers.Optimizer(gradient_accumulation_steps=...) "
-            "in fit, or repl.run for a custom loop with accumulation.")
+        raise _errors.UnsupportedError(_keras.ACCUMULATING)
       variants[()] = step
       self.trace_count += 1
     step.use_source(source)

@@ -150,3 +150,26 @@ def test_sharded_kernels_and_adam_slots_hold_their_piece():
     whole = np.asarray(v).nbytes
     pieces = {c.device: c.shape.num_elements() * 4 for c in v.value.components}
     assert set(pieces.values()) == {whole // 2}, v.path
+
+
+def test_model_fit_of_the_sharded_transformer_equals_one_device():
+  # Keras's own train_step (fit), test_step (evaluate) and predict_step, each partitioned like the custom step.
+  def fitted(repl):
+    with repl.context() if repl else contextlib.nullcontext():
+      model = make_transformer()
+      model.compile(keras.optimizers.Adam(1e-2),
+                    keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = model.fit(dataset(), epochs=2, verbose=0)
+    return model, history.history, model.evaluate(dataset(), verbose=0), model.predict(dataset(), verbose=0)
+
+  model, history, evaluated, predicted = fitted(global_repl((2, 2), HEADS_AND_FF))
+  one_model, one_history, one_evaluated, one_predicted = fitted(None)
+  assert history.keys() == one_history.keys() == {"loss", "accuracy"}
+  for key, want in one_history.items():
+    np.testing.assert_allclose(history[key], want, rtol=0, atol=1e-5, err_msg=key)
+  np.testing.assert_allclose(evaluated, one_evaluated, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(predicted, one_predicted, rtol=0, atol=1e-5)
+  mine = model.variables + model.optimizer.variables
+  theirs = one_model.variables + one_model.optimizer.variables
+  assert len(mine) == len(theirs) > 40
+  assert_every_copy(mine, theirs)
