@@ -9,7 +9,15 @@ features, Adam, global batch 256, ``steps_per_execution=1`` for the three
 Keras 3.15: "You must feed a value for placeholder tensor ... while/cond"),
 and the Replicator again with ``steps_per_execution=8``.
 
-Run by hand: ``python -m benchmarks.keras_fit --devices 4 [--rounds 8] [--json F]``.
+``--sharded`` measures instead a model with sharded variables in the global
+view on a 2x2 mesh (the first kernel split over "model" by columns, the
+second by rows, batch over "batch"): Keras's ``fit`` of it against
+``repl.run`` of the same training step written by hand over the same global
+batches, both 8 steps per call, so the ratio is what Keras's trainer adds
+around the partitioned step; and the same pair on one device (``fit`` against
+a ``tf.function`` of 8 steps), what Keras's trainer adds there.
+
+Run by hand: ``python -m benchmarks.keras_fit --devices 4 [--sharded] [--rounds 8] [--json F]``.
 """
 
 from __future__ import annotations
@@ -24,13 +32,75 @@ import replicator  # noqa: E402
 from benchmarks import _timing  # noqa: E402
 
 
-def _model(keras, features: int, steps_per_execution: int = 1):
+def _model(keras, features: int, steps_per_execution: int = 1, prefix: str = ""):
   keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1024, activation="relu"),
-                            keras.layers.Dense(10)])
+  model = keras.Sequential([keras.Input((features,)),
+                            keras.layers.Dense(1024, activation="relu", name=f"{prefix}hidden"),
+                            keras.layers.Dense(10, name=f"{prefix}out")])
   model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=["accuracy"], steps_per_execution=steps_per_execution)
   return model
+
+
+def sharded(keras, tf, x, y, args) -> dict:
+  """Global view, 2x2: ``fit`` against ``repl.run`` of the same step (8 steps per call each)."""
+  import mesh  # pylint: disable=import-outside-toplevel
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=[f"/device:CPU:{i}" for i in range(4)])
+  layouts = mesh.LayoutMap({r"hidden/kernel$": (None, "model"), r"hidden/bias$": ("model",),
+                            r"out/kernel$": ("model", None)})
+  repl = replicator.Replicator(mesh=m, layouts=layouts, batch_axes=("batch",), view="global")
+  with repl.context():
+    fitted = _model(keras, 64, steps_per_execution=8, prefix="fitted_")
+    custom = _model(keras, 64, prefix="custom_")
+  data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size, drop_remainder=True)
+  steps = args.rows // args.batch_size
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step_fn(batch):  # what Keras's train_step does, less its metrics
+    features, labels = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(labels, custom(features, training=True))
+    grads = tape.gradient(loss, custom.trainable_variables)
+    custom.optimizer.apply_gradients(zip(grads, custom.trainable_variables))
+    return loss
+
+  repeated = data.repeat()  # repl.run keeps its iterator across calls
+
+  def run_epoch():
+    for _ in range(steps // 8):
+      repl.run(step_fn, repeated, steps=8)
+
+  # The same pair on one device: what Keras's trainer adds around a step without the Replicator.
+  one_fitted = _model(keras, 64, steps_per_execution=8, prefix="one_fitted_")
+  one = _model(keras, 64, prefix="one_")
+
+  @tf.function
+  def one_device_steps(iterator):
+    for _ in tf.range(8):
+      features, labels = next(iterator)
+      with tf.GradientTape() as tape:
+        loss = loss_fn(labels, one(features, training=True))
+      one.optimizer.apply_gradients(zip(tape.gradient(loss, one.trainable_variables), one.trainable_variables))
+
+  one_iterator = iter(repeated)
+
+  def one_epoch():
+    for _ in range(steps // 8):
+      one_device_steps(one_iterator)
+
+  calls = {"fit, global view": lambda: fitted.fit(data, epochs=1, verbose=0), "repl.run, global view": run_epoch,
+           "fit, one device": lambda: one_fitted.fit(data, epochs=1, verbose=0), "tf.function, one device": one_epoch}
+  times = _timing.interleaved(calls, rounds=args.rounds, warmup=1, per_call={k: steps for k in calls})
+  record = dict(mesh="2x2", rows=args.rows, batch_size=args.batch_size, steps_per_epoch=steps,
+                step_ms={k: _timing.summary(v)["median"] * 1e3 for k, v in times.items()},
+                fit_over_run=_timing.paired_ratio(times["fit, global view"], times["repl.run, global view"]),
+                one_device_fit_over_loop=_timing.paired_ratio(times["fit, one device"],
+                                                              times["tf.function, one device"]))
+  rows = [[name, _timing.ms(_timing.summary(v)["median"])] for name, v in times.items()]
+  print(_timing.table(["per step", "median"], rows))
+  print(f"global view: fit / repl.run {_timing.interval(record['fit_over_run'])}; one device: fit / tf.function "
+        f"loop {_timing.interval(record['one_device_fit_over_loop'])}")
+  return record
 
 
 def main(argv=None) -> dict:
@@ -39,6 +109,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--rounds", type=int, default=8)
   parser.add_argument("--rows", type=int, default=8192)
   parser.add_argument("--batch-size", type=int, default=256)
+  parser.add_argument("--sharded", action="store_true", help="global view, 2x2: fit against repl.run")
   parser.add_argument("--json", help="write the record here")
   args = parser.parse_args(argv)
   replicator.virtual_cpus(args.devices)
@@ -49,6 +120,12 @@ def main(argv=None) -> dict:
   rng = np.random.default_rng(0)
   x = rng.standard_normal((args.rows, 64)).astype(np.float32)
   y = rng.integers(0, 10, args.rows)
+  if args.sharded:
+    record = sharded(keras, tf, x, y, args)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
+    return record
   devices = [f"/device:CPU:{i}" for i in range(args.devices)]
 
   one = _model(keras, 64)
