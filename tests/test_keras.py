@@ -201,6 +201,22 @@ def test_global_view_fit_takes_arrays_the_batch_size_divides():
   assert_every_copy(model.variables + model.optimizer.variables, ref.variables + ref.optimizer.variables)
 
 
+def test_explain_of_the_train_step_shows_what_fit_communicates():
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  layouts = {r"dense/kernel$": (None, "model"), r"dense/bias$": ("model",), r"dense_1/kernel$": ("model", None)}
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(layouts), batch_axes=("batch",), view="global")
+  with repl.context():
+    model = _compiled(_mlp)
+  report = repl.explain(model.train_step, _global_batches(X))
+  # Megatron's forward pass: one partial sum over "model", the second kernel's product: 8 local rows x 3 logits.
+  forward = [r for r in report.collective_rows if r.axes == ("model",) and "gradient_tape" not in r.op_name]
+  assert [(r.kind, r.op_type, list(r.shape), r.bytes_per_device) for r in forward] == [
+      ("all_reduce", "MatMul", [8, 3], 96)]
+  assert not report.fallbacks
+  model.fit(_global_batches(X), epochs=1, verbose=0)
+  assert repl.trace_count == 1  # fit ran the explained step
+
+
 def _global_batches(x, batch=16):
   return tf.data.Dataset.from_tensor_slices((x, Y)).batch(batch, drop_remainder=True)
 
