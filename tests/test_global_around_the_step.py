@@ -172,6 +172,27 @@ def test_wrap_optimizer_and_its_accumulation_equal_one_device(layout, accumulati
       repl.run(step_fn, _dataset(), steps=2)
 
 
+def test_local_view_sharded_updates_then_global_steps_equal_one_device():
+  # Was refused (a stale-owner error naming the kernel): the local view's sharded update marked the variable, not
+  # only its slots, as current on its owner alone; its new value is written on every device.
+  one_model, one_opt = _mlp(contextlib.nullcontext()), keras.optimizers.Adam(1e-2)
+  one_step = tf.function(keras_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  repl = _repl("batch")
+  with repl.context():
+    model = _mlp(contextlib.nullcontext())
+    opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-2), update="sharded")
+  step_fn, batches = keras_step(model, opt), list(_dataset())
+  local = repl.run(step_fn, inputs=replicator.PerReplica([tf.nest.map_structure(lambda t, r=r: t[3 * r:3 * r + 3],
+                                                                                batches[0]) for r in range(4)]),
+                   view="local")
+  assert opt.iterations.numpy() == 1
+  data = tf.data.Dataset.from_tensor_slices(tf.nest.map_structure(lambda *t: tf.stack(t), *batches[1:]))
+  losses = [float(repl.reduce("mean", local))] + [float(repl.run(step_fn, data)) for _ in range(STEPS - 1)]
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-6)
+  assert_every_copy(model.variables + opt.variables, one_model.variables + one_opt.variables)
+
+
 def _trained(repl, dataset=_dataset, steps=STEPS, batch_norm=None, data=None):
   """One device's model, optimizer and step (trained on ``dataset()``), and the same trained by ``repl.run``
   on ``data`` (by default ``dataset()``)."""
