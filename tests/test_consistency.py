@@ -44,6 +44,7 @@ def _setup(n=4, update="auto"):
 
 
 def _copies_agree(variables):
+  """Whether every copy a device reads agrees: all of a variable's, a slot of a sharded update on its owner."""
   for v in variables:
     replicated = _variables.underlying(v)
     home = [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
