@@ -42,6 +42,21 @@ def _model(keras, features: int, steps_per_execution: int = 1, prefix: str = "")
   return model
 
 
+def _measure(calls: dict, rounds: int, steps: int, ratios: dict, **fields) -> dict:
+  """Times ``calls`` (one epoch of ``steps`` steps each) interleaved; prints and returns per-step medians and ratios.
+
+  ``ratios``: record key -> (numerator call, denominator call), paired round by round.
+  """
+  times = _timing.interleaved(calls, rounds=rounds, warmup=1, per_call={k: steps for k in calls})
+  record = dict(fields, steps_per_epoch=steps,
+                step_ms={k: _timing.summary(v)["median"] * 1e3 for k, v in times.items()})
+  for key, (a, b) in ratios.items():
+    record[key] = _timing.paired_ratio(times[a], times[b])
+  print(_timing.table(["per step", "median"], [[k, _timing.ms(_timing.summary(v)["median"])] for k, v in times.items()]))
+  print(", ".join(f"{a} / {b} {_timing.interval(record[key])}" for key, (a, b) in ratios.items()))
+  return record
+
+
 def sharded(keras, tf, x, y, args) -> dict:
   """Global view, 2x2: ``fit`` against ``repl.run`` of the same step (8 steps per call each)."""
   import mesh  # pylint: disable=import-outside-toplevel
@@ -90,17 +105,9 @@ def sharded(keras, tf, x, y, args) -> dict:
 
   calls = {"fit, global view": lambda: fitted.fit(data, epochs=1, verbose=0), "repl.run, global view": run_epoch,
            "fit, one device": lambda: one_fitted.fit(data, epochs=1, verbose=0), "tf.function, one device": one_epoch}
-  times = _timing.interleaved(calls, rounds=args.rounds, warmup=1, per_call={k: steps for k in calls})
-  record = dict(mesh="2x2", rows=args.rows, batch_size=args.batch_size, steps_per_epoch=steps,
-                step_ms={k: _timing.summary(v)["median"] * 1e3 for k, v in times.items()},
-                fit_over_run=_timing.paired_ratio(times["fit, global view"], times["repl.run, global view"]),
-                one_device_fit_over_loop=_timing.paired_ratio(times["fit, one device"],
-                                                              times["tf.function, one device"]))
-  rows = [[name, _timing.ms(_timing.summary(v)["median"])] for name, v in times.items()]
-  print(_timing.table(["per step", "median"], rows))
-  print(f"global view: fit / repl.run {_timing.interval(record['fit_over_run'])}; one device: fit / tf.function "
-        f"loop {_timing.interval(record['one_device_fit_over_loop'])}")
-  return record
+  return _measure(calls, args.rounds, steps, mesh="2x2", rows=args.rows, batch_size=args.batch_size,
+                  ratios={"fit_over_run": ("fit, global view", "repl.run, global view"),
+                          "one_device_fit_over_loop": ("fit, one device", "tf.function, one device")})
 
 
 def main(argv=None) -> dict:
@@ -120,12 +127,15 @@ def main(argv=None) -> dict:
   rng = np.random.default_rng(0)
   x = rng.standard_normal((args.rows, 64)).astype(np.float32)
   y = rng.integers(0, 10, args.rows)
-  if args.sharded:
-    record = sharded(keras, tf, x, y, args)
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    return record
+  record = sharded(keras, tf, x, y, args) if args.sharded else data_parallel(keras, tf, x, y, args)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(record, f, indent=1)
+  return record
+
+
+def data_parallel(keras, tf, x, y, args) -> dict:
+  """One device, the Replicator (1 and 8 steps per call) and MirroredStrategy, each fitting the same model."""
   devices = [f"/device:CPU:{i}" for i in range(args.devices)]
 
   one = _model(keras, 64)
@@ -143,22 +153,10 @@ def main(argv=None) -> dict:
   steps = -(-args.rows // args.batch_size)
   calls = {"one device": epoch(one), "replicator": epoch(ours), "MirroredStrategy": epoch(ms),
            "replicator, steps_per_execution=8": epoch(ours8)}
-  times = _timing.interleaved(calls, rounds=args.rounds, warmup=1, per_call={k: steps for k in calls})
-  record = dict(devices=args.devices, rows=args.rows, batch_size=args.batch_size, steps_per_epoch=steps,
-                step_ms={k: _timing.summary(v)["median"] * 1e3 for k, v in times.items()},
-                ours_over_one_device=_timing.paired_ratio(times["replicator"], times["one device"]),
-                ours_over_mirrored=_timing.paired_ratio(times["replicator"], times["MirroredStrategy"]),
-                ours8_over_one_device=_timing.paired_ratio(times["replicator, steps_per_execution=8"],
-                                                           times["one device"]))
-  rows = [[name, _timing.ms(_timing.summary(v)["median"])] for name, v in times.items()]
-  print(_timing.table(["fit, per step", "median"], rows))
-  print(f"ours / one device {_timing.interval(record['ours_over_one_device'])}, "
-        f"ours / MirroredStrategy {_timing.interval(record['ours_over_mirrored'])}, "
-        f"ours (8 per call) / one device {_timing.interval(record['ours8_over_one_device'])}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(record, f, indent=1)
-  return record
+  return _measure(calls, args.rounds, steps, devices=args.devices, rows=args.rows, batch_size=args.batch_size,
+                  ratios={"ours_over_one_device": ("replicator", "one device"),
+                          "ours_over_mirrored": ("replicator", "MirroredStrategy"),
+                          "ours8_over_one_device": ("replicator, steps_per_execution=8", "one device")})
 
 
 if __name__ == "__main__":
