@@ -183,7 +183,7 @@ def test_a_sharded_model_is_refused_with_the_way_to_train_it(view, fix):
   with repl.context():
     model = _compiled(_mlp)
   with pytest.raises(replicator.UnsupportedError, match=r"model.fit/evaluate of a model with sharded variables "
-                     r"\(?'sequential/dense/kernel' has layout \(None, 'model'\)\).*" + fix):
+                     r"\('sequential/dense/kernel' has layout \(None, 'model'\)\).*" + fix):
     model.fit(X, Y, batch_size=20, epochs=1, verbose=0)  # 96 rows: a last batch of 16
   with pytest.raises(replicator.UnsupportedError, match=r"model.predict of a model with sharded variables"):
     model.predict(X, batch_size=20, verbose=0)
