@@ -71,14 +71,17 @@ def sharded(keras, tf, x, y, args) -> dict:
   steps = args.rows // args.batch_size
   loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-  def step_fn(batch):  # what Keras's train_step does, less its metrics
-    features, labels = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(labels, custom(features, training=True))
-    grads = tape.gradient(loss, custom.trainable_variables)
-    custom.optimizer.apply_gradients(zip(grads, custom.trainable_variables))
-    return loss
+  def train_step(model):
+    def step_fn(batch):  # what Keras's train_step does, less its metrics
+      features, labels = batch
+      with tf.GradientTape() as tape:
+        loss = loss_fn(labels, model(features, training=True))
+      grads = tape.gradient(loss, model.trainable_variables)
+      model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+      return loss
+    return step_fn
 
+  step_fn = train_step(custom)
   repeated = data.repeat()  # repl.run keeps its iterator across calls
 
   def run_epoch():
@@ -87,15 +90,12 @@ def sharded(keras, tf, x, y, args) -> dict:
 
   # The same pair on one device: what Keras's trainer adds around a step without the Replicator.
   one_fitted = _model(keras, 64, steps_per_execution=8, prefix="one_fitted_")
-  one = _model(keras, 64, prefix="one_")
+  one_step = train_step(_model(keras, 64, prefix="one_"))
 
   @tf.function
   def one_device_steps(iterator):
     for _ in tf.range(8):
-      features, labels = next(iterator)
-      with tf.GradientTape() as tape:
-        loss = loss_fn(labels, one(features, training=True))
-      one.optimizer.apply_gradients(zip(tape.gradient(loss, one.trainable_variables), one.trainable_variables))
+      one_step(next(iterator))
 
   one_iterator = iter(repeated)
 
