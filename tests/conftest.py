@@ -126,11 +126,13 @@ MESH_SHAPES = ((1, 4), (2, 2), (4, 1), (2, 4))  # (batch, model) meshes of the g
 
 def mesh_sweep(layouts, representative):
   """``pytest.param(shape, layout)`` for every mesh shape x layout name; those not in ``representative`` are
-  marked full_grid (CI runs the representative ones, ``--full-grid`` all)."""
+  marked full_grid (CI runs the representative ones, ``--full-grid`` all). A list: pytest refuses iterators."""
+  cases = []
   for shape in MESH_SHAPES:
     for layout in sorted(layouts):
       marks = () if (shape, layout) in representative else (pytest.mark.full_grid,)
-      yield pytest.param(shape, layout, marks=marks, id=f"{shape[0]}x{shape[1]}-{layout}")
+      cases.append(pytest.param(shape, layout, marks=marks, id=f"{shape[0]}x{shape[1]}-{layout}"))
+  return cases
 
 
 def pytest_addoption(parser):

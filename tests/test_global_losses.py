@@ -106,10 +106,12 @@ BATCH_REPRESENTATIVE = {"BinaryCrossentropy", "CategoricalCrossentropy", "Circle
 
 
 def _cases():
+  cases = []  # a list: pytest refuses iterators
   for name in sorted(LOSSES):
     for layout in sorted(LAYOUTS):
       full = layout == "batch" and name not in BATCH_REPRESENTATIVE
-      yield pytest.param(name, layout, marks=(pytest.mark.full_grid,) if full else (), id=f"{name}-{layout}")
+      cases.append(pytest.param(name, layout, marks=(pytest.mark.full_grid,) if full else (), id=f"{name}-{layout}"))
+  return cases
 
 
 @pytest.mark.parametrize("name,layout", _cases())
