@@ -9,6 +9,7 @@ choose layouts for a model's variables; :func:`shard`, :func:`pack`,
 per-device pieces.
 """
 
+from mesh import _requirements  # noqa: F401  (first: checks the Python, TensorFlow and Keras versions)
 from mesh._devices import canonical_name
 from mesh._devices import local_devices
 from mesh._devices import virtual_cpus

@@ -1,9 +1,10 @@
 """replicator: run a single-device TensorFlow 2 training step on many devices.
 
->>> import replicator
->>> repl = replicator.Replicator(devices=["cpu:0", "cpu:1"])
->>> repl.num_replicas
-2
+Examples:
+  >>> import replicator
+  >>> repl = replicator.Replicator(devices=["cpu:0", "cpu:1"])
+  >>> repl.num_replicas
+  2
 """
 
 from mesh import virtual_cpus
@@ -34,8 +35,7 @@ from replicator._replicator import Replicator
 from replicator._values import PerReplica
 from replicator._variables import ReplicatedVariable
 from replicator._variables import bytes_per_device
-
-__version__ = "0.1.0"
+from replicator._version import __version__ as __version__  # re-exported
 
 # Errors print as replicator.VariableCreationError, not replicator._errors.VariableCreationError.
 for _error in (ArgumentError, ArgumentTypeError, ClusterConfigError, CollectiveInControlFlowError, EndOfInput,
