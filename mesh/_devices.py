@@ -38,8 +38,9 @@ def local_devices(device_type: str | None = None) -> list[str]:
   Returns:
     Canonical device names such as ``"/device:CPU:0"``.
 
-  >>> local_devices("CPU")[0]
-  '/device:CPU:0'
+  Examples:
+    >>> local_devices("CPU")[0]
+    '/device:CPU:0'
   """
   types = (device_type.upper(),) if device_type else _PREFERRED_TYPES
   for kind in types:

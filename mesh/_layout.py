@@ -5,15 +5,16 @@ dimension is split over that axis), a tuple of axis names (split over their
 product, row-major), or None (not split). Mesh axes that no dimension uses
 hold identical copies: the tensor is *replicated* along them.
 
->>> import mesh
->>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
->>> layout = mesh.Layout((None, "model"), m)
->>> layout.shard_shape([6, 8])
-[6, 4]
->>> layout.replicated_axes, layout.sharded_axes
-(('batch',), ('model',))
->>> [layout.shard_index(d) for d in range(4)]  # device (b, k) holds column block k
-[(0, 0), (0, 1), (0, 0), (0, 1)]
+Examples:
+  >>> import mesh
+  >>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+  >>> layout = mesh.Layout((None, "model"), m)
+  >>> layout.shard_shape([6, 8])
+  [6, 4]
+  >>> layout.replicated_axes, layout.sharded_axes
+  (('batch',), ('model',))
+  >>> [layout.shard_index(d) for d in range(4)]  # device (b, k) holds column block k
+  [(0, 0), (0, 1), (0, 0), (0, 1)]
 """
 
 from __future__ import annotations
@@ -212,9 +213,10 @@ class LayoutMap:
   exact key wins; otherwise exactly one pattern may match. Variables that
   match nothing are replicated.
 
-  >>> layouts = LayoutMap({r"dense_1/kernel": (None, "model"), r"dense_1/bias": ("model",)})
-  >>> layouts.lookup("dense_1/kernel"), layouts.lookup("dense_2/kernel")
-  ((None, 'model'), None)
+  Examples:
+    >>> layouts = LayoutMap({r"dense_1/kernel": (None, "model"), r"dense_1/bias": ("model",)})
+    >>> layouts.lookup("dense_1/kernel"), layouts.lookup("dense_2/kernel")
+    ((None, 'model'), None)
   """
 
   def __init__(self, mapping: Mapping[str, Spec] | None = None):
@@ -260,11 +262,12 @@ class LayoutRules:
   once, in the rules, how each name is split. Changing the parallelism of a
   model is then a change of rules only.
 
-  >>> rules = LayoutRules([("batch", "batch"), ("hidden", "model")])
-  >>> rules.spec(("rows", "cols", "hidden"))
-  (None, None, 'model')
-  >>> rules.mesh_axes("batch")
-  ('batch',)
+  Examples:
+    >>> rules = LayoutRules([("batch", "batch"), ("hidden", "model")])
+    >>> rules.spec(("rows", "cols", "hidden"))
+    (None, None, 'model')
+    >>> rules.mesh_axes("batch")
+    ('batch',)
 
   Args:
     rules: ``(dimension name, mesh axis | tuple of axes | None)`` pairs. A
@@ -308,9 +311,10 @@ class LayoutRules:
   def layout_map(self, dimensions: Mapping[str, Sequence[str]]) -> LayoutMap:
     """A :class:`LayoutMap` from variable path patterns to named dimensions.
 
-    >>> rules = LayoutRules([("hidden", "model")])
-    >>> rules.layout_map({"w1": ("rows", "cols", "hidden"), "b1": ("hidden",)})["w1"]
-    (None, None, 'model')
+    Examples:
+      >>> rules = LayoutRules([("hidden", "model")])
+      >>> rules.layout_map({"w1": ("rows", "cols", "hidden"), "b1": ("hidden",)})["w1"]
+      (None, None, 'model')
     """
     return LayoutMap({key: self.spec(dims) for key, dims in dimensions.items()})
 

@@ -34,14 +34,15 @@ class Mesh:
   Devices are laid out row-major: the last axis varies fastest. The mesh is only
   a naming of devices; it says nothing about the physical network.
 
-  >>> m = Mesh({"batch": 2, "model": 2},
-  ...          devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
-  >>> m.shape
-  {'batch': 2, 'model': 2}
-  >>> m.coords(3)
-  {'batch': 1, 'model': 1}
-  >>> m.groups("model")
-  ((0, 1), (2, 3))
+  Examples:
+    >>> m = Mesh({"batch": 2, "model": 2},
+    ...          devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+    >>> m.shape
+    {'batch': 2, 'model': 2}
+    >>> m.coords(3)
+    {'batch': 1, 'model': 1}
+    >>> m.groups("model")
+    ((0, 1), (2, 3))
   """
 
   def __init__(self, axes: Mapping[str, int], devices: Sequence[str] | None = None):

@@ -6,13 +6,14 @@ that are already on their devices, :func:`unpack` returns the pieces and
 :class:`ShardedTensor` converts to its global tensor wherever a tensor is
 expected.
 
->>> import mesh
->>> m = mesh.Mesh({"x": 2}, devices=["cpu:0", "cpu:1"])
->>> value = mesh.shard(tf.reshape(tf.range(6.0), [2, 3]), mesh.Layout(("x", None), m))
->>> [p.numpy().tolist() for p in mesh.unpack(value)]
-[[[0.0, 1.0, 2.0]], [[3.0, 4.0, 5.0]]]
->>> mesh.relayout(value, mesh.Layout((None, None), m)).numpy().tolist()
-[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+Examples:
+  >>> import mesh
+  >>> m = mesh.Mesh({"x": 2}, devices=["cpu:0", "cpu:1"])
+  >>> value = mesh.shard(tf.reshape(tf.range(6.0), [2, 3]), mesh.Layout(("x", None), m))
+  >>> [p.numpy().tolist() for p in mesh.unpack(value)]
+  [[[0.0, 1.0, 2.0]], [[3.0, 4.0, 5.0]]]
+  >>> mesh.relayout(value, mesh.Layout((None, None), m)).numpy().tolist()
+  [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 """
 
 from __future__ import annotations

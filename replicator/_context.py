@@ -129,8 +129,9 @@ def current():
   Library code (a layer that needs to communicate, say) uses it to find the
   collectives to call:
 
-  >>> replicator.current() is None  # not inside repl.run
-  True
+  Examples:
+    >>> replicator.current() is None  # not inside repl.run
+    True
   """
   ctx = current_context()
   return None if ctx is None else ctx.replicator

@@ -26,10 +26,11 @@ def split_sizes(batch: tf.Tensor, num_replicas: int) -> tf.Tensor:
   The first ``batch % n`` replicas get one extra row; with fewer rows than
   replicas, the last replicas get none (they still run the step, on an empty batch).
 
-  >>> split_sizes(tf.constant(10), 4).numpy().tolist()
-  [3, 3, 2, 2]
-  >>> split_sizes(tf.constant(2), 4).numpy().tolist()
-  [1, 1, 0, 0]
+  Examples:
+    >>> split_sizes(tf.constant(10), 4).numpy().tolist()
+    [3, 3, 2, 2]
+    >>> split_sizes(tf.constant(2), 4).numpy().tolist()
+    [1, 1, 0, 0]
   """
   base = batch // num_replicas
   extra = tf.cast(tf.range(num_replicas, dtype=batch.dtype) < batch % num_replicas, batch.dtype)

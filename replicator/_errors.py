@@ -100,8 +100,9 @@ class WorkerUnavailableError(ReplicatorError, RuntimeError):
 def root_cause(message: str) -> str:
   """One readable line of a TensorFlow error: the first root error, without numbering and node lists.
 
-  >>> root_cause("2 root error(s) found.\\n  (0) UNAVAILABLE: failed to connect\\n\\t [[{{node x}}]]")
-  'UNAVAILABLE: failed to connect'
+  Examples:
+    >>> root_cause("2 root error(s) found.\\n  (0) UNAVAILABLE: failed to connect\\n\\t [[{{node x}}]]")
+    'UNAVAILABLE: failed to connect'
   """
   for line in message.splitlines():
     line = re.sub(r"^\(\d+\)\s*", "", line.strip())

@@ -62,8 +62,9 @@ class InputContext:
   def get_per_replica_batch_size(self, global_batch_size: int) -> int:
     """``global_batch_size // num_replicas``; an error if it does not divide evenly.
 
-    >>> InputContext(replica_id=0, num_replicas=4).get_per_replica_batch_size(64)
-    16
+    Examples:
+      >>> InputContext(replica_id=0, num_replicas=4).get_per_replica_batch_size(64)
+      16
     """
     if global_batch_size % self.num_replicas:
       raise _errors.ArgumentError(

@@ -72,10 +72,11 @@ def _worker_devices(cluster: _cluster.Cluster) -> list[list[str]]:
 class MultiWorkerReplicator(Replicator):
   """A :class:`Replicator` whose replicas live on several worker processes.
 
-  >>> with replicator.testing.local_cluster(2, devices_per_worker=2) as cluster:  # doctest: +SKIP
-  ...   repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
-  ...   repl.mesh.shape
-  {'worker': 2, 'device': 2}
+  Examples:
+    >>> with replicator.testing.local_cluster(2, devices_per_worker=2) as cluster:  # doctest: +SKIP
+    ...   repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
+    ...   repl.mesh.shape
+    {'worker': 2, 'device': 2}
 
   The mesh is ``{"worker": W, "device": D}`` (D replicas per worker); the
   batch is split over both axes, so ``input_fn`` runs once per replica, on its

@@ -165,14 +165,15 @@ class Replicator:
   Collectives take ``axis=``: the mesh axis name (or tuple of names) whose
   groups communicate; by default all replicas do.
 
-  >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-  >>> with repl.context():
-  ...   v = tf.Variable(1.0)
-  >>> def step_fn():
-  ...   v.assign_add(repl.all_sum(tf.cast(repl.replica_id, tf.float32)))
-  ...   return v.read_value()
-  >>> [float(x) for x in repl.run(step_fn)]  # 1 + (0 + 1) on both replicas
-  [2.0, 2.0]
+  Examples:
+    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+    >>> with repl.context():
+    ...   v = tf.Variable(1.0)
+    >>> def step_fn():
+    ...   v.assign_add(repl.all_sum(tf.cast(repl.replica_id, tf.float32)))
+    ...   return v.read_value()
+    >>> [float(x) for x in repl.run(step_fn)]  # 1 + (0 + 1) on both replicas
+    [2.0, 2.0]
 
   Args:
     devices: device strings, or None for all local logical devices of the
@@ -311,22 +312,24 @@ class Replicator:
   def context(self, layouts=None):
     """Replicates (or shards) every variable created inside (Keras, tf.Module, Sonnet, tf.Variable).
 
-    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-    >>> with repl.context():
-    ...   v = tf.Variable([1.0, 2.0])
-    >>> len(v.components), v.components[1].device
-    (2, '/job:localhost/replica:0/task:0/device:CPU:1')
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> with repl.context():
+      ...   v = tf.Variable([1.0, 2.0])
+      >>> len(v.components), v.components[1].device
+      (2, '/job:localhost/replica:0/task:0/device:CPU:1')
 
     With ``layouts``, a variable whose path matches is sharded: its global
     initial value is computed once and each device keeps its piece.
 
-    >>> import mesh
-    >>> m = mesh.Mesh({"model": 2}, devices=["cpu:0", "cpu:1"])
-    >>> repl = Replicator(mesh=m)
-    >>> with repl.context(layouts=mesh.LayoutMap({"w": (None, "model")})):
-    ...   w = tf.Variable(tf.reshape(tf.range(8.0), [2, 4]), name="w")
-    >>> [c.shape.as_list() for c in w.components], w.shape.as_list()
-    ([[2, 2], [2, 2]], [2, 4])
+    Examples:
+      >>> import mesh
+      >>> m = mesh.Mesh({"model": 2}, devices=["cpu:0", "cpu:1"])
+      >>> repl = Replicator(mesh=m)
+      >>> with repl.context(layouts=mesh.LayoutMap({"w": (None, "model")})):
+      ...   w = tf.Variable(tf.reshape(tf.range(8.0), [2, 4]), name="w")
+      >>> [c.shape.as_list() for c in w.components], w.shape.as_list()
+      ([[2, 2], [2, 2]], [2, 4])
 
     Args:
       layouts: a :class:`mesh.LayoutMap` (or a dict of path pattern to layout
@@ -517,10 +520,11 @@ class Replicator:
     ``tf.reduce_sum(per_example) / repl.all_sum(tf.shape(x)[0])`` and
     ``wrap_optimizer(..., reduction="sum")``.
 
-    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-    >>> ds = tf.data.Dataset.range(5).batch(5)
-    >>> [b.numpy().tolist() for b in next(iter(repl.distribute_dataset(ds)))]
-    [[0, 1, 2], [3, 4]]
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> ds = tf.data.Dataset.range(5).batch(5)
+      >>> [b.numpy().tolist() for b in next(iter(repl.distribute_dataset(ds)))]
+      [[0, 1, 2], [3, 4]]
     """
     pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
     return _distributed_dataset.DistributedDataset(dataset, pipelines, self._host, prefetch)
@@ -688,12 +692,13 @@ class Replicator:
     replicas), whose dense value is the sum (mean). "max" and "min" of
     ``tf.IndexedSlices`` are an error.
 
-    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-    >>> def step_fn():
-    ...   rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([repl.replica_id]), tf.constant([4, 2]))
-    ...   return repl.all_reduce(rows).indices
-    >>> [t.numpy().tolist() for t in repl.run(step_fn)]
-    [[0, 1], [0, 1]]
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> def step_fn():
+      ...   rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([repl.replica_id]), tf.constant([4, 2]))
+      ...   return repl.all_reduce(rows).indices
+      >>> [t.numpy().tolist() for t in repl.run(step_fn)]
+      [[0, 1], [0, 1]]
 
     Args:
       x: a tensor or nest of tensors.
@@ -720,10 +725,11 @@ class Replicator:
     :meth:`axis_index`). If the dimension has no static size (a batch
     dimension, say), members may hold different sizes along it.
 
-    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-    >>> out = repl.run(lambda: repl.all_gather(tf.fill([1, 2], repl.replica_id)))
-    >>> out[1].numpy().tolist()
-    [[0, 0], [1, 1]]
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.all_gather(tf.fill([1, 2], repl.replica_id)))
+      >>> out[1].numpy().tolist()
+      [[0, 0], [1, 1]]
 
     Args:
       x: a tensor or nest of tensors of rank >= 1.
@@ -747,10 +753,11 @@ class Replicator:
     :meth:`axis_index`) gets chunk i. Equal to slicing :meth:`all_reduce`'s
     result, with less communication.
 
-    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-    >>> out = repl.run(lambda: repl.reduce_scatter(tf.range(4) * (repl.replica_id + 1)))
-    >>> [t.numpy().tolist() for t in out]  # [0, 1, 2, 3] + [0, 2, 4, 6], split in two
-    [[0, 3], [6, 9]]
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.reduce_scatter(tf.range(4) * (repl.replica_id + 1)))
+      >>> [t.numpy().tolist() for t in out]  # [0, 1, 2, 3] + [0, 2, 4, 6], split in two
+      [[0, 3], [6, 9]]
 
     The gradient is the members' upstream gradients gathered (for ``"mean"``
     divided by the group size); for ``"max"``/``"min"`` it flows to the members
@@ -775,10 +782,11 @@ class Replicator:
     j; every member concatenates the chunks it receives, in the order of their
     sources' group positions, along ``concat_dimension``.
 
-    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-    >>> out = repl.run(lambda: repl.all_to_all(tf.constant([10, 20]) + repl.replica_id))
-    >>> [t.numpy().tolist() for t in out]  # [10, 20] and [11, 21] exchange halves
-    [[10, 11], [20, 21]]
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.all_to_all(tf.constant([10, 20]) + repl.replica_id))
+      >>> [t.numpy().tolist() for t in out]  # [10, 20] and [11, 21] exchange halves
+      [[10, 11], [20, 21]]
 
     Args:
       x: a tensor or nest of tensors of rank >= 1.
@@ -800,10 +808,11 @@ class Replicator:
     value of the member at ``source``. Members that are no destination get
     zeros. Each position may be a source once and a destination once.
 
-    >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-    >>> out = repl.run(lambda: repl.permute(tf.fill([2], repl.replica_id + 1), perm=[(0, 1)]))
-    >>> [t.numpy().tolist() for t in out]  # replica 1 gets replica 0's value
-    [[0, 0], [1, 1]]
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.permute(tf.fill([2], repl.replica_id + 1), perm=[(0, 1)]))
+      >>> [t.numpy().tolist() for t in out]  # replica 1 gets replica 0's value
+      [[0, 0], [1, 1]]
 
     Args:
       x: a tensor or nest of tensors.
@@ -822,11 +831,12 @@ class Replicator:
     match the group order of the collectives. No communication: the value is
     a constant known while the step is built.
 
-    >>> import mesh
-    >>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
-    >>> repl = Replicator(mesh=m)
-    >>> [int(i) for i in repl.run(lambda: repl.axis_index("model"))]
-    [0, 1, 0, 1]
+    Examples:
+      >>> import mesh
+      >>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+      >>> repl = Replicator(mesh=m)
+      >>> [int(i) for i in repl.run(lambda: repl.axis_index("model"))]
+      [0, 1, 0, 1]
 
     Args:
       axis: mesh axis name or tuple of names (default: all, which gives the

@@ -19,9 +19,10 @@ class PerReplica:
   ``repl.gather``, or read ``.values``. Also accepted as
   ``repl.run(..., inputs=PerReplica([...]))`` to give each replica its input.
 
-  >>> v = PerReplica([1, 2])
-  >>> v.values, len(v), v[1]
-  ((1, 2), 2, 2)
+  Examples:
+    >>> v = PerReplica([1, 2])
+    >>> v.values, len(v), v[1]
+    ((1, 2), 2, 2)
   """
 
   __slots__ = ("_values",)

@@ -1,8 +1,9 @@
 """Helpers for tests and examples: a real local cluster of worker processes.
 
->>> from replicator import testing
->>> with testing.local_cluster(num_workers=2, devices_per_worker=2) as cluster:  # doctest: +SKIP
-...   repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
+Examples:
+  >>> from replicator import testing
+  >>> with testing.local_cluster(num_workers=2, devices_per_worker=2) as cluster:  # doctest: +SKIP
+  ...   repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
 """
 
 from __future__ import annotations

@@ -1,0 +1,142 @@
+"""The documentation runs as written.
+
+* Every ``python`` block of a page runs, in order, in one fresh process per page
+  (as a reader pasting the page into a script would), with the repository as the
+  working directory. A block of another library's code that cannot run here
+  starts with ``# Not run here:`` and the reason; it may not use this project.
+* Every ``sh`` line is checked: ``pip install`` names only extras ``setup.py``
+  defines, ``python -m module`` names a module whose ``--help`` lists every
+  ``--flag`` the line passes, anything else is in ``OTHER_COMMANDS``.
+* ``text`` blocks are output or foreign configuration, shown as is.
+* The API reference documents exactly the public names (``__all__``) of
+  ``replicator``, ``mesh`` and ``rewrite``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import mesh
+import replicator
+import rewrite
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+LANGUAGES = ("python", "sh", "text")
+NOT_RUN = "# Not run here:"
+OTHER_COMMANDS = {
+    "mkdocs": "CI builds the docs with it (.ci/run)",
+    "ruff": "CI lints with it (.ci/run)",
+    "tensorboard": "TensorBoard's own viewer of event files a tested page writes",
+    "bash": "only `bash .ci/run` (CI itself)",
+}
+
+
+def pages() -> list[str]:
+  """Every Markdown page under docs/, relative to it."""
+  found = []
+  for folder, _, files in os.walk(DOCS):
+    found += [os.path.relpath(os.path.join(folder, f), DOCS) for f in files if f.endswith(".md")]
+  return sorted(found)
+
+
+def blocks(page: str) -> list[tuple[str, str]]:
+  """``(language, code)`` of every fenced block of ``page``, in order."""
+  with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+    return FENCE.findall(f.read())
+
+
+def _pages_with(language: str) -> list[str]:
+  return [page for page in pages() if any(lang == language for lang, _ in blocks(page))]
+
+
+def test_docs_exist_and_fences_are_known():
+  assert len(pages()) >= 20, pages()
+  for page in pages():
+    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+      text = f.read()
+    # Fences start at the line's start, so FENCE sees them all (an indented one would not be run).
+    assert text.count("```") == 2 * len(blocks(page)), f"docs/{page}: a fence is indented or unclosed"
+    for language, _ in blocks(page):
+      assert language in LANGUAGES, f"docs/{page}: a ```{language} block; use one of {LANGUAGES}"
+
+
+@pytest.mark.parametrize("page", _pages_with("python"))
+def test_python_blocks_run(page):
+  code = [c for lang, c in blocks(page) if lang == "python"]
+  run = [c for c in code if not c.startswith(NOT_RUN)]
+  for c in code:
+    if c.startswith(NOT_RUN):
+      assert not re.search(r"^\s*(import|from)\s+(replicator|mesh|rewrite)\b", c, re.M), (
+          f"docs/{page}: a block marked {NOT_RUN!r} uses this project; it must run")
+  assert run, f"docs/{page}: every Python block is marked {NOT_RUN!r}"
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  process = subprocess.run([sys.executable, "-c", "\n\n".join(run)], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+  assert process.returncode == 0, f"docs/{page} failed:\n{process.stdout[-2000:]}\n{process.stderr[-6000:]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _help(module: str) -> str:
+  process = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  assert process.returncode == 0, f"python -m {module} --help failed:\n{process.stderr[-3000:]}"
+  return process.stdout
+
+
+def _extras() -> set[str]:
+  with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+    source = f.read()
+  return set(re.findall(r'^\s+"([\w-]+)": \[', source[source.index("extras_require"):], re.M))
+
+
+def _check_command(page: str, command: str) -> None:
+  words = shlex.split(command)
+  if words[:2] == ["pip", "install"]:
+    for extras in re.findall(r"\[([\w,-]+)\]", command):
+      unknown = set(extras.split(",")) - _extras()
+      assert not unknown, f"docs/{page}: `{command}` names extras {sorted(unknown)} that setup.py does not define"
+  elif words[:2] == ["python", "-m"]:
+    text = _help(words[2])
+    for flag in (w.split("=")[0] for w in words[3:] if w.startswith("--")):
+      assert flag in text, f"docs/{page}: `{command}` passes {flag}, which `python -m {words[2]} --help` lacks"
+  else:
+    assert words[0] in OTHER_COMMANDS, f"docs/{page}: `{command}`: a command this test cannot check"
+
+
+@pytest.mark.parametrize("page", _pages_with("sh"))
+def test_shell_commands_exist(page):
+  for language, code in blocks(page):
+    if language != "sh":
+      continue
+    for line in code.replace("\\\n", " ").splitlines():
+      line = line.split(" #")[0].strip()
+      if not line or line.startswith("#"):
+        continue
+      for command in re.split(r"\s*(?:&&|\|\||;)\s*", line):
+        if command.startswith("cd "):
+          continue
+        _check_command(page, re.sub(r"^(\w+=\S+\s+)+", "", command))  # VAR=value python -m ...
+
+
+def _documented(page: str) -> list[str]:
+  with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+    return re.findall(r"^::: ([\w.]+)", f.read(), re.M)
+
+
+@pytest.mark.parametrize("module", [replicator, mesh, rewrite], ids=lambda m: m.__name__)
+def test_api_reference_covers_every_public_name(module):
+  documented = _documented(os.path.join("api", f"{module.__name__}.md"))
+  expected = {f"{module.__name__}.{name}" for name in module.__all__}
+  assert len(documented) == len(set(documented)), "a name is documented twice"
+  assert set(documented) == expected, (
+      f"missing from docs/api/{module.__name__}.md: {sorted(expected - set(documented))}; "
+      f"documented but not public: {sorted(set(documented) - expected)}")
