@@ -10,7 +10,7 @@ import re
 
 from setuptools import setup
 
-PYTHON = ">=3.10"
+PYTHON = ">=3.11"  # Keras 3.15 needs 3.11
 TENSORFLOW = ">=2.21,<3"
 KERAS = ">=3.15,<4"
 
@@ -38,7 +38,6 @@ setup(
     license="Apache-2.0",
     classifiers=[
         "Programming Language :: Python :: 3",
-        "Programming Language :: Python :: 3.10",
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",
         "Programming Language :: Python :: 3.13",

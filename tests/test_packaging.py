@@ -58,4 +58,4 @@ def test_installs_into_a_fresh_virtualenv_and_imports(built, kind, tmp_path):
   version, replicator_file, mesh_file, ranges = process.stdout.strip().splitlines()[-4:]
   assert version == replicator.__version__
   assert replicator_file.startswith(site) and mesh_file.startswith(site), (replicator_file, mesh_file)
-  assert ranges == "['Keras <4,>=3.15', 'Python >=3.10', 'TensorFlow <3,>=2.21']"
+  assert ranges == "['Keras <4,>=3.15', 'Python >=3.11', 'TensorFlow <3,>=2.21']"

@@ -11,7 +11,7 @@ from packaging.specifiers import SpecifierSet
 
 from mesh import _requirements
 
-RANGES = {"Python": SpecifierSet(">=3.10"), "TensorFlow": SpecifierSet(">=2.21,<3"), "Keras": SpecifierSet(">=3.15,<4")}
+RANGES = {"Python": SpecifierSet(">=3.11"), "TensorFlow": SpecifierSet(">=2.21,<3"), "Keras": SpecifierSet(">=3.15,<4")}
 
 
 def test_ranges_come_from_the_installed_metadata():
@@ -26,10 +26,10 @@ def test_this_environment_is_in_range():
 
 
 def test_out_of_range_messages_say_found_and_fix():
-  found = {"Python": ("3.9.18", " at /usr/bin/python3.9"), "TensorFlow": ("2.15.1", " at /site/tensorflow"),
+  found = {"Python": ("3.10.13", " at /usr/bin/python3.10"), "TensorFlow": ("2.15.1", " at /site/tensorflow"),
            "Keras": ("2.15.0", "")}
   python, tensorflow, keras_message = _requirements.problems(RANGES, found, "0.1.0")
-  assert python == ("replicator 0.1.0 supports Python >=3.10, but found Python 3.9.18 at /usr/bin/python3.9. "
+  assert python == ("replicator 0.1.0 supports Python >=3.11, but found Python 3.10.13 at /usr/bin/python3.10. "
                     "Fix: run replicator with a Python in that range (a virtualenv made from it) "
                     "(or set REPLICATOR_SKIP_VERSION_CHECK=1 to try it anyway).")
   assert tensorflow == ("replicator 0.1.0 supports TensorFlow >=2.21,<3, but found TensorFlow 2.15.1 at "
