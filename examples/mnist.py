@@ -1,4 +1,4 @@
-"""Mesh TensorFlow's MNIST model, trained data-parallel with repl.run.
+"""Mesh TensorFlow's MNIST model, trained data-parallel with repl.run (with --mesh: split over a mesh, global view).
 
 The model of the Mesh TensorFlow README: images [batch, rows, cols] -> one
 hidden layer of 1024 ReLU units -> 10 classes, written for one device. The

@@ -21,7 +21,7 @@ from replicator import _variables
 
 DIVERGED = (
     "The step failed at run time ({error}) after some replicas had already updated their state: "
-    "{variables} now differ between replicas (e.g. {first!r}: replica {a} vs replica {b}). Further "
+    "the copies of {variables} now differ between replicas (e.g. {first!r}: replica {a} vs replica {b}). Further "
     "steps are refused until the replicas agree again. Fix: restore the last checkpoint "
     "(tf.train.Checkpoint(...).restore(path)), or assign the variables from outside a step; then "
     "fix what failed."

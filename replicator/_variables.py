@@ -796,7 +796,10 @@ def bytes_per_device(variables) -> dict[str, int]:
   seen = set()
   for variable in variables:
     replicated = underlying(variable)
-    parts = replicated.components if replicated is not None else (variable,)
+    # A Keras 3 variable made outside a Replicator wraps a tf.Variable (its own dtype is a string).
+    inner = getattr(variable, "value", None)
+    parts = replicated.components if replicated is not None else (
+        (inner if isinstance(inner, tf.Variable) else variable),)
     for part in parts:
       if id(part) in seen:
         continue

@@ -145,3 +145,12 @@ def test_python_scalars_of_a_replicated_variable():
     v = tf.Variable(2.5)
   assert int(optimizer.iterations) == 0  # Keras's Variable.__int__ reads its ReplicatedVariable
   assert float(v) == 2.5 and int(v) == 2
+
+
+def test_bytes_per_device_counts_plain_keras_and_tf_variables():
+  # A Keras 3 variable made outside every Replicator (its dtype is a string) lives whole on one device.
+  with tf.device("/device:CPU:0"):
+    layer = keras.layers.Dense(16)
+    layer.build((None, 8))
+    plain = tf.Variable(tf.zeros([3], tf.float64))
+  assert replicator.bytes_per_device(layer.weights + [plain]) == {"/device:CPU:0": (8 * 16 + 16) * 4 + 3 * 8}

@@ -140,7 +140,7 @@ def test_notice_names_the_host_it_cannot_bind():
 @pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2)")
 def test_worker_listens_on_every_interface_as_the_notice_says(running_worker):
   # Measured on TensorFlow 2.21: one dual-stack socket, "LISTEN 0 4096 *:<port> *:*". If TensorFlow ever
-  # binds the cluster address's host, this fails: then bind it and update the notice and README's Security.
+  # binds the cluster address's host, this fails: then bind it and update the notice and the Security section of docs/guides/multi-worker.md.
   output = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True, timeout=10).stdout
   pid = running_worker.process.pid
   hosts = set()
@@ -161,12 +161,12 @@ def test_worker_answers_on_a_non_loopback_address(running_worker):
   assert all(reached.values()), f"cluster address localhost:{running_worker.port}; connections: {reached}"
 
 
-def test_readme_security_section_quotes_the_notice():
-  with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
-            encoding="utf-8") as f:
-    readme = f.read()
-  assert "\n## Security\n" in readme
-  quoted = re.search(r"\*\*Notice\.\*\*[^`]*`([^`]*)`", readme)
-  assert quoted, "README's Security section quotes the worker's notice"
+def test_docs_security_section_quotes_the_notice():
+  with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "guides",
+                         "multi-worker.md"), encoding="utf-8") as f:
+    page = f.read()
+  assert "\n## Security\n" in page
+  quoted = re.search(r"\*\*Notice\.\*\*[^`]*`([^`]*)`", page)
+  assert quoted, "the multi-worker guide's Security section quotes the worker's notice"
   expected = worker.NOTICE.format(task=0, port=2222, host="localhost", user="user alice")
   assert " ".join(quoted.group(1).split()) == expected
