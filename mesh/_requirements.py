@@ -58,7 +58,9 @@ def supported() -> dict[str, SpecifierSet] | None:
 def _installed_tensorflow() -> tuple[str | None, str]:
   try:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  except ModuleNotFoundError:
+  except ModuleNotFoundError as e:
+    if e.name != "tensorflow":
+      raise  # installed, but something it needs is missing: TensorFlow's own error says what
     return None, ""
   return tf.__version__, f" at {os.path.dirname(tf.__file__)}"
 
