@@ -20,6 +20,11 @@ DUPLICATE_DEVICE = (
     "Device {device!r} is listed twice (positions {first} and {second}). Every "
     "replica needs its own device: list each device once."
 )
+DEVICES_NOT_A_LIST = (
+    "`devices` must be a list of device strings, but found {found!r} ({type}). Fix: list the devices, "
+    "e.g. devices=mesh.local_devices()[:4] for the first four; to split the CPU into n logical devices, "
+    "call replicator.virtual_cpus(n) at program start."
+)
 VIRTUAL_CPUS_TOO_LATE = (
     "replicator.virtual_cpus({n}) must run before TensorFlow initialises its "
     "devices, but they are already initialised with {found} logical CPU(s). "
@@ -80,6 +85,8 @@ def resolve(devices: Sequence[str] | None) -> tuple[str, ...]:
     if not found:
       raise _errors.DeviceError("TensorFlow reports no logical devices.")
     return tuple(found)
+  if not isinstance(devices, str) and not isinstance(devices, Sequence):
+    raise _errors.ArgumentTypeError(DEVICES_NOT_A_LIST.format(found=devices, type=type(devices).__name__))
   if isinstance(devices, str):
     raise _errors.DeviceError(
         f"`devices` must be a list of device strings, but found the single string "

@@ -22,6 +22,10 @@ WRONG_DEVICE_COUNT = (
     "exactly {size} devices, change the axis sizes, or call "
     "replicator.virtual_cpus({size}) at program start to get {size} CPU devices."
 )
+AXIS_NOT_A_NAME = (
+    "Mesh axes are named: expected an axis name (str), a tuple of names, or None for every axis, but found "
+    "{axes!r} ({type}). The mesh has axes {names} (shape {shape}). Fix: name the axis, e.g. axis={first!r}."
+)
 UNKNOWN_AXIS = (
     "Unknown mesh axis {axis!r}. This mesh has axes {names} (shape {shape}). "
     "Fix: use one of those names, or a tuple of them."
@@ -115,7 +119,10 @@ class Mesh:
     """Returns ``axes`` as a tuple of known axis names (None means all axes)."""
     if axes is None:
       return self.axis_names
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, Iterable) else None
+    if names is None or not all(isinstance(name, str) for name in names):
+      raise _errors.ArgumentTypeError(AXIS_NOT_A_NAME.format(
+          axes=axes, type=type(axes).__name__, names=self.axis_names, shape=self._shape, first=self.axis_names[0]))
     for name in names:
       if name not in self._shape:
         raise _errors.MeshError(UNKNOWN_AXIS.format(

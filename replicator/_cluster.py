@@ -22,6 +22,10 @@ from replicator import _errors
 
 JOB = "worker"
 
+MALFORMED_CLUSTER = (
+    "The cluster {value!r} is not valid JSON ({error}). Expected e.g. "
+    '\'{{"worker": ["host0:2222", "host1:2222"]}}\' (an IPv6 host in brackets: "[::1]:2222").'
+)
 MALFORMED_TF_CONFIG = (
     "TF_CONFIG is not valid JSON ({error}): {value!r}. Expected e.g. "
     '\'{{"cluster": {{"worker": ["host0:2222", "host1:2222"]}}, "task": {{"type": "worker", "index": 0}}}}\'.'
@@ -33,7 +37,7 @@ NO_WORKERS = (
 )
 BAD_ADDRESS = (
     "Worker {task}'s address {address!r} is not 'host:port' with a port in 1..65535. "
-    "Fix: e.g. 'localhost:2222'."
+    "Fix: e.g. 'localhost:2222', or '[::1]:2222' for an IPv6 address."
 )
 TASK_OUT_OF_RANGE = (
     "Task index {index} is out of range: the cluster has {count} worker(s), indices "
@@ -85,7 +89,7 @@ def parse(cluster: Any) -> Cluster:
     try:
       cluster = json.loads(cluster)
     except ValueError as e:
-      raise _errors.ClusterConfigError(MALFORMED_TF_CONFIG.format(error=e, value=cluster)) from None
+      raise _errors.ClusterConfigError(MALFORMED_CLUSTER.format(error=e, value=cluster)) from None
   if hasattr(cluster, "cluster_spec"):  # a cluster resolver
     cluster = cluster.cluster_spec()
   if isinstance(cluster, tf.train.ClusterSpec):
@@ -96,10 +100,23 @@ def parse(cluster: Any) -> Cluster:
   if not isinstance(workers, (list, tuple)) or not workers:
     raise _errors.ClusterConfigError(NO_WORKERS.format(cluster=cluster, job=JOB))
   for task, address in enumerate(workers):
-    host, sep, port = str(address).rpartition(":")
-    if not isinstance(address, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if host_and_port(address) is None:
       raise _errors.ClusterConfigError(BAD_ADDRESS.format(task=task, address=address))
   return Cluster(tuple(workers))
+
+
+def host_and_port(address: Any) -> tuple[str, int] | None:
+  """``("::1", 2222)`` for ``"[::1]:2222"``, ``("host", 2222)`` for ``"host:2222"``; None if malformed."""
+  if not isinstance(address, str):
+    return None
+  host, sep, port = address.rpartition(":")
+  if host.startswith("[") and host.endswith("]"):  # a bracketed IPv6 address, as URLs and gRPC write it
+    host = host[1:-1]
+  elif ":" in host:
+    return None  # an unbracketed IPv6 address: which colon starts the port is ambiguous
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    return None
+  return host, int(port)
 
 
 def from_tf_config(value: str | None = None) -> tuple[Cluster, dict]:
@@ -127,9 +144,8 @@ def from_tf_config(value: str | None = None) -> tuple[Cluster, dict]:
 
 def probe(address: str, timeout: float) -> str | None:
   """None if a TCP connection to ``address`` succeeds within ``timeout`` seconds, else why not."""
-  host, _, port = address.rpartition(":")
   try:
-    with socket.create_connection((host, int(port)), timeout=timeout):
+    with socket.create_connection(host_and_port(address), timeout=timeout):
       return None
   except OSError as e:
     return e.strerror or type(e).__name__
@@ -142,9 +158,8 @@ _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 
 
 def speaks_grpc(address: str, timeout: float) -> bool:
   """Whether ``address`` answers the HTTP/2 handshake (as a TensorFlow worker's gRPC server does) in time."""
-  host, _, port = address.rpartition(":")
   try:
-    with socket.create_connection((host, int(port)), timeout=timeout) as connection:
+    with socket.create_connection(host_and_port(address), timeout=timeout) as connection:
       connection.settimeout(timeout)
       connection.sendall(_HTTP2_PREFACE)
       header = b""

@@ -28,6 +28,11 @@ OTHER_REPLICATOR = (
 )
 
 
+END_OF_DATASET = (
+    "The input is exhausted: the dataset passed to repl.run has no more global batches. End the loop "
+    "here (catch replicator.EndOfInput, or StopIteration), or repeat the dataset (dataset.repeat()) for "
+    "more epochs; the next call with this dataset starts a new epoch."
+)
 END_OF_INPUT = (
     "The input is exhausted: an input_fn dataset has no more elements. End the "
     "loop here (catch replicator.EndOfInput, or StopIteration), or repeat the "

@@ -258,6 +258,12 @@ class Replicator:
     self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
     self._lowerings: dict[str, rewrite.Lowering] = {}  # per-Replicator instances by name
+    if prefetch_to_device is not None and (not isinstance(prefetch_to_device, int)
+                                           or isinstance(prefetch_to_device, bool) or prefetch_to_device < 0):
+      raise _errors.ArgumentTypeError(
+          f"Replicator(prefetch_to_device={prefetch_to_device!r}): expected None (the default: 2 on "
+          f"accelerators, 0 on CPUs) or how many elements to prefetch onto each device, an int >= 0. "
+          f"Fix: prefetch_to_device=2, or 0 to keep the input on the host.")
     if prefetch_to_device is None:
       on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self.devices)
       prefetch_to_device = 0 if on_cpu else 2
@@ -392,6 +398,10 @@ class Replicator:
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
     self._check_called_from_python("run")
+    if not isinstance(all_steps, bool):
+      raise _errors.ArgumentTypeError(
+          f"repl.run(all_steps={all_steps!r}): expected True (every step's results, stacked) or False (the "
+          f"last step's), a bool. Fix: all_steps=True.")
     if (self._view if view is None else _check_view(view)) == "global":
       return self._run_global(step_fn, input_fn, inputs, steps, all_steps)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -432,7 +442,7 @@ class Replicator:
       element = next(entry[1])
     except StopIteration:
       del self._global_iterators[id(dataset)]
-      raise _errors.EndOfInput(_errors.END_OF_INPUT) from None
+      raise _errors.EndOfInput(_errors.END_OF_DATASET) from None
     step = self._global_step(step_fn, element)
     if steps > 1 and step.accumulating:
       raise _errors.ArgumentError(ACCUMULATING_STEPS.format(steps=steps))

@@ -734,7 +734,10 @@ def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> m
   spec = replicator.layout_spec(path)
   if spec is None:
     return None
-  layout = mesh_lib.Layout(spec, replicator.mesh)
+  try:
+    layout = mesh_lib.Layout(spec, replicator.mesh)
+  except mesh_lib.LayoutError as e:  # an unknown or repeated axis: say which variable's layout it is
+    raise mesh_lib.LayoutError(f"The layout of variable {path!r} (shape {shape.as_list()}): {e}") from None
   layout.check(shape.as_list(), what=f"variable {path!r}")
   return None if layout.is_fully_replicated else layout
 

@@ -45,6 +45,35 @@ def notice(address: str, task: int) -> str:
   return NOTICE.format(task=task, port=port, host=host, user=user)
 
 
+PORT_TAKEN = (
+    "Worker {task} cannot listen on port {port} ({address}): another process holds it ({reason}). Fix: stop "
+    "that process, or give this worker a free port in the cluster spec (every worker and the client must use "
+    "the same spec)."
+)
+
+
+def could_not_start(address: str, task: int, error: Exception) -> str:
+  """Why the server of ``task`` did not start: a taken port named as such, else TensorFlow's error."""
+  import socket
+
+  from replicator import _cluster
+  _, port = _cluster.host_and_port(address)
+  # The server listens on every interface (see the module's docstring), dual-stack where IPv6 exists: so
+  # does this probe.
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    try:
+      probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue  # no IPv6 on this machine
+    with probe:
+      try:
+        probe.bind((host, port))
+      except OSError as taken:
+        return PORT_TAKEN.format(task=task, port=port, address=address, reason=taken.strerror)
+    break
+  return f"worker {task} at {address} did not start: {error}"
+
+
 def serve(cluster, task: int, devices: int = 1):
   """Starts the worker server of ``task`` and returns it (``server.join()`` blocks)."""
   import tensorflow as tf
@@ -80,7 +109,10 @@ def main(argv=None) -> None:
       raise _errors.ClusterConfigError(f"--devices must be >= 1, found {args.devices}.")
   except _errors.ClusterConfigError as e:
     sys.exit(f"replicator.worker: {e}")
-  server = serve(cluster.spec.as_dict(), task, args.devices)
+  try:
+    server = serve(cluster.spec.as_dict(), task, args.devices)
+  except Exception as e:  # pylint: disable=broad-except  (TensorFlow says only "Could not start gRPC server")
+    sys.exit(f"replicator.worker: {could_not_start(cluster.workers[task], task, e)}")
   print(notice(cluster.workers[task], task), file=sys.stderr, flush=True)
   print(f"replicator worker {task} ready at {cluster.workers[task]} with {args.devices} device(s)", flush=True)
   server.join()

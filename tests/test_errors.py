@@ -283,3 +283,56 @@ def test_errors_print_under_their_public_module_and_share_one_base():
   assert isinstance(raised.value, TypeError)
   with pytest.raises(replicator.ReplicatorError):
     mesh.Mesh({"x": 3}, devices=cpus(2))
+
+
+# Arguments of the wrong type: named errors with the fix, not Python's bare TypeError (issue 26).
+
+def test_devices_given_as_a_count():
+  with pytest.raises(replicator.ArgumentTypeError, match=re.escape(
+      "`devices` must be a list of device strings, but found 4 (int). Fix: list the devices, e.g. "
+      "devices=mesh.local_devices()[:4] for the first four; to split the CPU into n logical devices, call "
+      "replicator.virtual_cpus(n) at program start.")):
+    replicator.Replicator(devices=4)
+
+
+def test_axis_given_as_a_number(repl):
+  with pytest.raises(replicator.ArgumentTypeError, match=re.escape(
+      "Mesh axes are named: expected an axis name (str), a tuple of names, or None for every axis, but found "
+      "0 (int). The mesh has axes ('replica',) (shape {'replica': 2}). Fix: name the axis, e.g. "
+      "axis='replica'.")):
+    repl.run(lambda: repl.all_reduce(tf.ones([2]), axis=0))
+  with pytest.raises(replicator.ArgumentTypeError, match="but found \\('replica', 1\\) \\(tuple\\)"):
+    repl.run(lambda: repl.all_sum(tf.ones([2]), axis=("replica", 1)))
+
+
+def test_prefetch_and_all_steps_of_the_wrong_type(repl):
+  with pytest.raises(replicator.ArgumentTypeError, match=re.escape(
+      "Replicator(prefetch_to_device='x'): expected None (the default: 2 on accelerators, 0 on CPUs) or how "
+      "many elements to prefetch onto each device, an int >= 0.")):
+    replicator.Replicator(cpus(2), prefetch_to_device="x")
+  with pytest.raises(replicator.ArgumentTypeError, match="prefetch_to_device=-1"):
+    replicator.Replicator(cpus(2), prefetch_to_device=-1)
+  with pytest.raises(replicator.ArgumentTypeError, match=re.escape(
+      "repl.run(all_steps='yes'): expected True (every step's results, stacked) or False (the last step's), "
+      "a bool. Fix: all_steps=True.")):
+    repl.run(lambda: tf.ones([]), all_steps="yes")
+
+
+@pytest.mark.parametrize("spec,problem", [(("modl", None), "names mesh axis 'modl'"),
+                                          (("model", "model"), "uses mesh axis 'model' for tensor dimensions 0 and 1")])
+def test_a_layout_with_an_unknown_or_repeated_axis_names_the_variable(spec, problem):
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)))
+  with pytest.raises(mesh.LayoutError, match=re.escape(
+      f"The layout of variable 'w' (shape [4, 8]): Layout {spec!r} ") + re.escape(problem)):
+    with repl.context(layouts=mesh.LayoutMap({"w": spec})):
+      tf.Variable(tf.zeros([4, 8]), name="w")
+
+
+def test_the_global_views_end_of_input_speaks_of_the_dataset():
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2}, devices=cpus(2)), view="global")
+  data = tf.data.Dataset.from_tensors(tf.ones([4, 2]))
+  assert float(repl.run(tf.reduce_sum, data)) == 8.0
+  with pytest.raises(replicator.EndOfInput, match=re.escape(
+      "The input is exhausted: the dataset passed to repl.run has no more global batches.")):
+    repl.run(tf.reduce_sum, data)
+  assert float(repl.run(tf.reduce_sum, data)) == 8.0  # the next call starts a new epoch

@@ -170,3 +170,69 @@ def test_docs_security_section_quotes_the_notice():
   assert quoted, "the multi-worker guide's Security section quotes the worker's notice"
   expected = worker.NOTICE.format(task=0, port=2222, host="localhost", user="user alice")
   assert " ".join(quoted.group(1).split()) == expected
+
+
+def test_a_taken_port_is_named_not_a_traceback(running_worker):
+  # A second worker on the running worker's port: TensorFlow says only "Could not start gRPC server".
+  process = subprocess.run(
+      [sys.executable, "-m", "replicator.worker", "--cluster",
+       json.dumps({"worker": [f"localhost:{running_worker.port}"]}), "--task", "0"],
+      capture_output=True, text=True, timeout=START_TIMEOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  assert process.returncode == 1
+  assert process.stderr.splitlines()[-1] == (
+      f"replicator.worker: Worker 0 cannot listen on port {running_worker.port} (localhost:{running_worker.port}): "
+      f"another process holds it (Address already in use). Fix: stop that process, or give this worker a free "
+      f"port in the cluster spec (every worker and the client must use the same spec).")
+  assert "Traceback" not in process.stderr
+
+
+def test_a_malformed_cluster_flag_is_blamed_on_the_flag_not_tf_config():
+  process = subprocess.run([sys.executable, "-m", "replicator.worker", "--cluster", "{worker: 1}", "--task", "0"],
+                           capture_output=True, text=True, timeout=START_TIMEOUT,
+                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  assert process.returncode == 1
+  last = process.stderr.splitlines()[-1]
+  assert last.startswith("replicator.worker: The cluster '{worker: 1}' is not valid JSON (")
+  assert last.endswith("Expected e.g. '{\"worker\": [\"host0:2222\", \"host1:2222\"]}' (an IPv6 host in "
+                       "brackets: \"[::1]:2222\").")
+  assert "TF_CONFIG" not in last
+
+
+@pytest.mark.parametrize("address,expected", [
+    ("localhost:2222", ("localhost", 2222)), ("10.0.0.1:1", ("10.0.0.1", 1)), ("[::1]:2222", ("::1", 2222)),
+    ("[fd00::2]:65535", ("fd00::2", 65535)), ("::1:2222", None), ("localhost", None), ("host:0", None),
+    ("host:65536", None), (":2222", None), ("[]:2222", None), (2222, None)])
+def test_addresses_ipv6_in_brackets(address, expected):
+  from replicator import _cluster
+  assert _cluster.host_and_port(address) == expected
+
+
+_IPV6_CLIENT = """
+import json, subprocess, sys
+import replicator, tensorflow as tf
+port = int(sys.argv[1])
+worker = subprocess.Popen([sys.executable, "-m", "replicator.worker", "--cluster",
+                           json.dumps({"worker": [f"[::1]:{port}"]}), "--task", "0", "--devices", "2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+try:
+  assert worker.stdout.readline().startswith(f"replicator worker 0 ready at [::1]:{port}")
+  repl = replicator.MultiWorkerReplicator(cluster={"worker": [f"[::1]:{port}"]})
+  print([x.numpy().tolist() for x in repl.run(lambda: repl.all_sum(tf.ones([2])))])
+finally:
+  worker.kill()
+"""
+
+
+def test_a_bracketed_ipv6_address_serves_and_connects(tmp_path):
+  try:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+      s.bind(("::1", 0))
+      port = s.getsockname()[1]
+  except OSError:
+    pytest.skip("no IPv6 loopback on this machine")
+  script = tmp_path / "client.py"
+  script.write_text(_IPV6_CLIENT, encoding="utf-8")
+  process = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True,
+                           timeout=2 * START_TIMEOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  assert process.returncode == 0, process.stderr[-3000:]
+  assert process.stdout.strip().splitlines()[-1] == "[[2.0, 2.0], [2.0, 2.0]]"  # 2 replicas on the one worker
