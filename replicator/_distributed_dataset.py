@@ -134,6 +134,9 @@ class GlobalBatchInputs(_inputs.Source):
     self.counts = (len(flat),) * n
     self.element_specs = tuple(flat) * n
 
+  def end_message(self) -> str:
+    return _errors.END_OF_DATASET  # a dataset of global batches, not an input_fn
+
   def _split_flat(self, element):
     return [t for part in split(element, self._n) for t in tree.flatten(part)]
 

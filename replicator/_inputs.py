@@ -100,6 +100,10 @@ class Source:
     """What to add to the end-of-input message (how uneven input was handled)."""
     return ""
 
+  def end_message(self) -> str:
+    """The end-of-input message: the input ran out."""
+    return _errors.END_OF_INPUT + self.end_note()
+
   def varying_axes(self, mesh) -> frozenset[str]:
     """The mesh axes along which replicas get different inputs (replicas of one slot share theirs)."""
     slots = self.slots if self.slots is not None else tuple(range(mesh.size))

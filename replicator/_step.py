@@ -157,7 +157,7 @@ class CompiledStep:
     try:
       flat = function(*args)
     except tf.errors.OutOfRangeError:
-      raise _errors.EndOfInput(_errors.END_OF_INPUT + self.source.end_note()) from None
+      raise _errors.EndOfInput(self.source.end_message()) from None
     except tf.errors.OpError as e:
       found = self.written.diverged() if self.written is not None else []
       if found:
@@ -170,7 +170,7 @@ class CompiledStep:
     if not self._single(steps, all_steps):
       steps_run, flat = int(flat[0]), flat[1:]
       if steps_run == 0:
-        raise _errors.EndOfInput(_errors.END_OF_INPUT + self.source.end_note())
+        raise _errors.EndOfInput(self.source.end_message())
     return self.unflatten(flat), steps_run
 
   def unflatten(self, flat) -> list[Any]:

@@ -328,11 +328,24 @@ def test_a_layout_with_an_unknown_or_repeated_axis_names_the_variable(spec, prob
       tf.Variable(tf.zeros([4, 8]), name="w")
 
 
-def test_the_global_views_end_of_input_speaks_of_the_dataset():
-  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2}, devices=cpus(2)), view="global")
+@pytest.mark.parametrize("view", ["local", "global"])
+def test_the_end_of_a_dataset_of_global_batches_speaks_of_the_dataset(view):
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2}, devices=cpus(2)), view=view)
   data = tf.data.Dataset.from_tensors(tf.ones([4, 2]))
-  assert float(repl.run(tf.reduce_sum, data)) == 8.0
+  def total():
+    return float(repl.reduce("sum", repl.run(tf.reduce_sum, data)) if view == "local"
+                          else repl.run(tf.reduce_sum, data))
+  assert total() == 8.0
   with pytest.raises(replicator.EndOfInput, match=re.escape(
       "The input is exhausted: the dataset passed to repl.run has no more global batches.")):
-    repl.run(tf.reduce_sum, data)
-  assert float(repl.run(tf.reduce_sum, data)) == 8.0  # the next call starts a new epoch
+    total()
+  assert total() == 8.0  # the next call starts a new epoch
+
+
+def test_the_end_of_an_input_fn_speaks_of_the_input_fn(repl):
+  def input_fn(ctx):
+    return tf.data.Dataset.from_tensors(tf.ones([2]))
+  repl.run(tf.reduce_sum, input_fn)
+  with pytest.raises(replicator.EndOfInput, match=re.escape(
+      "The input is exhausted: an input_fn dataset has no more elements.")):
+    repl.run(tf.reduce_sum, input_fn)
