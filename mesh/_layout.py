@@ -251,6 +251,10 @@ class LayoutMap:
       raise _errors.LayoutError(AMBIGUOUS_PATH.format(path=path, count=len(matches), patterns=matches))
     return self._entries[matches[0]] if matches else None
 
+  def unmatched(self, paths: Sequence[str]) -> list[str]:
+    """The keys that match none of ``paths`` (neither exactly nor by ``re.search``), in key order."""
+    return [k for k in self._entries if not any(k == p or re.search(k, p) for p in paths)]
+
   def __repr__(self) -> str:
     return f"LayoutMap({self._entries!r})"
 

@@ -24,6 +24,7 @@ from replicator import _global_view
 from replicator import _inputs
 from replicator import _keras
 from replicator import _keras_distribution
+from replicator import _layout_check
 from replicator import _optimizer
 from replicator import _primitives
 from replicator import _step
@@ -243,6 +244,9 @@ class Replicator:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
     self._layouts = _as_layout_map(layouts)
+    self._variable_paths: dict[str, None] = {}  # every variable path looked up in the layouts, in order
+    self._reported_layout_keys: set = set()
+    self._layout_error: mesh_lib.LayoutError | None = None  # strict: a key that matches no variable
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
     self._implementation = implementation
@@ -346,6 +350,7 @@ class Replicator:
     """
     if layouts is not None:
       self._layouts = _as_layout_map(layouts)
+      self._reported_layout_keys, self._layout_error = set(), None  # new keys: checked afresh
     # Keras models made here record the strategy, and their fit/evaluate/predict run on the replicas.
     with self.keras_strategy.scope(), tf.variable_creator_scope(self._creator):
       yield self
@@ -365,7 +370,21 @@ class Replicator:
 
   def layout_spec(self, path: str):
     """The layout spec the LayoutMap gives the variable at ``path`` (None: replicated)."""
+    self._variable_paths[path] = None  # the paths the layouts are checked against (_layout_check)
     return None if self._layouts is None else self._layouts.lookup(path)
+
+  def _check_layouts(self) -> None:
+    """After a build: report the layouts' keys that match no variable made so far (``_layout_check``).
+
+    With ``strict=True`` the error is raised again by every later call, until the layouts change.
+    """
+    if self._layout_error is not None:
+      raise self._layout_error
+    try:
+      _layout_check.check(self._layouts, list(self._variable_paths), self._reported_layout_keys, self._strict)
+    except mesh_lib.LayoutError as e:
+      self._layout_error = e
+      raise
 
   # -- running -------------------------------------------------------------------
 
@@ -398,6 +417,8 @@ class Replicator:
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
     self._check_called_from_python("run")
+    if self._layout_error is not None:
+      raise self._layout_error
     if not isinstance(all_steps, bool):
       raise _errors.ArgumentTypeError(
           f"repl.run(all_steps={all_steps!r}): expected True (every step's results, stacked) or False (the "
@@ -478,6 +499,7 @@ class Replicator:
     if step is None:
       step = build()
       self.trace_count += 1
+      self._check_layouts()
       variants[tuple(o.phase() for o in step.accumulating)] = step
     return step
 
@@ -617,6 +639,7 @@ class Replicator:
         raise _errors.UnsupportedError(_keras.ACCUMULATING)
       variants[()] = step
       self.trace_count += 1
+      self._check_layouts()
     step.use_source(source)
     return step
 

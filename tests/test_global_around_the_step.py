@@ -24,8 +24,10 @@ SHAPES = {"hidden": (2, 2), "batch": (4, 1)}
 BATCH, STEPS = 12, 3
 
 
-def _repl(layout="hidden"):
-  shape, layouts = SHAPES[layout], LAYOUTS[layout]
+def _repl(layout="hidden", split=True):
+  """A global-view Replicator on the layout's mesh; ``split=False``: without its layouts (a step with no MLP,
+  whose keys would match nothing, which is warned about)."""
+  shape, layouts = SHAPES[layout], LAYOUTS[layout] if split else None
   m = mesh.Mesh({"batch": shape[0], "model": shape[1]}, devices=cpus(shape[0] * shape[1]))
   return replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(layouts) if layouts else None, batch_axes=("batch",),
                                view="global")
@@ -229,7 +231,7 @@ def test_batch_normalization_equals_one_device(batch_norm):
 
 
 def test_python_control_flow_is_converted_as_tf_function_does():
-  repl = _repl()
+  repl = _repl(split=False)
   with repl.context():
     v = tf.Variable(tf.ones([8, 4]))
 
@@ -302,7 +304,7 @@ def test_a_sonnet_module_built_in_the_context_equals_one_device():
 
 
 def test_a_variable_made_outside_the_replicator_is_read_but_never_written():
-  repl = _repl()
+  repl = _repl(split=False)
   outside = tf.Variable(3.0)  # one resource, not the Replicator's
   with repl.context():
     inside = tf.Variable(1.0)
