@@ -3,7 +3,7 @@
 A key of a ``LayoutMap`` that matches no variable is almost always a typo
 (``ff_inn/kernel$``), and it fails silently: the variables it was meant for
 are replicated and the model trains as if nothing were split. Once a step is
-built (its model, lazily built layers and optimizer slots exist), every key is
+built (its model and the layers it builds lazily exist), every key is
 checked against the paths of the variables made in the Replicator's context so
 far: a key that matches none is reported once, with the closest paths, as a
 warning, or as a ``mesh.LayoutError`` with ``Replicator(strict=True)``.

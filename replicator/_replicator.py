@@ -213,6 +213,8 @@ class Replicator:
       built) an op without a layout rule whose inputs are split, instead of
       gathering its inputs and running it on whole values with a warning.
       Use it to make sure a step communicates only what its layouts require.
+      In both views it also makes a layouts key that matches no variable a
+      ``mesh.LayoutError`` (otherwise a warning).
     update: in the global view, how the optimizer updates a variable that is
       replicated over the batch axes: ``"sharded"``, by one owner device of
       each batch group (its slots current there only), which broadcasts the
