@@ -241,7 +241,6 @@ class Replicator:
     self._update = update
     self._global_owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (global view)
     self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: {phases: _global_view.GlobalStep}}
-    self._global_iterators: dict = {}  # id(dataset) -> (dataset, iterator)
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
@@ -458,13 +457,14 @@ class Replicator:
       raise _errors.ArgumentError(
           f"repl.run(steps={steps}) in the global view loops over global batches of one static shape, but the "
           f"dataset's elements are {dataset.element_spec}. Fix: batch it with drop_remainder=True.")
-    entry = self._global_iterators.get(id(dataset))
-    if entry is None or entry[0] is not dataset:
-      entry = self._global_iterators[id(dataset)] = (dataset, iter(dataset))
+    iterators = _attached(dataset, "_replicator_global_iterator")  # goes with the dataset
+    iterator = iterators.get(self)
+    if iterator is None:
+      iterator = iterators[self] = iter(dataset)
     try:
-      element = next(entry[1])
+      element = next(iterator)
     except StopIteration:
-      del self._global_iterators[id(dataset)]
+      del iterators[self]
       raise _errors.EndOfInput(_errors.END_OF_DATASET) from None
     step = self._global_step(step_fn, element)
     if steps > 1 and step.accumulating:
@@ -472,7 +472,7 @@ class Replicator:
     if steps == 1 and not all_steps:
       results, self.steps_run = step(tree.flatten(element)), 1
     else:
-      results, self.steps_run = step.run_steps(entry[1], element, steps, all_steps)
+      results, self.steps_run = step.run_steps(iterator, element, steps, all_steps)
     for optimizer in step.accumulating:
       optimizer.advance(self.steps_run)
     return results
