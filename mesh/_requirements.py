@@ -38,15 +38,21 @@ _FIXES = {
 }
 
 
-def supported() -> dict[str, SpecifierSet] | None:
-  """``{"Python": ..., "TensorFlow": ..., "Keras": ...}`` from the installed metadata; None if not installed."""
+def _distribution() -> importlib.metadata.Distribution | None:
+  """The installed distribution (its metadata read once), or None if not installed."""
   try:
-    metadata = importlib.metadata.metadata(DISTRIBUTION)
-    requirements = importlib.metadata.requires(DISTRIBUTION) or []
+    return importlib.metadata.distribution(DISTRIBUTION)
   except importlib.metadata.PackageNotFoundError:
     return None
-  ranges = {"Python": SpecifierSet(metadata.get("Requires-Python") or "")}
-  for line in requirements:
+
+
+def supported(distribution: importlib.metadata.Distribution | None = None) -> dict[str, SpecifierSet] | None:
+  """``{"Python": ..., "TensorFlow": ..., "Keras": ...}`` from the installed metadata; None if not installed."""
+  distribution = distribution or _distribution()
+  if distribution is None:
+    return None
+  ranges = {"Python": SpecifierSet(distribution.metadata.get("Requires-Python") or "")}
+  for line in distribution.requires or []:
     requirement = Requirement(line)
     if requirement.name in _TENSORFLOW_NAMES:
       ranges["TensorFlow"] = requirement.specifier
@@ -103,10 +109,10 @@ def check() -> None:
   """Raises ImportError, saying what to install, if Python, TensorFlow or Keras is outside the supported ranges."""
   if os.environ.get(SKIP_VARIABLE, "") not in ("", "0"):
     return
-  ranges = supported()
-  if ranges is None:
+  distribution = _distribution()
+  if distribution is None:
     return
-  version = importlib.metadata.version(DISTRIBUTION)
+  ranges, version = supported(distribution), distribution.version
   found = {"Python": (platform.python_version(), f" at {sys.executable}")}
   messages = problems(ranges, found, version)
   if not messages:  # TensorFlow's import is needed anyway; Keras's version is read from its metadata

@@ -4,7 +4,7 @@
   saved as a script (as a reader pasting the page into a file would), from the
   repository. A block of another library's code that cannot run here
   starts with ``# Not run here:`` and the reason; it may not use this project.
-* Every ``sh`` line is checked: ``pip install`` names only extras ``setup.py``
+* Every ``sh`` line is checked: ``pip install`` names only extras the package
   defines, ``python -m module`` names a module whose ``--help`` lists every
   ``--flag`` the line passes, anything else is in ``OTHER_COMMANDS``.
 * ``text`` blocks are output or foreign configuration, shown as is.
@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import re
 import shlex
@@ -97,9 +98,7 @@ def _help(module: str) -> str:
 
 
 def _extras() -> set[str]:
-  with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
-    source = f.read()
-  return set(re.findall(r'^\s+"([\w-]+)": \[', source[source.index("extras_require"):], re.M))
+  return set(importlib.metadata.metadata("replicator").get_all("Provides-Extra"))
 
 
 def _check_command(page: str, command: str) -> None:

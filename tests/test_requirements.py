@@ -50,7 +50,7 @@ def test_missing_and_prerelease_versions():
 
 
 def test_check_raises_import_error_unless_skipped(monkeypatch):
-  monkeypatch.setattr(_requirements, "supported", lambda: dict(RANGES, TensorFlow=SpecifierSet(">=9")))
+  monkeypatch.setattr(_requirements, "supported", lambda _: dict(RANGES, TensorFlow=SpecifierSet(">=9")))
   monkeypatch.delenv(_requirements.SKIP_VARIABLE, raising=False)
   with pytest.raises(ImportError, match=r"supports TensorFlow >=9, but found TensorFlow 2\.\d+"):
     _requirements.check()
