@@ -24,6 +24,7 @@ from replicator._errors import ReplicaContextError
 from replicator._errors import ReplicaInvarianceError
 from replicator._errors import ReplicasDivergedError
 from replicator._errors import ReplicatorError
+from replicator._errors import StepFailedError
 from replicator._errors import UnreplicatedStateError
 from replicator._errors import UnsupportedError
 from replicator._errors import VariableCreationError
@@ -40,7 +41,7 @@ from replicator._version import __version__ as __version__  # re-exported
 # Errors print as replicator.VariableCreationError, not replicator._errors.VariableCreationError.
 for _error in (ArgumentError, ArgumentTypeError, ClusterConfigError, CollectiveInControlFlowError, EndOfInput,
                InputMismatchError, OutputMismatchError, ReplicaContextError, ReplicaInvarianceError,
-               ReplicasDivergedError, ReplicatorError,
+               ReplicasDivergedError, ReplicatorError, StepFailedError,
                UnreplicatedStateError, UnsupportedError, VariableCreationError, WorkerUnavailableError):
   _error.__module__ = __name__
 del _error
@@ -66,6 +67,7 @@ __all__ = (
     "ReplicatedVariable",
     "Replicator",
     "ReplicatorError",
+    "StepFailedError",
     "UnreplicatedStateError",
     "UnsupportedError",
     "VariableCreationError",

@@ -66,6 +66,14 @@ def _replica_spec(spec: tf.TensorSpec, parts: int | None) -> tf.TensorSpec:
   return tf.TensorSpec([rows] + spec.shape.as_list()[1:], spec.dtype)
 
 
+ITERATED_IN_FUNCTION = (
+    "A dataset made by repl.distribute_dataset(...) was iterated while a tf.function is being traced (graph "
+    "{graph!r}). It is iterated from Python: inside a function, the loop would never end (its `next` gives "
+    "symbolic batches and never stops). Fix: loop in Python, `for batch in dist: repl.run(step_fn, inputs=batch)`; "
+    "or let the replicator loop in its own graph: repl.run(step_fn, dist, steps=k)."
+)
+
+
 class DistributedDataset:
   """A dataset of global batches whose every batch is split across the replicas.
 
@@ -109,7 +117,10 @@ class DistributedDataset:
     return self._dataset
 
   def __iter__(self) -> Iterator[PerReplica]:
-    """Yields a ``PerReplica`` of per-replica batches for each global batch."""
+    """Yields a ``PerReplica`` of per-replica batches for each global batch (from Python, not in a tf.function)."""
+    if not tf.executing_eagerly():  # a Python loop in a graph never ends: its `next` never raises
+      raise _errors.ReplicaContextError(ITERATED_IN_FUNCTION.format(
+          graph=getattr(tf.compat.v1.get_default_graph(), "name", "?")))
     with tf.device(self.host_device):
       for element in self._dataset:
         parts = split(element, self.num_pipelines)

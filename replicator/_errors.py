@@ -80,6 +80,25 @@ class ReplicasDivergedError(ReplicatorError, RuntimeError):
     self.variables = list(variables)
 
 
+class StepFailedError(ReplicatorError, RuntimeError):
+  """A step failed at run time (an assertion, a ``check_numerics``, a bad index).
+
+  The error raised is also an instance of the TensorFlow error's class
+  (``tf.errors.InvalidArgumentError``, ...), which is its ``__cause__``.
+
+  Attributes:
+    op: the name of the op that failed, as traced (None if unknown).
+    location: the user's source line that made it ("file.py:12 in step_fn").
+    devices: how many devices reported the failure.
+    restored: whether every variable the step writes was restored (``atomic``).
+  """
+
+  op: str | None = None
+  location: str | None = None
+  devices: int = 0
+  restored: bool = False
+
+
 class EndOfInput(ReplicatorError, StopIteration):
   """``repl.run`` found no more input: the epoch is over."""
 

@@ -26,10 +26,13 @@ import tree
 
 import rewrite
 from replicator import _access
+from replicator import _atomic
 from replicator import _callables
 from replicator import _captures
+from replicator import _consistency
 from replicator import _context
 from replicator import _errors
+from replicator import _failures
 from replicator import _lifting
 from replicator import _optimizer
 from replicator import _primitives
@@ -107,27 +110,73 @@ class GlobalStep:
   output_names: list
   structure: Any
   function: Any = None
+  plain_function: Any = None  # the step without keeping written values (concrete(atomic=False))
   ownership: _partition_owners.Ownership | None = None  # the sharded update's owners
   report: rewrite.PartitionReport | None = None  # what repl.explain returns
   accumulating: tuple = ()  # wrapped optimizers accumulating gradients in the step (their phase is traced)
 
   loops: dict = dataclasses.field(default_factory=dict)  # steps k -> tf.function of k steps over an iterator
+  snapshot: _atomic.Snapshot | None = None  # all-or-nothing calls: the written components' shadows
+  locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
+  written: _consistency.Written | None = None  # replicated components the step writes (atomic=False: checked)
 
-  def concrete(self, specs):
-    """The step as one function of the flattened global batch (imported on first use)."""
-    if self.function is None:
+  def _captured(self) -> dict:
+    """The step's captured values in the function being built; written variables kept first (atomic)."""
+    input_map = self.captures.input_map()
+    return self.snapshot.keep(input_map) if self.snapshot is not None else input_map
+
+  def _import(self, args, captured: dict) -> list:
+    input_map = dict(zip(self.input_names, args))
+    input_map.update((name, tf.identity(t)) for name, t in captured.items())  # identity: into a loop's body
+    return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, return_elements=self.output_names,
+                                          name="step")
+
+  def _release(self) -> None:
+    if self.snapshot is not None:
+      self.snapshot.release(_atomic.function_ops())
+
+  def concrete(self, specs, atomic: bool = True):
+    """The step as one function of the flattened global batch (imported on first use).
+
+    ``atomic=False``: without keeping the written values, for a caller that
+    cannot restore them (a step called in another function's graph: Keras's).
+    """
+    if (self.function if atomic else self.plain_function) is None:
 
       def call(*args):
-        input_map = dict(zip(self.input_names, args))
-        input_map.update(self.captures.input_map())
-        return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map,
-                                              return_elements=self.output_names, name="step")
+        outputs = self._import(args, self._captured() if atomic else self.captures.input_map())
+        if atomic:
+          self._release()
+        return outputs
 
-      self.function = tf.function(call, autograph=False).get_concrete_function(*specs)
-    return self.function
+      function = tf.function(call, autograph=False).get_concrete_function(*specs)
+      if atomic:
+        self.function = function
+      else:
+        self.plain_function = function
+    return self.function if atomic else self.plain_function
+
+  def _run(self, function, args):
+    """``function(*args)``; a failure restores what the call wrote (atomic) and says one line."""
+    try:
+      return function(*args)
+    except tf.errors.OpError as e:
+      if self.snapshot is not None:
+        self.snapshot.restore()
+      if isinstance(e, tf.errors.OutOfRangeError):
+        raise
+      found = self.written.diverged() if self.written is not None and self.snapshot is None else []
+      if found:
+        raise _errors.ReplicasDivergedError(
+            _consistency.DIVERGED.format(error=_errors.root_cause(e.message), **_consistency.describe(found)),
+            found) from e
+      raise _failures.step_failed(e, self.locate, len(self.plan.devices), self.snapshot is not None) from e
 
   def __call__(self, flat_args):
-    flat = self.concrete([tf.TensorSpec(a.shape, a.dtype) for a in flat_args])(*flat_args)
+    specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
+    if not tf.executing_eagerly():  # called in another function's graph (Keras's): its caller sees a failure
+      return tree.unflatten_as(self.structure, list(self.concrete(specs, atomic=False)(*flat_args)))
+    flat = self._run(self.concrete(specs), flat_args)
     return tree.unflatten_as(self.structure, list(flat))
 
   def run_steps(self, iterator, element, steps: int, all_steps: bool = False):
@@ -135,17 +184,19 @@ class GlobalStep:
 
     Returns the last step's results (``all_steps``: every step's, stacked
     along a new leading dimension) and the number of steps run (fewer at the
-    end of the dataset).
+    end of the dataset). The call is all or nothing: if a step fails, none of
+    its steps' writes stay (``atomic``).
     """
     loop = self.loops.get((steps, all_steps))
     if loop is None:
-      function = self.concrete([tf.TensorSpec(a.shape, a.dtype) for a in tree.flatten(element)])
 
       def keep(kept, i, outputs):
         """What the loop carries of a step's ``outputs``: the outputs, or ``kept`` arrays with them written at ``i``."""
         return [a.write(i, o) for a, o in zip(kept, outputs)] if all_steps else list(outputs)
 
       def run(first, it):
+        captured = self._captured()
+
         def cond(i, more, *_):
           return tf.logical_and(i < steps, more)
 
@@ -154,7 +205,7 @@ class GlobalStep:
           optional = it.get_next_as_optional()
 
           def step():
-            return [tf.constant(True)] + keep(kept, i, function(*tree.flatten(optional.get_value())))
+            return [tf.constant(True)] + keep(kept, i, self._import(tree.flatten(optional.get_value()), captured))
 
           def stop():
             return [tf.constant(False)] + list(kept)
@@ -162,13 +213,15 @@ class GlobalStep:
           more, *kept = tf.cond(optional.has_value(), step, stop)
           return [i + tf.cast(more, tf.int32), more] + kept
 
-        outputs = list(function(*first))
+        outputs = list(self._import(first, captured))
         arrays = [tf.TensorArray(o.dtype, size=0, dynamic_size=True, element_shape=o.shape) for o in outputs]
         count, more, *kept = tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + keep(arrays, 0, outputs))
-        return [count, more] + ([a.stack() for a in kept] if all_steps else kept)
+        results = [count, more] + ([a.stack() for a in kept] if all_steps else kept)
+        self._release()
+        return results
 
       loop = self.loops[(steps, all_steps)] = tf.function(run, autograph=False)
-    count, _, *flat = loop(tree.flatten(element), iterator)
+    count, _, *flat = self._run(loop, (tree.flatten(element), iterator))
     return tree.unflatten_as(self.structure, flat), int(count)
 
 
@@ -254,7 +307,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
                                                        value=changed.group(4))) from None
   graph = concrete.graph
   # A variable made outside the Replicator is one resource: every device's copy of a write would write it.
-  _step.check_writes(graph, _access.written_placeholders(graph), replicated=lambda h: id(h) in trace.owners)
+  written = _access.written_placeholders(graph)
+  _step.check_writes(graph, written, replicated=lambda h: id(h) in trace.owners)
   given = {}
   for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
     given[placeholder.name] = _batch_layout(spec, () if i in whole else axes)
@@ -307,12 +361,18 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   plan = rewrite.plan(expansion.records, mesh, choose)
   rewritten = rewrite.apply(expansion.graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   report = _report(graph, partition, plan, mesh, trace, element_spec, ownership)
+  written_handles = [(f"handle_{k}_{r}:0", h) for k, (external, internal) in enumerate(graph.captures)
+                     if internal.name in handles and internal.op.name in written
+                     for r, h in enumerate(handles[internal.name])]
+  snapshot = _atomic.Snapshot(written_handles) if replicator._atomic else None  # pylint: disable=protected-access
   return GlobalStep(
       partition=partition, plan=plan, report=report, graph_def=rewritten.graph_def, ownership=ownership,
       input_names=[t.name for t in inputs],
       captures=_captures.Captures(fed + list(rewritten.external_inputs.items())),
       output_names=[rewritten.output_name(per_device[0]) for per_device in expansion.outputs],  # all whole
-      structure=structure["value"], accumulating=tuple(trace.accumulating))
+      structure=structure["value"], accumulating=tuple(trace.accumulating), snapshot=snapshot,
+      written=_consistency.Written([h for _, h in written_handles]),
+      locate=_failures.locator(graph, strip_replica=True))
 
 
 UPDATES = ("auto", "sharded", "replicated")

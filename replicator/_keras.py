@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 import weakref
 
 import tensorflow as tf
@@ -85,6 +86,14 @@ DYNAMIC_BATCH = (
     "datasets batched without drop_remainder=True). Fix: pass a tf.data.Dataset batched with "
     "drop_remainder=True (e.g. tf.data.Dataset.from_tensor_slices((x, y)).batch(64, drop_remainder=True)), or "
     "arrays whose rows batch_size divides."
+)
+PER_REPLICA_FIT = (
+    "model.{what} in a global-view Replicator: Keras traced its step with batches of unknown size (NumPy arrays "
+    "whose rows batch_size does not divide, or a dataset batched without drop_remainder=True), which the global "
+    "view cannot trace at static global shapes; with no variable split, the step runs data-parallel per replica "
+    "instead. The results equal one device's except for random ops: each replica draws its own stream, so a "
+    "Dropout mask differs from one device's. Fix, for results equal to one device: pass a tf.data.Dataset batched "
+    "with drop_remainder=True, or arrays whose rows batch_size divides."
 )
 ACCUMULATING = (
     "An optimizer wrapped with accumulation_steps > 1 is used by a Keras train_step run by "
@@ -188,7 +197,28 @@ class KerasStrategy(tf.distribute.Strategy):
       if replicator._view != "global":  # pylint: disable=protected-access
         raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
       return run_global(replicator, fn, args[0], what, f"{variable.path!r} has layout {layout.spec}")
+    if replicator._view == "global" and _static(args[0]):  # pylint: disable=protected-access
+      # One program at global shapes, as for a split model: random ops (Dropout) draw what one device draws.
+      return run_global(replicator, fn, args[0], what, "")
+    if replicator._view == "global":  # pylint: disable=protected-access
+      _warn_per_replica_draws(model, what)
     return run_in_graph(replicator, fn, args[0])
+
+
+def _static(data) -> bool:
+  """Whether every tensor of a batch has a static shape (the global view traces at static shapes)."""
+  leaves = tree.flatten(data)
+  return bool(leaves) and all(isinstance(t, tf.Tensor) and t.shape.is_fully_defined() for t in leaves)
+
+
+def _warn_per_replica_draws(model, what: str) -> None:
+  """Warns (once per model that draws random numbers) that a step of batches of unknown size runs per replica."""
+  if getattr(model, "_replicator_warned_dynamic", False):
+    return
+  if not any("seed_generator" in getattr(v, "path", "") for v in getattr(model, "variables", None) or ()):
+    return  # nothing drawn at random (Keras layers that draw own a SeedGenerator's state): equal to one device
+  model._replicator_warned_dynamic = True  # pylint: disable=protected-access
+  warnings.warn(PER_REPLICA_FIT.format(what=what), stacklevel=_primitives.user_stacklevel())
 
 
 def _model_of(fn):
@@ -259,7 +289,8 @@ def run_in_graph(replicator, fn, data):
   source = GlobalBatch(data, pipelines)
   step = replicator._compiled_keras(fn, source, _weighted(replicator))  # pylint: disable=protected-access
   tensors = [t for t in tree.flatten(data) if t is not None]
-  results = step.unflatten(step._import(source.fetch(tensors)))  # pylint: disable=protected-access
+  # Keras's own tf.function runs this step: a failure surfaces from its call, where nothing is restored.
+  results = step.unflatten(step._import(source.fetch(tensors), step.captures.input_map()))  # pylint: disable=protected-access
   if getattr(fn, "__name__", "") in KERAS_STEPS:
     return results[0]  # metrics: combined across replicas, the same on each
   firsts = [pipelines.index(p) for p in range(max(pipelines) + 1)]  # one replica per batch part

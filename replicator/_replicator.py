@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -222,12 +223,20 @@ class Replicator:
       (default), sharded on the CPUs of one process, as
       ``wrap_optimizer(update="auto")`` does for the local view (where this
       argument has no effect). Results are the same either way.
+    atomic: a call of :meth:`run` that fails at run time (an assertion, a
+      ``check_numerics``, on any device) writes no variable: each variable
+      the step writes is kept at the start of the call and written back after
+      a failure (True, the default; one copy of the written variables per
+      call, see the docs' Performance page). False keeps no copy: a failed
+      step may leave some devices' copies written, which is detected for
+      replicated variables (``ReplicasDivergedError``) but not for sharded
+      ones. Keras's ``fit`` steps are not covered (Keras calls them).
   """
 
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
                batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False,
-               view: str = "local", strict: bool = False, update: str = "auto"):
+               view: str = "local", strict: bool = False, update: str = "auto", atomic: bool = True):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
@@ -236,6 +245,11 @@ class Replicator:
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
     self._view = _check_view(view)
     self._strict = bool(strict)
+    if not isinstance(atomic, bool):
+      raise _errors.ArgumentTypeError(
+          f"Replicator(atomic={atomic!r}): expected True (a step that fails writes no variable; the default) or "
+          f"False (no copy kept; a failed step may leave some devices' variables written), a bool.")
+    self._atomic = atomic
     if update not in _global_view.UPDATES:
       raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")
     self._update = update
@@ -278,6 +292,8 @@ class Replicator:
     self.steps_run = 0
     self._diverged = None  # (what a failed step wrote, its error) while the replicas' copies differ
     self._last_distributed = None  # weakrefs to the last dataset run on and its DistributedDataset
+    # One call at a time: two calls of one step at once would pair their collectives across calls.
+    self._running = threading.Lock()
 
   # -- placement ---------------------------------------------------------------
 
@@ -409,8 +425,14 @@ class Replicator:
       all_steps: return every step's results stacked along a new leading
         dimension (one entry per step run), instead of the last step's.
 
+    A call is all or nothing: if it fails at run time, no variable is written
+    on any device (``Replicator(atomic=True)``, the default). Calls from
+    several threads run one at a time.
+
     Raises:
       EndOfInput: the input ended before any step ran (a ``StopIteration``).
+      StepFailedError: an op of the step failed at run time (also of the
+        TensorFlow error's class); no variable was written.
 
     Returns:
       The nest ``step_fn`` returns, with a ``PerReplica`` (one value per
@@ -418,6 +440,10 @@ class Replicator:
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
     self._check_called_from_python("run")
+    with self._running:
+      return self._run(step_fn, input_fn, inputs, steps, all_steps, view)
+
+  def _run(self, step_fn, input_fn, inputs, steps, all_steps, view):
     if self._layout_error is not None:
       raise self._layout_error
     if not isinstance(all_steps, bool):
@@ -469,10 +495,15 @@ class Replicator:
     step = self._global_step(step_fn, element)
     if steps > 1 and step.accumulating:
       raise _errors.ArgumentError(ACCUMULATING_STEPS.format(steps=steps))
-    if steps == 1 and not all_steps:
-      results, self.steps_run = step(tree.flatten(element)), 1
-    else:
-      results, self.steps_run = step.run_steps(iterator, element, steps, all_steps)
+    self._check_replicas_agree()
+    try:
+      if steps == 1 and not all_steps:
+        results, self.steps_run = step(tree.flatten(element)), 1
+      else:
+        results, self.steps_run = step.run_steps(iterator, element, steps, all_steps)
+    except _errors.ReplicasDivergedError as e:  # Replicator(atomic=False)
+      self._diverged = (step.written, str(e.__cause__ and _errors.root_cause(e.__cause__.message)))
+      raise
     for optimizer in step.accumulating:
       optimizer.advance(self.steps_run)
     return results

@@ -24,11 +24,13 @@ import tree
 
 import rewrite
 from replicator import _access
+from replicator import _atomic
 from replicator import _callables
 from replicator import _captures
 from replicator import _consistency
 from replicator import _context
 from replicator import _errors
+from replicator import _failures
 from replicator import _gradient_registry
 from replicator import _inputs
 from replicator import _invariance
@@ -79,12 +81,19 @@ class CompiledStep:
   source: _inputs.Source
   accumulating: tuple = ()  # gradient-accumulating optimizers the step uses
   written: _consistency.Written | None = None  # replicated state the step writes
+  snapshot: _atomic.Snapshot | None = None  # all-or-nothing calls: the written components' shadows
+  locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
   _executables: dict = dataclasses.field(default_factory=dict)
 
-  def _import(self, flat_elements) -> list[tf.Tensor]:
+  def _captured(self) -> dict[str, tf.Tensor]:
+    """The step graph's captured tensors in the function being built; written variables kept first (atomic)."""
+    input_map = self.captures.input_map()
+    return self.snapshot.keep(input_map) if self.snapshot is not None else input_map
+
+  def _import(self, flat_elements, captured: dict[str, tf.Tensor]) -> list[tf.Tensor]:
     # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
     input_map = {name: tf.identity(t) for name, t in zip(self.input_names, flat_elements)}
-    input_map.update(self.captures.input_map())
+    input_map.update((name, tf.identity(t)) for name, t in captured.items())
     if not self.output_names:
       tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, name="step")
       return []
@@ -104,9 +113,10 @@ class CompiledStep:
 
   def _build(self, steps: int, all_steps: bool):
     source = self.source
+    captured = {}  # the function's captured tensors, set by `atomic` before the step's ops are made
 
     def one_step(*flat_args):
-      return self._import(source.fetch(flat_args))
+      return self._import(source.fetch(flat_args), captured)
 
     def loop(*flat_args):
       arrays = [tf.TensorArray(d, size=0, dynamic_size=True, infer_shape=False) for d in self.output_dtypes]
@@ -115,7 +125,7 @@ class CompiledStep:
         has_value, get = source.fetch_optional(flat_args)
 
         def run():
-          outputs = self._import(get())
+          outputs = self._import(get(), captured)
           return [i + 1] + [a.write(i, o) for a, o in zip(arrays, outputs)]
 
         def stop():
@@ -136,7 +146,7 @@ class CompiledStep:
     # (an optimizer's step counter) may already have run.
     def guarded_step(*flat_args):
       has_value, get = source.fetch_optional(flat_args)
-      outputs = tf.cond(has_value, lambda: [tf.constant(1)] + list(self._import(get())),
+      outputs = tf.cond(has_value, lambda: [tf.constant(1)] + list(self._import(get(), captured)),
                         lambda: [tf.constant(0)] + [tf.zeros([0], d) for d in self.output_dtypes])
       return outputs
 
@@ -146,7 +156,15 @@ class CompiledStep:
       fn = guarded_step
     else:
       fn = loop
-    return tf.function(fn, autograph=False).get_concrete_function(*source.arg_specs)
+
+    def atomic(*flat_args):
+      captured.update(self._captured())
+      outputs = fn(*flat_args)
+      if self.snapshot is not None:
+        self.snapshot.release(_atomic.function_ops())
+      return outputs
+
+    return tf.function(atomic, autograph=False).get_concrete_function(*source.arg_specs)
 
   def __call__(self, args: list[tf.Tensor], steps: int = 1, all_steps: bool = False) -> tuple[list[Any], int]:
     """Runs the step; returns each replica's output nest and the number of steps run."""
@@ -156,15 +174,17 @@ class CompiledStep:
       function = self._executables[key] = self._build(steps, all_steps)
     try:
       flat = function(*args)
-    except tf.errors.OutOfRangeError:
-      raise _errors.EndOfInput(self.source.end_message()) from None
     except tf.errors.OpError as e:
-      found = self.written.diverged() if self.written is not None else []
+      if self.snapshot is not None:
+        self.snapshot.restore()  # all or nothing: the call wrote nothing
+      if isinstance(e, tf.errors.OutOfRangeError):
+        raise _errors.EndOfInput(self.source.end_message()) from None
+      found = self.written.diverged() if self.written is not None and self.snapshot is None else []
       if found:
         raise _errors.ReplicasDivergedError(
             _consistency.DIVERGED.format(error=_errors.root_cause(e.message), **_consistency.describe(found)),
             found) from e
-      raise
+      raise _failures.step_failed(e, self.locate, len(self.plan.devices), self.snapshot is not None) from e
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
     steps_run = steps
     if not self._single(steps, all_steps):
@@ -253,6 +273,10 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   _check_outputs(outputs)  # they are the usual cause of output mismatches
   written_state = _consistency.Written([external for external, internal in scratch.graph.captures
                                        if internal.op.name in written])
+  snapshot = None
+  if replicator._atomic:  # pylint: disable=protected-access
+    snapshot = _atomic.Snapshot([(internal.name, external) for external, internal in scratch.graph.captures
+                                 if internal.op.name in written])
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
   graph_def = _independent_replicas(graph_def)
   graph_def = _summaries.single_series(graph_def)
@@ -267,7 +291,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
-      accumulating=tuple(sorted(accumulating, key=id)), written=written_state)
+      accumulating=tuple(sorted(accumulating, key=id)), written=written_state, snapshot=snapshot,
+      locate=_failures.locator(scratch.graph, strip_replica=False))
 
 
 _REPLICA = re.compile(r"^replica_(\d+)/")

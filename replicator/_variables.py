@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
+import sys
 import threading
 import weakref
 
@@ -572,6 +573,7 @@ class ReplicatedVariable(tf.Variable):
   # -- checkpointing: one copy, restored into every component ------------------
 
   def _serialize_to_tensors(self):
+    _refuse_diverged(self)
     if not self._whole_on_each:  # the global value: restorable on any layout
       return {"VARIABLE_VALUE": self._aggregate()}
     return self._current()._serialize_to_tensors()  # pylint: disable=protected-access
@@ -745,6 +747,53 @@ def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> m
 def owner_of(handle):
   """The ReplicatedVariable whose component (or first-run flag) has ``handle``, or None."""
   return _OWNERS.get(id(handle))
+
+
+SAVE_DIVERGED = (
+    "Saving {name!r}: its copies differ between replicas since a step failed at run time ({error}) (replica {a} "
+    "vs replica {b}), so a checkpoint would store one replica's copy as if it were the value. Fix: restore the last "
+    "checkpoint, or assign the variable from outside a step, before saving (Replicator(atomic=True), the "
+    "default, leaves no such state)."
+)
+
+
+def _restoring() -> bool:
+  """Whether a checkpoint restore is asking (it serializes a variable to learn what to restore: the way back).
+
+  Told by the caller's frames: TensorFlow's restore (``tensorflow/python/checkpoint/restore.py``, TF 2.21) builds
+  its saveables from ``_serialize_to_tensors`` too, and no API says which of save or restore calls.
+  """
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  for _ in range(30):
+    if frame is None:
+      return False
+    if frame.f_code.co_filename.replace("\\", "/").endswith("checkpoint/restore.py"):
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _refuse_diverged(variable) -> None:
+  """Refuses to save ``variable`` while a failed step (``atomic=False``) has left its copies different."""
+  diverged = getattr(variable._replicator, "_diverged", None)  # pylint: disable=protected-access
+  if diverged is None or not tf.executing_eagerly() or _restoring():
+    return
+  written, error = diverged
+  for name, a, b in written.diverged():
+    if name == variable.name:
+      raise _errors.ReplicasDivergedError(SAVE_DIVERGED.format(name=name, error=error, a=a, b=b), [(name, a, b)])
+
+
+def component_of(handle) -> tf.Variable | None:
+  """The component (or first-run flag) of a variable the Replicator made whose handle is ``handle``, or None."""
+  variable = _OWNERS.get(id(handle))
+  if variable is None:
+    return None
+  flag = getattr(variable, "_initialized", None)
+  for component in variable.components + ((flag,) if flag is not None else ()):
+    if component.handle is handle:
+      return component
+  return None
 
 
 def is_replicated_handle(handle) -> bool:

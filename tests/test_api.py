@@ -8,7 +8,7 @@ import rewrite
 def test_replicator_public_names():
   assert set(replicator.__all__) == {
       "CollectiveInControlFlowError", "CollectiveMismatchError", "CrossReplicaBatchNorm", "DeviceError", "EndOfInput", "InputContext",
-      "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError", "ReplicaInvarianceError", "ReplicasDivergedError",
+      "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError", "ReplicaInvarianceError", "ReplicasDivergedError", "StepFailedError",
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
       "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "ArgumentError",
       "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus",

@@ -1,4 +1,4 @@
-"""A step is all-or-nothing for replicated state: after a run-time error the copies agree, or we say so.
+"""After a run-time error the copies agree: all as before (atomic, the default), or agreeing or named (atomic=False).
 
 Errors are injected with tf.debugging.check_numerics on each replica position,
 at each point of a training step: before the gradients, between their
@@ -18,8 +18,8 @@ POINTS = ("before_gradients", "before_update", "after_update")
 X = np.random.RandomState(0).randn(8, 3).astype(np.float32)
 
 
-def _setup(n=4, update="auto"):
-  repl = replicator.Replicator(cpus(n))
+def _setup(n=4, update="auto", atomic=True):
+  repl = replicator.Replicator(cpus(n), atomic=atomic)
   with repl.context():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
@@ -53,13 +53,14 @@ def _copies_agree(variables):
   return True
 
 
+@pytest.mark.parametrize("atomic", [True, False])
 @pytest.mark.parametrize("update", ["sharded", "replicated"])
 @pytest.mark.parametrize("point", POINTS)
-def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, update):
+def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, update, atomic):
   # Was: components [2.0, 1.0, 1.0, 1.0], iterations [5, 4, 4, 4], and the next checkpoint saved replica 0's.
   for replica in range(4):
     keras.backend.clear_session()
-    repl, model, optimizer, step, fail = _setup(update=update)
+    repl, model, optimizer, step, fail = _setup(update=update, atomic=atomic)
     inputs = replicator.PerReplica(np.split(X, 4))
     repl.run(step, inputs=inputs)  # built, one good step
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
@@ -72,6 +73,8 @@ def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, u
     except replicator.ReplicasDivergedError as e:
       assert f"injected at {point}" in str(e) and "Fix: restore the last checkpoint" in str(e)
       assert not _copies_agree(state)
+      with pytest.raises(replicator.ReplicasDivergedError, match=r"Saving .*copies differ between replicas.*Fix"):
+        checkpoint.write("/tmp/replicator_consistency_diverged")  # noqa: S108  (was: replica 0's copy, silently)
       fail.assign([-1, -1])
       with pytest.raises(replicator.ReplicasDivergedError, match=r"still differ since a step failed.*Fix: restore"):
         repl.run(step, inputs=inputs)
@@ -79,6 +82,10 @@ def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, u
       assert all(np.array_equal(v.numpy(), b) for v, b in zip(state, before))
     except tf.errors.InvalidArgumentError as e:
       assert f"injected at {point}" in str(e)
+      if atomic:  # nothing written: every copy as before
+        assert isinstance(e, replicator.StepFailedError) and e.restored
+        assert all(np.array_equal(v.numpy(), b) for v, b in zip(state, before))
+        assert _copies_agree(state)
     else:
       raise AssertionError("the injected error did not fail the step")
     assert _copies_agree(state), (point, replica)

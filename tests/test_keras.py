@@ -274,3 +274,41 @@ def test_a_model_trained_by_fit_exports_for_serving(tmp_path):
   model.export(str(tmp_path), verbose=False)
   served = tf.saved_model.load(str(tmp_path))
   np.testing.assert_allclose(served.serve(X).numpy(), model.predict(X, batch_size=16, verbose=0), atol=1e-5)
+
+
+def _dropout():
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu", name="d1"),
+                           keras.layers.Dropout(0.5), keras.layers.Dense(3, name="d2")])
+
+
+@pytest.mark.parametrize("mesh_shape,layouts", [
+    ({"batch": 4}, None), ({"batch": 2, "model": 2}, None), ({"batch": 2, "model": 2}, {"d1/kernel$": (None, "model")}),
+])
+def test_global_view_fit_with_dropout_equals_one_device_whatever_the_layouts(mesh_shape, layouts):
+  # Was: 9.1e-2 from one device on batch:8 and 8.2e-2 on 2x4 with no layouts (fit ran per replica, each replica
+  # drawing its own Dropout masks); 4.5e-7 with d1 split (the global view's one program).
+  ref = _compiled(_dropout)
+  ref_history = ref.fit(_global_batches(X), epochs=2, verbose=0)
+  keras.backend.clear_session()
+  repl = replicator.Replicator(mesh=mesh.Mesh(mesh_shape, devices=cpus(4)), view="global",
+                               layouts=None if layouts is None else mesh.LayoutMap(layouts))
+  with repl.context():
+    model = _compiled(_dropout)
+  _check_history_equal(model.fit(_global_batches(X), epochs=2, verbose=0), ref_history)
+  assert_every_copy(model.variables + model.optimizer.variables, ref.variables + ref.optimizer.variables, atol=1e-6)
+  np.testing.assert_allclose(model.evaluate(_global_batches(X, 32), verbose=0),
+                             ref.evaluate(_global_batches(X, 32), verbose=0), atol=1e-6)
+  np.testing.assert_allclose(model.predict(_global_batches(X, 32), verbose=0),
+                             ref.predict(_global_batches(X, 32), verbose=0), atol=1e-6)
+
+
+def test_global_view_fit_of_batches_of_unknown_size_warns_that_dropout_draws_per_replica():
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global")
+  with repl.context():
+    model = _compiled(_dropout)
+  with pytest.warns(UserWarning, match=r"batches of unknown size .* each replica draws its own stream"):
+    model.fit(X[:90], Y[:90], batch_size=16, epochs=1, verbose=0)  # 90 rows: a last batch of 10, unknown size
+  with repl.context():
+    plain = _compiled(_mlp)
+  plain.fit(X[:90], Y[:90], batch_size=16, epochs=1, verbose=0)  # nothing drawn: no warning (warnings are errors)

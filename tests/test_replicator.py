@@ -252,9 +252,18 @@ def test_run_inside_a_tf_function_or_a_step_says_how_to_loop():
 
   # (AutoGraph re-raises errors from inside the loop as its StagingError, keeping the message.)
   with pytest.raises((replicator.ReplicaContextError, tf.errors.OperatorNotAllowedInGraphError, Exception),
+                     match=r"repl.distribute_dataset\(...\) was iterated while a tf.function is being traced.*Fix: "
+                           r"loop in Python, `for batch in dist: repl.run\(step_fn, inputs=batch\)`.*steps=k"):
+    train_epoch()  # the loop is refused before its first repl.run
+
+  @tf.function
+  def one_step(x):
+    return repl.run(lambda x: x, inputs=x)
+
+  with pytest.raises((replicator.ReplicaContextError, Exception),
                      match=r"repl.run\(\) was called while a tf.function is being traced.*Fix: loop in Python, `for "
                            r"batch in repl.distribute_dataset\(ds\): repl.run\(step_fn, inputs=batch\)`.*steps=k"):
-    train_epoch()
+    one_step(tf.constant(1.0))
   with pytest.raises(replicator.ReplicaContextError, match=r"called inside a step being built \(replica 0.*steps do not "
                                                            r"nest"):
     repl.run(lambda: repl.run(lambda: tf.constant(1.0)))
@@ -320,3 +329,31 @@ def test_reused_and_distinct_step_functions_do_not_warn():
       for step in steps:
         repl.run(step)
   assert not caught
+
+
+def test_calls_from_two_threads_run_one_at_a_time_and_never_mix_replicas():
+  # Was: a call's outputs mixing two calls' elements ([384, 388, 384, 388]): their replicas read in turns.
+  import threading  # pylint: disable=import-outside-toplevel
+  repl = replicator.Replicator(cpus(4))
+
+  def batches(ctx):  # every replica's dataset: element i is [i, i]
+    del ctx
+    return tf.data.Dataset.range(400).map(lambda i: tf.fill([2], tf.cast(i, tf.float32)))
+
+  def step(x):
+    return tf.reduce_mean(x)
+
+  repl.run(step, batches)
+  calls = []
+
+  def worker():
+    for _ in range(60):
+      calls.append([float(v) for v in repl.run(step, batches).values])
+
+  threads = [threading.Thread(target=worker) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert all(len(set(call)) == 1 for call in calls), [c for c in calls if len(set(c)) > 1][:3]
+  assert sorted(call[0] for call in calls) == [float(i) for i in range(1, 121)]  # every batch once

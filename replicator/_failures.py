@@ -1,0 +1,113 @@
+"""What a step that fails at run time says: one line, the op, the user's line, the devices.
+
+TensorFlow reports a failed multi-device call as "Graph execution error",
+one "Detected at node" line and one root error per failing device, each with
+the nodes it was waiting for: a wall of text naming ops of the rewritten graph.
+:func:`step_failed` turns it into one line that says what failed (the first
+root error's message), where (the op and the user's source line that made it,
+found in the step's traced graph) and on how many devices, and whether the
+variables were kept as before the call. The error raised is a
+:class:`replicator.StepFailedError` that is also of the TensorFlow error's
+own class (``except tf.errors.InvalidArgumentError`` still catches a failed
+``tf.debugging.assert_*``), with the original error as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import tensorflow as tf
+
+from replicator import _errors
+from replicator import _primitives
+
+NOTHING_WRITTEN = "No variable was written: every device's copy is as it was before this call"
+NOTHING_WRITTEN_INPUT = " (the input it read is consumed)"
+MAY_BE_TORN = (
+    "Replicator(atomic=False): variables may have been written on some devices and not on others; restore a "
+    "checkpoint before the next step"
+)
+
+_NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
+_ROOT = re.compile(r"^\s*\((\d+)\) ([A-Z_]+): ?(.*)$")
+_LOCAL_NAME = re.compile(r"(?:^|/)(replica_\d+/.*)$")
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _class_for(tf_class: type) -> type:
+  """A subclass of both ``StepFailedError`` and ``tf_class`` (made once per class)."""
+  if tf_class not in _CLASSES:
+
+    def __init__(self, *args):  # TensorFlow's (node_def, op, message[, code]), not RuntimeError's, which comes first
+      tf_class.__init__(self, *args)
+
+    _CLASSES[tf_class] = type("StepFailedError", (_errors.StepFailedError, tf_class),
+                              {"__module__": "replicator", "__doc__": _errors.StepFailedError.__doc__,
+                               "__init__": __init__})
+  return _CLASSES[tf_class]
+
+
+def parse(message: str) -> tuple[str, str | None, int]:
+  """``(first root error, its failing node, number of root errors)`` of a TensorFlow error message."""
+  roots = [line for line in message.splitlines() if _ROOT.match(line)]
+  first = _errors.root_cause(message)
+  node = _NODE.search(message)
+  return first, node.group(1) if node else None, max(len(roots), 1)
+
+
+def locator(graph: tf.Graph, strip_replica: bool) -> Callable[[str], tuple[str, str] | None]:
+  """A function from a failing node's name to ``(traced op name, user location)``, found in ``graph``.
+
+  The node may be in the rewritten graph (``step/replica_1/...``, or in the
+  global view ``step/expand/replica_1/...``) or inside a function the step
+  calls (a ``tf.cond`` branch): the longest prefix of its name that names an
+  op of the traced graph is the op (a branch's op: the ``If`` that runs it).
+  """
+
+  def locate(node: str) -> tuple[str, str] | None:
+    match = _LOCAL_NAME.search(node)
+    name = match.group(1) if match else node
+    if strip_replica:
+      name = re.sub(r"^replica_\d+/", "", name)
+    parts = name.split("/")
+    for end in range(len(parts), 0, -1):
+      candidate = "/".join(parts[:end])
+      try:
+        op = graph.get_operation_by_name(candidate)
+      except (KeyError, ValueError):
+        continue
+      return op.name, _primitives.location_of(op)
+    return None
+
+  return locate
+
+
+def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str] | None] | None,
+                num_devices: int, restored: bool) -> Exception:
+  """The one-line error to raise (``from error``) for ``error``, a failed call of a step."""
+  first, node, failing = parse(error.message)
+  first = " ".join(first.split())
+  found = locate(node) if (locate is not None and node is not None) else None
+  where = ""
+  if found is not None:
+    op, location = found
+    where = f" at {location} (op {op!r})"
+  elif node is not None:
+    where = f" (node {node!r})"
+  devices = f"{min(failing, num_devices)} of {num_devices} devices"
+  state = NOTHING_WRITTEN + NOTHING_WRITTEN_INPUT if restored else MAY_BE_TORN
+  message = f"The step failed on {devices}{where}: {first}. {state}. The TensorFlow error is this error's __cause__."
+  cls = _class_for(type(error))
+  try:
+    if type(error) is tf.errors.OpError:
+      result = cls(error.node_def, error.op, message, error.error_code)
+    else:
+      result = cls(error.node_def, error.op, message)
+  except TypeError:  # an OpError subclass with another signature: our class alone
+    result = _errors.StepFailedError(message)
+  result.op, result.location, result.devices, result.restored = (
+      found[0] if found else None, found[1] if found else None, min(failing, num_devices), restored)
+  return result
