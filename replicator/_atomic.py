@@ -6,23 +6,26 @@ out-of-range index): by then some devices may have written some variables,
 and a sharded variable may be half updated. Nothing in a graph can undo a
 write, so the step keeps the values to return to:
 
-1. at the start of the call, each component the step writes is read and the
-   value kept in a *shadow* variable of its own (one per component, on its
-   device). TensorFlow variables are copy-on-write: a kept value shares the
-   variable's buffer, and the step's first in-place update of the variable
-   copies it instead (one copy per written variable per call, the whole cost
-   in time; its memory is held only while the call runs);
-2. every op of the step that uses a written variable waits for its value to
-   be kept (the step's handles pass through a ``tf.identity`` with the
-   keeping as control input);
-3. when every op of the call has run, the shadows are emptied (released);
-4. if the call fails, the shadows still hold the values of before the call:
-   :meth:`Snapshot.restore` writes them back (from Python), and empties them.
+1. at the start of the call, each component the step writes is read, and the
+   values of one device and dtype are kept together in one *shadow* variable
+   on that device, as a list (a ``TensorList``; a few shadows in all, not one
+   per component). TensorFlow variables are copy-on-write: a kept value shares
+   the variable's buffer, and the step's first in-place update of the variable
+   copies it instead (one copy per written variable per call: the whole cost in
+   time; its memory is held only while the call runs);
+2. every op of the step that uses a written variable waits for the values of
+   its device to be kept (the device's handles pass through one
+   ``tf.identity`` with the keeping as control input, ``_captures``);
+3. when every op of the call has run, the shadows are emptied;
+4. if the call fails, a shadow holding a full list still has the values of
+   before the call: :meth:`Snapshot.restore` writes them back (from Python),
+   and empties it. A shadow is written once, whole, so it is either full or
+   empty; an empty one's variables were not written (their uses wait for it).
 
 A loop of ``steps=k`` is one call: it succeeds or fails as a whole. Input read
 by a failed call stays read (an iterator cannot be rewound). Random draws from
 a ``tf.random.Generator`` are state in a variable, restored with the rest.
-Only public ops are used.
+Only public ops are used (``tf.raw_ops`` TensorList ops).
 """
 
 from __future__ import annotations
@@ -30,6 +33,21 @@ from __future__ import annotations
 import tensorflow as tf
 
 from replicator import _variables
+
+
+def _empty_list(dtype: tf.DType) -> tf.Tensor:
+  return tf.raw_ops.EmptyTensorList(element_shape=tf.constant(-1), max_num_elements=-1, element_dtype=dtype)
+
+
+class _Group:
+  """The written components of one device and dtype, and the shadow that keeps their values."""
+
+  def __init__(self, device: str, dtype: tf.DType):
+    self.device, self.dtype = device, dtype
+    self.members: list[tuple[str, tf.Variable]] = []  # (step graph name of the handle, component)
+    with tf.init_scope(), tf.device(device), _variables._creating_components():  # pylint: disable=protected-access
+      self.shadow = _variables._new_component(initial_value=_empty_list(dtype), trainable=False,  # pylint: disable=protected-access
+                                              name="kept_before_step")
 
 
 class Snapshot:
@@ -42,62 +60,73 @@ class Snapshot:
   """
 
   def __init__(self, written: list[tuple[str, tf.Tensor]]):
-    self._pairs: list[tuple[str, tf.Variable, tf.Variable]] = []  # (name, component, shadow)
-    with tf.init_scope():
-      for name, handle in written:
-        component = _variables.component_of(handle)
-        if component is None:
-          continue
-        with tf.device(component.device), _variables._creating_components():  # pylint: disable=protected-access
-          shadow = _variables._new_component(  # pylint: disable=protected-access
-              initial_value=tf.zeros([0], component.dtype), shape=tf.TensorShape(None), trainable=False,
-              name="shadow")
-        self._pairs.append((name, component, shadow))
+    groups: dict[tuple[str, tf.DType], _Group] = {}
+    self._group_of: dict[str, _Group] = {}
+    for name, handle in written:
+      component = _variables.component_of(handle)
+      if component is None:
+        continue
+      key = (component.device, component.dtype)
+      if key not in groups:
+        groups[key] = _Group(*key)
+      groups[key].members.append((name, component))
+      self._group_of[name] = groups[key]
+    self._groups = list(groups.values())
 
   def __len__(self) -> int:
-    return len(self._pairs)
+    return len(self._group_of)
 
   @property
   def names(self) -> list[str]:
     """The step graph's names of the handles the step writes (those kept)."""
-    return [name for name, _, _ in self._pairs]
+    return list(self._group_of)
 
-  def keep(self, input_map: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-    """In the function being built: keeps every written value; ``input_map`` with their handles made to wait."""
-    gated = dict(input_map)
-    for name, component, shadow in self._pairs:
-      handle = input_map[name]
-      with tf.device(component.device):
-        kept = shadow.assign(tf.raw_ops.ReadVariableOp(resource=handle, dtype=component.dtype), read_value=False)
-        with tf.control_dependencies([kept]):
-          gated[name] = tf.identity(handle)
-    return gated
+  def input_map(self, captures) -> dict[str, tf.Tensor]:
+    """In the function being built: ``captures``' input map, the written values kept before any use of them."""
+    return captures.input_map(gate=self._keep)
+
+  def _keep(self, handles: dict[str, tf.Tensor]) -> list[tf.Operation]:
+    """Keeps the values of the written ones among ``handles`` (one device's); the ops to wait for."""
+    kept = []
+    for group in {id(g): g for g in (self._group_of.get(n) for n in handles) if g is not None}.values():
+      if not all(name in handles for name, _ in group.members):
+        raise AssertionError("a device's written handles are captured together")  # Captures stacks per device
+      with tf.device(group.device):
+        values = _empty_list(group.dtype)
+        for name, component in group.members:
+          read = tf.raw_ops.ReadVariableOp(resource=handles[name], dtype=component.dtype)
+          values = tf.raw_ops.TensorListPushBack(input_handle=values, tensor=read)
+        kept.append(tf.raw_ops.AssignVariableOp(resource=group.shadow.handle, value=values))
+    return kept
 
   def release(self, ops: list[tf.Operation]) -> None:
     """In the function being built: empties the shadows once every op of ``ops`` has run."""
-    if not self._pairs:
+    if not self._groups:
       return
-    with tf.control_dependencies(ops):
-      done = tf.no_op(name="step_done")
-    empty = {}
-    with tf.control_dependencies([done]):
-      for _, component, shadow in self._pairs:
-        key = (component.device, component.dtype)
-        if key not in empty:
-          with tf.device(component.device):
-            empty[key] = tf.zeros([0], component.dtype)
-        with tf.device(component.device):
-          shadow.assign(empty[key], read_value=False)
+    by_device: dict[str, list[tf.Operation]] = {}
+    for op in ops:
+      by_device.setdefault(op.device, []).append(op)
+    done = []  # one wait per device: a control edge between devices costs a send and a receive
+    for device, group in by_device.items():
+      with tf.device(device), tf.control_dependencies(group):
+        done.append(tf.no_op(name="step_done"))
+    with tf.control_dependencies(done):
+      for group in self._groups:
+        with tf.device(group.device):
+          tf.raw_ops.AssignVariableOp(resource=group.shadow.handle, value=_empty_list(group.dtype))
 
   def restore(self) -> int:
     """After a failed call: writes back every kept value; returns how many components were restored."""
     restored = 0
-    for _, component, shadow in self._pairs:
-      value = shadow.read_value()
-      if value.shape == component.shape:  # kept by the failed call (an emptied shadow is [0])
-        component.assign(value)
-        restored += 1
-      shadow.assign(tf.zeros([0], component.dtype))
+    for group in self._groups:
+      with tf.device(group.device):
+        values = group.shadow.read_value()
+        if int(tf.raw_ops.TensorListLength(input_handle=values)) == len(group.members):  # kept by the failed call
+          for i, (_, component) in enumerate(group.members):
+            component.assign(tf.raw_ops.TensorListGetItem(input_handle=values, index=i,
+                                                          element_shape=tf.constant(-1), element_dtype=group.dtype))
+            restored += 1
+        group.shadow.assign(_empty_list(group.dtype))
     return restored
 
 

@@ -56,17 +56,45 @@ class Captures:
     """How many tensors a call passes for these captures."""
     return len(self.direct) + len(self.stacks)
 
-  def input_map(self) -> dict[str, tf.Tensor]:
+  def input_map(self, gate=None) -> dict[str, tf.Tensor]:
     """Step graph tensor name -> its value in the function graph being built.
 
     Captures the eager values into that graph; handles are unstacked on their
     own device.
+
+    Args:
+      gate: optional ``gate(handles) -> ops``: given ``{name: handle}`` of the
+        captures on one device (or a single capture), the ops the step's uses
+        of them must wait for. The handles given to ``gate`` are not gated.
     """
-    mapping = {name: capture(value) for name, value in self.direct}
-    for device, names, stacked in self.stacks:
+    if gate is None:
+      mapping = {name: capture(value) for name, value in self.direct}
+      for device, names, stacked in self.stacks:
+        with tf.device(device):
+          handles = tf.unstack(capture(stacked), num=len(names))
+        mapping.update(zip(names, handles))
+      return mapping
+    mapping = {}
+    direct: dict[str, dict[str, tf.Tensor]] = {}  # device -> {name: captured value}
+    for name, value in self.direct:
+      direct.setdefault(value.device, {})[name] = capture(value)
+    stacks = {device: (names, stacked) for device, names, stacked in self.stacks}
+    for device in list(direct) + [d for d in stacks if d not in direct]:
       with tf.device(device):
-        handles = tf.unstack(capture(stacked), num=len(names))
-      mapping.update(zip(names, handles))
+        handles = dict(direct.get(device, {}))
+        whole = None
+        if device in stacks:
+          names, stacked = stacks[device]
+          whole = capture(stacked)
+          handles.update(zip(names, tf.unstack(whole, num=len(names))))
+        waits = gate(handles)
+        if not waits:
+          mapping.update(handles)
+          continue
+        with tf.control_dependencies(waits):  # one wait for the device's stacked handles: unstacked again after it
+          mapping.update((name, tf.identity(h)) for name, h in direct.get(device, {}).items())
+          if whole is not None:
+            mapping.update(zip(names, tf.unstack(tf.identity(whole), num=len(names))))
     return mapping
 
 

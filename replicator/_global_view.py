@@ -122,12 +122,13 @@ class GlobalStep:
 
   def _captured(self) -> dict:
     """The step's captured values in the function being built; written variables kept first (atomic)."""
-    input_map = self.captures.input_map()
-    return self.snapshot.keep(input_map) if self.snapshot is not None else input_map
+    return self.snapshot.input_map(self.captures) if self.snapshot is not None else self.captures.input_map()
 
   def _import(self, args, captured: dict) -> list:
     input_map = dict(zip(self.input_names, args))
-    input_map.update((name, tf.identity(t)) for name, t in captured.items())  # identity: into a loop's body
+    graph = tf.compat.v1.get_default_graph()
+    # tf.identity captures a tensor of the enclosing graph into a loop's body or a branch.
+    input_map.update((name, t if t.graph is graph else tf.identity(t)) for name, t in captured.items())
     return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, return_elements=self.output_names,
                                           name="step")
 

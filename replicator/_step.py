@@ -87,13 +87,13 @@ class CompiledStep:
 
   def _captured(self) -> dict[str, tf.Tensor]:
     """The step graph's captured tensors in the function being built; written variables kept first (atomic)."""
-    input_map = self.captures.input_map()
-    return self.snapshot.keep(input_map) if self.snapshot is not None else input_map
+    return self.snapshot.input_map(self.captures) if self.snapshot is not None else self.captures.input_map()
 
   def _import(self, flat_elements, captured: dict[str, tf.Tensor]) -> list[tf.Tensor]:
     # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
     input_map = {name: tf.identity(t) for name, t in zip(self.input_names, flat_elements)}
-    input_map.update((name, tf.identity(t)) for name, t in captured.items())
+    graph = tf.compat.v1.get_default_graph()
+    input_map.update((name, t if t.graph is graph else tf.identity(t)) for name, t in captured.items())
     if not self.output_names:
       tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, name="step")
       return []
