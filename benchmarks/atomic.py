@@ -40,9 +40,10 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   replicator.virtual_cpus(4)
   import keras  # pylint: disable=import-outside-toplevel
-  import mesh  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+  import mesh  # pylint: disable=import-outside-toplevel
 
   x = np.random.RandomState(0).rand(args.batch * 4, args.width).astype(np.float32)
   y = np.random.RandomState(1).rand(args.batch * 4, 1).astype(np.float32)
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
     calls, written = {}, 0
     for atomic in (True, False):
       repl, step, written = setup(view, atomic)
-      calls[f"atomic={atomic}"] = lambda repl=repl, step=step: repl.run(step, dataset, steps=steps)
+      calls[f"atomic={atomic}"] = lambda repl=repl, step=step, steps=steps: repl.run(step, dataset, steps=steps)
     times = _timing.interleaved(calls, rounds=args.rounds, warmup=2, per_call={k: steps for k in calls})
     ratio = _timing.paired_ratio(times["atomic=True"], times["atomic=False"])
     record = dict(view=view, steps_per_call=steps, width=args.width, batch=args.batch,

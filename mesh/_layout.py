@@ -244,12 +244,22 @@ class LayoutMap:
 
   def lookup(self, path: str) -> tuple | None:
     """The spec for the variable at ``path``, or None if no key matches."""
+    found = self.match(path)
+    return None if found is None else found[1]
+
+  def match(self, path: str) -> tuple[str, tuple] | None:
+    """``(key, spec)`` of the key that matches ``path`` (exactly, else by ``re.search``), or None.
+
+    Examples:
+      >>> LayoutMap({"dense/kernel$": (None, "model")}).match("model/dense/kernel")
+      ('dense/kernel$', (None, 'model'))
+    """
     if path in self._entries:
-      return self._entries[path]
+      return path, self._entries[path]
     matches = [k for k in self._entries if re.search(k, path)]
     if len(matches) > 1:
       raise _errors.LayoutError(AMBIGUOUS_PATH.format(path=path, count=len(matches), patterns=matches))
-    return self._entries[matches[0]] if matches else None
+    return (matches[0], self._entries[matches[0]]) if matches else None
 
   def unmatched(self, paths: Sequence[str]) -> list[str]:
     """The keys that match none of ``paths`` (neither exactly nor by ``re.search``), in key order."""

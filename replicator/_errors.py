@@ -28,6 +28,11 @@ OTHER_REPLICATOR = (
 )
 
 
+ACCUMULATING_STEPS = (
+    "repl.run(steps={steps}) with an optimizer wrapped with accumulation_steps > 1 is not "
+    "supported: each step needs its own phase (accumulate or apply). Fix: run one step per call."
+)
+
 END_OF_DATASET = (
     "The input is exhausted: the dataset passed to repl.run has no more global batches. End the loop "
     "here (catch replicator.EndOfInput, or StopIteration), or repeat the dataset (dataset.repeat()) for "

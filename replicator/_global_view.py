@@ -180,13 +180,14 @@ class GlobalStep:
     flat = self._run(self.concrete(specs), flat_args)
     return tree.unflatten_as(self.structure, list(flat))
 
-  def run_steps(self, iterator, element, steps: int, all_steps: bool = False):
+  def run_steps(self, iterator, element, steps: int, all_steps: bool = False, stop=None):
     """Up to ``steps`` steps in one graph call, on ``element`` then the next batches of ``iterator``.
 
     Returns the last step's results (``all_steps``: every step's, stacked
     along a new leading dimension) and the number of steps run (fewer at the
     end of the dataset). The call is all or nothing: if a step fails, none of
-    its steps' writes stay (``atomic``).
+    its steps' writes stay (``atomic``). ``stop``: a ``_interrupt.StopFlag``
+    read before each step after the first.
     """
     loop = self.loops.get((steps, all_steps))
     if loop is None:
@@ -199,7 +200,8 @@ class GlobalStep:
         captured = self._captured()
 
         def cond(i, more, *_):
-          return tf.logical_and(i < steps, more)
+          going = tf.logical_and(i < steps, more)
+          return going if stop is None else tf.logical_and(going, stop.keep_going())
 
         def body(i, more, *kept):
           del more
@@ -436,14 +438,16 @@ def _report(graph, partition, plan, mesh, trace, element_spec, ownership=None) -
   paths = [path for path, _ in tree.flatten_with_path(element_spec)]
   inputs = {t.name: "input" + "".join(f"[{p!r}]" for p in path)
             for t, path in zip(graph.inputs[:len(paths)], paths)}
-  variables = {}
+  variables, chosen_by = {}, {}
   for external, internal in graph.captures:
     variable = trace.owners.get(id(external))
     if variable is not None:
       variables[internal.name] = tf.TensorSpec(variable.shape, variable.dtype, name=variable.name.split(":")[0])
+      chosen_by[internal.name] = variable._chosen_by  # pylint: disable=protected-access
   return rewrite.PartitionReport.from_partition(graph, partition, plan, mesh.shape, inputs=inputs,
                                                 variables=variables, outputs=graph.outputs,
-                                                locate=_primitives.location_of, ownership=ownership)
+                                                locate=_primitives.location_of, ownership=ownership,
+                                                chosen_by=chosen_by)
 
 
 def _split_axes(mesh, axes) -> tuple[str, ...]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import warnings
 import weakref
@@ -17,12 +16,15 @@ import tree
 import mesh as mesh_lib
 import rewrite
 from replicator import _callables
+from replicator import _collective_methods
 from replicator import _consistency
 from replicator import _context
 from replicator import _distributed_dataset
 from replicator import _errors
+from replicator import _global_run
 from replicator import _global_view
 from replicator import _inputs
+from replicator import _interrupt
 from replicator import _keras
 from replicator import _keras_distribution
 from replicator import _layout_check
@@ -31,12 +33,9 @@ from replicator import _primitives
 from replicator import _step
 from replicator import _values
 from replicator import _variables
+from replicator import _weak
 from replicator._values import PerReplica
 
-ACCUMULATING_STEPS = (
-    "repl.run(steps={steps}) with an optimizer wrapped with accumulation_steps > 1 is not "
-    "supported: each step needs its own phase (accumulate or apply). Fix: run one step per call."
-)
 NESTED_RUN = (
     "repl.{name}() was called inside a step being built (replica {replica} of a Replicator's "
     "step_fn): steps do not nest. Fix: call the inner step's function directly; it runs on this replica."
@@ -66,62 +65,6 @@ NO_BATCH_AXES = (
     "naming the axes to split the batch over (one of {names}), or batch_axes=() to give "
     "every device the same input."
 )
-
-
-def _attached(owner, name: str) -> "weakref.WeakKeyDictionary[Replicator, Any]":
-  """Per-Replicator state kept on ``owner`` (a dataset) itself, so that it lives exactly as long.
-
-  A map of the Replicator's from datasets to their iterators would keep every
-  dataset alive: an iterator reads its dataset. ``None`` gives a throwaway map.
-  """
-  if owner is None:
-    return weakref.WeakKeyDictionary()
-  return owner.__dict__.setdefault(name, weakref.WeakKeyDictionary())
-
-
-class _WeakCallableMap:
-  """A map keyed by callables that does not keep them alive (nor what they hold).
-
-  A bound method is keyed by its object and function (each attribute access
-  makes a new method object); its entry goes when the object goes. A
-  callable that cannot be weakly referenced is kept.
-  """
-
-  def __init__(self):
-    self._entries: dict[tuple, tuple[Callable[[], Any], Any]] = {}
-
-  def _key(self, fn) -> tuple[tuple, Any]:
-    if inspect.ismethod(fn):
-      return ("method", id(fn.__self__), fn.__func__), fn.__self__
-    return ("callable", id(fn)), fn
-
-  def get(self, fn):
-    key, owner = self._key(fn)
-    entry = self._entries.get(key)
-    return entry[1] if entry is not None and entry[0]() is owner else None
-
-  def set(self, fn, value) -> None:
-    key, owner = self._key(fn)
-    try:
-      ref = weakref.ref(owner, lambda _, key=key: self._entries.pop(key, None))
-    except TypeError:  # not weakly referenceable: kept
-      ref = lambda owner=owner: owner  # noqa: E731
-    self._entries[key] = (ref, value)
-
-  def setdefault(self, fn, default):
-    """The value for ``fn``, set to ``default`` first if there is none."""
-    value = self.get(fn)
-    if value is None:
-      self.set(fn, default)
-      value = default
-    return value
-
-  def values(self) -> list:
-    return [value for _, value in self._entries.values()]
-
-  def discard(self, value) -> None:
-    for key in [k for k, (_, v) in self._entries.items() if v is value]:
-      del self._entries[key]
 
 
 def _autograph(fn: Callable) -> Callable:
@@ -154,7 +97,7 @@ def _as_layout_map(layouts):
 
 
 @_context.no_autograph
-class Replicator:
+class Replicator(_collective_methods.CollectiveMethods):
   """Runs a single-device training step on several devices, in one graph.
 
   Variables created in :meth:`context` get one identical component per
@@ -254,12 +197,13 @@ class Replicator:
       raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")
     self._update = update
     self._global_owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (global view)
-    self._global_steps = _WeakCallableMap()  # step_fn -> {element spec: {phases: _global_view.GlobalStep}}
+    self._global_steps = _weak.CallableMap()  # step_fn -> {element spec: {phases: _global_view.GlobalStep}}
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
     self._layouts = _as_layout_map(layouts)
     self._variable_paths: dict[str, None] = {}  # every variable path looked up in the layouts, in order
+    self._chosen_by: dict[str, str | None] = {}  # variable path -> the layouts key that matched it (None: none)
     self._reported_layout_keys: set = set()
     self._layout_error: mesh_lib.LayoutError | None = None  # strict: a key that matches no variable
     if implementation != "auto":
@@ -268,12 +212,12 @@ class Replicator:
     self._autograph = autograph
     self._creator = _variables.make_creator(self)
     # Built steps by step_fn, released when the caller drops the step_fn: {source key: {phases: step}}.
-    self._steps = _WeakCallableMap()
+    self._steps = _weak.CallableMap()
     self._step_objects: dict[Any, int] = {}  # step function code -> objects built for it
     self._warned_new_steps = False
     self._keras_strategy = None
     # Input sources (their iterators) by input_fn, released when the caller drops the input_fn.
-    self._sources = _WeakCallableMap()
+    self._sources = _weak.CallableMap()
     self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
     self._lowerings: dict[str, rewrite.Lowering] = {}  # per-Replicator instances by name
@@ -294,6 +238,7 @@ class Replicator:
     self._last_distributed = None  # weakrefs to the last dataset run on and its DistributedDataset
     # One call at a time: two calls of one step at once would pair their collectives across calls.
     self._running = threading.Lock()
+    self._stop_flag = None  # _interrupt.StopFlag, made by the first call of several steps
 
   # -- placement ---------------------------------------------------------------
 
@@ -388,7 +333,9 @@ class Replicator:
   def layout_spec(self, path: str):
     """The layout spec the LayoutMap gives the variable at ``path`` (None: replicated)."""
     self._variable_paths[path] = None  # the paths the layouts are checked against (_layout_check)
-    return None if self._layouts is None else self._layouts.lookup(path)
+    found = None if self._layouts is None else self._layouts.match(path)
+    self._chosen_by[path] = None if found is None else found[0]  # what explain says chose the layout
+    return None if found is None else found[1]
 
   def _check_layouts(self) -> None:
     """After a build: report the layouts' keys that match no variable made so far (``_layout_check``).
@@ -451,15 +398,21 @@ class Replicator:
           f"repl.run(all_steps={all_steps!r}): expected True (every step's results, stacked) or False (the "
           f"last step's), a bool. Fix: all_steps=True.")
     if (self._view if view is None else _check_view(view)) == "global":
-      return self._run_global(step_fn, input_fn, inputs, steps, all_steps)
+      return _global_run.run(self, step_fn, input_fn, inputs, steps, all_steps)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
     if steps > 1 and step.accumulating:
-      raise _errors.ArgumentError(ACCUMULATING_STEPS.format(steps=steps))
+      raise _errors.ArgumentError(_errors.ACCUMULATING_STEPS.format(steps=steps))
     self._check_replicas_agree()
     try:
-      results, self.steps_run = step(source.call_args(), steps, all_steps)
+      if steps == 1:
+        results, self.steps_run = step(source.call_args(), steps, all_steps)
+      else:  # interruptible between steps
+        results, self.steps_run = self._stop.run(lambda: step(source.call_args(), steps, all_steps, self._stop))
+    except _interrupt.Interrupted as e:  # Ctrl-C: the steps run so far are kept and counted
+      self.steps_run = e.result[1]
+      raise
     except _errors.EndOfInput:
       self._forget(source)  # the epoch is over: the next run starts a new one
       raise
@@ -470,54 +423,16 @@ class Replicator:
       optimizer.advance(self.steps_run)
     return _values.combine(results)
 
-  def _run_global(self, step_fn, dataset, inputs, steps, all_steps):
-    """``steps`` steps of ``step_fn`` in the global view on the next global batches of ``dataset``."""
-    if isinstance(dataset, _distributed_dataset.DistributedDataset):
-      dataset = dataset.dataset  # its global batches: the partitioner splits them
-    if inputs is not None or not isinstance(dataset, tf.data.Dataset):
-      what = "inputs=..." if inputs is not None else type(dataset).__name__
-      raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=self.batch_axes))
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-      raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
-    if steps > 1 and not all(s.shape.is_fully_defined() for s in tree.flatten(dataset.element_spec)):
-      raise _errors.ArgumentError(
-          f"repl.run(steps={steps}) in the global view loops over global batches of one static shape, but the "
-          f"dataset's elements are {dataset.element_spec}. Fix: batch it with drop_remainder=True.")
-    iterators = _attached(dataset, "_replicator_global_iterator")  # goes with the dataset
-    iterator = iterators.get(self)
-    if iterator is None:
-      iterator = iterators[self] = iter(dataset)
-    try:
-      element = next(iterator)
-    except StopIteration:
-      del iterators[self]
-      raise _errors.EndOfInput(_errors.END_OF_DATASET) from None
-    step = self._global_step(step_fn, element)
-    if steps > 1 and step.accumulating:
-      raise _errors.ArgumentError(ACCUMULATING_STEPS.format(steps=steps))
-    self._check_replicas_agree()
-    try:
-      if steps == 1 and not all_steps:
-        results, self.steps_run = step(tree.flatten(element)), 1
-      else:
-        results, self.steps_run = step.run_steps(iterator, element, steps, all_steps)
-    except _errors.ReplicasDivergedError as e:  # Replicator(atomic=False)
-      self._diverged = (step.written, str(e.__cause__ and _errors.root_cause(e.__cause__.message)))
-      raise
-    for optimizer in step.accumulating:
-      optimizer.advance(self.steps_run)
-    return results
+  @property
+  def _stop(self) -> _interrupt.StopFlag:
+    """What a loop of steps reads before each step: Ctrl-C stops it (``_interrupt``)."""
+    if self._stop_flag is None:
+      self._stop_flag = _interrupt.StopFlag()
+    return self._stop_flag
 
   def _global_step(self, step_fn, element) -> _global_view.GlobalStep:
-    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).
-
-    Traced at static global shapes: the element's own (a partial last batch is
-    a new trace); and, as in the local view, one variant per combination of
-    accumulation phases of the wrapped optimizers it uses.
-    """
-    specs = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
-    variants = self._global_steps.setdefault(step_fn, {}).setdefault(str(specs), {})
-    return self._variant(variants, lambda: _global_view.build(self, step_fn, specs, self._choose))
+    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (``_global_run``)."""
+    return _global_run.step_for(self, step_fn, element)
 
   def _variant(self, variants: dict, build: Callable):
     """The step in ``variants`` (accumulation phases -> step) for the next phases, built by ``build()`` if new.
@@ -546,7 +461,7 @@ class Replicator:
     last = self._last_distributed
     if last is not None and last[0]() is dataset and last[1]() is not None:  # as the last call: no lookup
       return last[1]()
-    per_replicator = _attached(dataset, "_replicator_distributed")
+    per_replicator = _weak.attached(dataset, "_replicator_distributed")
     distributed = per_replicator.get(self)
     if distributed is None:
       distributed = per_replicator[self] = self.distribute_dataset(dataset)
@@ -622,7 +537,7 @@ class Replicator:
   def _forget(self, source: _inputs.Source) -> None:
     """Drops an exhausted input source (and its iterators)."""
     self._sources.discard(source)
-    _attached(source.distributed() if isinstance(source, _distributed_dataset.GlobalBatchInputs) else None,
+    _weak.attached(source.distributed() if isinstance(source, _distributed_dataset.GlobalBatchInputs) else None,
               "_replicator_sources").pop(self, None)
 
   def _compiled(self, step_fn, input_fn, inputs):
@@ -633,7 +548,7 @@ class Replicator:
     if isinstance(input_fn, tf.data.Dataset):  # global batches: split them across replicas
       input_fn = self._distributed_for(input_fn)
     if isinstance(input_fn, _distributed_dataset.DistributedDataset):
-      sources = _attached(input_fn, "_replicator_sources")  # on the dataset: goes with it
+      sources = _weak.attached(input_fn, "_replicator_sources")  # on the dataset: goes with it
       source = sources.get(self)
       if source is None:
         source = sources[self] = _distributed_dataset.GlobalBatchInputs(input_fn)
@@ -743,173 +658,6 @@ class Replicator:
     if accumulation_steps > 1:
       self._accumulating.add(wrapped)
     return wrapped
-
-  # -- collectives (inside step_fn) -----------------------------------------------------
-
-  def _axes(self, axis) -> tuple[str, ...]:
-    return self._mesh.normalize_axes(axis)
-
-  def all_reduce(self, x, op: str = "sum", *, axis=None):
-    """Reduces ``x`` (any nest of tensors) elementwise across replicas; all get the result.
-
-    A ``tf.IndexedSlices`` leaf with op "sum" or "mean" stays sparse: the
-    result is ``tf.IndexedSlices`` holding every replica's rows and indices,
-    in replica order (for "mean" the rows divided by the number of
-    replicas), whose dense value is the sum (mean). "max" and "min" of
-    ``tf.IndexedSlices`` are an error.
-
-    Examples:
-      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-      >>> def step_fn():
-      ...   rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([repl.replica_id]), tf.constant([4, 2]))
-      ...   return repl.all_reduce(rows).indices
-      >>> [t.numpy().tolist() for t in repl.run(step_fn)]
-      [[0, 1], [0, 1]]
-
-    Args:
-      x: a tensor or nest of tensors.
-      op: "sum", "mean", "max" or "min".
-      axis: mesh axis name or tuple of names to reduce over (default: all).
-    """
-    ctx = _primitives.require_context(self, "all_reduce")
-    return _primitives.all_reduce(ctx, x, op, self._axes(axis), _primitives.user_location())
-
-  def all_sum(self, x, *, axis=None):
-    """``all_reduce(x, "sum")``."""
-    ctx = _primitives.require_context(self, "all_sum")
-    return _primitives.all_reduce(ctx, x, "sum", self._axes(axis), _primitives.user_location())
-
-  def broadcast(self, x, source: int = 0, *, axis=None):
-    """Every replica gets replica ``source``'s value of ``x`` (any nest)."""
-    ctx = _primitives.require_context(self, "broadcast")
-    return _primitives.broadcast(ctx, x, source, self._axes(axis), _primitives.user_location())
-
-  def all_gather(self, x, axis=None, *, concat_dimension: int = 0):
-    """Concatenates the group's ``x`` (any nest) along tensor dimension ``concat_dimension``.
-
-    Every member of a group gets the members' values in group order (see
-    :meth:`axis_index`). If the dimension has no static size (a batch
-    dimension, say), members may hold different sizes along it.
-
-    Examples:
-      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-      >>> out = repl.run(lambda: repl.all_gather(tf.fill([1, 2], repl.replica_id)))
-      >>> out[1].numpy().tolist()
-      [[0, 0], [1, 1]]
-
-    Args:
-      x: a tensor or nest of tensors of rank >= 1.
-      axis: mesh axis name or tuple of names to gather over (default: all).
-      concat_dimension: the tensor dimension to concatenate along.
-
-    Raises:
-      TypeError: ``axis`` is an int. ``axis`` names mesh axes, as for every
-        collective; the tensor dimension is ``concat_dimension``.
-    """
-    ctx = _primitives.require_context(self, "all_gather")
-    if isinstance(axis, int):
-      raise _errors.ArgumentTypeError(_primitives.ALL_GATHER_INT_AXIS.format(axis=axis, names=self._mesh.axis_names))
-    return _primitives.all_gather(ctx, x, concat_dimension, self._axes(axis), _primitives.user_location())
-
-  def reduce_scatter(self, x, op: str = "sum", *, axis=None, scatter_dimension: int = 0):
-    """Reduces ``x`` (any nest) over the group; member i gets chunk i of the result.
-
-    The result is split into as many equal chunks along ``scatter_dimension``
-    as the group has members; the member at group position i (see
-    :meth:`axis_index`) gets chunk i. Equal to slicing :meth:`all_reduce`'s
-    result, with less communication.
-
-    Examples:
-      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-      >>> out = repl.run(lambda: repl.reduce_scatter(tf.range(4) * (repl.replica_id + 1)))
-      >>> [t.numpy().tolist() for t in out]  # [0, 1, 2, 3] + [0, 2, 4, 6], split in two
-      [[0, 3], [6, 9]]
-
-    The gradient is the members' upstream gradients gathered (for ``"mean"``
-    divided by the group size); for ``"max"``/``"min"`` it flows to the members
-    holding the extreme value, split equally between ties, as for
-    :meth:`all_reduce`.
-
-    Args:
-      x: a tensor or nest of numeric tensors of rank >= 1.
-      op: "sum", "mean", "max" or "min".
-      axis: mesh axis name or tuple of names to reduce over (default: all).
-      scatter_dimension: the tensor dimension to split; its static size must
-        be a multiple of the group size.
-    """
-    ctx = _primitives.require_context(self, "reduce_scatter")
-    return _primitives.reduce_scatter(ctx, x, op, scatter_dimension, self._axes(axis), _primitives.user_location())
-
-  def all_to_all(self, x, *, axis=None, split_dimension: int = 0, concat_dimension: int = 0):
-    """Exchanges chunks of ``x`` (any nest) between all members of the group.
-
-    Member i splits its ``x`` into as many equal chunks along
-    ``split_dimension`` as the group has members and sends chunk j to member
-    j; every member concatenates the chunks it receives, in the order of their
-    sources' group positions, along ``concat_dimension``.
-
-    Examples:
-      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-      >>> out = repl.run(lambda: repl.all_to_all(tf.constant([10, 20]) + repl.replica_id))
-      >>> [t.numpy().tolist() for t in out]  # [10, 20] and [11, 21] exchange halves
-      [[10, 11], [20, 21]]
-
-    Args:
-      x: a tensor or nest of tensors of rank >= 1.
-      axis: mesh axis name or tuple of names to exchange over (default: all).
-      split_dimension: the tensor dimension to split; its static size must be
-        a multiple of the group size.
-      concat_dimension: the tensor dimension to concatenate the received
-        chunks along.
-    """
-    ctx = _primitives.require_context(self, "all_to_all")
-    return _primitives.all_to_all(ctx, x, split_dimension, concat_dimension, self._axes(axis),
-                                  _primitives.user_location())
-
-  def permute(self, x, *, axis=None, perm):
-    """Sends ``x`` (any nest) from group members to others, as listed in ``perm``.
-
-    For every pair ``(source, destination)`` of group positions (see
-    :meth:`axis_index`) in ``perm``, the member at ``destination`` gets the
-    value of the member at ``source``. Members that are no destination get
-    zeros. Each position may be a source once and a destination once.
-
-    Examples:
-      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
-      >>> out = repl.run(lambda: repl.permute(tf.fill([2], repl.replica_id + 1), perm=[(0, 1)]))
-      >>> [t.numpy().tolist() for t in out]  # replica 1 gets replica 0's value
-      [[0, 0], [1, 1]]
-
-    Args:
-      x: a tensor or nest of tensors.
-      axis: mesh axis name or tuple of names whose groups the positions refer
-        to (default: all).
-      perm: a list of ``(source, destination)`` pairs, e.g. a ring shift
-        ``[(i, (i + 1) % n) for i in range(n)]``.
-    """
-    ctx = _primitives.require_context(self, "permute")
-    return _primitives.permute(ctx, x, perm, self._axes(axis), _primitives.user_location())
-
-  def axis_index(self, axis=None) -> tf.Tensor:
-    """This replica's position in its group along ``axis``: an int32 scalar tensor.
-
-    Positions are row-major over a tuple of axes (the last varies fastest) and
-    match the group order of the collectives. No communication: the value is
-    a constant known while the step is built.
-
-    Examples:
-      >>> import mesh
-      >>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
-      >>> repl = Replicator(mesh=m)
-      >>> [int(i) for i in repl.run(lambda: repl.axis_index("model"))]
-      [0, 1, 0, 1]
-
-    Args:
-      axis: mesh axis name or tuple of names (default: all, which gives the
-        replica id).
-    """
-    ctx = _primitives.require_context(self, "axis_index")
-    return _primitives.axis_index(ctx, self._axes(axis))
 
   # -- results (outside step_fn) --------------------------------------------------------
 

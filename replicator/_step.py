@@ -111,7 +111,7 @@ class CompiledStep:
     """Whether one unguarded step runs (no step count returned)."""
     return steps == 1 and not all_steps and not self.source.stateful
 
-  def _build(self, steps: int, all_steps: bool):
+  def _build(self, steps: int, all_steps: bool, stop=None):
     source = self.source
     captured = {}  # the function's captured tensors, set by `atomic` before the step's ops are made
 
@@ -134,8 +134,11 @@ class CompiledStep:
         results = tf.cond(has_value, run, stop)
         return [results[0], has_value] + list(results[1:])
 
-      i, _, *arrays = tf.while_loop(lambda i, more, *_: tf.logical_and(i < steps, more), body,
-                                    [tf.constant(0), tf.constant(True)] + arrays)
+      def cond(i, more, *_):
+        going = tf.logical_and(i < steps, more)
+        return going if stop is None else tf.logical_and(going, stop.keep_going())
+
+      i, _, *arrays = tf.while_loop(cond, body, [tf.constant(0), tf.constant(True)] + arrays)
       if all_steps:
         return [i] + [a.stack() for a in arrays]
       return [i] + [tf.cond(i > 0, lambda a=a: a.read(i - 1), lambda a=a, d=d: tf.zeros([0], d))
@@ -166,12 +169,16 @@ class CompiledStep:
 
     return tf.function(atomic, autograph=False).get_concrete_function(*source.arg_specs)
 
-  def __call__(self, args: list[tf.Tensor], steps: int = 1, all_steps: bool = False) -> tuple[list[Any], int]:
-    """Runs the step; returns each replica's output nest and the number of steps run."""
+  def __call__(self, args: list[tf.Tensor], steps: int = 1, all_steps: bool = False,
+               stop=None) -> tuple[list[Any], int]:
+    """Runs the step; returns each replica's output nest and the number of steps run.
+
+    ``stop``: a ``_interrupt.StopFlag`` a loop of steps reads before each step.
+    """
     key = (steps, all_steps)
     function = self._executables.get(key)
     if function is None:
-      function = self._executables[key] = self._build(steps, all_steps)
+      function = self._executables[key] = self._build(steps, all_steps, stop)
     try:
       flat = function(*args)
     except tf.errors.OpError as e:

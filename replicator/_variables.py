@@ -201,6 +201,7 @@ class ReplicatedVariable(tf.Variable):
     # home[i]: the component that holds device i's current value (see set_owner).
     self._home = tuple(range(len(self._components)))
     self._owner = None  # (position, axes) once a sharded update owns it (set_owner)
+    self._chosen_by = ""  # what chose its layout (a layouts key, its variable's for a slot), for repl.explain
     # A never-assigned handle of the global shape, made by the first read inside a
     # function that combines components (see _export); None until then.
     self._serving_handle = None
@@ -744,6 +745,17 @@ def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> m
   return None if layout.is_fully_replicated else layout
 
 
+def _chosen_by(replicator, path: str, reference) -> str:
+  """What chose a new variable's layout, as ``repl.explain`` shows it."""
+  reference = underlying(reference) if reference is not None else None
+  if reference is not None:
+    return f"as {reference.name.split(':')[0]} (a slot)"
+  key = replicator._chosen_by.get(path)  # pylint: disable=protected-access
+  if key is not None:
+    return f"key {key!r}"
+  return "no key matched" if replicator._layouts is not None else "no layouts"  # pylint: disable=protected-access
+
+
 def owner_of(handle):
   """The ReplicatedVariable whose component (or first-run flag) has ``handle``, or None."""
   return _OWNERS.get(id(handle))
@@ -915,6 +927,7 @@ def make_creator(replicator):
             initial = initial + offsets[i]
           components.append(_new_component(initial_value=initial, **kwargs))
     variable = ReplicatedVariable(components, replicator, offsets, layout)
+    variable._chosen_by = _chosen_by(replicator, path, reference)  # pylint: disable=protected-access
     if deferred is not None:
       _initialize_in_graph(variable, deferred, sum_on_read)
     if step is not None:

@@ -61,6 +61,8 @@ class TensorRow:
     bytes_per_device: bytes of one device's piece.
     owner: for a variable a sharded update keeps current on one device of each
       batch group only (an optimizer's slot): "position p along <axes>"; else "".
+    chosen_by: for a variable, what chose its layout, as the caller says it
+      (the layout map's key that matched its path, say); else "".
   """
 
   name: str
@@ -70,6 +72,7 @@ class TensorRow:
   layout: Layout
   bytes_per_device: int | None
   owner: str = ""
+  chosen_by: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +200,7 @@ class PartitionReport:
                      inputs: Mapping[str, str], variables: Mapping[str, tf.TensorSpec],
                      outputs: Sequence[tf.Tensor] = (),
                      locate: Callable[[tf.Operation], str] = lambda op: "<unknown location>",
-                     ownership=None) -> PartitionReport:
+                     ownership=None, chosen_by: Mapping[str, str] | None = None) -> PartitionReport:
     """The report of ``partition`` of ``graph``, expanded and planned into ``plan``.
 
     Args:
@@ -213,6 +216,7 @@ class PartitionReport:
       outputs: the step's outputs (gathered whole on every device).
       locate: the user's source line of an op.
       ownership: the sharded update's owners (``_partition_owners.Ownership``), if any.
+      chosen_by: tensor name of a variable's handle -> what chose its layout.
 
     Returns:
       The report.
@@ -220,8 +224,9 @@ class PartitionReport:
     mesh_shape = dict(mesh_shape)
     layouts = partition.layouts
     owned = ownership.variables if ownership is not None else {}
+    chosen_by = chosen_by or {}
     variable_rows = [_tensor_row(spec.name, name, spec.shape, spec.dtype, layouts.get(name), mesh_shape,
-                                 _owner_label(owned.get(name)))
+                                 _owner_label(owned.get(name)), chosen_by.get(name, ""))
                      for name, spec in variables.items()]
     input_rows = []
     for name, label in inputs.items():
@@ -295,11 +300,12 @@ class PartitionReport:
     for title, rows in (("Variables", self.variables), ("Inputs", self.inputs)):
       total = sum(r.bytes_per_device or 0 for r in rows)
       lines.append(f"\n{title} ({len(rows)}, {total:,} bytes/device):")
-      owners = any(r.owner for r in rows)
-      lines += _table(("name", "shape", "dtype", "layout", "bytes/device") + (("kept current on",) if owners else ()),
+      owners, chosen = any(r.owner for r in rows), any(r.chosen_by for r in rows)
+      lines += _table(("name", "shape", "dtype", "layout", "bytes/device") + (("kept current on",) if owners else ())
+                      + (("layout from",) if chosen else ()),
                       [(r.name, _format_shape(r.shape), r.dtype, format_layout(r.layout),
                         _format_bytes(r.bytes_per_device)) + ((r.owner or "every device",) if owners else ())
-                       for r in rows])
+                       + ((r.chosen_by,) if chosen else ()) for r in rows])
     lines.append(f"\nCollectives ({len(self.collective_rows)}, {self.bytes_per_step:,} bytes/step):")
     lines += _table(("#", "collective", "axes", "shape", "bytes/device", "bytes/step", "op", "why", "called at"),
                     [(str(r.index), f"{r.kind}({r.op})" if r.op else r.kind, ",".join(r.axes), _format_shape(r.shape),
@@ -350,14 +356,14 @@ def _owner_label(owner) -> str:
   return "" if owner is None else f"position {owner.position} along {','.join(owner.axes)}"
 
 
-def _tensor_row(label, name, shape, dtype, layout, mesh_shape, owner="") -> TensorRow:
+def _tensor_row(label, name, shape, dtype, layout, mesh_shape, owner="", chosen_by="") -> TensorRow:
   shape = tf.TensorShape(shape)
   dims = tuple(shape.as_list()) if shape.rank is not None else None
   nbytes = None
   if shape.is_fully_defined() and layout is not None and len(layout) == len(dims):
     pieces = math.prod(math.prod(mesh_shape[a] for a in axes) for axes in layout)
     nbytes = math.prod(dims) // pieces * tf.as_dtype(dtype).size
-  return TensorRow(label, name, dims, tf.as_dtype(dtype).name, layout, nbytes, owner)
+  return TensorRow(label, name, dims, tf.as_dtype(dtype).name, layout, nbytes, owner, chosen_by)
 
 
 def _gathered(source: Layout, target: Layout) -> tuple[tuple[int, tuple[str, ...]], ...]:

@@ -8,14 +8,15 @@ import tensorflow as tf
 
 import replicator
 
-MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator._values",
+MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator._collective_methods",
+           "replicator._values",
            "replicator._inputs", "replicator._context", "replicator._errors"]
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
   module = importlib.import_module(name)
-  result = doctest.testmod(module, extraglobs={"tf": tf, "replicator": replicator},
+  result = doctest.testmod(module, extraglobs={"tf": tf, "replicator": replicator, "Replicator": replicator.Replicator},
                            optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0, f"{name} has no doctest examples"
   assert result.failed == 0

@@ -1,0 +1,188 @@
+"""The collectives a step calls, as methods of the Replicator (``repl.all_reduce(...)`` and the others).
+
+Each method checks that a step of this Replicator is being built and leaves a
+placeholder (``_primitives``) that the rewrite matches across replicas and
+lowers to real communication. ``Replicator`` inherits them; its own module
+keeps the API's face (construction, variables, ``run``, results).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from replicator import _context
+from replicator import _errors
+from replicator import _primitives
+
+
+@_context.no_autograph
+class CollectiveMethods:
+  """``all_reduce``, ``all_sum``, ``broadcast``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``permute``, ``axis_index``.
+
+  Mixed into :class:`replicator.Replicator`; ``self._mesh`` is its mesh.
+  """
+
+  def _axes(self, axis) -> tuple[str, ...]:
+    return self._mesh.normalize_axes(axis)
+
+  def all_reduce(self, x, op: str = "sum", *, axis=None):
+    """Reduces ``x`` (any nest of tensors) elementwise across replicas; all get the result.
+
+    A ``tf.IndexedSlices`` leaf with op "sum" or "mean" stays sparse: the
+    result is ``tf.IndexedSlices`` holding every replica's rows and indices,
+    in replica order (for "mean" the rows divided by the number of
+    replicas), whose dense value is the sum (mean). "max" and "min" of
+    ``tf.IndexedSlices`` are an error.
+
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> def step_fn():
+      ...   rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([repl.replica_id]), tf.constant([4, 2]))
+      ...   return repl.all_reduce(rows).indices
+      >>> [t.numpy().tolist() for t in repl.run(step_fn)]
+      [[0, 1], [0, 1]]
+
+    Args:
+      x: a tensor or nest of tensors.
+      op: "sum", "mean", "max" or "min".
+      axis: mesh axis name or tuple of names to reduce over (default: all).
+    """
+    ctx = _primitives.require_context(self, "all_reduce")
+    return _primitives.all_reduce(ctx, x, op, self._axes(axis), _primitives.user_location())
+
+  def all_sum(self, x, *, axis=None):
+    """``all_reduce(x, "sum")``."""
+    ctx = _primitives.require_context(self, "all_sum")
+    return _primitives.all_reduce(ctx, x, "sum", self._axes(axis), _primitives.user_location())
+
+  def broadcast(self, x, source: int = 0, *, axis=None):
+    """Every replica gets replica ``source``'s value of ``x`` (any nest)."""
+    ctx = _primitives.require_context(self, "broadcast")
+    return _primitives.broadcast(ctx, x, source, self._axes(axis), _primitives.user_location())
+
+  def all_gather(self, x, axis=None, *, concat_dimension: int = 0):
+    """Concatenates the group's ``x`` (any nest) along tensor dimension ``concat_dimension``.
+
+    Every member of a group gets the members' values in group order (see
+    :meth:`axis_index`). If the dimension has no static size (a batch
+    dimension, say), members may hold different sizes along it.
+
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.all_gather(tf.fill([1, 2], repl.replica_id)))
+      >>> out[1].numpy().tolist()
+      [[0, 0], [1, 1]]
+
+    Args:
+      x: a tensor or nest of tensors of rank >= 1.
+      axis: mesh axis name or tuple of names to gather over (default: all).
+      concat_dimension: the tensor dimension to concatenate along.
+
+    Raises:
+      TypeError: ``axis`` is an int. ``axis`` names mesh axes, as for every
+        collective; the tensor dimension is ``concat_dimension``.
+    """
+    ctx = _primitives.require_context(self, "all_gather")
+    if isinstance(axis, int):
+      raise _errors.ArgumentTypeError(_primitives.ALL_GATHER_INT_AXIS.format(axis=axis, names=self._mesh.axis_names))
+    return _primitives.all_gather(ctx, x, concat_dimension, self._axes(axis), _primitives.user_location())
+
+  def reduce_scatter(self, x, op: str = "sum", *, axis=None, scatter_dimension: int = 0):
+    """Reduces ``x`` (any nest) over the group; member i gets chunk i of the result.
+
+    The result is split into as many equal chunks along ``scatter_dimension``
+    as the group has members; the member at group position i (see
+    :meth:`axis_index`) gets chunk i. Equal to slicing :meth:`all_reduce`'s
+    result, with less communication.
+
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.reduce_scatter(tf.range(4) * (repl.replica_id + 1)))
+      >>> [t.numpy().tolist() for t in out]  # [0, 1, 2, 3] + [0, 2, 4, 6], split in two
+      [[0, 3], [6, 9]]
+
+    The gradient is the members' upstream gradients gathered (for ``"mean"``
+    divided by the group size); for ``"max"``/``"min"`` it flows to the members
+    holding the extreme value, split equally between ties, as for
+    :meth:`all_reduce`.
+
+    Args:
+      x: a tensor or nest of numeric tensors of rank >= 1.
+      op: "sum", "mean", "max" or "min".
+      axis: mesh axis name or tuple of names to reduce over (default: all).
+      scatter_dimension: the tensor dimension to split; its static size must
+        be a multiple of the group size.
+    """
+    ctx = _primitives.require_context(self, "reduce_scatter")
+    return _primitives.reduce_scatter(ctx, x, op, scatter_dimension, self._axes(axis), _primitives.user_location())
+
+  def all_to_all(self, x, *, axis=None, split_dimension: int = 0, concat_dimension: int = 0):
+    """Exchanges chunks of ``x`` (any nest) between all members of the group.
+
+    Member i splits its ``x`` into as many equal chunks along
+    ``split_dimension`` as the group has members and sends chunk j to member
+    j; every member concatenates the chunks it receives, in the order of their
+    sources' group positions, along ``concat_dimension``.
+
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.all_to_all(tf.constant([10, 20]) + repl.replica_id))
+      >>> [t.numpy().tolist() for t in out]  # [10, 20] and [11, 21] exchange halves
+      [[10, 11], [20, 21]]
+
+    Args:
+      x: a tensor or nest of tensors of rank >= 1.
+      axis: mesh axis name or tuple of names to exchange over (default: all).
+      split_dimension: the tensor dimension to split; its static size must be
+        a multiple of the group size.
+      concat_dimension: the tensor dimension to concatenate the received
+        chunks along.
+    """
+    ctx = _primitives.require_context(self, "all_to_all")
+    return _primitives.all_to_all(ctx, x, split_dimension, concat_dimension, self._axes(axis),
+                                  _primitives.user_location())
+
+  def permute(self, x, *, axis=None, perm):
+    """Sends ``x`` (any nest) from group members to others, as listed in ``perm``.
+
+    For every pair ``(source, destination)`` of group positions (see
+    :meth:`axis_index`) in ``perm``, the member at ``destination`` gets the
+    value of the member at ``source``. Members that are no destination get
+    zeros. Each position may be a source once and a destination once.
+
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> out = repl.run(lambda: repl.permute(tf.fill([2], repl.replica_id + 1), perm=[(0, 1)]))
+      >>> [t.numpy().tolist() for t in out]  # replica 1 gets replica 0's value
+      [[0, 0], [1, 1]]
+
+    Args:
+      x: a tensor or nest of tensors.
+      axis: mesh axis name or tuple of names whose groups the positions refer
+        to (default: all).
+      perm: a list of ``(source, destination)`` pairs, e.g. a ring shift
+        ``[(i, (i + 1) % n) for i in range(n)]``.
+    """
+    ctx = _primitives.require_context(self, "permute")
+    return _primitives.permute(ctx, x, perm, self._axes(axis), _primitives.user_location())
+
+  def axis_index(self, axis=None) -> tf.Tensor:
+    """This replica's position in its group along ``axis``: an int32 scalar tensor.
+
+    Positions are row-major over a tuple of axes (the last varies fastest) and
+    match the group order of the collectives. No communication: the value is
+    a constant known while the step is built.
+
+    Examples:
+      >>> import mesh
+      >>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+      >>> repl = Replicator(mesh=m)
+      >>> [int(i) for i in repl.run(lambda: repl.axis_index("model"))]
+      [0, 1, 0, 1]
+
+    Args:
+      axis: mesh axis name or tuple of names (default: all, which gives the
+        replica id).
+    """
+    ctx = _primitives.require_context(self, "axis_index")
+    return _primitives.axis_index(ctx, self._axes(axis))
