@@ -85,8 +85,13 @@ def test_mlp_variables_and_inputs_show_layouts_and_bytes_per_device():
   assert [(r.name, r.shape, r.dtype, r.layout, r.bytes_per_device) for r in report.inputs] == [
       ("input[0]", (BATCH, 8), "float32", (("batch",), ()), BATCH // 2 * 8 * 4),
       ("input[1]", (BATCH,), "int32", (("batch",),), BATCH // 2 * 4)]
+  # What chose each layout: the layouts key that matched, a slot's variable, or no key (replicated).
+  assert _row(report.variables, r"ff_in/kernel$").chosen_by == "key 'ff_in/kernel$'"
+  assert re.fullmatch(r"as sequential\w*/ff_in/kernel \(a slot\)", _row(report.variables, r"ff_in_kernel_momentum$").chosen_by)
+  assert _row(report.variables, r"ff_out/bias$").chosen_by == "no key matched"
   text = str(report)
-  assert re.search(r"\n  sequential\w*/ff_in/kernel +\[8,16\] +float32 +\[-, model\] +256\n", text)
+  assert re.search(r"\n  sequential\w*/ff_in/kernel +\[8,16\] +float32 +\[-, model\] +256 +key 'ff_in/kernel\$'\n", text)
+  assert re.search(r"\n  sequential\w*/ff_out/bias +\[4\] +float32 +\[-\] +16 +no key matched\n", text)
   assert re.search(r"\n  input\[0\] +\[12,8\] +float32 +\[batch, -\] +192\n", text)
 
 
