@@ -130,10 +130,16 @@ class Snapshot:
     return restored
 
 
-def function_ops() -> list[tf.Operation]:
-  """The operations of the graph being built so far (what :meth:`Snapshot.release` waits for).
+def function_ops(outputs) -> list[tf.Operation]:
+  """What :meth:`Snapshot.release` waits for: every op of the function being built that runs, by its sinks.
 
-  Not placeholders: an imported step's placeholders whose values are mapped
-  to other tensors stay in the graph, unfed, and must not run.
+  A function runs only the ops its outputs or its stateful ops need (the rest
+  is pruned), so an op that can fail is one of those or runs before them:
+  waiting for the stateful ops and the ops of ``outputs`` waits for all. Not
+  placeholders: an imported step's placeholders whose values are mapped to
+  other tensors stay in the graph, unfed, and must not run.
   """
-  return [op for op in tf.compat.v1.get_default_graph().get_operations() if op.type != "Placeholder"]
+  ops = [op for op in tf.compat.v1.get_default_graph().get_operations()
+         if op.type != "Placeholder" and op.op_def.is_stateful]
+  ops += [t.op for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor) and t.op.type != "Placeholder"]
+  return ops

@@ -19,6 +19,7 @@ from typing import Callable
 
 import tensorflow as tf
 
+from replicator import _consistency
 from replicator import _errors
 from replicator import _primitives
 
@@ -111,3 +112,22 @@ def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str
   result.op, result.location, result.devices, result.restored = (
       found[0] if found else None, found[1] if found else None, min(failing, num_devices), restored)
   return result
+
+
+def after_failure(error: tf.errors.OpError, snapshot, written, locate, num_devices: int) -> Exception:
+  """After a call of a step failed with ``error``: restores what it wrote (``snapshot``), and the error to raise.
+
+  Returns ``error`` itself for the end of the input (``OutOfRangeError``: the
+  caller says it its way), a ``ReplicasDivergedError`` if, without a snapshot,
+  the replicated copies the step writes (``written``) now differ, else
+  :func:`step_failed`'s one-line error.
+  """
+  if snapshot is not None:
+    snapshot.restore()  # all or nothing: the call wrote nothing
+  if isinstance(error, tf.errors.OutOfRangeError):
+    return error
+  found = written.diverged() if written is not None and snapshot is None else []
+  if found:
+    return _errors.ReplicasDivergedError(
+        _consistency.DIVERGED.format(error=_errors.root_cause(error.message), **_consistency.describe(found)), found)
+  return step_failed(error, locate, num_devices, snapshot is not None)

@@ -132,9 +132,9 @@ class GlobalStep:
     return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, return_elements=self.output_names,
                                           name="step")
 
-  def _release(self) -> None:
+  def _release(self, outputs) -> None:
     if self.snapshot is not None:
-      self.snapshot.release(_atomic.function_ops())
+      self.snapshot.release(_atomic.function_ops(outputs))
 
   def concrete(self, specs, atomic: bool = True):
     """The step as one function of the flattened global batch (imported on first use).
@@ -147,7 +147,7 @@ class GlobalStep:
       def call(*args):
         outputs = self._import(args, self._captured() if atomic else self.captures.input_map())
         if atomic:
-          self._release()
+          self._release(outputs)
         return outputs
 
       function = tf.function(call, autograph=False).get_concrete_function(*specs)
@@ -162,16 +162,10 @@ class GlobalStep:
     try:
       return function(*args)
     except tf.errors.OpError as e:
-      if self.snapshot is not None:
-        self.snapshot.restore()
-      if isinstance(e, tf.errors.OutOfRangeError):
+      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, len(self.plan.devices))
+      if error is e:  # the end of the input: the caller's
         raise
-      found = self.written.diverged() if self.written is not None and self.snapshot is None else []
-      if found:
-        raise _errors.ReplicasDivergedError(
-            _consistency.DIVERGED.format(error=_errors.root_cause(e.message), **_consistency.describe(found)),
-            found) from e
-      raise _failures.step_failed(e, self.locate, len(self.plan.devices), self.snapshot is not None) from e
+      raise error from e
 
   def __call__(self, flat_args):
     specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
@@ -220,7 +214,7 @@ class GlobalStep:
         arrays = [tf.TensorArray(o.dtype, size=0, dynamic_size=True, element_shape=o.shape) for o in outputs]
         count, more, *kept = tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + keep(arrays, 0, outputs))
         results = [count, more] + ([a.stack() for a in kept] if all_steps else kept)
-        self._release()
+        self._release(results)
         return results
 
       loop = self.loops[(steps, all_steps)] = tf.function(run, autograph=False)

@@ -164,7 +164,7 @@ class CompiledStep:
       captured.update(self._captured())
       outputs = fn(*flat_args)
       if self.snapshot is not None:
-        self.snapshot.release(_atomic.function_ops())
+        self.snapshot.release(_atomic.function_ops(outputs))
       return outputs
 
     return tf.function(atomic, autograph=False).get_concrete_function(*source.arg_specs)
@@ -182,16 +182,10 @@ class CompiledStep:
     try:
       flat = function(*args)
     except tf.errors.OpError as e:
-      if self.snapshot is not None:
-        self.snapshot.restore()  # all or nothing: the call wrote nothing
-      if isinstance(e, tf.errors.OutOfRangeError):
+      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, len(self.plan.devices))
+      if error is e:  # the end of the input
         raise _errors.EndOfInput(self.source.end_message()) from None
-      found = self.written.diverged() if self.written is not None and self.snapshot is None else []
-      if found:
-        raise _errors.ReplicasDivergedError(
-            _consistency.DIVERGED.format(error=_errors.root_cause(e.message), **_consistency.describe(found)),
-            found) from e
-      raise _failures.step_failed(e, self.locate, len(self.plan.devices), self.snapshot is not None) from e
+      raise error from e
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
     steps_run = steps
     if not self._single(steps, all_steps):

@@ -95,6 +95,7 @@ def test_ctrl_c_stops_a_loop_of_steps_after_the_step_in_progress(view):
   import signal  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
+
   import mesh  # pylint: disable=import-outside-toplevel
   repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2}, devices=cpus(2)), view=view)
   with repl.context():
