@@ -94,13 +94,15 @@ class StepFailedError(ReplicatorError, RuntimeError):
   Attributes:
     op: the name of the op that failed, as traced (None if unknown).
     location: the user's source line that made it ("file.py:12 in step_fn").
-    devices: how many devices reported the failure.
+    devices: the devices TensorFlow reported a failing op on (the first to
+      fail: the others are cancelled, and may not get to theirs); empty if the
+      failing op's name does not tell (an op inside a ``tf.cond`` branch).
     restored: whether every variable the step writes was restored (``atomic``).
   """
 
   op: str | None = None
   location: str | None = None
-  devices: int = 0
+  devices: tuple = ()
   restored: bool = False
 
 

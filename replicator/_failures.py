@@ -5,7 +5,7 @@ one "Detected at node" line and one root error per failing device, each with
 the nodes it was waiting for: a wall of text naming ops of the rewritten graph.
 :func:`step_failed` turns it into one line that says what failed (the first
 root error's message), where (the op and the user's source line that made it,
-found in the step's traced graph) and on how many devices, and whether the
+found in the step's traced graph) and on which devices, and whether the
 variables were kept as before the call. The error raised is a
 :class:`replicator.StepFailedError` that is also of the TensorFlow error's
 own class (``except tf.errors.InvalidArgumentError`` still catches a failed
@@ -31,7 +31,6 @@ MAY_BE_TORN = (
 )
 
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
-_ROOT = re.compile(r"^\s*\((\d+)\) ([A-Z_]+): ?(.*)$")
 _LOCAL_NAME = re.compile(r"(?:^|/)(replica_\d+/.*)$")
 
 
@@ -51,12 +50,41 @@ def _class_for(tf_class: type) -> type:
   return _CLASSES[tf_class]
 
 
-def parse(message: str) -> tuple[str, str | None, int]:
-  """``(first root error, its failing node, number of root errors)`` of a TensorFlow error message."""
-  roots = [line for line in message.splitlines() if _ROOT.match(line)]
-  first = _errors.root_cause(message)
-  node = _NODE.search(message)
-  return first, node.group(1) if node else None, max(len(roots), 1)
+def parse(message: str) -> tuple[str, list[str]]:
+  """``(first root error, the distinct failing nodes of every root error)`` of a TensorFlow error message.
+
+  Every device's partition reports the error that stopped it; a device that
+  was waiting on a failed one reports that one's node too, so the distinct
+  nodes are where the step failed.
+  """
+  nodes = []
+  for line in message.splitlines():
+    found = _NODE.search(line)
+    if found and found.group(1) not in nodes:
+      nodes.append(found.group(1))
+  return _errors.root_cause(message), nodes
+
+
+_TOP_LEVEL = re.compile(r"(?:^|/)step/(?:expand/)?replica_(\d+)/")
+
+
+def failing_replicas(nodes: list[str]) -> list[int] | None:
+  """The replicas whose ops failed, from the failing nodes' names; None if a node does not tell.
+
+  A node of the step's own graph is named ``step/replica_<r>/...`` (the
+  global view: ``step/expand/replica_<r>/...``), after the scopes of the loop
+  or branch that runs the step; a node inside a function the user's step
+  calls (a ``tf.cond`` branch: ``tf.debugging.assert_*``) has its function's
+  own name, which does not tell.
+  """
+  replicas = []
+  for node in nodes:
+    match = _TOP_LEVEL.search(node)
+    if match is None:
+      return None
+    if int(match.group(1)) not in replicas:
+      replicas.append(int(match.group(1)))
+  return sorted(replicas) or None
 
 
 def locator(graph: tf.Graph, strip_replica: bool) -> Callable[[str], tuple[str, str] | None]:
@@ -87,10 +115,11 @@ def locator(graph: tf.Graph, strip_replica: bool) -> Callable[[str], tuple[str, 
 
 
 def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str] | None] | None,
-                num_devices: int, restored: bool) -> Exception:
-  """The one-line error to raise (``from error``) for ``error``, a failed call of a step."""
-  first, node, failing = parse(error.message)
+                devices: tuple[str, ...], restored: bool) -> Exception:
+  """The one-line error to raise (``from error``) for ``error``, a failed call of a step on ``devices``."""
+  first, nodes = parse(error.message)
   first = " ".join(first.split())
+  node = nodes[0] if nodes else None
   found = locate(node) if (locate is not None and node is not None) else None
   where = ""
   if found is not None:
@@ -98,9 +127,14 @@ def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str
     where = f" at {location} (op {op!r})"
   elif node is not None:
     where = f" (node {node!r})"
-  devices = f"{min(failing, num_devices)} of {num_devices} devices"
+  replicas = failing_replicas(nodes)
+  failed = tuple(devices[r] for r in replicas if r < len(devices)) if replicas is not None else ()
+  on = ""
+  if failed:
+    names = ", ".join(tf.DeviceSpec.from_string(d).to_string().rsplit("/", 1)[-1] or d for d in failed)
+    on = f" on {names}"
   state = NOTHING_WRITTEN + NOTHING_WRITTEN_INPUT if restored else MAY_BE_TORN
-  message = f"The step failed on {devices}{where}: {first}. {state}. The TensorFlow error is this error's __cause__."
+  message = f"The step failed{on}{where}: {first}. {state}. The TensorFlow error is this error's __cause__."
   cls = _class_for(type(error))
   try:
     if type(error) is tf.errors.OpError:
@@ -110,11 +144,11 @@ def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str
   except TypeError:  # an OpError subclass with another signature: our class alone
     result = _errors.StepFailedError(message)
   result.op, result.location, result.devices, result.restored = (
-      found[0] if found else None, found[1] if found else None, min(failing, num_devices), restored)
+      found[0] if found else None, found[1] if found else None, failed, restored)
   return result
 
 
-def after_failure(error: tf.errors.OpError, snapshot, written, locate, num_devices: int) -> Exception:
+def after_failure(error: tf.errors.OpError, snapshot, written, locate, devices: tuple[str, ...]) -> Exception:
   """After a call of a step failed with ``error``: restores what it wrote (``snapshot``), and the error to raise.
 
   Returns ``error`` itself for the end of the input (``OutOfRangeError``: the
@@ -130,4 +164,4 @@ def after_failure(error: tf.errors.OpError, snapshot, written, locate, num_devic
   if found:
     return _errors.ReplicasDivergedError(
         _consistency.DIVERGED.format(error=_errors.root_cause(error.message), **_consistency.describe(found)), found)
-  return step_failed(error, locate, num_devices, snapshot is not None)
+  return step_failed(error, locate, devices, snapshot is not None)

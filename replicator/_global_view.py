@@ -162,7 +162,7 @@ class GlobalStep:
     try:
       return function(*args)
     except tf.errors.OpError as e:
-      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, len(self.plan.devices))
+      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, tuple(self.plan.devices))
       if error is e:  # the end of the input: the caller's
         raise
       raise error from e

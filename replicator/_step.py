@@ -182,7 +182,7 @@ class CompiledStep:
     try:
       flat = function(*args)
     except tf.errors.OpError as e:
-      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, len(self.plan.devices))
+      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, tuple(self.plan.devices))
       if error is e:  # the end of the input
         raise _errors.EndOfInput(self.source.end_message()) from None
       raise error from e

@@ -106,10 +106,10 @@ def test_a_step_that_fails_after_its_update_writes_nothing_and_says_one_line(vie
   assert isinstance(e.__cause__, tf.errors.InvalidArgumentError)
   message = str(e)
   assert "\n" not in message and "root error" not in message
-  assert re.search(r"^The step failed on 4 of 4 devices at .*test_atomic\.py:\d+ in step \(op '.*assert_less", message)
+  # An assertion runs inside a tf.cond branch of the step, whose node names do not tell the device: none named.
+  assert re.search(r"^The step failed at .*test_atomic\.py:\d+ in step \(op '.*assert_less", message)
   assert "loss too large" in message and "No variable was written" in message
-  assert e.location.startswith(__file__.rsplit("/", 1)[-1]) or "test_atomic.py" in e.location
-  assert e.restored and e.devices == 4
+  assert "test_atomic.py" in e.location and e.restored and e.devices == ()
   threshold.assign(100.0)
   repl.run(step, ds)  # the next step runs, from the state of before
   assert int(opt.iterations.numpy()) == 2
@@ -124,8 +124,10 @@ def test_a_failure_on_one_batch_shard_restores_the_devices_that_wrote(view):
   step, ds = _step(model, opt, threshold), _dataset(x)
   repl.run(step, ds)
   before = _state(model, opt)
-  with pytest.raises(replicator.StepFailedError, match=r"The step failed on \d of 4 devices at .*input has a NaN"):
+  with pytest.raises(replicator.StepFailedError, match=r"The step failed on device:CPU:[01](, device:CPU:[01])? at "
+                     r".*test_atomic\.py:\d+ in step \(op '.*CheckNumerics'\): .*input has a NaN") as raised:
     repl.run(step, ds)
+  assert {d.rsplit(":", 1)[-1] for d in raised.value.devices} <= {"0", "1"}  # the first batch shard's devices
   _assert_same(before, _state(model, opt))
   repl.run(step, ds)  # the third batch: runs
 

@@ -59,7 +59,7 @@ CASES = [(point, update, False) for point in POINTS for update in ("sharded", "r
 
 
 @pytest.mark.parametrize("point,update,atomic", CASES)
-def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, update, atomic):
+def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, update, atomic, tmp_path):
   # Was: components [2.0, 1.0, 1.0, 1.0], iterations [5, 4, 4, 4], and the next checkpoint saved replica 0's.
   for replica in range(4):
     keras.backend.clear_session()
@@ -67,7 +67,7 @@ def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, u
     inputs = replicator.PerReplica(np.split(X, 4))
     repl.run(step, inputs=inputs)  # built, one good step
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    path = checkpoint.write("/tmp/replicator_consistency_ckpt")  # noqa: S108
+    path = checkpoint.write(str(tmp_path / f"ckpt_{replica}"))  # a path of its own: runs may be concurrent
     before = [v.numpy() for v in model.variables + optimizer.variables]
     fail.assign([replica, POINTS.index(point)])
     state = model.variables + list(optimizer.variables)
@@ -77,7 +77,7 @@ def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, u
       assert f"injected at {point}" in str(e) and "Fix: restore the last checkpoint" in str(e)
       assert not _copies_agree(state)
       with pytest.raises(replicator.ReplicasDivergedError, match=r"Saving .*copies differ between replicas.*Fix"):
-        checkpoint.write("/tmp/replicator_consistency_diverged")  # noqa: S108  (was: replica 0's copy, silently)
+        checkpoint.write(str(tmp_path / "diverged"))  # was: replica 0's copy, silently
       fail.assign([-1, -1])
       with pytest.raises(replicator.ReplicasDivergedError, match=r"still differ since a step failed.*Fix: restore"):
         repl.run(step, inputs=inputs)
