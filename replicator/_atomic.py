@@ -73,14 +73,6 @@ class Snapshot:
       self._group_of[name] = groups[key]
     self._groups = list(groups.values())
 
-  def __len__(self) -> int:
-    return len(self._group_of)
-
-  @property
-  def names(self) -> list[str]:
-    """The step graph's names of the handles the step writes (those kept)."""
-    return list(self._group_of)
-
   def input_map(self, captures) -> dict[str, tf.Tensor]:
     """In the function being built: ``captures``' input map, the written values kept before any use of them."""
     return captures.input_map(gate=self._keep)

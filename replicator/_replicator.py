@@ -191,7 +191,8 @@ class Replicator(_collective_methods.CollectiveMethods):
     if not isinstance(atomic, bool):
       raise _errors.ArgumentTypeError(
           f"Replicator(atomic={atomic!r}): expected True (a step that fails writes no variable; the default) or "
-          f"False (no copy kept; a failed step may leave some devices' variables written), a bool.")
+          f"False (no copy kept; a failed step may leave some devices' variables written), a bool. "
+          f"Fix: atomic=True, or atomic=False.")
     self._atomic = atomic
     if update not in _global_view.UPDATES:
       raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")

@@ -299,6 +299,24 @@ def test_a_dropped_step_fn_frees_its_step():
   assert not repl._steps.values()  # ...nor its compiled step  # pylint: disable=protected-access
 
 
+def test_a_dropped_step_fn_frees_its_global_view_step_and_its_kept_values():
+  import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  repl = replicator.Replicator(mesh=mesh_lib.Mesh({"batch": 2}, devices=cpus(2)), view="global")
+  with repl.context():
+    v = tf.Variable(0.0)
+  step = lambda x: v.assign_add(tf.reduce_sum(x))  # noqa: E731
+  repl.run(step, tf.data.Dataset.from_tensors(tf.ones([4])))
+  (built,) = [s for by_spec in repl._global_steps.values() for variants in by_spec.values()  # pylint: disable=protected-access
+              for s in variants.values()]
+  shadows = [weakref.ref(g.shadow) for g in built.snapshot._groups]  # pylint: disable=protected-access
+  assert shadows and float(v.numpy()) == 4.0
+  ref = weakref.ref(step)
+  del step, built
+  gc.collect()
+  assert ref() is None and not repl._global_steps.values()  # pylint: disable=protected-access
+  assert all(s() is None for s in shadows)  # the values a call keeps go with its step
+
+
 def test_new_objects_of_one_step_function_warn_once():
   repl = replicator.Replicator(cpus(2))
   with repl.context():
