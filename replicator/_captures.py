@@ -64,16 +64,10 @@ class Captures:
 
     Args:
       gate: optional ``gate(handles) -> ops``: given ``{name: handle}`` of the
-        captures on one device (or a single capture), the ops the step's uses
-        of them must wait for. The handles given to ``gate`` are not gated.
+        captures on one device, the ops the step's uses of them must wait for
+        (none by default). The handles given to ``gate`` are not gated.
     """
-    if gate is None:
-      mapping = {name: capture(value) for name, value in self.direct}
-      for device, names, stacked in self.stacks:
-        with tf.device(device):
-          handles = tf.unstack(capture(stacked), num=len(names))
-        mapping.update(zip(names, handles))
-      return mapping
+    gate = gate or (lambda handles: [])
     mapping = {}
     direct: dict[str, dict[str, tf.Tensor]] = {}  # device -> {name: captured value}
     for name, value in self.direct:
@@ -96,6 +90,12 @@ class Captures:
           if whole is not None:
             mapping.update(zip(names, tf.unstack(tf.identity(whole), num=len(names))))
     return mapping
+
+
+def into_current_graph(mapping: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  """``mapping`` with each tensor of an enclosing graph captured into the current one (a loop's body, a branch)."""
+  graph = tf.compat.v1.get_default_graph()
+  return {name: t if t.graph is graph else tf.identity(t) for name, t in mapping.items()}
 
 
 def _stackable(value) -> bool:

@@ -47,18 +47,18 @@ class Written:
           by_variable.setdefault(id(variable), (weakref.ref(variable), set()))[1].add(index)
     self._variables = list(by_variable.values())
 
-  def _snapshot(self) -> list[tuple[Any, dict[int, np.ndarray]]]:
+  def _snapshot(self, only=None) -> list[tuple[Any, dict[int, np.ndarray]]]:
     values = []
     for ref, indices in self._variables:
       variable = ref()
-      if variable is not None:
+      if variable is not None and (only is None or variable is only):
         values.append((variable, {r: variable.components[r].numpy() for r in sorted(indices)}))
     return values
 
-  def diverged(self) -> list[tuple[str, int, int]]:
-    """``(name, replica a, replica b)`` for each written variable whose written copies differ."""
+  def diverged(self, only=None) -> list[tuple[str, int, int]]:
+    """``(name, replica a, replica b)`` for each written variable (or only ``only``) whose written copies differ."""
     found = []
-    for variable, values in self._snapshot():
+    for variable, values in self._snapshot(only):
       axes = variable._replicated_axes()  # pylint: disable=protected-access
       for group in variable._replicator.mesh.groups(axes):  # pylint: disable=protected-access
         members = [r for r in group if r in values]

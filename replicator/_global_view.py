@@ -109,8 +109,7 @@ class GlobalStep:
   captures: _captures.Captures
   output_names: list
   structure: Any
-  function: Any = None
-  plain_function: Any = None  # the step without keeping written values (concrete(atomic=False))
+  functions: dict = dataclasses.field(default_factory=dict)  # atomic (keeping the written values) -> concrete fn
   ownership: _partition_owners.Ownership | None = None  # the sharded update's owners
   report: rewrite.PartitionReport | None = None  # what repl.explain returns
   accumulating: tuple = ()  # wrapped optimizers accumulating gradients in the step (their phase is traced)
@@ -126,9 +125,7 @@ class GlobalStep:
 
   def _import(self, args, captured: dict) -> list:
     input_map = dict(zip(self.input_names, args))
-    graph = tf.compat.v1.get_default_graph()
-    # tf.identity captures a tensor of the enclosing graph into a loop's body or a branch.
-    input_map.update((name, t if t.graph is graph else tf.identity(t)) for name, t in captured.items())
+    input_map.update(_captures.into_current_graph(captured))
     return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, return_elements=self.output_names,
                                           name="step")
 
@@ -142,7 +139,7 @@ class GlobalStep:
     ``atomic=False``: without keeping the written values, for a caller that
     cannot restore them (a step called in another function's graph: Keras's).
     """
-    if (self.function if atomic else self.plain_function) is None:
+    if atomic not in self.functions:
 
       def call(*args):
         outputs = self._import(args, self._captured() if atomic else self.captures.input_map())
@@ -150,12 +147,8 @@ class GlobalStep:
           self._release(outputs)
         return outputs
 
-      function = tf.function(call, autograph=False).get_concrete_function(*specs)
-      if atomic:
-        self.function = function
-      else:
-        self.plain_function = function
-    return self.function if atomic else self.plain_function
+      self.functions[atomic] = tf.function(call, autograph=False).get_concrete_function(*specs)
+    return self.functions[atomic]
 
   def _run(self, function, args):
     """``function(*args)``; a failure restores what the call wrote (atomic) and says one line."""

@@ -197,10 +197,9 @@ class KerasStrategy(tf.distribute.Strategy):
       if replicator._view != "global":  # pylint: disable=protected-access
         raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
       return run_global(replicator, fn, args[0], what, f"{variable.path!r} has layout {layout.spec}")
-    if replicator._view == "global" and _static(args[0]):  # pylint: disable=protected-access
-      # One program at global shapes, as for a split model: random ops (Dropout) draw what one device draws.
-      return run_global(replicator, fn, args[0], what, "")
     if replicator._view == "global":  # pylint: disable=protected-access
+      if _static(args[0]):  # one program at global shapes, as for a split model: Dropout draws as on one device
+        return run_global(replicator, fn, args[0], what, "")
       _warn_per_replica_draws(model, what)
     return run_in_graph(replicator, fn, args[0])
 

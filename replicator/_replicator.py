@@ -203,8 +203,8 @@ class Replicator(_collective_methods.CollectiveMethods):
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
     self._layouts = _as_layout_map(layouts)
-    self._variable_paths: dict[str, None] = {}  # every variable path looked up in the layouts, in order
-    self._chosen_by: dict[str, str | None] = {}  # variable path -> the layouts key that matched it (None: none)
+    # Every variable path looked up in the layouts, in order (_layout_check) -> the key that matched it (None: none).
+    self._chosen_by: dict[str, str | None] = {}
     self._reported_layout_keys: set = set()
     self._layout_error: mesh_lib.LayoutError | None = None  # strict: a key that matches no variable
     if implementation != "auto":
@@ -333,7 +333,6 @@ class Replicator(_collective_methods.CollectiveMethods):
 
   def layout_spec(self, path: str):
     """The layout spec the LayoutMap gives the variable at ``path`` (None: replicated)."""
-    self._variable_paths[path] = None  # the paths the layouts are checked against (_layout_check)
     found = None if self._layouts is None else self._layouts.match(path)
     self._chosen_by[path] = None if found is None else found[0]  # what explain says chose the layout
     return None if found is None else found[1]
@@ -346,7 +345,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     if self._layout_error is not None:
       raise self._layout_error
     try:
-      _layout_check.check(self._layouts, list(self._variable_paths), self._reported_layout_keys, self._strict)
+      _layout_check.check(self._layouts, list(self._chosen_by), self._reported_layout_keys, self._strict)
     except mesh_lib.LayoutError as e:
       self._layout_error = e
       raise

@@ -92,8 +92,7 @@ class CompiledStep:
   def _import(self, flat_elements, captured: dict[str, tf.Tensor]) -> list[tf.Tensor]:
     # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
     input_map = {name: tf.identity(t) for name, t in zip(self.input_names, flat_elements)}
-    graph = tf.compat.v1.get_default_graph()
-    input_map.update((name, t if t.graph is graph else tf.identity(t)) for name, t in captured.items())
+    input_map.update(_captures.into_current_graph(captured))
     if not self.output_names:
       tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, name="step")
       return []

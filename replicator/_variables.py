@@ -791,9 +791,8 @@ def _refuse_diverged(variable) -> None:
   if diverged is None or not tf.executing_eagerly() or _restoring():
     return
   written, error = diverged
-  for name, a, b in written.diverged():
-    if name == variable.name:
-      raise _errors.ReplicasDivergedError(SAVE_DIVERGED.format(name=name, error=error, a=a, b=b), [(name, a, b)])
+  for name, a, b in written.diverged(only=variable):  # this variable's copies only: a save asks for each
+    raise _errors.ReplicasDivergedError(SAVE_DIVERGED.format(name=name, error=error, a=a, b=b), [(name, a, b)])
 
 
 def component_of(handle) -> tf.Variable | None:
