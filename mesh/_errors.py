@@ -11,6 +11,10 @@ import, and ``replicator`` re-exports them.
 class ReplicatorError(Exception):
   """Base class of the errors this library raises for user mistakes."""
 
+  # Exception's own constructor (not ValueError's, ...): AutoGraph re-raises an error from code it converted (a
+  # tf.function's) as the same class only if that class is built by Exception.__init__, else as its StagingError.
+  __init__ = Exception.__init__
+
 
 class ArgumentError(ReplicatorError, ValueError):
   """An argument has a value the library cannot use."""

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
 import tree
 
+from replicator import _autograph_types
 from replicator import _errors
 from replicator import _inputs
 from replicator._values import PerReplica
@@ -66,15 +66,82 @@ def _replica_spec(spec: tf.TensorSpec, parts: int | None) -> tf.TensorSpec:
   return tf.TensorSpec([rows] + spec.shape.as_list()[1:], spec.dtype)
 
 
-ITERATED_IN_FUNCTION = (
-    "A dataset made by repl.distribute_dataset(...) was iterated while a tf.function is being traced (graph "
-    "{graph!r}). It is iterated from Python: inside a function, the loop would never end (its `next` gives "
-    "symbolic batches and never stops). Fix: loop in Python, `for batch in dist: repl.run(step_fn, inputs=batch)`; "
-    "or let the replicator loop in its own graph: repl.run(step_fn, dist, steps=k)."
-)
+class DistributedIterator(_autograph_types.Iterator):
+  """An iterator over a distributed dataset: each ``next`` is a ``PerReplica`` of the replicas' parts.
+
+  Made by ``iter(repl.distribute_dataset(ds))``. From Python it ends with
+  ``StopIteration``; inside a ``tf.function`` (passed as an argument or
+  closed over) ``next(iterator)`` reads the next global batch when the
+  function runs, split in the function's graph, and at the end of the
+  dataset the function raises ``tf.errors.OutOfRangeError``, as
+  ``tf.distribute``'s iterators do; ``get_next_as_optional()`` reads it
+  without failing. AutoGraph stages ``for batch in iterator:`` as a loop.
+  """
+
+  def __init__(self, iterator, pipelines: tuple[int, ...], host_device: str, element_spec):
+    self._iterator = iterator  # a tf.data iterator over the global batches
+    self._pipelines = pipelines
+    self._host = host_device
+    self._element_spec = element_spec
+
+  @property
+  def element_spec(self):
+    """The spec of one replica's part (its batch dimension unknown unless the batches split evenly)."""
+    return self._element_spec
+
+  def __iter__(self) -> DistributedIterator:
+    return self
+
+  def __next__(self) -> PerReplica:
+    if tf.executing_eagerly():
+      with tf.device(self._host):
+        element = next(self._iterator)  # StopIteration at the end
+    else:  # (a Python loop over it, unrolled while tracing, is refused by tf.data after some reads)
+      with tf.device(self._host):
+        element = self._iterator.get_next()  # OutOfRangeError at the end, when the function runs
+    return self._parts(element)
+
+  def get_next(self) -> PerReplica:
+    """The next batch's parts; at the end of the dataset ``tf.errors.OutOfRangeError`` (as tf.distribute's)."""
+    with tf.device(self._host):
+      return self._parts(self._iterator.get_next())
+
+  def get_next_as_optional(self) -> PerReplicaOptional:
+    """The next batch's parts, if any: ``.has_value()`` (a bool tensor) and ``.get_value()``."""
+    with tf.device(self._host):
+      return PerReplicaOptional(self._iterator.get_next_as_optional(), self)
+
+  def _parts(self, element) -> PerReplica:
+    with tf.device(self._host):
+      parts = split(element, max(self._pipelines) + 1)
+    return PerReplica([parts[p] for p in self._pipelines])
+
+  # TensorFlow's nest protocol: as a tf.function's argument, the iterator is its tf.data iterator (a resource).
+  def __tf_flatten__(self):
+    return (self._pipelines, self._host, self._element_spec), (self._iterator,)
+
+  @classmethod
+  def __tf_unflatten__(cls, metadata, components):
+    return cls(components[0], *metadata)
 
 
-class DistributedDataset:
+class PerReplicaOptional:
+  """The next element of a :class:`DistributedIterator`, if there is one."""
+
+  def __init__(self, optional, iterator: DistributedIterator):
+    self._optional = optional
+    self._iterator = iterator
+
+  def has_value(self) -> tf.Tensor:
+    """A bool tensor: whether there is a next batch."""
+    return self._optional.has_value()
+
+  def get_value(self) -> PerReplica:
+    """The next batch's parts (fails at run time if there is none)."""
+    return self._iterator._parts(self._optional.get_value())  # pylint: disable=protected-access
+
+
+class DistributedDataset(_autograph_types.Iterable):
   """A dataset of global batches whose every batch is split across the replicas.
 
   Made by ``repl.distribute_dataset(dataset)``. Pass it to ``repl.run(step_fn,
@@ -116,15 +183,33 @@ class DistributedDataset:
     """The dataset of global batches."""
     return self._dataset
 
-  def __iter__(self) -> Iterator[PerReplica]:
-    """Yields a ``PerReplica`` of per-replica batches for each global batch (from Python, not in a tf.function)."""
-    if not tf.executing_eagerly():  # a Python loop in a graph never ends: its `next` never raises
-      raise _errors.ReplicaContextError(ITERATED_IN_FUNCTION.format(
-          graph=getattr(tf.compat.v1.get_default_graph(), "name", "?")))
+  def __iter__(self) -> DistributedIterator:
+    """An iterator giving a ``PerReplica`` of per-replica batches for each global batch (Python or tf.function)."""
     with tf.device(self.host_device):
-      for element in self._dataset:
-        parts = split(element, self.num_pipelines)
-        yield PerReplica([parts[p] for p in self.pipelines])
+      return DistributedIterator(iter(self._dataset), self.pipelines, self.host_device, self.element_spec)
+
+  def reduce(self, initial_state, reduce_fn):
+    """``reduce_fn(state, batch)`` over every batch, in a ``tf.while_loop``: how AutoGraph stages a ``for`` loop.
+
+    ``for batch in dist:`` in a ``tf.function`` becomes this call (as for a
+    ``tf.distribute`` distributed dataset); ``state`` holds the loop's variables.
+    """
+    iterator = iter(self)
+    with tf.device(self.host_device):
+      optional = iterator._iterator.get_next_as_optional()  # pylint: disable=protected-access
+
+    def cond(optional, state):
+      del state
+      return optional.has_value()
+
+    def body(optional, state):
+      state = reduce_fn(state, iterator._parts(optional.get_value()))  # pylint: disable=protected-access
+      with tf.device(self.host_device):
+        optional = iterator._iterator.get_next_as_optional()  # pylint: disable=protected-access
+      return optional, state
+
+    _, state = tf.while_loop(cond, body, (optional, initial_state), parallel_iterations=1)
+    return state
 
 
 class GlobalBatchInputs(_inputs.Source):

@@ -17,6 +17,7 @@ from replicator import _distributed_dataset
 from replicator import _errors
 from replicator import _global_view
 from replicator import _interrupt
+from replicator import _values
 from replicator import _weak
 
 STEPS_NOT_STATIC = (
@@ -30,6 +31,8 @@ def run(replicator, step_fn, dataset, inputs, steps: int, all_steps: bool):
   # pylint: disable=protected-access  (the Replicator's own state, run on its behalf)
   if isinstance(dataset, _distributed_dataset.DistributedDataset):
     dataset = dataset.dataset  # its global batches: the partitioner splits them
+  if inputs is not None and dataset is None:  # one global batch, given
+    return _run_on(replicator, step_fn, global_batch(replicator, inputs))
   if inputs is not None or not isinstance(dataset, tf.data.Dataset):
     what = "inputs=..." if inputs is not None else type(dataset).__name__
     raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=replicator.batch_axes))
@@ -65,6 +68,43 @@ def run(replicator, step_fn, dataset, inputs, steps: int, all_steps: bool):
   for optimizer in step.accumulating:
     optimizer.advance(replicator.steps_run)
   return results
+
+
+def _run_on(replicator, step_fn, element):
+  """One step on the global batch ``element`` (``inputs=``)."""
+  # pylint: disable=protected-access
+  step = step_for(replicator, step_fn, element)
+  replicator._check_replicas_agree()
+  try:
+    results = step(tree.flatten(element))
+  except _errors.ReplicasDivergedError as e:  # Replicator(atomic=False)
+    replicator._diverged = (step.written, str(e.__cause__ and _errors.root_cause(e.__cause__.message)))
+    raise
+  replicator.steps_run = 1
+  for optimizer in step.accumulating:
+    optimizer.advance(1)
+  return results
+
+
+def global_batch(replicator, inputs):
+  """The global batch ``inputs`` stands for: itself, or a ``PerReplica``'s parts (one per input pipeline) joined.
+
+  A ``PerReplica`` is what iterating ``repl.distribute_dataset(...)`` gives:
+  each replica's part of a global batch, the replicas of one input pipeline
+  sharing theirs. The global view takes the batch whole and splits it itself.
+  """
+  parts = _values.split(inputs, replicator.num_replicas)
+  if parts is None:
+    return tree.map_structure(tf.convert_to_tensor, inputs)
+  if len(parts) != replicator.num_replicas:
+    raise _errors.InputMismatchError(f"inputs= has {len(parts)} values per replica, but this Replicator has "
+                                     f"{replicator.num_replicas} replicas.")
+  first = {}
+  for replica, part in enumerate(parts):
+    first.setdefault(replicator.input_pipeline(replica), part)
+  ordered = [first[p] for p in sorted(first)]
+  return tree.map_structure(lambda *leaves: tf.concat([tf.convert_to_tensor(x) for x in leaves], axis=0), *ordered)
+
 
 
 def step_for(replicator, step_fn, element) -> _global_view.GlobalStep:

@@ -163,7 +163,10 @@ class GlobalStep:
   def __call__(self, flat_args):
     specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
     if not tf.executing_eagerly():  # called in another function's graph (Keras's): its caller sees a failure
-      return tree.unflatten_as(self.structure, list(self.concrete(specs, atomic=False)(*flat_args)))
+      flat = list(self.concrete(specs, atomic=False)(*flat_args))
+      for t, traced in zip(flat, tree.flatten(self.structure)):
+        t.set_shape(traced.shape)  # as traced: the imported graph's outputs may have lost it
+      return tree.unflatten_as(self.structure, flat)
     flat = self._run(self.concrete(specs), flat_args)
     return tree.unflatten_as(self.structure, list(flat))
 

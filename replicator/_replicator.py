@@ -23,6 +23,7 @@ from replicator import _distributed_dataset
 from replicator import _errors
 from replicator import _global_run
 from replicator import _global_view
+from replicator import _in_function
 from replicator import _inputs
 from replicator import _interrupt
 from replicator import _keras
@@ -41,12 +42,9 @@ NESTED_RUN = (
     "step_fn): steps do not nest. Fix: call the inner step's function directly; it runs on this replica."
 )
 RUN_IN_FUNCTION = (
-    "repl.{name}() was called while a tf.function is being traced (graph {graph!r}). repl.run "
-    "compiles and runs its own function for the step, so it is called from Python, not from inside "
-    "another tf.function (a loop there over repl.distribute_dataset(...) would build a new step for "
-    "every element and never end). Fix: loop in Python, `for batch in repl.distribute_dataset(ds): "
-    "repl.run(step_fn, inputs=batch)`, or let the replicator loop inside its own graph: "
-    "repl.run(step_fn, ds, steps=k)."
+    "repl.{name}() was called while a tf.function is being traced (graph {graph!r}). It builds the step "
+    "and returns what it found without running anything, from Python. Fix: call repl.{name}(...) outside the "
+    "function (repl.run, not explain, may be called inside one)."
 )
 
 NEW_STEP_OBJECTS = (
@@ -386,7 +384,10 @@ class Replicator(_collective_methods.CollectiveMethods):
       replica) at each tensor leaf, as ``tf.distribute`` does: a step returning
       ``loss, accuracy`` can be unpacked as ``loss, accuracy = repl.run(...)``.
     """
-    self._check_called_from_python("run")
+    if not tf.executing_eagerly() and self._check_not_in_step("run"):  # in a tf.function being traced
+      with self._running:
+        return _in_function.run(self, step_fn, input_fn, inputs, steps, all_steps,
+                                self._view if view is None else _check_view(view))
     with self._running:
       return self._run(step_fn, input_fn, inputs, steps, all_steps, view)
 
@@ -468,14 +469,18 @@ class Replicator(_collective_methods.CollectiveMethods):
     self._last_distributed = (weakref.ref(dataset), weakref.ref(distributed))
     return distributed
 
-  def _check_called_from_python(self, name: str) -> None:
-    """``run`` and ``explain`` build their own function: not inside a step, nor inside a tf.function."""
-    if tf.executing_eagerly():  # the usual case, checked first: cheap
-      return
+  def _check_not_in_step(self, name: str) -> bool:
+    """Refuses ``run``/``explain`` inside a step being built; whether a tf.function is being traced."""
     ctx = _context.current_context()
     if ctx is not None:
       raise _errors.ReplicaContextError(NESTED_RUN.format(name=name, replica=ctx.replica_id))
-    if tf.inside_function():
+    return tf.inside_function()
+
+  def _check_called_from_python(self, name: str) -> None:
+    """``explain`` builds the step without running it: from Python, not inside a step or a tf.function."""
+    if tf.executing_eagerly():  # the usual case, checked first: cheap
+      return
+    if self._check_not_in_step(name):
       raise _errors.ReplicaContextError(RUN_IN_FUNCTION.format(
           name=name, graph=getattr(tf.compat.v1.get_default_graph(), "name", "?")))
 
@@ -665,14 +670,18 @@ class Replicator(_collective_methods.CollectiveMethods):
     """Combines ``PerReplica`` values into ordinary tensors.
 
     Args:
-      op: "sum", "mean", "max" or "min".
+      op: "sum", "mean", "max" or "min" (or ``tf.distribute.ReduceOp.SUM``,
+        ``MEAN``, as ``strategy.reduce`` takes).
       per_replica: a ``PerReplica``, or a nest of them (what :meth:`run` returns).
       axis: None reduces across replicas only (elementwise); an int also
         reduces along that dimension of the values concatenated across
         replicas (e.g. the mean over a global batch of per-example losses).
     """
+    if isinstance(op, tf.distribute.ReduceOp):  # code written for strategy.reduce
+      op = op.value.lower()
     if op not in _primitives.REDUCE_OPS:
-      raise _errors.ArgumentError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS}.")
+      raise _errors.ArgumentError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS} "
+                                  f"(or tf.distribute.ReduceOp.SUM / MEAN).")
     reducer = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max,
                "min": tf.reduce_min}[op]
 

@@ -76,6 +76,7 @@ class CompiledStep:
   captures: _captures.Captures  # step graph tensor name -> eager value to feed (handles stacked)
   output_names: list[str]
   output_dtypes: list[tf.DType]
+  output_shapes: list[tf.TensorShape]  # as traced (an imported graph's outputs may have lost them)
   structure: Any  # output nest of replica 0 (leaves: tensors or None)
   tensor_leaves: list[bool]  # which leaves of one replica's output are tensors
   source: _inputs.Source
@@ -110,7 +111,7 @@ class CompiledStep:
     """Whether one unguarded step runs (no step count returned)."""
     return steps == 1 and not all_steps and not self.source.stateful
 
-  def _build(self, steps: int, all_steps: bool, stop=None):
+  def _build(self, steps: int, all_steps: bool, stop=None, atomic: bool = True):
     source = self.source
     captured = {}  # the function's captured tensors, set by `atomic` before the step's ops are made
 
@@ -159,14 +160,29 @@ class CompiledStep:
     else:
       fn = loop
 
-    def atomic(*flat_args):
-      captured.update(self._captured())
+    def call(*flat_args):
+      captured.update(self._captured() if atomic else self.captures.input_map())
       outputs = fn(*flat_args)
-      if self.snapshot is not None:
+      if atomic and self.snapshot is not None:
         self.snapshot.release(_atomic.function_ops(outputs))
       return outputs
 
-    return tf.function(atomic, autograph=False).get_concrete_function(*source.arg_specs)
+    return tf.function(call, autograph=False).get_concrete_function(*source.arg_specs)
+
+  def call_in_graph(self, args: list[tf.Tensor]) -> list[Any]:
+    """One step called from the graph of the function being traced (``_in_function``): each replica's outputs.
+
+    Not all-or-nothing: a failure reaches that function's caller, who cannot
+    be given the values back; no step count (an explicit input never ends).
+    """
+    function = self._executables.get("in_graph")
+    if function is None:
+      function = self._executables["in_graph"] = self._build(1, False, atomic=False)
+    flat = function(*args)
+    flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+    for t, shape in zip(flat, self.output_shapes):
+      t.set_shape(shape)
+    return self.unflatten(flat)
 
   def __call__(self, args: list[tf.Tensor], steps: int = 1, all_steps: bool = False,
                stop=None) -> tuple[list[Any], int]:
@@ -289,7 +305,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       captures=_captures.Captures([(internal.name, external) for external, internal in graph.captures]
                                   + list(rewritten.external_inputs.items())),
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
-      output_dtypes=[t.dtype for t in scratch.outputs],
+      output_dtypes=[t.dtype for t in scratch.outputs], output_shapes=[t.shape for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
       accumulating=tuple(sorted(accumulating, key=id)), written=written_state, snapshot=snapshot,
       locate=_failures.locator(scratch.graph, strip_replica=False))

@@ -46,6 +46,16 @@ class PerReplica:
   def __iter__(self) -> Iterator[Any]:
     return iter(self._values)
 
+  # TensorFlow's nest protocol: a PerReplica passed to (or returned from) a tf.function is its values, as
+  # tensors (one trace for every PerReplica of the same specs; TF 2.21's `CustomNestProtocol`, public by duck type).
+  def __tf_flatten__(self):
+    return len(self._values), self._values
+
+  @classmethod
+  def __tf_unflatten__(cls, metadata, components):
+    del metadata
+    return cls(components)
+
   def __repr__(self) -> str:
     body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
     return f"PerReplica({{\n{body}\n}})"
