@@ -207,19 +207,39 @@ class Layout:
 class LayoutMap:
   """Layout specs for variables, chosen by variable path.
 
-  Keys are exact variable paths or regular expressions (``re.search``) over
-  the path (``"dense_1/kernel"`` for a Keras layer's kernel, the variable's
-  name for a ``tf.Variable`` or ``tf.Module``); values are layout specs. An
-  exact key wins; otherwise exactly one pattern may match. Variables that
-  match nothing are replicated.
+  Keys are exact variable paths or regular expressions over the path
+  (``"dense_1/kernel"`` for a Keras layer's kernel, the variable's name for a
+  ``tf.Variable`` or ``tf.Module``); values are layout specs. An exact key
+  wins; otherwise exactly one pattern may match. Variables that match nothing
+  are replicated. A pattern matches if it is found anywhere in the path
+  (``re.search``, the default), or, with ``match="fullmatch"``, only if it
+  matches the whole path (as ``keras.distribution.LayoutMap`` does since Keras
+  3.15: ``"d1/kernel"`` then does not match ``sequential/d1/kernel``).
 
   Examples:
     >>> layouts = LayoutMap({r"dense_1/kernel": (None, "model"), r"dense_1/bias": ("model",)})
     >>> layouts.lookup("dense_1/kernel"), layouts.lookup("dense_2/kernel")
     ((None, 'model'), None)
+    >>> LayoutMap({"d1/kernel": (None, "model")}, match="fullmatch").lookup("sequential/d1/kernel") is None
+    True
+
+  Args:
+    mapping: path or pattern -> layout spec.
+    match: ``"search"`` or ``"fullmatch"``: how a pattern matches a path.
+    pad: a spec shorter than the variable's rank is completed with ``None``
+      (not split) for its last dimensions, as Keras on JAX does; by default
+      the spec must have one entry per dimension.
   """
 
-  def __init__(self, mapping: Mapping[str, Spec] | None = None):
+  MATCHES = ("search", "fullmatch")
+
+  def __init__(self, mapping: Mapping[str, Spec] | None = None, *, match: str = "search", pad: bool = False):
+    if match not in self.MATCHES:
+      raise _errors.ArgumentError(f"LayoutMap(match={match!r}): expected one of {self.MATCHES} (how a key's regular "
+                                  f"expression matches a variable path).")
+    self._matches = re.search if match == "search" else re.fullmatch
+    self.match_mode = match
+    self.pad = bool(pad)
     self._entries: dict[str, tuple] = {}
     for key, spec in (mapping or {}).items():
       self[key] = spec
@@ -247,8 +267,12 @@ class LayoutMap:
     found = self.match(path)
     return None if found is None else found[1]
 
+  def spec_for(self, spec: tuple, rank: int) -> tuple:
+    """``spec`` for a variable of ``rank`` dimensions: padded with ``None`` if this map pads."""
+    return spec + (None,) * (rank - len(spec)) if self.pad and len(spec) < rank else spec
+
   def match(self, path: str) -> tuple[str, tuple] | None:
-    """``(key, spec)`` of the key that matches ``path`` (exactly, else by ``re.search``), or None.
+    """``(key, spec)`` of the key that matches ``path`` (exactly, else by its pattern), or None.
 
     Examples:
       >>> LayoutMap({"dense/kernel$": (None, "model")}).match("model/dense/kernel")
@@ -256,17 +280,19 @@ class LayoutMap:
     """
     if path in self._entries:
       return path, self._entries[path]
-    matches = [k for k in self._entries if re.search(k, path)]
+    matches = [k for k in self._entries if self._matches(k, path)]
     if len(matches) > 1:
       raise _errors.LayoutError(AMBIGUOUS_PATH.format(path=path, count=len(matches), patterns=matches))
     return (matches[0], self._entries[matches[0]]) if matches else None
 
   def unmatched(self, paths: Sequence[str]) -> list[str]:
-    """The keys that match none of ``paths`` (neither exactly nor by ``re.search``), in key order."""
-    return [k for k in self._entries if not any(k == p or re.search(k, p) for p in paths)]
+    """The keys that match none of ``paths`` (neither exactly nor by their pattern), in key order."""
+    return [k for k in self._entries if not any(k == p or self._matches(k, p) for p in paths)]
 
   def __repr__(self) -> str:
-    return f"LayoutMap({self._entries!r})"
+    options = "" if self.match_mode == "search" else f", match={self.match_mode!r}"
+    options += ", pad=True" if self.pad else ""
+    return f"LayoutMap({self._entries!r}{options})"
 
 
 class LayoutRules:

@@ -229,13 +229,16 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   specs = tree.flatten(element_spec)
   n = mesh.axis_size(axes) if axes else 1
   for i, spec in enumerate(specs):
-    if not spec.shape.is_fully_defined():
+    if not (spec.shape.rank is not None and spec.shape[1:].is_fully_defined()):
       raise _errors.ArgumentError(
-          f"The global view traces at static global shapes, but input {i} has shape {spec.shape}. "
-          "Fix: batch the dataset with drop_remainder=True (and give every other dimension a size).")
-  whole = [i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] % n]
-  if whole:
-    inputs = ", ".join(f"input {i}: {specs[i].shape[0]} rows" for i in whole)
+          f"The global view traces at static global shapes (the batch dimension aside), but input {i} has shape "
+          f"{spec.shape}. Fix: give every dimension after the first a static size.")
+  # A batch of unknown size (a dataset batched without drop_remainder) is taken whole by every device.
+  dynamic = [i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] is None]
+  whole = dynamic + [i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] is not None
+                     and spec.shape[0] % n]
+  if len(whole) > len(dynamic):
+    inputs = ", ".join(f"input {i}: {specs[i].shape[0]} rows" for i in whole if i not in dynamic)
     warnings.warn(INDIVISIBLE.format(inputs=inputs, axes=axes, n=n), stacklevel=_primitives.user_stacklevel())
   structure = {}
   trace = _context.GlobalTrace(replicator)
@@ -323,7 +326,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   _check_fallbacks(graph, partition, replicator._strict)  # pylint: disable=protected-access
   variables = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
                if id(external) in trace.owners}
-  ownership = _ownership(replicator, graph, partition, axes, variables)
+  ownership = _ownership(replicator, graph, partition, axes, variables, whole=bool(whole))
 
   # The expansion is one GraphDef (rewrite._partition.expand), with the step's inputs and the variables'
   # handles as placeholders of a plain graph: GlobalStep.concrete imports it once, into the step's function.
@@ -387,10 +390,16 @@ def sharded_update(replicator) -> bool:
   return update == "sharded"
 
 
-def _ownership(replicator, graph, partition, axes, variables) -> _partition_owners.Ownership:
-  """The sharded update's owners (none if the update is replicated); marks the variables they own."""
+def _ownership(replicator, graph, partition, axes, variables, whole: bool = False) -> _partition_owners.Ownership:
+  """The sharded update's owners (none if the update is replicated); marks the variables they own.
+
+  ``whole``: some input is taken whole by every device (a batch of unknown or
+  indivisible size); then the whole step repeats along the batch axes, and
+  owners would claim the model's own variables (every read of them), leaving
+  them stale for a step that splits the batch: such a step updates everywhere.
+  """
   ownership = _partition_owners.Ownership()
-  if sharded_update(replicator):
+  if sharded_update(replicator) and not whole:
     fixed = {}
     for name, variable in variables.items():
       if variable.owner is not None and variable.owner[1] == axes:

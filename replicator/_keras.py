@@ -26,9 +26,11 @@ there is trained by the Replicator:
 
 A model with sharded variables needs the global view
 (``Replicator(view="global")``): there ``strategy.run`` traces Keras's step
-once at the global batch's shapes (which must be static) and partitions it by
-the layouts, as ``repl.run`` does for a global-view step; its outputs are
-already global.
+once at the global batch's shapes and partitions it by the layouts, as
+``repl.run`` does for a global-view step; its outputs are already global. A
+batch of unknown size (a dataset batched without ``drop_remainder``, arrays
+whose rows ``batch_size`` does not divide, ``predict`` on fewer rows) is
+taken whole by every device: the variables stay split, the batch is not.
 
 The strategy is TensorFlow's default strategy with these overrides (its
 class is taken from the default strategy object, no private import). Outside
@@ -78,14 +80,6 @@ SHARDED_MODEL = (
     "piece. Fix: make the Replicator with view=\"global\" (it partitions Keras's unchanged step by the "
     "layouts; fit then takes a tf.data.Dataset batched with drop_remainder=True), or leave the model's "
     "variables replicated (no layouts)."
-)
-DYNAMIC_BATCH = (
-    "model.{what} of a model with sharded variables ({sharded}) runs Keras's step in the global view, which "
-    "partitions a step traced at static global shapes, but Keras traced it with inputs of shapes {shapes} (a "
-    "dimension of unknown size: Keras gives one to NumPy arrays whose rows batch_size does not divide, and to "
-    "datasets batched without drop_remainder=True). Fix: pass a tf.data.Dataset batched with "
-    "drop_remainder=True (e.g. tf.data.Dataset.from_tensor_slices((x, y)).batch(64, drop_remainder=True)), or "
-    "arrays whose rows batch_size divides."
 )
 PER_REPLICA_FIT = (
     "model.{what} in a global-view Replicator: Keras traced its step with batches of unknown size (NumPy arrays "
@@ -141,6 +135,10 @@ def _extended_class():
 
     @property
     def _num_replicas_in_sync(self):
+      if _context.current_global_trace() is not None:
+        # A global-view step is one program on the global batch: one replica, whose loss Keras must not divide
+        # by the batch replicas (scale_loss_for_distribution, when fit runs in the strategy's scope).
+        return 1
       return _tf_distribute.batch_replicas(self.replicator)[0]
 
     def colocate_vars_with(self, colocate_with_variable):
@@ -301,11 +299,10 @@ def run_global(replicator, fn, data, what: str, sharded: str):
 
   Its outputs are global values (metrics read in the step are combined
   there; predictions are whole), as Keras expects of one device's step.
+  A batch dimension of unknown size is not split (``_global_view.build``).
   """
+  del what, sharded
   leaves = tree.flatten(data)
-  if not all(isinstance(t, tf.Tensor) and t.shape.is_fully_defined() for t in leaves):
-    shapes = ", ".join(str(getattr(t, "shape", None)) for t in leaves)
-    raise _errors.UnsupportedError(DYNAMIC_BATCH.format(what=what, sharded=sharded, shapes=shapes))
   step = replicator._global_step(fn, data)  # pylint: disable=protected-access
   if step.accumulating:
     raise _errors.UnsupportedError(ACCUMULATING)

@@ -4,9 +4,12 @@ Code written for Keras 3's distribution API (``keras.distribution.DeviceMesh``
 and ``keras.distribution.LayoutMap``, whose TensorFlow backend is unfinished)
 carries over: a ``DeviceMesh`` is the :class:`mesh.Mesh` of the same axis
 names, shape and devices, a Keras ``LayoutMap`` the :class:`mesh.LayoutMap`
-of the same patterns (both search variable paths with ``re.search``) and
-specs (each ``TensorLayout``'s ``axes``). Recognised by their attributes, so
-this module does not import Keras.
+of the same patterns, matched as Keras 3.15 matches them (an exact key, else
+the one key whose pattern matches the whole path, ``re.fullmatch``; a layout
+shorter than the variable's rank padded with ``None``), and specs (each
+``TensorLayout``'s ``axes``). Keys for layer outputs (``".../output"``) are
+Keras's to apply (``distribute_tensor``), not variables', and are left out.
+Recognised by their attributes, so this module does not import Keras.
 """
 
 from __future__ import annotations
@@ -31,5 +34,6 @@ def as_mesh(device_mesh) -> mesh_lib.Mesh:
 
 
 def as_layout_map(layout_map) -> mesh_lib.LayoutMap:
-  """The :class:`mesh.LayoutMap` of a ``keras.distribution.LayoutMap``."""
-  return mesh_lib.LayoutMap({key: tuple(getattr(layout, "axes", layout)) for key, layout in layout_map.items()})
+  """The :class:`mesh.LayoutMap` of a ``keras.distribution.LayoutMap``, with Keras's matching."""
+  return mesh_lib.LayoutMap({key: tuple(getattr(layout, "axes", layout)) for key, layout in layout_map.items()
+                             if not key.endswith("/output")}, match="fullmatch", pad=True)

@@ -21,7 +21,7 @@ import mesh as mesh_lib
 UNMATCHED = (
     "The layouts' key {key!r} matches none of the {count} variable path(s) made in this Replicator's context so "
     "far, so it splits nothing: the variables it was meant for are replicated.{closest} Fix: correct the key "
-    "(keys are exact paths or re.search patterns over paths such as 'dense_1/kernel' for a Keras layer's kernel "
+    "(keys are exact paths or {mode} patterns over paths such as 'dense_1/kernel' for a Keras layer's kernel "
     "or a tf.Variable's name), or remove it. The paths: {paths}."
 )
 
@@ -46,7 +46,7 @@ def check(layouts: mesh_lib.LayoutMap | None, paths: Sequence[str], reported: se
     reported.add(key)
     closest = _closest(key, paths)
     shown = ", ".join(repr(p) for p in paths[:12]) + (f" and {len(paths) - 12} more" if len(paths) > 12 else "")
-    message = UNMATCHED.format(key=key, count=len(paths), paths=shown,
+    message = UNMATCHED.format(key=key, count=len(paths), paths=shown, mode=f"re.{layouts.match_mode}",
                                closest=f" The closest: {', '.join(repr(p) for p in closest)}." if closest else "")
     if strict:
       raise mesh_lib.LayoutError(message)

@@ -737,6 +737,7 @@ def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> m
   spec = replicator.layout_spec(path)
   if spec is None:
     return None
+  spec = replicator._layouts.spec_for(tuple(spec), shape.rank)  # pylint: disable=protected-access  (pad=True maps)
   try:
     layout = mesh_lib.Layout(spec, replicator.mesh)
   except mesh_lib.LayoutError as e:  # an unknown or repeated axis: say which variable's layout it is

@@ -24,6 +24,13 @@ import tensorflow as tf
 TensorLayout = tuple  # tuple[tuple[str, ...], ...]: mesh axes per dimension
 
 
+UNKNOWN = -1  # a dimension of unknown size (a batch of any size, taken whole): no mesh axis divides it
+
+
+def _sizes(shape) -> list:
+  return [UNKNOWN if n is None else n for n in shape.as_list()]
+
+
 @dataclasses.dataclass
 class Decision:
   """What one op of the global graph becomes on every device.
@@ -106,10 +113,12 @@ class OpView:
     return self.op.inputs[index].name in self.summed
 
   def in_shape(self, index: int) -> list:
-    return self.op.inputs[index].shape.as_list()
+    """Input ``index``'s global shape; a dimension of unknown size is ``UNKNOWN`` (never split)."""
+    return _sizes(self.op.inputs[index].shape)
 
   def out_shape(self, index: int = 0) -> list:
-    return self.op.outputs[index].shape.as_list()
+    """Output ``index``'s global shape, as :meth:`in_shape`."""
+    return _sizes(self.op.outputs[index].shape)
 
   def attr(self, name: str):
     return self.op.get_attr(name)

@@ -20,7 +20,7 @@ def reshape(view, layouts):
   layout = layouts[0]
   target = view.const(1)
   in_shape, out_shape = view.in_shape(0), view.out_shape()
-  if target is None or None in in_shape or None in out_shape:
+  if target is None or _rules.UNKNOWN in in_shape or _rules.UNKNOWN in out_shape:
     return _rules.fallback(view, layouts)
   starts_in = {math.prod(in_shape[:i]): i for i in range(len(in_shape))}
   starts_out = {math.prod(out_shape[:j]): j for j in range(len(out_shape))}
@@ -330,7 +330,7 @@ def shape_query(view, layouts):
   ``ShapeN`` asks for several shapes, one per input and output.
   """
   shapes = [view.in_shape(i) for i in range(len(layouts))]
-  if any(None in shape for shape in shapes):
+  if any(_rules.UNKNOWN in shape for shape in shapes):  # asked at run time, of the whole value
     return _rules.fallback(view, layouts)
   answer = {"Shape": lambda shape: shape, "ShapeN": lambda shape: shape, "Size": math.prod, "Rank": len}[view.op.type]
   outputs = view.op.outputs

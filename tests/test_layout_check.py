@@ -71,8 +71,8 @@ def test_strict_refuses_it_on_every_call_until_the_layouts_change():
 def test_keys_for_variables_built_in_the_step_and_keras_layout_maps_are_quiet():
   device_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=cpus(4))
   keras_layouts = keras.distribution.LayoutMap(device_mesh)
-  keras_layouts["ff_in/kernel"] = (None, "model")
-  keras_layouts["ff_out/kernel"] = ("model", None)
+  keras_layouts[".*ff_in/kernel"] = (None, "model")  # Keras matches the whole path (re.fullmatch)
+  keras_layouts[".*ff_out/kernel"] = ("model", None)
   for layouts in (mesh.LayoutMap({r"ff_in/kernel$": (None, "model"), r"ff_out/kernel$": ("model", None)}),
                   keras_layouts):
     repl = _replicator(layouts)

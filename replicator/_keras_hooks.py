@@ -1,0 +1,174 @@
+"""Keras's distribution API on TensorFlow, made to distribute: ``replicator.enable_keras_distribution()``.
+
+Keras 3's distribution API (``keras.distribution.set_distribution``,
+``Distribution.scope()``, ``DataParallel``, ``ModelParallel`` with a
+``LayoutMap``) lays out variables and data on JAX; on TensorFlow, Keras 3.15
+accepts every call and trains on one device. After
+``enable_keras_distribution()``, setting a distribution also makes current the
+Keras strategy of a global-view Replicator for it (one per distribution
+object, made on first use): with that mesh, the batch split over the
+distribution's batch axis and, for ``ModelParallel``, the variables laid out
+by its layout map (matched as Keras matches them: ``re.fullmatch``, a shorter
+layout padded with ``None``). Models made while it is set are the
+Replicator's, as if made in ``repl.context()``: their ``fit``, ``evaluate``
+and ``predict`` run distributed, and custom loops run with
+``distribution_replicator().run(step_fn, dataset)``. Unsetting the
+distribution (or leaving its ``scope()``) unsets the strategy.
+
+Keras's distribution state is per thread (``keras.src.backend.common.
+global_state``), and so is TensorFlow's current strategy: a distribution set
+in one thread distributes the models made in that thread.
+
+Private Keras API, in this module only (checked on Keras 3.15.1 and
+TensorFlow 2.21.0; tests/test_keras_distribution.py fails if it changes):
+
+* ``set_distribution`` is replaced, where Keras defines it
+  (``keras.src.distribution.distribution_lib``, which ``Distribution.scope()``
+  calls) and where it is exported (``keras.distribution``), by a function that
+  calls it and then sets TensorFlow's current strategy
+  (``tf.distribute.experimental_set_strategy``, public);
+* the functions Keras's front end calls and its TensorFlow backend lacks are
+  added to that backend's ``distribution_lib``: ``get_device_count``,
+  ``distribute_tensor`` (an identity: inside a global-view step the
+  partitioner lays out intermediate values itself; eagerly a value is whole)
+  and ``initialize`` (refused: several processes are
+  ``replicator.MultiWorkerReplicator``'s);
+* ``ModelParallel``'s layout map is read from its ``_layout_map``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import tensorflow as tf
+
+from replicator import _errors
+from replicator import _keras_distribution
+
+UNSUPPORTED_DISTRIBUTION = (
+    "keras.distribution.set_distribution({found}): replicator distributes keras.distribution.DataParallel and "
+    "ModelParallel; a {kind} has no counterpart here. Fix: use one of those two, or a replicator.Replicator directly."
+)
+MULTI_PROCESS = (
+    "keras.distribution.initialize(...) starts JAX's multi-process runtime; after replicator.enable_keras_distribution() "
+    "a distribution runs in this process only. Fix: for several processes (hosts), use "
+    "replicator.MultiWorkerReplicator (see the docs' Multi-worker training guide)."
+)
+IN_STRATEGY_SCOPE = (
+    "keras.distribution.set_distribution(...) was called inside the scope of a {strategy} (a tf.distribute "
+    "strategy's `with strategy.scope():`, or a Replicator's `with repl.context():`): after "
+    "replicator.enable_keras_distribution() a Keras distribution makes its own Replicator's strategy current, and "
+    "TensorFlow allows one. Fix: set the distribution outside that scope, or use the Replicator's context alone."
+)
+NOT_ENABLED = (
+    "replicator.distribution_replicator() needs a Keras distribution set after replicator.enable_keras_distribution() "
+    "(found {found}). Fix: call replicator.enable_keras_distribution() once, then "
+    "keras.distribution.set_distribution(...) (or enter its scope()) before asking for its Replicator."
+)
+
+_lock = threading.Lock()
+_installed: dict = {}  # what was replaced -> Keras's original
+_replicators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # distribution -> its Replicator
+
+
+def enable() -> None:
+  """Makes Keras's distribution API distribute on TensorFlow (idempotent)."""
+  with _lock:
+    if _installed:
+      return
+    import keras  # pylint: disable=import-outside-toplevel
+    from keras.src import backend as keras_backend  # pylint: disable=import-outside-toplevel
+    from keras.src.distribution import distribution_lib  # pylint: disable=import-outside-toplevel
+
+    if keras.backend.backend() != "tensorflow":
+      return  # Keras on JAX (or torch) distributes itself
+    original = distribution_lib.set_distribution
+
+    def set_distribution(value):
+      previous = distribution_lib.distribution()
+      original(value)
+      try:
+        _make_current(value)
+      except BaseException:
+        original(previous)  # as before the call: Keras's state and TensorFlow's agree
+        raise
+
+    set_distribution.__doc__ = original.__doc__
+    _installed["set_distribution"] = original
+    distribution_lib.set_distribution = set_distribution
+    keras.distribution.set_distribution = set_distribution
+    backend = keras_backend.distribution_lib  # the TensorFlow backend's module
+    for name, fn in (("get_device_count", _get_device_count), ("distribute_tensor", _distribute_tensor),
+                     ("initialize", _initialize)):
+      _installed[name] = getattr(backend, name, None)
+      setattr(backend, name, fn)
+    _make_current(distribution_lib.distribution())  # one set before enabling
+
+
+def enabled() -> bool:
+  return bool(_installed)
+
+
+def replicator_for(distribution):
+  """The global-view Replicator that carries out ``distribution`` (made once per distribution object)."""
+  found = _replicators.get(distribution)
+  if found is None:
+    found = _replicators[distribution] = _make(distribution)
+  return found
+
+
+def current_replicator():
+  """The Replicator of the Keras distribution set now."""
+  import keras  # pylint: disable=import-outside-toplevel
+  distribution = keras.distribution.distribution()
+  if not _installed or distribution is None:
+    found = "no distribution set" if _installed else "not enabled"
+    raise _errors.ReplicaContextError(NOT_ENABLED.format(found=found))
+  return replicator_for(distribution)
+
+
+def _make(distribution):
+  import keras  # pylint: disable=import-outside-toplevel
+  from replicator import _replicator  # pylint: disable=import-outside-toplevel  (it imports this module's users)
+
+  kind = type(distribution).__name__
+  if not isinstance(distribution, (keras.distribution.DataParallel, keras.distribution.ModelParallel)):
+    raise _errors.UnsupportedError(UNSUPPORTED_DISTRIBUTION.format(found=kind, kind=kind))
+  mesh = _keras_distribution.as_mesh(distribution.device_mesh)
+  layouts = None
+  if isinstance(distribution, keras.distribution.ModelParallel):
+    layouts = _keras_distribution.as_layout_map(distribution._layout_map)  # pylint: disable=protected-access
+  return _replicator.Replicator(mesh=mesh, layouts=layouts, view="global", batch_axes=(distribution.batch_dim_name,))
+
+
+def _make_current(distribution) -> None:
+  """TensorFlow's current strategy: the Keras strategy of ``distribution``'s Replicator, or none."""
+  strategy = None if distribution is None else replicator_for(distribution).keras_strategy
+  current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+  if current is strategy:
+    return
+  try:
+    tf.distribute.experimental_set_strategy(strategy)
+  except RuntimeError as e:  # "Must not be called inside a `tf.distribute.Strategy` scope."
+    raise _errors.ArgumentError(IN_STRATEGY_SCOPE.format(strategy=type(current).__name__)) from e
+
+
+def _get_device_count(device_type=None) -> int:
+  """As Keras's other backends: the devices of ``device_type`` (by default accelerators if any, else CPUs)."""
+  device_type = device_type.upper() if device_type else None
+  if device_type is None:
+    accelerators = [d for d in tf.config.list_logical_devices() if d.device_type != "CPU"]
+    return len(accelerators) or len(tf.config.list_logical_devices("CPU"))
+  return len(tf.config.list_logical_devices(device_type))
+
+
+def _distribute_tensor(tensor, layout):
+  """``keras.distribution.distribute_tensor``: the value itself (see the module docstring)."""
+  del layout
+  return tensor
+
+
+def _initialize(job_addresses=None, num_processes=None, process_id=None):
+  del job_addresses, num_processes, process_id
+  raise _errors.UnsupportedError(MULTI_PROCESS)
