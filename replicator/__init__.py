@@ -30,8 +30,8 @@ from replicator._errors import UnsupportedError
 from replicator._errors import VariableCreationError
 from replicator._errors import WorkerUnavailableError
 from replicator._inputs import InputContext
-from replicator._keras_hooks import current_replicator as distribution_replicator
-from replicator._keras_hooks import enable as enable_keras_distribution
+from replicator._keras_hooks import distribution_replicator
+from replicator._keras_hooks import enable_keras_distribution
 from replicator._multiworker import MultiWorkerReplicator
 from replicator._optimizer import ReplicatedOptimizer
 from replicator._replicator import Replicator

@@ -72,8 +72,33 @@ _installed: dict = {}  # what was replaced -> Keras's original
 _replicators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # distribution -> its Replicator
 
 
-def enable() -> None:
-  """Makes Keras's distribution API distribute on TensorFlow (idempotent)."""
+def enable_keras_distribution() -> None:
+  """Makes Keras's distribution API distribute on TensorFlow: one added line for code written for it.
+
+  After this call, a ``keras.distribution.DataParallel`` or ``ModelParallel``
+  set with ``keras.distribution.set_distribution`` (or entered with its
+  ``scope()``) is carried out by a global-view :class:`Replicator` with the
+  distribution's mesh, batch axis and layout map: the Keras models (and other
+  variables) created while it is set are that Replicator's, and their ``fit``,
+  ``evaluate`` and ``predict`` run on every device of the mesh. A custom loop
+  runs its step with ``distribution_replicator().run(step_fn, dataset)``.
+  Layout map keys are matched as Keras 3.15 matches them (``re.fullmatch``),
+  a shorter layout padded with ``None``. ``keras.distribution.get_device_count``
+  and ``distribute_tensor`` work; ``initialize`` (several processes) is refused.
+  Call it once, before setting a distribution; later calls do nothing. On a
+  Keras backend other than TensorFlow it does nothing (Keras distributes).
+  See the guide "From Keras's distribution API on JAX".
+
+  Examples:
+    >>> import keras
+    >>> replicator.enable_keras_distribution()
+    >>> dp = keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
+    >>> with dp.scope():
+    ...   layer = keras.layers.Dense(2)
+    ...   layer.build((None, 3))
+    >>> len(layer.kernel.value.components)  # one copy a device
+    2
+  """
   with _lock:
     if _installed:
       return
@@ -118,8 +143,16 @@ def replicator_for(distribution):
   return found
 
 
-def current_replicator():
-  """The Replicator of the Keras distribution set now."""
+def distribution_replicator():
+  """The :class:`Replicator` that carries out the Keras distribution set now (after ``enable_keras_distribution``).
+
+  For a custom training loop: ``distribution_replicator().run(step_fn,
+  dataset)`` runs a one-device step on the distribution's mesh, partitioned by
+  its layouts (the global view). One Replicator per distribution object.
+
+  Raises:
+    ReplicaContextError: no distribution is set, or distributions are not enabled.
+  """
   import keras  # pylint: disable=import-outside-toplevel
   distribution = keras.distribution.distribution()
   if not _installed or distribution is None:
@@ -130,6 +163,7 @@ def current_replicator():
 
 def _make(distribution):
   import keras  # pylint: disable=import-outside-toplevel
+
   from replicator import _replicator  # pylint: disable=import-outside-toplevel  (it imports this module's users)
 
   kind = type(distribution).__name__

@@ -11,7 +11,7 @@ def test_replicator_public_names():
       "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError", "ReplicaInvarianceError", "ReplicasDivergedError", "StepFailedError",
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
       "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "ArgumentError",
-      "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus",
+      "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus", "enable_keras_distribution", "distribution_replicator",
       "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "testing"}
   for name in replicator.__all__:
     assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"
