@@ -116,7 +116,8 @@ class DistributedIterator(_autograph_types.Iterator):
       parts = split(element, max(self._pipelines) + 1)
     return PerReplica([parts[p] for p in self._pipelines])
 
-  # TensorFlow's nest protocol: as a tf.function's argument, the iterator is its tf.data iterator (a resource).
+  # TensorFlow's nest protocol (public by duck type, TF 2.21's `CustomNestProtocol`): as a tf.function's argument
+  # the iterator is its tf.data iterator (a resource), one trace for every iterator of the same dataset spec.
   def __tf_flatten__(self):
     return (self._pipelines, self._host, self._element_spec), (self._iterator,)
 

@@ -356,6 +356,9 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
                                   ownership=ownership)
   plan = rewrite.plan(expansion.records, mesh, choose)
   rewritten = rewrite.apply(expansion.graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
+  # A captured value the expansion never reads has no node (a Feed is made where it is used): nothing to feed.
+  present = {node.name for node in rewritten.graph_def.node}
+  fed = [(name, value) for name, value in fed if name.split(":")[0] in present]
   report = _report(graph, partition, plan, mesh, trace, element_spec, ownership)
   written_handles = [(f"handle_{k}_{r}:0", h) for k, (external, internal) in enumerate(graph.captures)
                      if internal.name in handles and internal.op.name in written

@@ -6,12 +6,19 @@ from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
+import tensorflow as tf
 import tree
 
 from replicator import _errors
 
 
-class PerReplica:
+NOT_TENSORS = (
+    "A PerReplica is passed to a tf.function as its values' tensors, but its values are {values!r}. Fix: give it "
+    "tensors (or nests of tensors), e.g. PerReplica([tf.constant(v) for v in values])."
+)
+
+
+class PerReplica(tf.__internal__.CompositeTensor):
   """One value per replica, in replica order (device order of the Replicator).
 
   ``repl.run`` returns the step's nest with a ``PerReplica`` at each tensor
@@ -40,25 +47,51 @@ class PerReplica:
   def __len__(self) -> int:
     return len(self._values)
 
+
   def __getitem__(self, replica: int) -> Any:
     return self._values[replica]
 
   def __iter__(self) -> Iterator[Any]:
     return iter(self._values)
 
-  # TensorFlow's nest protocol: a PerReplica passed to (or returned from) a tf.function is its values, as
-  # tensors (one trace for every PerReplica of the same specs; TF 2.21's `CustomNestProtocol`, public by duck type).
-  def __tf_flatten__(self):
-    return len(self._values), self._values
-
-  @classmethod
-  def __tf_unflatten__(cls, metadata, components):
-    del metadata
-    return cls(components)
+  @property
+  def _type_spec(self) -> PerReplicaSpec:
+    # A composite tensor, as tf.distribute's PerReplica: a tf.function takes it as its values' tensors (one trace
+    # for every PerReplica of the same specs), and tf.nest takes it as one leaf unless expand_composites=True.
+    try:
+      return PerReplicaSpec(*[tree.map_structure(tf.type_spec_from_value, v) for v in self._values])
+    except (TypeError, ValueError) as e:
+      raise _errors.ArgumentTypeError(NOT_TENSORS.format(values=self._values)) from e
 
   def __repr__(self) -> str:
     body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
     return f"PerReplica({{\n{body}\n}})"
+
+
+class PerReplicaSpec(tf.TypeSpec):
+  """The type of a :class:`PerReplica` of tensors: one spec (nest) per replica."""
+
+  __slots__ = ("_value_specs",)
+
+  def __init__(self, *value_specs):
+    self._value_specs = tuple(value_specs)
+
+  @property
+  def value_type(self):
+    return PerReplica
+
+  def _serialize(self):
+    return self._value_specs
+
+  @property
+  def _component_specs(self):
+    return self._value_specs
+
+  def _to_components(self, value):
+    return value.values
+
+  def _from_components(self, components):
+    return PerReplica(components)
 
 
 def combine(per_replica_nests: Sequence[Any]) -> Any:
