@@ -56,7 +56,10 @@ setup(
         "cpu": [f"tensorflow-cpu{TENSORFLOW}"],
         "gpu": [f"tensorflow[and-cuda]{TENSORFLOW}"],
         "examples": ["scikit-learn", "tensorboard"],
-        "test": ["pytest", "scikit-learn", "dm-sonnet", "ruff", "tensorboard", "build"],
+        # KerasHub itself is installed with --no-deps (README): its tensorflow-text requirement pulls the full
+        # TensorFlow wheel over tensorflow-cpu. These are what it imports.
+        "test": ["pytest", "scikit-learn", "dm-sonnet", "ruff", "tensorboard", "build",
+                 "regex", "rich", "packaging", "kagglehub", "tokenizers", "sentencepiece"],
         "docs": ["mkdocs", "mkdocs-material", "mkdocstrings[python]"],
         "benchmarks": ["matplotlib"],
     },

@@ -70,6 +70,13 @@ STRICT_FALLBACK = (
     "gathered inputs, with a warning."
 )
 
+DYNAMIC_OVER_BATCH = (
+    "This step's batch has a dimension of unknown size ({shapes}: a dataset batched without drop_remainder=True, "
+    "arrays whose rows batch_size does not divide), which every device takes whole; but the variable {name!r} is "
+    "split over the batch axes {axes} (layout {spec}), and such a step is not supported with a batch taken whole. "
+    "Fix: give it a tf.data.Dataset batched with drop_remainder=True, or keep the batch axes out of the variables' "
+    "layouts."
+)
 UNSUPPORTED = (
     "The global view cannot partition {type} ({name}, at {location}): {why}. Fix: {fix}."
 )
@@ -317,6 +324,11 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       handle_shapes[internal.name] = variable.shape.as_list()
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
+      over_batch = set(axes) & {a for d in range(variable.shape.rank) for a in variable.layout.axes(d)}
+      if dynamic and over_batch:
+        raise _errors.UnsupportedError(DYNAMIC_OVER_BATCH.format(
+            name=variable.name.split(":")[0], spec=variable.layout.spec, axes=tuple(sorted(over_batch)),
+            shapes=", ".join(str(specs[i].shape) for i in dynamic)))
   partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed))
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
@@ -398,18 +410,20 @@ def _ownership(replicator, graph, partition, axes, variables, whole: bool = Fals
 
   ``whole``: some input is taken whole by every device (a batch of unknown or
   indivisible size); then the whole step repeats along the batch axes, and
-  owners would claim the model's own variables (every read of them), leaving
-  them stale for a step that splits the batch: such a step updates everywhere.
+  owners could claim the model's own variables (every read of them), leaving
+  them stale for a step that splits the batch: such a step owns only what an
+  earlier step made owned (optimizer slots), and updates the rest everywhere.
   """
   ownership = _partition_owners.Ownership()
-  if sharded_update(replicator) and not whole:
+  if sharded_update(replicator):
     fixed = {}
     for name, variable in variables.items():
       if variable.owner is not None and variable.owner[1] == axes:
         fixed[name] = variable.owner[0]
     handle_bytes = {name: v.shape.num_elements() * v.dtype.size for name, v in variables.items()}
     load = replicator._global_owner_load.setdefault(axes, [0] * replicator.mesh.axis_size(axes) if axes else [])  # pylint: disable=protected-access
-    ownership = _partition_owners.assign(graph, partition, replicator.mesh, axes, handle_bytes, fixed, load)
+    ownership = _partition_owners.assign(graph, partition, replicator.mesh, axes, handle_bytes, fixed, load,
+                                         may_own=set(fixed) if whole else None)
   for name, variable in variables.items():
     owner = ownership.variables.get(name)
     if variable.owner is not None and (owner is None or (owner.position, owner.axes) != variable.owner):

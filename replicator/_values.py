@@ -11,7 +11,6 @@ import tree
 
 from replicator import _errors
 
-
 NOT_TENSORS = (
     "A PerReplica is passed to a tf.function as its values' tensors, but its values are {values!r}. Fix: give it "
     "tensors (or nests of tensors), e.g. PerReplica([tf.constant(v) for v in values])."

@@ -243,7 +243,25 @@ def _decide(op, context, ins, wants) -> _rules.Decision:
   rule = _rules.get(op.type)
   view = _rules.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
                        context.value, context.summed)
-  return rule(view, ins) if rule is not None else _rules.fallback(view, ins)
+  if rule is None:
+    return _rules.fallback(view, ins)
+  try:
+    decision = rule(view, ins)
+  except _rules.UnknownRank:  # a shape of unknown rank (from a batch of unknown size): the whole value
+    return _rules.fallback(view, ins)
+  if _splits_unknown(op.inputs, decision.inputs) or _splits_unknown(op.outputs, decision.outputs):
+    return _rules.fallback(view, ins)  # a dimension of unknown size cannot be split into pieces
+  return decision
+
+
+def _splits_unknown(tensors, layouts) -> bool:
+  """Whether a layout splits a dimension whose size is unknown (a batch of any size, taken whole)."""
+  for t, layout in zip(tensors, layouts):
+    if layout is None or isinstance(layout, _rules.Contents) or t.shape.rank is None or t.dtype == tf.resource:
+      continue
+    if any(axes and n is None for n, axes in zip(t.shape.as_list(), layout)):
+      return True
+  return False
 
 
 def _inputs_of(op, layouts):

@@ -84,7 +84,7 @@ class _Node:
 
 
 def assign(graph: tf.Graph, partition, mesh, axes: tuple, handle_bytes: dict, fixed: dict | None = None,
-           load: list | None = None) -> Ownership:
+           load: list | None = None, may_own: set | None = None) -> Ownership:
   """Owners for the work ``graph`` repeats on every device of each group along ``axes``.
 
   Args:
@@ -96,6 +96,8 @@ def assign(graph: tf.Graph, partition, mesh, axes: tuple, handle_bytes: dict, fi
     fixed: handle tensor name -> the owner position its variable already has
       (an earlier step's); an update that owns it keeps that position.
     load: bytes owned so far per position along ``axes``; updated.
+    may_own: if given, the only handles whose variables may be owned (left
+      current on their owner only); another variable's update is broadcast.
 
   Returns:
     The :class:`Ownership`.
@@ -122,7 +124,7 @@ def assign(graph: tf.Graph, partition, mesh, axes: tuple, handle_bytes: dict, fi
       consumers[t].append((node, i))
   handle_users = {name: [node for node, _ in consumers.get(name, ())] for name in handle_bytes}
   while True:
-    owned, owned_variables = _settle(nodes, candidates, consumers, handle_users)
+    owned, owned_variables = _settle(nodes, candidates, consumers, handle_users, may_own)
     cones = _cones(nodes, owned, owned_variables, handle_users)
     shared = {name for name, sinks in cones.items() if len(sinks) > 1}
     for handle in owned_variables:  # a variable two updates touch runs everywhere
@@ -191,11 +193,16 @@ def _is_sink(node, index, owned_variables) -> bool:
   return node.type in ASSIGNS and index == 1 and node.inputs[0] not in owned_variables
 
 
-def _settle(nodes, candidates, consumers, handle_users):
-  """The largest set of candidates whose consumers all run on the owner too (or are sinks)."""
+def _settle(nodes, candidates, consumers, handle_users, may_own=None):
+  """The largest set of candidates whose consumers all run on the owner too (or are sinks).
+
+  A variable outside ``may_own`` (if given) is never owned: its update is a
+  sink, broadcast from the owner that computes it.
+  """
   owned = set(candidates)
   while True:
-    owned_variables = {h for h, users in handle_users.items() if users and all(u.name in owned for u in users)}
+    owned_variables = {h for h, users in handle_users.items() if users and all(u.name in owned for u in users)
+                       and (may_own is None or h in may_own)}
     removed = False
     for node in reversed(nodes):
       if node.name not in owned:

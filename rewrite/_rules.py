@@ -27,7 +27,13 @@ TensorLayout = tuple  # tuple[tuple[str, ...], ...]: mesh axes per dimension
 UNKNOWN = -1  # a dimension of unknown size (a batch of any size, taken whole): no mesh axis divides it
 
 
+class UnknownRank(Exception):
+  """A rule asked for the shape of a tensor of unknown rank: it cannot reason about it (the op falls back)."""
+
+
 def _sizes(shape) -> list:
+  if shape.rank is None:
+    raise UnknownRank()
   return [UNKNOWN if n is None else n for n in shape.as_list()]
 
 

@@ -42,7 +42,9 @@ def _lookup(view, params, ids, axis, make_lookup):
     inside = tf.logical_and(local >= 0, local < local_rows)
     looked_up = make_lookup(table, tf.where(inside, local, tf.zeros_like(local)), inputs)
     trailing = looked_up.shape.rank - axis - inside.shape.rank
-    mask = tf.reshape(inside, [1] * axis + inside.shape.as_list() + [1] * trailing)
+    shape = inside.shape.as_list() if inside.shape.is_fully_defined() else tf.shape(inside)  # a batch of any size
+    mask = tf.reshape(inside, tf.concat([[1] * axis, shape, [1] * trailing], 0) if tf.is_tensor(shape)
+                      else [1] * axis + shape + [1] * trailing)
     return [tf.where(mask, looked_up, tf.zeros_like(looked_up))]
 
   return _rules.Decision(inputs=inputs, outputs=[out], reduce=[("sum", table_split)], lower=lower)

@@ -203,6 +203,12 @@ def test_global_view_fit_of_batches_of_unknown_size_equals_one_device():
     model.fit(X, Y, batch_size=20, epochs=1, shuffle=False, verbose=0)
   ref.fit(X, Y, batch_size=20, epochs=1, shuffle=False, verbose=0)
   assert_every_copy(model.variables, ref.variables)
+  # Split batches (a sharded update: slots on one owner each), then whole ones again, then split: no stale copy.
+  split = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32, drop_remainder=True)
+  for data, kwargs in ((split, {}), ((X, Y), {"batch_size": 20}), (split, {})):
+    model.fit(*data if isinstance(data, tuple) else (data,), epochs=1, shuffle=False, verbose=0, **kwargs)
+    ref.fit(*data if isinstance(data, tuple) else (data,), epochs=1, shuffle=False, verbose=0, **kwargs)
+  assert_every_copy(model.variables, ref.variables)
 
 
 def test_global_view_fit_takes_arrays_the_batch_size_divides():
