@@ -81,10 +81,10 @@ def _time(args, name, distribute) -> dict:
   device_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=keras.distribution.list_devices()[:4])
   layout_map = getattr(keras_hub.models, MODELS[name][0]).get_layout_map(device_mesh)
   distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-  with distribution.scope():
+  with distribution.scope():  # made under it (its strategy is recorded); both trained outside it
     split = _task(args, name)
-    times = _timing.interleaved({"one device": lambda: one.train_on_batch(x, y),
-                                 "2x2 shipped map": lambda: split.train_on_batch(x, y)}, rounds=args.rounds)
+  times = _timing.interleaved({"one device": lambda: one.train_on_batch(x, y),
+                               "2x2 shipped map": lambda: split.train_on_batch(x, y)}, rounds=args.rounds)
   medians = {k: float(np.median(v)) for k, v in times.items()}
   ratios = [s / o for s, o in zip(times["2x2 shipped map"], times["one device"])]
   return {"one_device_ms": 1e3 * medians["one device"], "split_ms": 1e3 * medians["2x2 shipped map"],

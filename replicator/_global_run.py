@@ -115,6 +115,6 @@ def step_for(replicator, step_fn, element) -> _global_view.GlobalStep:
   accumulation phases of the wrapped optimizers it uses.
   """
   # pylint: disable=protected-access
-  specs = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)
+  specs = tree.map_structure(lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), element)
   variants = replicator._global_steps.setdefault(step_fn, {}).setdefault(str(specs), {})
   return replicator._variant(variants, lambda: _global_view.build(replicator, step_fn, specs, replicator._choose))

@@ -169,6 +169,7 @@ class GlobalStep:
       raise error from e
 
   def __call__(self, flat_args):
+    flat_args = [a for a in flat_args if a is not None]  # absent parts of the batch are not inputs
     specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
     if not tf.executing_eagerly():  # called in another function's graph (Keras's): its caller sees a failure
       flat = list(self.concrete(specs, atomic=False)(*flat_args))
@@ -234,7 +235,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it."""
   mesh = replicator.mesh
   axes = tuple(a for a in replicator.batch_axes if mesh.shape[a] > 1)
-  specs = tree.flatten(element_spec)
+  leaves = tree.flatten(element_spec)  # None: an absent part of the batch (Keras's sample weights)
+  specs = [spec for spec in leaves if spec is not None]
   n = mesh.axis_size(axes) if axes else 1
   for i, spec in enumerate(specs):
     if not (spec.shape.rank is not None and spec.shape[1:].is_fully_defined()):
@@ -288,7 +290,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   fn = replicator._convert(step_fn)  # AutoGraph, as tf.function on one device  # pylint: disable=protected-access
 
   def traced(*flat):
-    result = fn(tree.unflatten_as(element_spec, list(flat)))
+    given = iter(flat)
+    result = fn(tree.unflatten_as(element_spec, [None if spec is None else next(given) for spec in leaves]))
     result = tree.map_structure(tf.convert_to_tensor, result)
     structure["value"] = result
     return tree.flatten(result)
@@ -455,7 +458,7 @@ def _check_fallbacks(graph, partition, strict: bool) -> None:
 
 def _report(graph, partition, plan, mesh, trace, element_spec, ownership=None) -> rewrite.PartitionReport:
   """The partition's report, the step's inputs named by their place in the batch and variables by their names."""
-  paths = [path for path, _ in tree.flatten_with_path(element_spec)]
+  paths = [path for path, spec in tree.flatten_with_path(element_spec) if spec is not None]
   inputs = {t.name: "input" + "".join(f"[{p!r}]" for p in path)
             for t, path in zip(graph.inputs[:len(paths)], paths)}
   variables, chosen_by = {}, {}

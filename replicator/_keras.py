@@ -74,6 +74,13 @@ MODEL_OUTSIDE = (
     "trains it on one device and its variables are not the Replicator's. Fix: create and compile the "
     "model inside `with repl.context():`."
 )
+FOREIGN_MODEL = (
+    "model.fit of a model whose variables are not this Replicator's: it was made before `with repl.context():` "
+    "(or before the Keras distribution was set, after replicator.enable_keras_distribution()), so its variables "
+    "are one device's, and TensorFlow's current strategy is the Replicator's. Fix: make and compile the model "
+    "inside the context (or while the distribution is set); to train it on one device, call fit outside them "
+    "(keras.distribution.set_distribution(None))."
+)
 SHARDED_MODEL = (
     "model.{what} of a model with sharded variables ({name!r} has layout {spec}) is not supported: "
     "Keras's step is written for whole variables, and in the local view a step reads each device's "
@@ -188,7 +195,11 @@ class KerasStrategy(tf.distribute.Strategy):
     if getattr(model, "jit_compile", False) is True:
       raise _errors.UnsupportedError(JIT_COMPILE)
     what = "fit/evaluate" if getattr(fn, "__name__", "") in KERAS_STEPS else "predict"
-    for variable in getattr(model, "variables", None) or ():
+    variables = getattr(model, "variables", None) or ()
+    if (getattr(fn, "__name__", "") == "train_step" and variables
+        and all(_variables.underlying(v) is None for v in variables)):
+      raise _errors.UnsupportedError(FOREIGN_MODEL)
+    for variable in variables:
       layout = _variables.layout_of(variable)
       if layout is None:
         continue

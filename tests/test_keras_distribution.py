@@ -137,8 +137,12 @@ def test_a_custom_loop_runs_on_the_distributions_replicator():
   losses = [float(repl.run(make_step(model), data)) for _ in range(3)]
   np.testing.assert_allclose(losses, expected, atol=1e-6)
   assert_every_copy(model.weights, one.weights)
-  # A model made before the distribution was set runs as it was made (one device), also while it is set.
+  # A model made before the distribution was set predicts as it was made (one device), also while it is set;
+  # training it there is refused with the fix, not run on one device behind the distribution's back.
   np.testing.assert_allclose(one.predict(X[:8], verbose=0), model.predict(X[:8], verbose=0), atol=1e-6)
+  with pytest.raises(replicator.UnsupportedError, match=r"model.fit of a model whose variables are not this "
+                                                        r"Replicator's.*Fix: make and compile the model inside"):
+    one.fit(data, verbose=0)
 
 
 def test_checkpoints_under_model_parallel_reload_under_another_layout_map(tmp_path):
