@@ -184,6 +184,15 @@ def test_a_sharded_model_in_the_local_view_is_refused_with_the_way_to_train_it()
     model.predict(X, batch_size=20, verbose=0)
 
 
+def _split_mlp():
+  """A global-view Replicator on 2x2 and the MLP made in it, its first kernel split over "model"."""
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"dense/kernel$": (None, "model")}), view="global")
+  with repl.context():
+    model = _compiled(_mlp)
+  return repl, model
+
+
 def test_global_view_fit_of_batches_of_unknown_size_equals_one_device():
   # Was: refused ("partitions a step traced at static global shapes"). 96 rows in batches of 20: Keras traces its
   # step with a batch dimension of unknown size, which every device takes whole; the variables stay split.
@@ -191,10 +200,7 @@ def test_global_view_fit_of_batches_of_unknown_size_equals_one_device():
   ref_history = ref.fit(X, Y, batch_size=20, epochs=2, shuffle=False, verbose=0)
   ref_predictions = ref.predict(X[:3], verbose=0)  # fewer rows than devices
   keras.backend.clear_session()
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
-  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"dense/kernel$": (None, "model")}), view="global")
-  with repl.context():
-    model = _compiled(_mlp)
+  repl, model = _split_mlp()
   _check_history_equal(model.fit(X, Y, batch_size=20, epochs=2, shuffle=False, verbose=0), ref_history)
   assert_every_copy(model.variables, ref.variables)
   with pytest.warns(UserWarning, match=r"\(input 0: 3 rows\) is not divided by the batch axes"):
@@ -215,10 +221,7 @@ def test_global_view_fit_takes_arrays_the_batch_size_divides():
   ref = _compiled(_mlp)
   ref_history = ref.fit(X, Y, batch_size=24, epochs=2, shuffle=False, verbose=0)
   keras.backend.clear_session()
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
-  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"dense/kernel$": (None, "model")}), view="global")
-  with repl.context():
-    model = _compiled(_mlp)
+  repl, model = _split_mlp()
   _check_history_equal(model.fit(X, Y, batch_size=24, epochs=2, shuffle=False, verbose=0), ref_history)
   assert_every_copy(model.variables + model.optimizer.variables, ref.variables + ref.optimizer.variables)
 
