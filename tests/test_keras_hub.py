@@ -137,3 +137,24 @@ def test_a_causal_lm_fits_under_keras_distribution_with_the_backbones_own_map():
   assert_every_copy(model.weights, one.weights, atol=2e-6)
   assert_every_copy(model.optimizer.variables, one.optimizer.variables, atol=2e-6)
   assert max(replicator.bytes_per_device(model.weights).values()) < 0.4 * sum(w.numpy().nbytes for w in one.weights)
+
+
+def test_a_model_built_outside_the_distribution_generates_inside_it_as_outside():
+  # Keras's guide: a KerasHub model made before the distribution is set, used while it is (GPT-2's generate,
+  # greedy): it runs as it was made, and generates the same tokens.
+  gpt2 = keras_hub.models.GPT2CausalLM(backbone=_backbone("GPT2Backbone"), preprocessor=None)
+  gpt2.compile(sampler="greedy")
+  ids = np.random.RandomState(2).randint(1, VOCABULARY, size=(2, 4)).astype(np.int32)
+  prompt = {"token_ids": np.pad(ids, [(0, 0), (0, LENGTH - 4)]),
+            "padding_mask": np.pad(np.ones_like(ids), [(0, 0), (0, LENGTH - 4)])}
+  outside = gpt2.generate(prompt, stop_token_ids=None)["token_ids"]
+  replicator.enable_keras_distribution()
+  device_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=cpus(4))
+  layout_map = keras_hub.models.LlamaBackbone.get_layout_map(device_mesh)
+  try:
+    with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+      inside = gpt2.generate(prompt, stop_token_ids=None)["token_ids"]
+  finally:
+    keras.distribution.set_distribution(None)
+  np.testing.assert_array_equal(inside, outside)
+  assert (outside[:, 4:] != 0).all()  # it generated
