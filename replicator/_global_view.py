@@ -70,14 +70,6 @@ STRICT_FALLBACK = (
     "gathered inputs, with a warning."
 )
 
-DYNAMIC_OVER_BATCH = (
-    "This step's batch has a dimension of unknown size ({shapes}: a dataset batched without drop_remainder=True, "
-    "arrays whose rows batch_size does not divide), which every device takes whole; but the variable {name!r} is "
-    "split over the batch axes {axes} (layout {spec}) on a mesh with other axes too, which is not supported yet with "
-    "a batch taken whole. "
-    "Fix: give it a tf.data.Dataset batched with drop_remainder=True, or keep the batch axes out of the variables' "
-    "layouts."
-)
 UNSUPPORTED = (
     "The global view cannot partition {type} ({name}, at {location}): {why}. Fix: {fix}."
 )
@@ -328,14 +320,6 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       handle_shapes[internal.name] = variable.shape.as_list()
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
-      over_batch = set(axes) & {a for d in range(variable.shape.rank) for a in variable.layout.axes(d)}
-      # Checked equal to one device: a one-axis mesh (batch and weights over one axis), weights over model axes
-      # only. Weights over the batch axes of a mesh with model axes too (KerasHub's maps) computed a wrong
-      # product at run time: refused until understood.
-      if dynamic and over_batch and any(a not in axes and mesh.shape[a] > 1 for a in mesh.axis_names):
-        raise _errors.UnsupportedError(DYNAMIC_OVER_BATCH.format(
-            name=variable.name.split(":")[0], spec=variable.layout.spec, axes=tuple(sorted(over_batch)),
-            shapes=", ".join(str(specs[i].shape) for i in dynamic)))
   partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed))
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
@@ -399,7 +383,9 @@ STALE_OWNER = (
     "The variable {name!r} is kept current only on one device of each group along {axes} (a sharded optimizer "
     "update owns it), but this global-view step uses it on every device. Fix: run the step that updates it and "
     "this one with the same kind of update: Replicator(update=\"replicated\") for the global view, "
-    "wrap_optimizer(update=\"replicated\") for the local view."
+    "wrap_optimizer(update=\"replicated\") for the local view; or give every step batches of one kind (all of one "
+    "static size, e.g. a dataset batched with drop_remainder=True, or all of unknown size): a batch of unknown size, "
+    "taken whole by every device, after batches split over the batch axes can find some updates owned."
 )
 
 

@@ -27,6 +27,11 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decisi
   for ls, shape in zip(labels, shapes):
     for label, n in zip(ls, shape):
       size[label] = max(size.get(label, 1), n)
+  # A dimension of unknown size (a batch of any size): a contracted one equals the others' (contractions do not
+  # broadcast), so it is at full size; another may be a broadcast 1 or not, so the op is not split along it.
+  unknown = {label for ls, shape in zip(labels, shapes) for label, n in zip(ls, shape) if n == _rules.UNKNOWN}
+  shapes = [[size[label] if n == _rules.UNKNOWN and label not in out_labels else n for label, n in zip(ls, shape)]
+            for ls, shape in zip(labels, shapes)]
   split: dict = {}
   used: set = set()
   for ls, layout, shape in zip(labels, layouts, shapes):  # the first operand's splits win
@@ -42,6 +47,8 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decisi
         used.update(axes)
   inputs = [tuple(split.get(label, ()) if n == size[label] else () for label, n in zip(ls, shape))
             for ls, shape in zip(labels, shapes)]
+  if any(label in unknown and label in out_labels for label in split):
+    return _rules.fallback(view, layouts)
   summed = tuple(a for label in sorted(split) if label not in out_labels for a in split[label])
   return _rules.Decision(inputs=inputs, outputs=[tuple(split.get(label, ()) for label in out_labels)],
                          reduce=[("sum", summed) if summed else None])

@@ -16,6 +16,8 @@ float32 differences in the order of sums. Measured for these configurations
 error in a step (a gradient missing from one device's piece is 1e-3 or more).
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -90,13 +92,17 @@ def test_a_keras_hub_backbone_trains_in_the_global_view_as_on_one_device(name):
     device_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=cpus(4))
     repl = replicator.Replicator(mesh=device_mesh, layouts=getattr(keras_hub.models, name).get_layout_map(device_mesh),
                                  view="global", strict=True)  # strict: a fallback or a key matching nothing fails
-  else:
-    repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global", strict=True)
+  else:  # Falcon's ALiBi runs a Cumsum over the batch-split mask, which has no rule yet: gathered, with a warning
+    repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global",
+                                 strict=name != "FalconBackbone")
   with repl.context():
     backbone, optimizer = _backbone(name), keras.optimizers.Adam(1e-3)
   step = _step(backbone, optimizer)
   data = _dataset()
-  losses = [float(repl.run(step, data)) for _ in range(STEPS)]
+  with contextlib.ExitStack() as stack:
+    if name == "FalconBackbone":
+      stack.enter_context(pytest.warns(UserWarning, match=r"no layout rule for Cumsum"))
+    losses = [float(repl.run(step, data)) for _ in range(STEPS)]
   np.testing.assert_allclose(losses, expected, atol=2e-6)
   assert_every_copy(backbone.weights, one.weights, atol=2e-6)
   assert_every_copy(optimizer.variables, one_opt.variables, atol=2e-6)
@@ -127,15 +133,16 @@ def test_a_causal_lm_fits_under_keras_distribution_with_the_backbones_own_map():
     with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
       model = causal_lm()
       history = model.fit(data, verbose=0)
-      with pytest.raises(replicator.UnsupportedError, match=r"batch has a dimension of unknown size.*'token_embedding/"
-                         r"embeddings' is split over the batch axes.*Fix: give it a tf.data.Dataset batched with "
-                         r"drop_remainder=True"):  # the map splits weights over "batch": a whole batch is refused
-        model.fit(x, ids[:, 1:], batch_size=BATCH, verbose=0)
+      # Arrays: Keras traces a batch of unknown size, which every device takes whole (was: a wrong product of a
+      # kernel split over "batch" with the whole batch at run time).
+      arrays = causal_lm()
+      arrays.fit(x, ids[:, 1:], batch_size=BATCH, shuffle=False, verbose=0)
   finally:
     keras.distribution.set_distribution(None)
   np.testing.assert_allclose(history.history["loss"], one_history.history["loss"], atol=2e-6)
-  assert_every_copy(model.weights, one.weights, atol=2e-6)
-  assert_every_copy(model.optimizer.variables, one.optimizer.variables, atol=2e-6)
+  for trained in (model, arrays):
+    assert_every_copy(trained.weights, one.weights, atol=2e-6)
+    assert_every_copy(trained.optimizer.variables, one.optimizer.variables, atol=2e-6)
   assert max(replicator.bytes_per_device(model.weights).values()) < 0.4 * sum(w.numpy().nbytes for w in one.weights)
 
 
