@@ -106,7 +106,6 @@ def global_batch(replicator, inputs):
   return tree.map_structure(lambda *leaves: tf.concat([tf.convert_to_tensor(x) for x in leaves], axis=0), *ordered)
 
 
-
 def step_for(replicator, step_fn, element) -> _global_view.GlobalStep:
   """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).
 

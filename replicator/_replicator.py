@@ -374,6 +374,12 @@ class Replicator(_collective_methods.CollectiveMethods):
     on any device (``Replicator(atomic=True)``, the default). Calls from
     several threads run one at a time.
 
+    Called while a ``tf.function`` is traced (as ``strategy.run`` is), the
+    step is built once and called from that function's graph, on ``inputs=``
+    (``next(iterator)`` of ``repl.distribute_dataset(...)``); it returns that
+    graph's values. There a failure reaches the function's caller and is not
+    all-or-nothing; a dataset source and ``steps=k`` are refused.
+
     Raises:
       EndOfInput: the input ended before any step ran (a ``StopIteration``).
       StepFailedError: an op of the step failed at run time (also of the
