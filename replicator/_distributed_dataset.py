@@ -93,13 +93,10 @@ class DistributedIterator(_autograph_types.Iterator):
     return self
 
   def __next__(self) -> PerReplica:
-    if tf.executing_eagerly():
-      with tf.device(self._host):
-        element = next(self._iterator)  # StopIteration at the end
-    else:  # (a Python loop over it, unrolled while tracing, is refused by tf.data after some reads)
-      with tf.device(self._host):
-        element = self._iterator.get_next()  # OutOfRangeError at the end, when the function runs
-    return self._parts(element)
+    if not tf.executing_eagerly():  # (a Python loop over it, unrolled while tracing, is refused by tf.data)
+      return self.get_next()  # OutOfRangeError at the end, when the function runs
+    with tf.device(self._host):
+      return self._parts(next(self._iterator))  # StopIteration at the end
 
   def get_next(self) -> PerReplica:
     """The next batch's parts; at the end of the dataset ``tf.errors.OutOfRangeError`` (as tf.distribute's)."""

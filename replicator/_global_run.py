@@ -20,6 +20,10 @@ from replicator import _interrupt
 from replicator import _values
 from replicator import _weak
 
+ONE_BATCH = (
+    "repl.run(step_fn, inputs=..., steps={steps}) in the global view: inputs= is one global batch, for one step. "
+    "Fix: pass the dataset of global batches, repl.run(step_fn, dataset, steps={steps}), or call repl.run once a batch."
+)
 STEPS_NOT_STATIC = (
     "repl.run(steps={steps}) in the global view loops over global batches of one static shape, but the dataset's "
     "elements are {spec}. Fix: batch it with drop_remainder=True."
@@ -31,24 +35,14 @@ def run(replicator, step_fn, dataset, inputs, steps: int, all_steps: bool):
   # pylint: disable=protected-access  (the Replicator's own state, run on its behalf)
   if isinstance(dataset, _distributed_dataset.DistributedDataset):
     dataset = dataset.dataset  # its global batches: the partitioner splits them
-  if inputs is not None and dataset is None:  # one global batch, given
-    return _run_on(replicator, step_fn, global_batch(replicator, inputs))
-  if inputs is not None or not isinstance(dataset, tf.data.Dataset):
-    what = "inputs=..." if inputs is not None else type(dataset).__name__
-    raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=replicator.batch_axes))
   if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
     raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
-  if steps > 1 and not all(s.shape.is_fully_defined() for s in tree.flatten(dataset.element_spec)):
-    raise _errors.ArgumentError(STEPS_NOT_STATIC.format(steps=steps, spec=dataset.element_spec))
-  iterators = _weak.attached(dataset, "_replicator_global_iterator")  # goes with the dataset
-  iterator = iterators.get(replicator)
-  if iterator is None:
-    iterator = iterators[replicator] = iter(dataset)
-  try:
-    element = next(iterator)
-  except StopIteration:
-    del iterators[replicator]
-    raise _errors.EndOfInput(_errors.END_OF_DATASET) from None
+  if inputs is not None and dataset is None:  # one global batch, given: one step
+    if steps > 1 or all_steps:
+      raise _errors.ArgumentError(ONE_BATCH.format(steps=steps))
+    element, iterator = global_batch(replicator, inputs), None
+  else:
+    element, iterator = _next_batch(replicator, dataset, inputs, steps)
   step = step_for(replicator, step_fn, element)
   if steps > 1 and step.accumulating:
     raise _errors.ArgumentError(_errors.ACCUMULATING_STEPS.format(steps=steps))
@@ -70,20 +64,22 @@ def run(replicator, step_fn, dataset, inputs, steps: int, all_steps: bool):
   return results
 
 
-def _run_on(replicator, step_fn, element):
-  """One step on the global batch ``element`` (``inputs=``)."""
-  # pylint: disable=protected-access
-  step = step_for(replicator, step_fn, element)
-  replicator._check_replicas_agree()
+def _next_batch(replicator, dataset, inputs, steps: int):
+  """The next global batch of ``dataset`` and its iterator (kept on the dataset, and going with it)."""
+  if inputs is not None or not isinstance(dataset, tf.data.Dataset):
+    what = "inputs=..." if inputs is not None else type(dataset).__name__
+    raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=replicator.batch_axes))
+  if steps > 1 and not all(s.shape.is_fully_defined() for s in tree.flatten(dataset.element_spec)):
+    raise _errors.ArgumentError(STEPS_NOT_STATIC.format(steps=steps, spec=dataset.element_spec))
+  iterators = _weak.attached(dataset, "_replicator_global_iterator")  # goes with the dataset
+  iterator = iterators.get(replicator)
+  if iterator is None:
+    iterator = iterators[replicator] = iter(dataset)
   try:
-    results = step(tree.flatten(element))
-  except _errors.ReplicasDivergedError as e:  # Replicator(atomic=False)
-    replicator._diverged = (step.written, str(e.__cause__ and _errors.root_cause(e.__cause__.message)))
-    raise
-  replicator.steps_run = 1
-  for optimizer in step.accumulating:
-    optimizer.advance(1)
-  return results
+    return next(iterator), iterator
+  except StopIteration:
+    del iterators[replicator]
+    raise _errors.EndOfInput(_errors.END_OF_DATASET) from None
 
 
 def global_batch(replicator, inputs):

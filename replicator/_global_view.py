@@ -126,8 +126,11 @@ class GlobalStep:
   def _import(self, args, captured: dict) -> list:
     input_map = dict(zip(self.input_names, args))
     input_map.update(_captures.into_current_graph(captured))
-    return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, return_elements=self.output_names,
-                                          name="step")
+    outputs = tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, return_elements=self.output_names,
+                                             name="step")
+    for t, traced in zip(outputs, tree.flatten(self.structure)):
+      t.set_shape(traced.shape)  # as traced: the rewritten graph's outputs may have lost it
+    return outputs
 
   def _release(self, outputs) -> None:
     if self.snapshot is not None:
@@ -164,10 +167,7 @@ class GlobalStep:
     flat_args = [a for a in flat_args if a is not None]  # absent parts of the batch are not inputs
     specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
     if not tf.executing_eagerly():  # called in another function's graph (Keras's): its caller sees a failure
-      flat = list(self.concrete(specs, atomic=False)(*flat_args))
-      for t, traced in zip(flat, tree.flatten(self.structure)):
-        t.set_shape(traced.shape)  # as traced: the imported graph's outputs may have lost it
-      return tree.unflatten_as(self.structure, flat)
+      return tree.unflatten_as(self.structure, list(self.concrete(specs, atomic=False)(*flat_args)))
     flat = self._run(self.concrete(specs), flat_args)
     return tree.unflatten_as(self.structure, list(flat))
 

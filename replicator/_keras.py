@@ -205,10 +205,10 @@ class KerasStrategy(tf.distribute.Strategy):
         continue
       if replicator._view != "global":  # pylint: disable=protected-access
         raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
-      return run_global(replicator, fn, args[0], what, f"{variable.path!r} has layout {layout.spec}")
+      return run_global(replicator, fn, args[0])
     if replicator._view == "global":  # pylint: disable=protected-access
       if _static(args[0]):  # one program at global shapes, as for a split model: Dropout draws as on one device
-        return run_global(replicator, fn, args[0], what, "")
+        return run_global(replicator, fn, args[0])
       _warn_per_replica_draws(model, what)
     return run_in_graph(replicator, fn, args[0])
 
@@ -305,14 +305,13 @@ def run_in_graph(replicator, fn, data):
   return tree.map_structure(lambda *parts: _concat(parts), *[results[r] for r in firsts])
 
 
-def run_global(replicator, fn, data, what: str, sharded: str):
+def run_global(replicator, fn, data):
   """Keras's ``fn`` on one global batch in the global view: traced once at global shapes and partitioned.
 
   Its outputs are global values (metrics read in the step are combined
   there; predictions are whole), as Keras expects of one device's step.
   A batch dimension of unknown size is not split (``_global_view.build``).
   """
-  del what, sharded
   leaves = tree.flatten(data)
   step = replicator._global_step(fn, data)  # pylint: disable=protected-access
   if step.accumulating:

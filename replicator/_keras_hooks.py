@@ -68,7 +68,7 @@ NOT_ENABLED = (
 )
 
 _lock = threading.Lock()
-_installed: dict = {}  # what was replaced -> Keras's original
+_installed = False  # Keras patched (enable_keras_distribution)
 _replicators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # distribution -> its Replicator
 
 
@@ -99,6 +99,7 @@ def enable_keras_distribution() -> None:
     >>> len(layer.kernel.value.components)  # one copy a device
     2
   """
+  global _installed
   with _lock:
     if _installed:
       return
@@ -120,19 +121,14 @@ def enable_keras_distribution() -> None:
         raise
 
     set_distribution.__doc__ = original.__doc__
-    _installed["set_distribution"] = original
     distribution_lib.set_distribution = set_distribution
     keras.distribution.set_distribution = set_distribution
     backend = keras_backend.distribution_lib  # the TensorFlow backend's module
     for name, fn in (("get_device_count", _get_device_count), ("distribute_tensor", _distribute_tensor),
                      ("initialize", _initialize)):
-      _installed[name] = getattr(backend, name, None)
       setattr(backend, name, fn)
+    _installed = True
     _make_current(distribution_lib.distribution())  # one set before enabling
-
-
-def enabled() -> bool:
-  return bool(_installed)
 
 
 def replicator_for(distribution):

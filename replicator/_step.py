@@ -97,8 +97,11 @@ class CompiledStep:
     if not self.output_names:
       tf.graph_util.import_graph_def(self.graph_def, input_map=input_map, name="step")
       return []
-    return tf.graph_util.import_graph_def(
+    outputs = tf.graph_util.import_graph_def(
         self.graph_def, input_map=input_map, return_elements=self.output_names, name="step")
+    for t, shape in zip(outputs, self.output_shapes):
+      t.set_shape(shape)  # as traced: the rewritten graph's outputs may have lost it
+    return outputs
 
   def use_source(self, source: _inputs.Source) -> None:
     """Runs on ``source`` from now on (new values, or a new epoch's iterators)."""
@@ -179,10 +182,7 @@ class CompiledStep:
     if function is None:
       function = self._executables["in_graph"] = self._build(1, False, atomic=False)
     flat = function(*args)
-    flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
-    for t, shape in zip(flat, self.output_shapes):
-      t.set_shape(shape)
-    return self.unflatten(flat)
+    return self.unflatten(list(flat) if isinstance(flat, (list, tuple)) else [flat])
 
   def __call__(self, args: list[tf.Tensor], steps: int = 1, all_steps: bool = False,
                stop=None) -> tuple[list[Any], int]:

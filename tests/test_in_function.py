@@ -245,5 +245,8 @@ def test_what_a_function_cannot_do_is_refused_at_trace_time_with_the_fix():
 
   with pytest.raises(replicator.ArgumentError, match=r"takes global batches of a static shape.*drop_remainder=True"):
     dynamic(iter(ds))
+  with pytest.raises(replicator.ArgumentError, match=r"inputs= is one global batch, for one step. Fix: pass the "
+                                                     r"dataset of global batches, repl.run\(step_fn, dataset, steps=3\)"):
+    global_repl.run(tf.reduce_sum, inputs=tf.ones([4, 2]), steps=3)  # from Python (was: one step, silently)
   with pytest.raises(replicator.ReplicaContextError, match=r"steps do not nest"):
     tf.function(lambda: repl.run(lambda: repl.run(lambda: tf.constant(1.0))))()
