@@ -8,9 +8,9 @@ from typing import Any
 import tensorflow as tf
 import tree
 
-from replicator import _autograph_types
 from replicator import _errors
 from replicator import _inputs
+from replicator import _tf_types
 from replicator._values import PerReplica
 
 NO_BATCH_DIMENSION = (
@@ -66,7 +66,7 @@ def _replica_spec(spec: tf.TensorSpec, parts: int | None) -> tf.TensorSpec:
   return tf.TensorSpec([rows] + spec.shape.as_list()[1:], spec.dtype)
 
 
-class DistributedIterator(_autograph_types.Iterator):
+class DistributedIterator(_tf_types.Iterator):
   """An iterator over a distributed dataset: each ``next`` is a ``PerReplica`` of the replicas' parts.
 
   Made by ``iter(repl.distribute_dataset(ds))``. From Python it ends with
@@ -139,7 +139,7 @@ class PerReplicaOptional:
     return self._iterator._parts(self._optional.get_value())  # pylint: disable=protected-access
 
 
-class DistributedDataset(_autograph_types.Iterable):
+class DistributedDataset(_tf_types.Iterable):
   """A dataset of global batches whose every batch is split across the replicas.
 
   Made by ``repl.distribute_dataset(dataset)``. Pass it to ``repl.run(step_fn,

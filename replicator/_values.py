@@ -10,6 +10,7 @@ import tensorflow as tf
 import tree
 
 from replicator import _errors
+from replicator import _tf_types
 
 NOT_TENSORS = (
     "A PerReplica is passed to a tf.function as its values' tensors, but its values are {values!r}. Fix: give it "
@@ -17,7 +18,7 @@ NOT_TENSORS = (
 )
 
 
-class PerReplica(tf.__internal__.CompositeTensor):
+class PerReplica(_tf_types.CompositeTensor):
   """One value per replica, in replica order (device order of the Replicator).
 
   ``repl.run`` returns the step's nest with a ``PerReplica`` at each tensor

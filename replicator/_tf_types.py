@@ -1,4 +1,13 @@
-"""The base classes by which AutoGraph stages a ``for`` loop over distributed input.
+"""TensorFlow's non-public base classes the library derives from, in one place.
+
+``CompositeTensor``: :class:`replicator.PerReplica` is one (as
+``tf.distribute``'s ``PerReplica`` is), so that a ``tf.function`` takes it as
+its values' tensors without retracing while ``tf.nest`` keeps it one leaf.
+TensorFlow exports it only as ``tf.__internal__.CompositeTensor`` (checked on
+TF 2.21.0); its public ``tf.TypeSpec`` describes it.
+
+``Iterable`` and ``Iterator``, the base classes by which AutoGraph stages a
+``for`` loop over distributed input:
 
 Inside a ``tf.function``, AutoGraph turns ``for x in it:`` into a
 ``tf.while_loop`` only for objects it knows: tensors, ``tf.data`` datasets and
@@ -20,6 +29,10 @@ of one iterator.
 """
 
 from __future__ import annotations
+
+import tensorflow as tf
+
+CompositeTensor = tf.__internal__.CompositeTensor  # private: see the module docstring
 
 try:
   from tensorflow.python.types import distribute as _distribute  # private: see the module docstring
