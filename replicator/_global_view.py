@@ -320,7 +320,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       handle_shapes[internal.name] = variable.shape.as_list()
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
-  partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed))
+  data = frozenset(placeholder.name for placeholder in graph.inputs[:len(specs)])
+  partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data)
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
     fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED
@@ -367,10 +368,10 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
                      if internal.name in handles and internal.op.name in written
                      for r, h in enumerate(handles[internal.name])]
   snapshot = _atomic.Snapshot(written_handles) if replicator._atomic else None  # pylint: disable=protected-access
+  captures = _captures.Captures(fed + list(rewritten.external_inputs.items()))
   return GlobalStep(
-      partition=partition, plan=plan, report=report, graph_def=rewritten.graph_def, ownership=ownership,
-      input_names=[t.name for t in inputs],
-      captures=_captures.Captures(fed + list(rewritten.external_inputs.items())),
+      partition=partition, plan=plan, report=report, graph_def=captures.with_read_shapes(rewritten.graph_def),
+      ownership=ownership, input_names=[t.name for t in inputs], captures=captures,
       output_names=[rewritten.output_name(per_device[0]) for per_device in expansion.outputs],  # all whole
       structure=structure["value"], accumulating=tuple(trace.accumulating), snapshot=snapshot,
       written=_consistency.Written([h for _, h in written_handles]),

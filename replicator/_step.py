@@ -299,11 +299,11 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   graph = scratch.graph
   flat0 = tree.flatten(outputs[0])
+  captures = _captures.Captures([(internal.name, external) for external, internal in graph.captures]
+                                + list(rewritten.external_inputs.items()))
   return CompiledStep(
-      plan=plan, graph_def=rewritten.graph_def,
-      input_names=[t.name for t in graph.inputs[:len(source.element_specs)]],
-      captures=_captures.Captures([(internal.name, external) for external, internal in graph.captures]
-                                  + list(rewritten.external_inputs.items())),
+      plan=plan, graph_def=captures.with_read_shapes(rewritten.graph_def),
+      input_names=[t.name for t in graph.inputs[:len(source.element_specs)]], captures=captures,
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs], output_shapes=[t.shape for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,

@@ -78,7 +78,7 @@ MAX_ROUNDS = 8
 
 
 def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None,
-              summed: frozenset = frozenset()) -> Partition:
+              summed: frozenset = frozenset(), data: frozenset = frozenset()) -> Partition:
   """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
 
   Forward, each op's rule gives its outputs' layouts from its inputs'.
@@ -96,6 +96,12 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
     handle_shapes: resource handle tensor name -> its variable's global shape.
     summed: resource handle tensor names of variables whose value is the sum
       of the devices' copies (on-read, ``SUM``-aggregated: a metric's state).
+    data: tensor names of the step's data inputs (its batch). Where an op
+      would gather a value computed from them along a mesh axis they are split
+      over, because a value computed from variables alone is split over that
+      axis on another dimension, the latter is gathered instead: the batch
+      stays split and a weight split over the batch axis is gathered for its
+      use, as fully sharded data parallelism does (:func:`_data_first`).
 
   Returns:
     The :class:`Partition`.
@@ -103,6 +109,7 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
   dead = _dead(graph)
   ops = [op for op in ordered(graph) if op.name not in dead]
   context = _Context(mesh, handle_shapes or {}, frozenset(summed))
+  context.data, context.data_axes = _from_data(ops, given, data)
   wants: dict = {}
   partition = _forward(ops, context, given, wants)
   for _ in range(MAX_ROUNDS):
@@ -191,6 +198,8 @@ class _Context:
     self.mesh = mesh
     self.handle_shapes = handle_shapes
     self.summed = summed
+    self.data: frozenset = frozenset()  # tensors computed from the step's data inputs
+    self.data_axes: frozenset = frozenset()  # the mesh axes those inputs are split over
     self._values: dict = {}
 
   def know(self, t: tf.Tensor, value) -> None:
@@ -245,6 +254,12 @@ def _decide(op, context, ins, wants) -> _rules.Decision:
                        context.value, context.summed)
   if rule is None:
     return _rules.fallback(view, ins)
+  decision = _apply(rule, view, ins)
+  return decision if decision.fallback else _data_first(rule, view, context, ins, decision)
+
+
+def _apply(rule, view, ins) -> _rules.Decision:
+  op = view.op
   try:
     decision = rule(view, ins)
   except _rules.UnknownRank:  # a shape of unknown rank (from a batch of unknown size): the whole value
@@ -252,6 +267,60 @@ def _decide(op, context, ins, wants) -> _rules.Decision:
   if _splits_unknown(op.inputs, decision.inputs) or _splits_unknown(op.outputs, decision.outputs):
     return _rules.fallback(view, ins)  # a dimension of unknown size cannot be split into pieces
   return decision
+
+
+def _data_first(rule, view, context, ins, decision) -> _rules.Decision:
+  """``decision``, or the rule's decision with a weight gathered where ``decision`` gathers the batch.
+
+  Rules settle two operands split over one mesh axis on different dimensions
+  by operand order (a contraction's first operand wins, a lookup's table
+  wins). When the loser is a value computed from the step's data, split over
+  a data axis (the batch), and the winner is computed from variables alone (a
+  kernel split over "batch" as fully sharded data parallelism stores it), the
+  batch would be gathered and every op after it would run on the whole batch.
+  Then the rule decides again with that axis taken off the weight: it is
+  gathered for this use (its bytes, not the activations') and the batch stays
+  split. Kept only if the data keeps its split.
+  """
+  lost = set()
+  for t, have, need in zip(view.op.inputs, ins, decision.inputs):
+    if t.name in context.data and _is_layout(have) and _is_layout(need):
+      lost |= _moved(have, need) & context.data_axes
+  if not lost:
+    return decision
+  stripped = [tuple(tuple(a for a in axes if a not in lost) for axes in have)
+              if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) else have
+              for t, have in zip(view.op.inputs, ins)]
+  if stripped == list(ins):
+    return decision
+  again = _apply(rule, view, stripped)
+  if again.fallback:
+    return decision
+  for t, have, need in zip(view.op.inputs, ins, again.inputs):
+    if t.name in context.data and _is_layout(have) and _is_layout(need) and _moved(have, need) & lost:
+      return decision  # the data is gathered all the same
+  return again
+
+
+def _moved(have, need) -> set:
+  """The mesh axes a dimension of layout ``have`` is split over and the same dimension of ``need`` is not."""
+  return {a for h, n in zip(have, need) for a in h if a not in n}
+
+
+def _is_layout(layout) -> bool:
+  return layout is not None and not isinstance(layout, _rules.Contents)
+
+
+def _from_data(ops, given: dict, data: frozenset) -> tuple[frozenset, frozenset]:
+  """The tensors computed from the step's data inputs ``data``, and the mesh axes those inputs are split over."""
+  axes = frozenset(a for name in data if _is_layout(given.get(name)) for a in _rules.axes_in(given[name]))
+  if not axes:
+    return frozenset(), frozenset()
+  derived = set(data)
+  for op in ops:
+    if any(t.name in derived for t in op.inputs):
+      derived.update(t.name for t in op.outputs)
+  return frozenset(derived), axes
 
 
 def _splits_unknown(tensors, layouts) -> bool:
