@@ -10,14 +10,19 @@ For each model (a tiny-but-not-trivial KerasHub causal LM: 2 layers, hidden
   (the global view), the two interleaved round by round (``_timing``);
 * Keras on JAX (``--jax``, if ``jax`` is installed), the same script with
   ``KERAS_BACKEND=jax`` and 4 host devices in a child process: one device and
-  the same ``ModelParallel``.
+  the same ``ModelParallel``;
+* TensorFlow without oneDNN (``--no-onednn``): the first item again in a child
+  process with ``TF_ENABLE_ONEDNN_OPTS=0``. oneDNN's kernels (TensorFlow's
+  default on x86) are much faster than Eigen's on one device's whole matrices
+  and gain less on each device's quarter of them, so the ratio depends on the
+  kernel library as well as on the partitioning.
 
 The figure of merit is the ratio of the split step to its own one-device step
 (the partitioning overhead; absolute times differ between backends, whose CPU
 kernels differ). Also reported: the split step's collectives and relayouts
 (``repl.explain``), and each device's share of the weights.
 
-Run by hand: ``python -m benchmarks.keras_hub [--models llama,qwen] [--rounds 20] [--jax] [--json F]``.
+Run by hand: ``python -m benchmarks.keras_hub [--models llama,qwen] [--rounds 20] [--jax] [--no-onednn] [--json F]``.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ def _arguments(argv):
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--vocabulary", type=int, default=1024)
   parser.add_argument("--jax", action="store_true", help="also time Keras on JAX in a child process")
+  parser.add_argument("--no-onednn", action="store_true", help="also time TensorFlow with oneDNN off, in a child process")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the JAX side, in its own process
+  parser.add_argument("--tf-child", action="store_true", help=argparse.SUPPRESS)  # TensorFlow without oneDNN
   parser.add_argument("--json", default=None)
   return parser.parse_args(argv)
 
@@ -99,13 +106,17 @@ def _child(args) -> None:
     print(json.dumps({"model": name, **found}), flush=True)
 
 
-def _jax(args) -> dict:
-  env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  command = [sys.executable, "-m", "benchmarks.keras_hub", "--child", "--models", args.models,
+def _in_child(args, flag: str, **env) -> dict:
+  """This benchmark in a child process with ``env`` set: per model, the row it prints."""
+  command = [sys.executable, "-m", "benchmarks.keras_hub", flag, "--models", args.models,
              "--rounds", str(args.rounds), "--hidden", str(args.hidden), "--length", str(args.length),
              "--batch", str(args.batch), "--vocabulary", str(args.vocabulary)]
-  out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+  out = subprocess.run(command, env=dict(os.environ, **env), capture_output=True, text=True, check=True).stdout
   return {row["model"]: row for row in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+
+
+def _jax(args) -> dict:
+  return _in_child(args, "--child", KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
 
 
 def main(argv=None) -> dict:
@@ -118,6 +129,13 @@ def main(argv=None) -> dict:
   replicator.virtual_cpus(4)
   import keras  # pylint: disable=import-outside-toplevel
   replicator.enable_keras_distribution()
+  if args.tf_child:  # TensorFlow without oneDNN (set by the parent): one JSON line per model
+    for name in args.models.split(","):
+      found = _time(args, name, None)
+      found.pop("split_model")
+      print(json.dumps({"model": name, **found}), flush=True)
+      keras.backend.clear_session()
+    return {}
   results = {"config": {k: getattr(args, k) for k in ("hidden", "length", "batch", "vocabulary", "rounds")},
              "models": {}}
   for name in args.models.split(","):
@@ -131,11 +149,17 @@ def main(argv=None) -> dict:
   if args.jax:
     for name, row in _jax(args).items():
       results["models"][name]["jax"] = row
-  print(f"{'model':8s} {'one device':>12s} {'2x2 map':>10s} {'ratio':>7s} {'weights/dev':>12s} {'JAX ratio':>10s}")
+  if args.no_onednn:
+    for name, row in _in_child(args, "--tf-child", TF_ENABLE_ONEDNN_OPTS="0").items():
+      results["models"][name]["no_onednn"] = row
+  print(f"{'model':8s} {'one device':>12s} {'2x2 map':>10s} {'ratio':>7s} {'weights/dev':>12s} {'JAX ratio':>10s} "
+        f"{'no oneDNN: one / 2x2 / ratio':>30s}")
   for name, row in results["models"].items():
     jax_ratio = f"{row['jax']['ratio']:.2f}" if "jax" in row else "-"
+    eigen = row.get("no_onednn")
+    eigen = f"{eigen['one_device_ms']:.1f}ms / {eigen['split_ms']:.1f}ms / {eigen['ratio']:.2f}" if eigen else "-"
     print(f"{name:8s} {row['one_device_ms']:10.1f}ms {row['split_ms']:8.1f}ms {row['ratio']:7.2f} "
-          f"{row['weights_per_device']:12.2f} {jax_ratio:>10s}")
+          f"{row['weights_per_device']:12.2f} {jax_ratio:>10s} {eigen:>30s}")
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=1)
