@@ -73,23 +73,49 @@ class Snapshot:
       self._group_of[name] = groups[key]
     self._groups = list(groups.values())
 
-  def input_map(self, captures) -> dict[str, tf.Tensor]:
-    """In the function being built: ``captures``' input map, the written values kept before any use of them."""
-    return captures.input_map(gate=self._keep)
+  def input_map(self, captures, put_back: bool = False) -> dict[str, tf.Tensor]:
+    """In the function being built: ``captures``' input map, the written values kept before any use of them.
 
-  def _keep(self, handles: dict[str, tf.Tensor]) -> list[tf.Operation]:
+    ``put_back``: for a function called in another function's graph (Keras's,
+    or the user's), where a failure reaches code that cannot :meth:`restore`:
+    a shadow still full at the start of a call was left by such a failed call,
+    and its values are written back first, so that the call starts from the
+    state before the failed one. (A ``tf.cond`` per shadow: it costs a step's
+    build more than its run, so calls from Python, which restore at once,
+    leave it out.)
+    """
+    return captures.input_map(gate=lambda handles: self._keep(handles, put_back))
+
+  def _keep(self, handles: dict[str, tf.Tensor], put_back: bool) -> list[tf.Operation]:
     """Keeps the values of the written ones among ``handles`` (one device's); the ops to wait for."""
     kept = []
     for group in {id(g): g for g in (self._group_of.get(n) for n in handles) if g is not None}.values():
       if not all(name in handles for name, _ in group.members):
         raise AssertionError("a device's written handles are captured together")  # Captures stacks per device
       with tf.device(group.device):
-        values = _empty_list(group.dtype)
-        for name, component in group.members:
-          read = tf.raw_ops.ReadVariableOp(resource=handles[name], dtype=component.dtype)
-          values = tf.raw_ops.TensorListPushBack(input_handle=values, tensor=read)
+        with tf.control_dependencies([self._put_back_if_full(group, handles)] if put_back else []):
+          values = _empty_list(group.dtype)
+          for name, component in group.members:
+            read = tf.raw_ops.ReadVariableOp(resource=handles[name], dtype=component.dtype)
+            values = tf.raw_ops.TensorListPushBack(input_handle=values, tensor=read)
         kept.append(tf.raw_ops.AssignVariableOp(resource=group.shadow.handle, value=values))
     return kept
+
+  @staticmethod
+  def _put_back_if_full(group: _Group, handles: dict[str, tf.Tensor]) -> tf.Tensor:
+    """In the function being built: writes back the values ``group``'s shadow holds, if it holds them all."""
+    held = tf.raw_ops.ReadVariableOp(resource=group.shadow.handle, dtype=tf.variant)
+    full = tf.equal(tf.raw_ops.TensorListLength(input_handle=held), len(group.members))
+
+    def put_back():
+      writes = [tf.raw_ops.AssignVariableOp(
+          resource=handles[name], value=tf.raw_ops.TensorListGetItem(
+              input_handle=held, index=i, element_shape=tf.constant(-1), element_dtype=group.dtype))
+                for i, (name, _) in enumerate(group.members)]
+      with tf.control_dependencies(writes):
+        return tf.constant(True)
+
+    return tf.cond(full, put_back, lambda: tf.constant(False))
 
   def release(self, ops: list[tf.Operation]) -> None:
     """In the function being built: empties the shadows once every op of ``ops`` has run."""

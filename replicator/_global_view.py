@@ -109,7 +109,7 @@ class GlobalStep:
   captures: _captures.Captures
   output_names: list
   structure: Any
-  functions: dict = dataclasses.field(default_factory=dict)  # atomic (keeping the written values) -> concrete fn
+  functions: dict = dataclasses.field(default_factory=dict)  # (atomic, in another graph) -> concrete fn
   ownership: _partition_owners.Ownership | None = None  # the sharded update's owners
   report: rewrite.PartitionReport | None = None  # what repl.explain returns
   accumulating: tuple = ()  # wrapped optimizers accumulating gradients in the step (their phase is traced)
@@ -119,9 +119,14 @@ class GlobalStep:
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
   written: _consistency.Written | None = None  # replicated components the step writes (atomic=False: checked)
 
-  def _captured(self) -> dict:
-    """The step's captured values in the function being built; written variables kept first (atomic)."""
-    return self.snapshot.input_map(self.captures) if self.snapshot is not None else self.captures.input_map()
+  def _captured(self, in_graph: bool = False) -> dict:
+    """The step's captured values in the function being built; written variables kept first (atomic).
+
+    ``in_graph``: for a function called in another function's graph (``_atomic.Snapshot.input_map``).
+    """
+    if self.snapshot is None:
+      return self.captures.input_map()
+    return self.snapshot.input_map(self.captures, put_back=in_graph)
 
   def _import(self, args, captured: dict) -> list:
     input_map = dict(zip(self.input_names, args))
@@ -136,22 +141,23 @@ class GlobalStep:
     if self.snapshot is not None:
       self.snapshot.release(_atomic.function_ops(outputs))
 
-  def concrete(self, specs, atomic: bool = True):
+  def concrete(self, specs, atomic: bool = True, in_graph: bool = False):
     """The step as one function of the flattened global batch (imported on first use).
 
-    ``atomic=False``: without keeping the written values, for a caller that
-    cannot restore them (a step called in another function's graph: Keras's).
+    ``atomic=False``: without keeping the written values (``Replicator(atomic=False)``).
+    ``in_graph``: to be called in another function's graph (Keras's, the user's).
     """
-    if atomic not in self.functions:
+    key = (atomic, in_graph)
+    if key not in self.functions:
 
       def call(*args):
-        outputs = self._import(args, self._captured() if atomic else self.captures.input_map())
+        outputs = self._import(args, self._captured(in_graph) if atomic else self.captures.input_map())
         if atomic:
           self._release(outputs)
         return outputs
 
-      self.functions[atomic] = tf.function(call, autograph=False).get_concrete_function(*specs)
-    return self.functions[atomic]
+      self.functions[key] = tf.function(call, autograph=False).get_concrete_function(*specs)
+    return self.functions[key]
 
   def _run(self, function, args):
     """``function(*args)``; a failure restores what the call wrote (atomic) and says one line."""
@@ -167,7 +173,10 @@ class GlobalStep:
     flat_args = [a for a in flat_args if a is not None]  # absent parts of the batch are not inputs
     specs = [tf.TensorSpec(a.shape, a.dtype) for a in flat_args]
     if not tf.executing_eagerly():  # called in another function's graph (Keras's): its caller sees a failure
-      return tree.unflatten_as(self.structure, list(self.concrete(specs, atomic=False)(*flat_args)))
+      # Atomic still: the values kept are written back by whoever catches the failure (Keras's functions,
+      # _keras.restoring), or at the start of this step's next call (_atomic.Snapshot._keep).
+      function = self.concrete(specs, atomic=self.snapshot is not None, in_graph=True)
+      return tree.unflatten_as(self.structure, list(function(*flat_args)))
     flat = self._run(self.concrete(specs), flat_args)
     return tree.unflatten_as(self.structure, list(flat))
 

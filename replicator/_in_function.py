@@ -16,9 +16,11 @@ runs, in its own loops (``for _ in tf.range(k)``, AutoGraph's ``for batch in
 dist_dataset``), without tracing the step again.
 
 What a call from Python adds and a call from a function cannot have, because
-the step's failure reaches the caller's function, not ``repl.run``: a failed
-step is not all-or-nothing (``Replicator(atomic=...)``) and its error is
-TensorFlow's, as with ``tf.distribute``. The step's inputs are passed as
+the step's failure reaches the caller's function, not ``repl.run``: when the
+error leaves that function, what the failed step wrote is still written (the
+values from before it are kept, and written back at the start of the step's
+next call: training goes on from the state before the failure), and the error
+is TensorFlow's, as with ``tf.distribute``. The step's inputs are passed as
 ``inputs=`` (``next(iterator)``): a dataset or ``input_fn`` as the step's
 source, or ``steps=k``, loop in Python and are refused here.
 """

@@ -48,6 +48,7 @@ tests/test_keras.py fails if either changes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 import weakref
@@ -205,12 +206,51 @@ class KerasStrategy(tf.distribute.Strategy):
         continue
       if replicator._view != "global":  # pylint: disable=protected-access
         raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
+      _restore_on_failure(replicator, model, fn)
       return run_global(replicator, fn, args[0])
     if replicator._view == "global":  # pylint: disable=protected-access
       if _static(args[0]):  # one program at global shapes, as for a split model: Dropout draws as on one device
+        _restore_on_failure(replicator, model, fn)
         return run_global(replicator, fn, args[0])
       _warn_per_replica_draws(model, what)
     return run_in_graph(replicator, fn, args[0])
+
+
+_FUNCTIONS = {"train_step": "train_function", "test_step": "test_function"}  # predict writes no variable
+
+
+def _restore_on_failure(replicator, model, fn) -> None:
+  """Makes the Keras function that calls ``fn`` (fit's, evaluate's) write back what a failed call of it wrote.
+
+  The global view's steps keep the values they write (``Replicator(atomic=
+  True)``), but a step in Keras's ``tf.function`` fails in Keras's call, where
+  ``repl.run`` cannot restore them. Keras calls its function through the
+  model's attribute (``model.train_function(iterator)``) on every batch, so
+  the attribute is wrapped: a failed call writes the kept values back before
+  the error leaves it. This runs while Keras traces its function, inside its
+  first call: a failure of that call is undone at the start of the next step
+  instead (``_atomic.Snapshot._keep``).
+  """
+  name = _FUNCTIONS.get(getattr(fn, "__name__", ""))
+  function = getattr(model, name, None) if name is not None and replicator._atomic else None  # pylint: disable=protected-access
+  if function is None or getattr(function, "_replicator_restores", False):
+    return
+
+  @functools.wraps(function)
+  def restoring(*args, **kwargs):
+    try:
+      return function(*args, **kwargs)
+    except tf.errors.OpError as e:
+      if not isinstance(e, tf.errors.OutOfRangeError):  # the end of the data: nothing ran
+        for step in replicator._global_steps.values():  # pylint: disable=protected-access
+          for variants in step.values():
+            for variant in variants.values():
+              if variant.snapshot is not None:
+                variant.snapshot.restore()
+      raise
+
+  restoring._replicator_restores = True  # pylint: disable=protected-access
+  setattr(model, name, restoring)
 
 
 def _static(data) -> bool:

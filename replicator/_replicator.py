@@ -171,7 +171,10 @@ class Replicator(_collective_methods.CollectiveMethods):
       call, see the docs' Performance page). False keeps no copy: a failed
       step may leave some devices' copies written, which is detected for
       replicated variables (``ReplicasDivergedError``) but not for sharded
-      ones. Keras's ``fit`` steps are not covered (Keras calls them).
+      ones. A step that Keras's ``fit``/``evaluate`` calls in the global
+      view is written back when the error leaves Keras's function (a failure
+      in the call that traces it: at the start of the next step); a step
+      called inside your own ``tf.function``, at the start of its next call.
   """
 
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
@@ -377,8 +380,9 @@ class Replicator(_collective_methods.CollectiveMethods):
     Called while a ``tf.function`` is traced (as ``strategy.run`` is), the
     step is built once and called from that function's graph, on ``inputs=``
     (``next(iterator)`` of ``repl.distribute_dataset(...)``); it returns that
-    graph's values. There a failure reaches the function's caller and is not
-    all-or-nothing; a dataset source and ``steps=k`` are refused.
+    graph's values. There a failure reaches the function's caller, where
+    what the step wrote stays written until the step's next call writes the
+    values from before it back; a dataset source and ``steps=k`` are refused.
 
     Raises:
       EndOfInput: the input ended before any step ran (a ``StopIteration``).

@@ -86,9 +86,14 @@ class CompiledStep:
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
   _executables: dict = dataclasses.field(default_factory=dict)
 
-  def _captured(self) -> dict[str, tf.Tensor]:
-    """The step graph's captured tensors in the function being built; written variables kept first (atomic)."""
-    return self.snapshot.input_map(self.captures) if self.snapshot is not None else self.captures.input_map()
+  def _captured(self, in_graph: bool = False) -> dict[str, tf.Tensor]:
+    """The step graph's captured tensors in the function being built; written variables kept first (atomic).
+
+    ``in_graph``: for a function called in another function's graph (``_atomic.Snapshot.input_map``).
+    """
+    if self.snapshot is None:
+      return self.captures.input_map()
+    return self.snapshot.input_map(self.captures, put_back=in_graph)
 
   def _import(self, flat_elements, captured: dict[str, tf.Tensor]) -> list[tf.Tensor]:
     # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
@@ -114,7 +119,7 @@ class CompiledStep:
     """Whether one unguarded step runs (no step count returned)."""
     return steps == 1 and not all_steps and not self.source.stateful
 
-  def _build(self, steps: int, all_steps: bool, stop=None, atomic: bool = True):
+  def _build(self, steps: int, all_steps: bool, stop=None, atomic: bool = True, in_graph: bool = False):
     source = self.source
     captured = {}  # the function's captured tensors, set by `atomic` before the step's ops are made
 
@@ -164,7 +169,7 @@ class CompiledStep:
       fn = loop
 
     def call(*flat_args):
-      captured.update(self._captured() if atomic else self.captures.input_map())
+      captured.update(self._captured(in_graph) if atomic else self.captures.input_map())
       outputs = fn(*flat_args)
       if atomic and self.snapshot is not None:
         self.snapshot.release(_atomic.function_ops(outputs))
@@ -175,12 +180,14 @@ class CompiledStep:
   def call_in_graph(self, args: list[tf.Tensor]) -> list[Any]:
     """One step called from the graph of the function being traced (``_in_function``): each replica's outputs.
 
-    Not all-or-nothing: a failure reaches that function's caller, who cannot
-    be given the values back; no step count (an explicit input never ends).
+    A failure reaches that function's caller, where nothing of this library
+    runs: the values the call kept are written back at the start of the
+    step's next call (``_atomic.Snapshot._keep``). No step count (an explicit
+    input never ends).
     """
     function = self._executables.get("in_graph")
     if function is None:
-      function = self._executables["in_graph"] = self._build(1, False, atomic=False)
+      function = self._executables["in_graph"] = self._build(1, False, in_graph=True)
     flat = function(*args)
     return self.unflatten(list(flat) if isinstance(flat, (list, tuple)) else [flat])
 
