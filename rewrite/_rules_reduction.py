@@ -129,3 +129,23 @@ def arg_max(view, layouts):
   axis = int(axis) % len(layout)
   need = layout[:axis] + ((),) + layout[axis + 1:]
   return _rules.Decision(inputs=[need, None], outputs=[need[:axis] + need[axis + 1:]])
+
+
+@_rules.register("Cumsum", "Cumprod", "CumulativeLogsumexp")
+def cumulative(view, layouts):
+  """A running sum (product) along one dimension: along a whole one, the others keep their splits.
+
+  Along a split dimension each device would need the totals of the pieces
+  before its own (a scan across devices): no rule, the op falls back.
+  """
+  axis = view.const(1)
+  layout = layouts[0]
+  if axis is None or layout is None:
+    return _rules.fallback(view, layouts)
+  axis = int(axis) % len(layout)
+  if layout[axis]:
+    return _rules.fallback(view, layouts)
+  want = view.want()
+  if want is not None and len(want) == len(layout) and not want[axis]:
+    layout = _rules.with_wanted(layout, want)
+  return _rules.Decision(inputs=[layout, None], outputs=[layout])

@@ -16,8 +16,6 @@ float32 differences in the order of sums. Measured for these configurations
 error in a step (a gradient missing from one device's piece is 1e-3 or more).
 """
 
-import contextlib
-
 import keras
 import numpy as np
 import pytest
@@ -92,17 +90,13 @@ def test_a_keras_hub_backbone_trains_in_the_global_view_as_on_one_device(name):
     device_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=cpus(4))
     repl = replicator.Replicator(mesh=device_mesh, layouts=getattr(keras_hub.models, name).get_layout_map(device_mesh),
                                  view="global", strict=True)  # strict: a fallback or a key matching nothing fails
-  else:  # Falcon's ALiBi runs a Cumsum over the batch-split mask, which has no rule yet: gathered, with a warning
-    repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global",
-                                 strict=name != "FalconBackbone")
+  else:  # Falcon's ALiBi runs a Cumsum along the sequence of the batch-split mask (was a fallback: no rule)
+    repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global", strict=True)
   with repl.context():
     backbone, optimizer = _backbone(name), keras.optimizers.Adam(1e-3)
   step = _step(backbone, optimizer)
   data = _dataset()
-  with contextlib.ExitStack() as stack:
-    if name == "FalconBackbone":
-      stack.enter_context(pytest.warns(UserWarning, match=r"no layout rule for Cumsum"))
-    losses = [float(repl.run(step, data)) for _ in range(STEPS)]
+  losses = [float(repl.run(step, data)) for _ in range(STEPS)]
   np.testing.assert_allclose(losses, expected, atol=2e-6)
   assert_every_copy(backbone.weights, one.weights, atol=2e-6)
   assert_every_copy(optimizer.variables, one_opt.variables, atol=2e-6)

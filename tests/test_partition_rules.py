@@ -133,6 +133,10 @@ CASES = {
     "one_hot_of_split_ids": _case([8, 6], [6, 4], (None, "model"),  # the ids split over "batch"
                                   lambda x, w: tf.matmul(x, w) * tf.reduce_sum(
                                       tf.one_hot(tf.cast(tf.abs(x[:, :2]) * 3, tf.int32) % 4, 4), axis=1)),
+    # running sums along a whole dimension (Falcon's position ids: a cumsum of the mask along the sequence)
+    "cumsum_along_whole_dim": _case([8, 3, 6], [6, 4], (None, "model"),
+                                    lambda x, w: tf.cumsum(tf.matmul(x, w), axis=1, reverse=True)
+                                    + tf.math.cumprod(tf.tanh(tf.matmul(x, w)), axis=-2, exclusive=True)),
     # masks by position
     "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                        lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
