@@ -330,7 +330,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
   data = frozenset(placeholder.name for placeholder in graph.inputs[:len(specs)])
-  partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data)
+  partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes))
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
     fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED

@@ -78,7 +78,8 @@ MAX_ROUNDS = 8
 
 
 def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None,
-              summed: frozenset = frozenset(), data: frozenset = frozenset()) -> Partition:
+              summed: frozenset = frozenset(), data: frozenset = frozenset(),
+              batch_axes: tuple = ()) -> Partition:
   """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
 
   Forward, each op's rule gives its outputs' layouts from its inputs'.
@@ -102,6 +103,8 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
       axis on another dimension, the latter is gathered instead: the batch
       stays split and a weight split over the batch axis is gathered for its
       use, as fully sharded data parallelism does (:func:`_data_first`).
+    batch_axes: the mesh axes the batch is split over where it is split (the
+      data's own axes if empty); a batch of unknown size is not.
 
   Returns:
     The :class:`Partition`.
@@ -109,7 +112,7 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
   dead = _dead(graph)
   ops = [op for op in ordered(graph) if op.name not in dead]
   context = _Context(mesh, handle_shapes or {}, frozenset(summed))
-  context.data, context.data_axes = _from_data(ops, given, data)
+  context.data, context.data_axes = _from_data(ops, given, data, batch_axes)
   wants: dict = {}
   partition = _forward(ops, context, given, wants)
   for _ in range(MAX_ROUNDS):
@@ -255,7 +258,10 @@ def _decide(op, context, ins, wants) -> _rules.Decision:
   if rule is None:
     return _rules.fallback(view, ins)
   decision = _apply(rule, view, ins)
-  return decision if decision.fallback else _data_first(rule, view, context, ins, decision)
+  if decision.fallback:  # the rule cannot split it so (a dimension of unknown size): without the weights' batch axes?
+    again = _apply(rule, view, _without(view, context, ins, context.data_axes)) if context.data else decision
+    return decision if again.fallback else again
+  return _data_first(rule, view, context, ins, decision)
 
 
 def _apply(rule, view, ins) -> _rules.Decision:
@@ -281,16 +287,26 @@ def _data_first(rule, view, context, ins, decision) -> _rules.Decision:
   Then the rule decides again with that axis taken off the weight: it is
   gathered for this use (its bytes, not the activations') and the batch stays
   split. Kept only if the data keeps its split.
+
+  A batch of unknown size is not split: there a value computed from it of
+  unknown size would take a batch axis from a weight on another dimension
+  (an embedding's width split over "batch"), and every shape query and
+  reshape of it would fall back. The weight is gathered for its use there
+  too.
   """
   lost = set()
   for t, have, need in zip(view.op.inputs, ins, decision.inputs):
     if t.name in context.data and _is_layout(have) and _is_layout(need):
       lost |= _moved(have, need) & context.data_axes
+  if any(t.name in context.data for t in view.op.inputs):
+    own = {a for t, have in zip(view.op.inputs, ins) if t.name in context.data and _is_layout(have)
+           for a in _rules.axes_in(have)}
+    for t, layout in zip(view.op.outputs, decision.outputs):
+      if _is_layout(layout) and t.shape.rank is not None and None in t.shape.as_list():
+        lost |= (_rules.axes_in(layout) & context.data_axes) - own
   if not lost:
     return decision
-  stripped = [tuple(tuple(a for a in axes if a not in lost) for axes in have)
-              if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) else have
-              for t, have in zip(view.op.inputs, ins)]
+  stripped = _without(view, context, ins, lost)
   if stripped == list(ins):
     return decision
   again = _apply(rule, view, stripped)
@@ -302,6 +318,13 @@ def _data_first(rule, view, context, ins, decision) -> _rules.Decision:
   return again
 
 
+def _without(view, context, ins, axes) -> list:
+  """``ins`` with ``axes`` taken off the layouts of the inputs not computed from the data (weights; not handles)."""
+  return [tuple(tuple(a for a in split if a not in axes) for split in have)
+          if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) else have
+          for t, have in zip(view.op.inputs, ins)]
+
+
 def _moved(have, need) -> set:
   """The mesh axes a dimension of layout ``have`` is split over and the same dimension of ``need`` is not."""
   return {a for h, n in zip(have, need) for a in h if a not in n}
@@ -311,9 +334,10 @@ def _is_layout(layout) -> bool:
   return layout is not None and not isinstance(layout, _rules.Contents)
 
 
-def _from_data(ops, given: dict, data: frozenset) -> tuple[frozenset, frozenset]:
-  """The tensors computed from the step's data inputs ``data``, and the mesh axes those inputs are split over."""
-  axes = frozenset(a for name in data if _is_layout(given.get(name)) for a in _rules.axes_in(given[name]))
+def _from_data(ops, given: dict, data: frozenset, batch_axes: tuple = ()) -> tuple[frozenset, frozenset]:
+  """The tensors computed from the step's data inputs ``data``, and the batch axes (those inputs' if not given)."""
+  axes = frozenset(batch_axes) or frozenset(
+      a for name in data if _is_layout(given.get(name)) for a in _rules.axes_in(given[name]))
   if not axes:
     return frozenset(), frozenset()
   derived = set(data)

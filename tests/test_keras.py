@@ -1,5 +1,7 @@
 """Keras's model.fit / evaluate / predict on a model made in repl.context(): every replica, equal to one device."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -337,3 +339,41 @@ def test_global_view_fit_of_batches_of_unknown_size_warns_that_dropout_draws_per
   with repl.context():
     plain = _compiled(_mlp)
   plain.fit(X[:90], Y[:90], batch_size=16, epochs=1, verbose=0)  # nothing drawn: no warning (warnings are errors)
+
+
+def test_batches_of_unknown_size_gather_weights_split_over_the_batch_axis():
+  # A batch of unknown size is taken whole; a weight split over "batch" (an embedding's width, as KerasHub's maps
+  # split it) then split the activations' width over "batch", next to a batch dimension of unknown size, and 13
+  # shape queries, reshapes and updates ran on gathered inputs (KerasHub Qwen: then a step refused for a slot
+  # left current on its owner only). The weight is gathered for its use instead, as where the batch is split.
+  # Left: Tensordot's reshape of a "model"-split value to a runtime shape, and Adam's update of the kernel from a
+  # gradient of unknown static shape (3 ops).
+  tokens = np.random.RandomState(0).randint(0, 64, size=(40, 6)).astype(np.int32)
+  labels = (np.random.RandomState(1).rand(40) * 3).astype(np.int64)
+
+  def make():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(64, 16),
+                              keras.layers.LayerNormalization(), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+  keras.backend.clear_session()  # the layer names the keys match: "dense", not "dense_4"
+  layouts = {r"embeddings$": ("model", "batch"), r"/dense/kernel$": ("batch", "model")}
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
+                               layouts=mesh.LayoutMap(layouts), view="global")
+  with repl.context():
+    model = make()
+  ref = make()
+  split = tf.data.Dataset.from_tensor_slices((tokens, labels)).batch(8, drop_remainder=True)
+  whole = tf.data.Dataset.from_tensor_slices((tokens, labels)).batch(16)  # 16, 16, 8 rows: of unknown size
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for data in (split, whole, split):
+      model.fit(data, epochs=1, verbose=0)
+      ref.fit(data, epochs=1, verbose=0)
+  fallbacks = {str(w.message).split(" (")[1] for w in caught if "no layout rule" in str(w.message)}
+  assert len(fallbacks) <= 3, sorted(fallbacks)
+  assert_every_copy(model.variables + model.optimizer.variables, ref.variables + ref.optimizer.variables, atol=2e-6)
