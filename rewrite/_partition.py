@@ -202,7 +202,7 @@ class _Context:
     self.handle_shapes = handle_shapes
     self.summed = summed
     self.data: frozenset = frozenset()  # tensors computed from the step's data inputs
-    self.data_axes: frozenset = frozenset()  # the mesh axes those inputs are split over
+    self.data_axes: frozenset = frozenset()  # the batch axes (where the batch is split)
     self._values: dict = {}
 
   def know(self, t: tf.Tensor, value) -> None:

@@ -111,11 +111,16 @@ def test_ctrl_c_stops_a_loop_of_steps_after_the_step_in_progress(view):
   data = tf.data.Dataset.from_tensors(tf.ones([4, 2])).repeat()
   repl.run(slow_step, data, steps=2)  # built
   count.assign(0)
+  # Python's own Ctrl-C handler: a process started in the background by a shell ignores SIGINT, and so does Python.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
   timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
   start = time.perf_counter()
   timer.start()
-  with pytest.raises(KeyboardInterrupt):
-    repl.run(slow_step, data, steps=10_000)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      repl.run(slow_step, data, steps=10_000)
+  finally:
+    signal.signal(signal.SIGINT, previous)
   elapsed = time.perf_counter() - start
   timer.join()
   assert 0 < repl.steps_run < 10_000 and elapsed < 10  # 10,000 steps take 65-80 s
