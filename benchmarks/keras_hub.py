@@ -99,11 +99,13 @@ def _time(args, name, distribute) -> dict:
 
 
 def _child(args) -> None:
-  """Keras on JAX (this process was started with KERAS_BACKEND=jax): prints one JSON line per model."""
+  """A child process (Keras on JAX, or TensorFlow without oneDNN, as the parent set): one JSON line per model."""
+  import keras  # pylint: disable=import-outside-toplevel
   for name in args.models.split(","):
     found = _time(args, name, None)
     found.pop("split_model")
     print(json.dumps({"model": name, **found}), flush=True)
+    keras.backend.clear_session()
 
 
 def _in_child(args, flag: str, **env) -> dict:
@@ -129,12 +131,8 @@ def main(argv=None) -> dict:
   replicator.virtual_cpus(4)
   import keras  # pylint: disable=import-outside-toplevel
   replicator.enable_keras_distribution()
-  if args.tf_child:  # TensorFlow without oneDNN (set by the parent): one JSON line per model
-    for name in args.models.split(","):
-      found = _time(args, name, None)
-      found.pop("split_model")
-      print(json.dumps({"model": name, **found}), flush=True)
-      keras.backend.clear_session()
+  if args.tf_child:  # TensorFlow without oneDNN (set by the parent), with this library as in the parent
+    _child(args)
     return {}
   results = {"config": {k: getattr(args, k) for k in ("hidden", "length", "batch", "vocabulary", "rounds")},
              "models": {}}

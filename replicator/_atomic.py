@@ -50,6 +50,11 @@ class _Group:
                                               name="kept_before_step")
 
 
+def input_map(snapshot: "Snapshot | None", captures, put_back: bool = False) -> dict[str, tf.Tensor]:
+  """In the function being built: ``captures``' input map, through ``snapshot`` if there is one (atomic)."""
+  return captures.input_map() if snapshot is None else snapshot.input_map(captures, put_back)
+
+
 class Snapshot:
   """The shadows of the variable components a step writes.
 

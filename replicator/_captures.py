@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from replicator import _variables
+
 
 def capture(t: tf.Tensor) -> tf.Tensor:
   """The current function graph's placeholder for eager tensor ``t`` (captures it)."""
@@ -55,6 +57,9 @@ class Captures:
   def with_read_shapes(self, graph_def):
     """``graph_def`` with each read of a stacked handle followed by ``EnsureShape`` of its variable's shape.
 
+    The handles of the variables the Replicator made (every variable a step
+    writes) are checked; a variable made elsewhere keeps reads of unknown shape.
+
     A variable's handle carries its shape, from which TensorFlow infers the
     shape of a read, and Grappler, which rewrites only what it can shape,
     reads it from the function's arguments. A handle taken out of a stack has
@@ -72,13 +77,11 @@ class Captures:
     the ops using the reads after it, and a Keras step lost its updates).
     """
     shapes = {}
-    scratch = tf.__internal__.FuncGraph("handle_shapes")
-    with scratch.as_default():  # a capture of an eager handle carries its handle data: read it there
-      for _, names, _ in self.stacks:
-        for name in names:
-          data = tf.__internal__.ops.get_resource_handle_data(capture(self._values[name]))
-          if data.is_set and data.shape_and_type and not data.shape_and_type[0].shape.unknown_rank:
-            shapes[_node_of(name)] = data.shape_and_type[0].shape
+    for _, names, _ in self.stacks:
+      for name in names:
+        component = _variables.component_of(self._values[name])  # the Replicator's variables: their shapes
+        if component is not None and component.shape.rank is not None:
+          shapes[_node_of(name)] = component.shape.as_proto()
     if not shapes:
       return graph_def
     result = type(graph_def)()

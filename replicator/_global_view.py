@@ -119,15 +119,6 @@ class GlobalStep:
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
   written: _consistency.Written | None = None  # replicated components the step writes (atomic=False: checked)
 
-  def _captured(self, in_graph: bool = False) -> dict:
-    """The step's captured values in the function being built; written variables kept first (atomic).
-
-    ``in_graph``: for a function called in another function's graph (``_atomic.Snapshot.input_map``).
-    """
-    if self.snapshot is None:
-      return self.captures.input_map()
-    return self.snapshot.input_map(self.captures, put_back=in_graph)
-
   def _import(self, args, captured: dict) -> list:
     input_map = dict(zip(self.input_names, args))
     input_map.update(_captures.into_current_graph(captured))
@@ -151,7 +142,7 @@ class GlobalStep:
     if key not in self.functions:
 
       def call(*args):
-        outputs = self._import(args, self._captured(in_graph) if atomic else self.captures.input_map())
+        outputs = self._import(args, _atomic.input_map(self.snapshot if atomic else None, self.captures, in_graph))
         if atomic:
           self._release(outputs)
         return outputs
@@ -197,7 +188,7 @@ class GlobalStep:
         return [a.write(i, o) for a, o in zip(kept, outputs)] if all_steps else list(outputs)
 
       def run(first, it):
-        captured = self._captured()
+        captured = _atomic.input_map(self.snapshot, self.captures)
 
         def cond(i, more, *_):
           going = tf.logical_and(i < steps, more)

@@ -86,15 +86,6 @@ class CompiledStep:
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
   _executables: dict = dataclasses.field(default_factory=dict)
 
-  def _captured(self, in_graph: bool = False) -> dict[str, tf.Tensor]:
-    """The step graph's captured tensors in the function being built; written variables kept first (atomic).
-
-    ``in_graph``: for a function called in another function's graph (``_atomic.Snapshot.input_map``).
-    """
-    if self.snapshot is None:
-      return self.captures.input_map()
-    return self.snapshot.input_map(self.captures, put_back=in_graph)
-
   def _import(self, flat_elements, captured: dict[str, tf.Tensor]) -> list[tf.Tensor]:
     # tf.identity captures tensors of an enclosing graph (a loop body's inputs).
     input_map = {name: tf.identity(t) for name, t in zip(self.input_names, flat_elements)}
@@ -169,7 +160,7 @@ class CompiledStep:
       fn = loop
 
     def call(*flat_args):
-      captured.update(self._captured(in_graph) if atomic else self.captures.input_map())
+      captured.update(_atomic.input_map(self.snapshot if atomic else None, self.captures, in_graph))
       outputs = fn(*flat_args)
       if atomic and self.snapshot is not None:
         self.snapshot.release(_atomic.function_ops(outputs))
