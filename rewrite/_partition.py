@@ -383,22 +383,71 @@ def _forward(ops, context, given, wants) -> Partition:
 
 
 def _backward(ops, context, partition, wants) -> dict:
-  """The layouts tensors want: the one all their consumers require, where it differs from theirs."""
+  """The layouts tensors want: the one all their consumers require, where it differs from theirs.
+
+  Where consumers require different layouts, the finest of them is wanted if
+  every other consumer takes it as it is (:func:`_finest_taken`).
+  """
   wants = dict(wants)
-  required: dict = {}  # tensor name -> layouts its consumers require
+  required: dict = {}  # tensor name -> (layout, consumer, its decision) for each consumer
   for op in reversed(ops):
     if op.type in _SOURCES or op.name not in partition.decisions:
       continue
     for t in op.outputs:
       needs = required.get(t.name, [])
-      if needs and all(n == needs[0] for n in needs) and needs[0] != partition.layouts.get(t.name):
-        wants[t.name] = needs[0]
+      if not needs:
+        continue
+      want = needs[0][0]
+      if any(n != want for n, _, _ in needs):
+        want = _finest_taken(t, needs, context, partition, wants)
+      if want is not None and want != partition.layouts.get(t.name):
+        wants[t.name] = want
     # Re-decide with the wants, so that they reach this op's inputs in the same pass.
     decision = _decide(op, context, _inputs_of(op, partition.layouts), wants)
     for t, need in zip(op.inputs, decision.inputs):
       if need is not None and t.dtype != tf.resource:
-        required.setdefault(t.name, []).append(need)
+        required.setdefault(t.name, []).append((need, op, decision))
   return wants
+
+
+def _finest_taken(t, needs, context, partition, wants):
+  """Of the layouts ``t``'s consumers require, one that refines the others and that they all take, or None.
+
+  A value used by two ops, one taking it split (an attention's output
+  projection, split over the heads) and one whole (the gradient of that
+  projection's kernel, which can as well take it split), would otherwise be
+  computed whole, and every op before it too. Each consumer is decided again
+  with ``t`` in the finer layout: it must take it as it is, and gather no
+  other input and sum over no axis that it did not before.
+  """
+  layouts = [n for n, _, _ in needs]
+  if not all(_is_layout(n) for n in layouts):
+    return None
+  finest = next((n for n in layouts if all(_refines(n, m) for m in layouts)), None)
+  if finest is None:
+    return None
+  for need, consumer, before in needs:
+    if need == finest:
+      continue
+    ins = [finest if x.name == t.name else have for x, have in zip(consumer.inputs, _inputs_of(consumer, partition.layouts))]
+    after = _decide(consumer, context, ins, wants)
+    if after.fallback or after.lower is not None or after.communicates:
+      return None
+    for x, have, was, now in zip(consumer.inputs, ins, before.inputs, after.inputs):
+      if x.name == t.name:
+        if now != finest:
+          return None
+      elif _is_layout(have) and _is_layout(was) and _is_layout(now) and not _moved(have, now) <= _moved(have, was):
+        return None
+    summed_before = {a for r in before.reduce if r for a in r[1]}
+    if any(r and not set(r[1]) <= summed_before for r in after.reduce):
+      return None
+  return finest
+
+
+def _refines(finer, coarser) -> bool:
+  """Whether layout ``finer`` splits every dimension as ``coarser`` does, or more (a whole dimension split)."""
+  return len(finer) == len(coarser) and all(c == f or not c for f, c in zip(finer, coarser))
 
 
 # Ops that pass their inputs through unchanged at run time: not copied, their outputs are their inputs
@@ -619,7 +668,7 @@ class _Expander:
       del template.attr["_class"]
     for name, value in decision.attrs.items():
       template.attr[name].i = value
-    kinds = [(k, t.dtype, self._local_shape(t, decision.outputs[k])) for k, t in enumerate(op.outputs)]
+    kinds = [(k, t.dtype, self._local_shape(t, decision.computed(k))) for k, t in enumerate(op.outputs)]
     for r, inputs in enumerate(inputs_per_device):
       if inputs is None:  # not run on this device
         outputs.append(None)
@@ -712,10 +761,16 @@ class _Expander:
           y = outputs[k]
           if decision.reduce[k] is not None:
             combine, axes = decision.reduce[k]
-            if y.dtype == tf.bool:  # All, Any: the min or max of 0/1 (collectives take numbers)
+            for d, over in decision.scatter.get(k, ()):  # summed into each device's piece of dimension d
+              shape = y.shape.as_list()
+              shape[d] //= self.mesh.axis_size(over)
+              y = self._emit(r, y, "reduce_scatter", {"op": combine, "scatter_dimension": d}, over,
+                             tf.TensorShape(shape), op)
+              axes = tuple(a for a in axes if a not in over)
+            if axes and y.dtype == tf.bool:  # All, Any: the min or max of 0/1 (collectives take numbers)
               y = self._emit(r, self._cast(r, y, tf.int32), "all_reduce", {"op": combine}, axes, y.shape, op)
               y = self._cast(r, y, tf.bool)
-            else:
+            elif axes:
               y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)
           self.local.setdefault(t.name, [None] * len(self.devices))[r] = y
 

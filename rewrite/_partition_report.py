@@ -408,7 +408,11 @@ def _relayouts(graph, partition, outputs, locate):
       if reduce is not None:
         combine, axes = reduce
         why = f"partial {combine}" + (f" (output {k})" if len(op.outputs) > 1 else "")
-        expected[op.name].append(("all_reduce", tuple(axes), why))
+        for d, over in decision.scatter.get(k, ()):
+          expected[op.name].append(("reduce_scatter", tuple(over), f"{why}, scattered along dim {d}"))
+          axes = tuple(a for a in axes if a not in over)
+        if axes:
+          expected[op.name].append(("all_reduce", tuple(axes), why))
   for k, t in enumerate(outputs):
     rank = t.shape.rank
     if t.dtype != tf.resource and rank is not None:

@@ -67,6 +67,12 @@ class Decision:
       gather need every device of the group). Nothing may read its outputs.
     attrs: integer attributes to set on every device's copy (a stateful
       random op's seeds, so that every copy draws the same numbers).
+    scatter: output index -> ``((dimension, axes), ...)``: of that output's
+      partial sums (``reduce``), the ``axes`` are reduce-scattered along
+      ``dimension`` instead of all-reduced (its layout splits the dimension
+      over them): each device sums only its piece, half the bytes of an
+      all-reduce, and the ops after it run on the piece (see
+      :func:`scatter_partials`).
   """
 
   inputs: list
@@ -80,10 +86,47 @@ class Decision:
   communicates: tuple = ()
   once: bool = False
   attrs: dict = dataclasses.field(default_factory=dict)
+  scatter: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if not self.reduce:
       self.reduce = [None] * len(self.outputs)
+
+  def computed(self, index: int):
+    """Output ``index``'s layout as the op's copies compute it (before any reduce-scatter)."""
+    layout = self.outputs[index]
+    scattered = dict(self.scatter.get(index, ()))
+    if not scattered:
+      return layout
+    return tuple(tuple(a for a in split if a not in scattered.get(d, ())) for d, split in enumerate(layout))
+
+
+def scatter_partials(view, out: tuple, summed: tuple, index: int = 0) -> tuple[tuple, tuple]:
+  """Output layout ``out`` with the axes of its partial sums placed where the consumers want them.
+
+  An op whose output holds partial sums over ``summed`` (a contraction over a
+  split dimension) all-reduces them, and every device has the whole result.
+  Where the consumers want a dimension of it split over some of those axes
+  (the heads of an attention whose output projection takes them split, a
+  gradient whose variable is split so), the partials are reduce-scattered
+  along it instead: half the bytes, and the ops in between run on a piece.
+
+  Returns:
+    ``(layout, scatter)``: the output's layout and ``Decision.scatter``'s
+    entry for it (empty: all-reduced as before).
+  """
+  want = view.want(index)
+  if want is None or not summed or len(want) != len(out):
+    return out, ()
+  free = set(summed)
+  shape = view.out_shape(index)
+  out, scatter = list(out), []
+  for d, (have, wanted) in enumerate(zip(out, want)):
+    if wanted and not have and set(wanted) <= free and shape[d] > 0 and shape[d] % view.shards(wanted) == 0:
+      out[d] = wanted
+      scatter.append((d, tuple(wanted)))
+      free -= set(wanted)
+  return tuple(out), tuple(scatter)
 
 
 @dataclasses.dataclass

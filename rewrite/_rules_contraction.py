@@ -4,7 +4,9 @@
 contraction (an einsum equation): every label (dimension) takes one split,
 the first that an operand has at full size; labels that no operand splits take
 the split the consumers want. An operand whose dimension is split otherwise is
-relayouted to it; a contracted label that is split leaves partial sums.
+relayouted to it; a contracted label that is split leaves partial sums, summed
+by an all-reduce, or reduce-scattered along an output dimension the consumers
+want split over the same axes.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decisi
   if any(label in unknown and label in out_labels for label in split):
     return _rules.fallback(view, layouts)
   summed = tuple(a for label in sorted(split) if label not in out_labels for a in split[label])
-  return _rules.Decision(inputs=inputs, outputs=[tuple(split.get(label, ()) for label in out_labels)],
-                         reduce=[("sum", summed) if summed else None])
+  out, scatter = _rules.scatter_partials(view, tuple(split.get(label, ()) for label in out_labels), summed)
+  return _rules.Decision(inputs=inputs, outputs=[out], reduce=[("sum", summed) if summed else None],
+                         scatter={0: scatter} if scatter else {})
 
 
 @_rules.register("MatMul")

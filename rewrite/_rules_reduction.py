@@ -23,8 +23,12 @@ def reduce(view, layouts):
     return _rules.fallback(view, layouts)
   keep = view.attr("keep_dims")
   out = tuple(() if d in dims else layout[d] for d in range(rank) if keep or d not in dims)
+  scatter = ()
+  if view.op.type == "Sum":  # a gradient summed over the batch, for a weight split over the batch axis
+    out, scatter = _rules.scatter_partials(view, out, split)
   return _rules.Decision(inputs=[layout, None], outputs=[out],
-                         reduce=[(_COMBINE[view.op.type], split) if split else None])
+                         reduce=[(_COMBINE[view.op.type], split) if split else None],
+                         scatter={0: scatter} if scatter else {})
 
 
 @_rules.register("BiasAddGrad")
@@ -121,14 +125,43 @@ def softmax(view, layouts):
 
 @_rules.register("ArgMax", "ArgMin")
 def arg_max(view, layouts):
-  """The index of the largest entry along a dimension: that dimension whole, the others keep their splits."""
+  """The index of the largest (smallest) entry along a dimension; the other dimensions keep their splits.
+
+  Along a split dimension (an accuracy metric on vocabulary-parallel logits)
+  each device finds its piece's best entry and index, the best value is
+  all-reduced, and the smallest index holding it (the first, as on one
+  device) too: two all-reduces of the output's size instead of gathering
+  the input.
+  """
   axis = view.const(1)
   if axis is None:
     return _rules.fallback(view, layouts)
   layout = layouts[0]
   axis = int(axis) % len(layout)
-  need = layout[:axis] + ((),) + layout[axis + 1:]
-  return _rules.Decision(inputs=[need, None], outputs=[need[:axis] + need[axis + 1:]])
+  split = layout[axis]
+  out = layout[:axis] + layout[axis + 1:]
+  if not split or view.in_shape(0)[axis] <= 0 or not view.op.inputs[0].dtype.is_floating:
+    need = layout[:axis] + ((),) + layout[axis + 1:]
+    return _rules.Decision(inputs=[need, None], outputs=[need[:axis] + need[axis + 1:]])
+  size = view.in_shape(0)[axis]
+  largest = view.op.type == "ArgMax"
+  out_type = view.attr("output_type")
+
+  def lower(r, inputs, comm):
+    x = inputs[0]
+    best = tf.reduce_max(x, axis=axis) if largest else tf.reduce_min(x, axis=axis)
+    index = tf.math.argmax(x, axis=axis, output_type=tf.int32) if largest else tf.math.argmin(
+        x, axis=axis, output_type=tf.int32)
+    index += view.offset(r, split, size)
+    best_everywhere = comm.all_reduce(best, "max" if largest else "min", split)
+    first = comm.all_reduce(tf.where(tf.equal(best, best_everywhere), index, tf.fill(tf.shape(index), size)), "min",
+                            split)
+    return [tf.cast(first, out_type)]
+
+  why = "arg max over a split dimension: " if largest else "arg min over a split dimension: "
+  return _rules.Decision(inputs=[layout, None], outputs=[out], lower=lower,
+                         communicates=(("all_reduce", split, why + "best value"),
+                                       ("all_reduce", split, why + "first index holding it")))
 
 
 @_rules.register("Cumsum", "Cumprod", "CumulativeLogsumexp")

@@ -268,16 +268,24 @@ def tile(view, layouts):
     return _rules.fallback(view, layouts)
   # A split dimension tiled more than once is gathered first (its pieces would interleave).
   layout = tuple(() if m != 1 else axes for axes, m in zip(layouts[0], multiples))
-  # A whole dimension tiled m times is split as wanted by tiling m/k times on each device.
+  # A whole dimension tiled m times is split as wanted by tiling m/k times on each device; one not tiled
+  # (m = 1) by slicing the input.
   want = view.want() or ((),) * len(layout)
-  out, local = list(layout), [int(m) for m in multiples]
+  need, out, local = list(layout), list(layout), [int(m) for m in multiples]
   used = _rules.axes_in(layout)
+  shape = view.in_shape(0)
   for d, (have, wish) in enumerate(zip(layout, want)):
     k = view.shards(wish)
-    if not have and wish and used.isdisjoint(wish) and local[d] % k == 0:
+    if have or not wish or not used.isdisjoint(wish):
+      continue
+    if local[d] % k == 0:
       out[d], local[d] = wish, local[d] // k
-      used.update(wish)
-  return _rules.Decision(inputs=[layout, None], outputs=[tuple(out)],
+    elif local[d] == 1 and shape[d] > 0 and shape[d] % k == 0:
+      need[d] = out[d] = wish
+    else:
+      continue
+    used.update(wish)
+  return _rules.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
                          consts={1: np.asarray(local, dtype=multiples.dtype)})
 
 

@@ -137,6 +137,16 @@ CASES = {
     "cumsum_along_whole_dim": _case([8, 3, 6], [6, 4], (None, "model"),
                                     lambda x, w: tf.cumsum(tf.matmul(x, w), axis=1, reverse=True)
                                     + tf.math.cumprod(tf.tanh(tf.matmul(x, w)), axis=-2, exclusive=True)),
+    # the index of a row's best entry along a split dimension (an accuracy metric on vocabulary-parallel logits)
+    "argmax_along_split_dim": _case([8, 6], [6, 4], (None, "model"),
+                                    lambda x, w: tf.matmul(x, w) * tf.cast(
+                                        tf.argmax(tf.matmul(x, w), axis=1) - tf.argmin(tf.matmul(x, w), axis=-1),
+                                        tf.float32)[:, None]),
+    # grouped-query attention's repeat of key heads, the heads split over "model" after it (Tile by 1 there)
+    "repeat_of_heads": _case([8, 3, 6], [6, 4], ("model", None),
+                             lambda x, w: tf.einsum("bthe,hef->bthf", tf.repeat(
+                                 tf.reshape(tf.matmul(x, w), [8, 3, 2, 2]), 2, axis=2),
+                                 tf.reshape(tf.tile(w, [2, 1]), [4, 2, 6])[:, :, :3])),
     # masks by position
     "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                        lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
@@ -289,3 +299,61 @@ def test_a_weight_split_over_the_batch_axis_is_gathered_not_the_batch(name):
   gathered = [c.why for c in repl.explain(lambda batch: _loss_and_grads(fn, batch, w), ds).collective_rows
               if c.kind == "all_gather" and c.axes == ("batch",) and "to return it" not in c.why]
   assert gathered and all("ReadVariableOp" in why for why in gathered), gathered  # the weight's read only
+
+
+def test_arg_max_over_a_split_dimension_all_reduces_rows_and_keeps_the_first_of_ties():
+  # The input was gathered over "model" ([rows, classes] a device: 4 MB a step of KerasHub Qwen's accuracy
+  # metric); now the best value and the first index holding it are all-reduced ([rows] each).
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",),
+                               view="global", strict=True)
+  w0 = np.random.default_rng(3).normal(size=(6, 8)).astype("float32")
+  w0[:, 4:] = w0[:, :4]  # every row's best entry twice: in device 0's columns and in device 1's
+  with repl.context():
+    w = tf.Variable(w0, name="w")
+  x = np.random.default_rng(4).normal(size=(8, 6)).astype("float32")
+
+  def step_fn(batch):
+    logits = tf.matmul(batch, w)
+    return tf.argmax(logits, axis=1), tf.argmin(logits, axis=1, output_type=tf.int32)
+
+  dataset = tf.data.Dataset.from_tensors(x)
+  best, worst = repl.run(step_fn, dataset)
+  logits = x @ w0
+  np.testing.assert_array_equal(best.numpy(), np.argmax(logits, axis=1))  # numpy: the first of ties
+  np.testing.assert_array_equal(worst.numpy(), np.argmin(logits, axis=1))
+  assert best.dtype == tf.int64 and worst.dtype == tf.int32
+  assert np.all(best.numpy() < 4) and np.all(worst.numpy() < 4)
+  plan = repl.explain(step_fn, dataset)
+  assert not [c for c in plan.collective_rows if c.kind == "all_gather" and "to return it" not in c.why]
+  assert "arg max over a split dimension: first index holding it" in str(plan)
+
+
+def test_partial_sums_a_consumer_takes_split_are_reduce_scattered():
+  # A contraction over a split dimension (a row-parallel projection, as KerasHub's maps split the query kernel's
+  # input over "model") left partial sums, all-reduced: every device then had the whole result and ran the ops
+  # after it (a Qwen step's attention) whole. Where the next contraction takes that result split over the same
+  # axis (the output projection's kernel is split there), the partials are reduce-scattered instead; a gradient
+  # summed over the batch for a weight split over "batch" is reduce-scattered too.
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=[8, 3, 6]).astype("float32")
+  w0 = rng.normal(size=[6, 6]).astype("float32")
+
+  def fn(x, w):
+    return tf.matmul(tf.tanh(tf.matmul(x, w)), w)  # both contract over w's first dimension, split over "model"
+
+  expected = tf.function(lambda x, w: _loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": ("model", None)}), batch_axes=("batch",),
+                               view="global", strict=True)
+  with repl.context():
+    w = tf.Variable(w0, name="w")
+  ds = tf.data.Dataset.from_tensors(x)
+  got = repl.run(lambda batch: _loss_and_grads(fn, batch, w), ds)
+  for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
+  rows = repl.explain(lambda batch: _loss_and_grads(fn, batch, w), ds).collective_rows
+  scattered = [(c.axes, c.shape, c.why) for c in rows if c.kind == "reduce_scatter"]
+  assert ((("model",), (4, 3, 6), "partial sum, scattered along dim 2")) in scattered, scattered
+  assert not [c for c in rows if c.kind == "all_reduce" and c.axes == ("model",) and c.shape == (4, 3, 6)
+              and c.op_name.endswith("MatMul") and "gradient" not in c.op_name]  # the first product's
