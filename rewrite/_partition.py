@@ -594,11 +594,16 @@ class _Expander:
 
   # -- communication -----------------------------------------------------------
 
+  def _stood_for(self, x):
+    """What ``x`` stands for if it is a stand-in (a rule's input or a collective's result, returned as is)."""
+    if isinstance(x, tf.Tensor) and x.op.name in self._standins:
+      node, _, index = self._standins[x.op.name].rpartition(":")
+      return _Pending(node, int(index), x.dtype, x.shape)
+    return x
+
   def _emit(self, r, x, kind, params, axes, shape, op):
     """A collective placeholder on device ``r``'s ``x`` (a node of the batch): its output, not made yet."""
-    if isinstance(x, tf.Tensor) and x.op.name in self._standins:  # a rule's stand-in: what it stands for
-      node, _, index = self._standins[x.op.name].rpartition(":")
-      x = _Pending(node, int(index), x.dtype, x.shape)
+    x = self._stood_for(x)
     self._mark()  # the target graph's ops made so far (a rule's, computing x) come first
     if x.name in self._placeholders:  # a placeholder is removed by the rewrite; its consumers are rewired
       self._count += 1
@@ -746,8 +751,10 @@ class _Expander:
               outputs = list(decision.lower(r, real, _Comm(self, r, op)))
             else:
               outputs = list(decision.lower(r, real))
+            outputs = [self._stood_for(y) for y in outputs]  # the copies name what a stand-in stands for
           for y, t, layout in zip(outputs, op.outputs, decision.outputs):
-            y.set_shape(self._local_shape(t, layout))  # the rule's ops may not infer it from stand-ins
+            if isinstance(y, tf.Tensor):
+              y.set_shape(self._local_shape(t, layout))  # the rule's ops may not infer it from stand-ins
           outputs_per_device.append(outputs)
           self._mark()
       else:

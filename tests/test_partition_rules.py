@@ -315,7 +315,8 @@ def test_arg_max_over_a_split_dimension_all_reduces_rows_and_keeps_the_first_of_
 
   def step_fn(batch):
     logits = tf.matmul(batch, w)
-    return tf.argmax(logits, axis=1), tf.argmin(logits, axis=1, output_type=tf.int32)
+    worst = tf.argmin(logits, axis=1, output_type=tf.int32)  # returned as the all-reduce's result: used by an op
+    return tf.argmax(logits, axis=1), worst * 1
 
   dataset = tf.data.Dataset.from_tensors(x)
   best, worst = repl.run(step_fn, dataset)
