@@ -612,7 +612,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     Not cached here (a converted function holds ``fn``, and steps must not
     keep their step_fn alive); AutoGraph caches conversions by code.
     """
-    return _callables.to_trace(fn, self._autograph, _autograph)
+    return _step.explaining_foreign_strategies(_callables.to_trace(fn, self._autograph, _autograph))
 
   def _count_step_object(self, step_fn: Callable) -> None:
     """Warns (once) when many objects of one step function were built: a new lambda per call."""

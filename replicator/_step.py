@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 from typing import Callable
@@ -53,11 +54,20 @@ OUTPUT_MISMATCH = (
 
 WRITE_OUTSIDE = (
     "The step writes {what} at {location}, but it was created outside every Replicator context "
-    "(not in `with repl.context():` nor inside a step), so it is one variable that every replica's "
-    "step would update (with 4 replicas, assign_add(1.0) would add 4.0). Fix: create it inside "
+    "(not in `with repl.context():` nor inside a step; with replicator.enable_keras_distribution(), "
+    "not while a distribution was set), so it is one variable that every replica's step would update (with 4 replicas, assign_add(1.0) would add 4.0). Fix: create it inside "
     "`with repl.context():` (each replica then has a component, and writes that differ between "
     "replicas are combined by its aggregation); an optimizer's own variables (its step counter) "
-    "are created with it: create the optimizer, and wrap it with repl.wrap_optimizer, inside the context."
+    "are created with it: create the optimizer, and wrap it with repl.wrap_optimizer, inside the context "
+    "(a Keras model and optimizer: inside `distribution.scope()`)."
+)
+
+FOREIGN_STRATEGY = (
+    "The step entered another tf.distribute strategy's scope while the Replicator's is current ({error}). "
+    "Most often an optimizer made before `with repl.context():` (or before the Keras distribution was set, "
+    "with replicator.enable_keras_distribution()): a Keras optimizer keeps the strategy current when it was "
+    "created, one device's, and enters it to apply updates. Fix: create the optimizer (and the model) inside "
+    "the context (inside `distribution.scope()`, or after keras.distribution.set_distribution)."
 )
 
 
@@ -338,6 +348,26 @@ def _independent_replicas(graph_def):
       del node.input[:]
       node.input.extend(kept)
   return graph_def
+
+
+def explaining_foreign_strategies(fn: Callable) -> Callable:
+  """``fn``, raising :data:`FOREIGN_STRATEGY` for TensorFlow's "Must not nest" error while it is traced.
+
+  A Keras optimizer made outside the context (one device's strategy current
+  then) enters that strategy's scope to apply updates; TensorFlow's own
+  message names neither the optimizer nor the fix.
+  """
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except RuntimeError as e:
+      if isinstance(e, _errors.ReplicatorError) or "Must not nest tf.distribute.Strategy scopes" not in str(e):
+        raise
+      raise _errors.UnreplicatedStateError(FOREIGN_STRATEGY.format(error=str(e).strip())) from None
+
+  return call
 
 
 def check_writes(graph, written: dict[str, str], replicated=_variables.is_replicated_handle) -> None:

@@ -113,16 +113,17 @@ def test_a_one_axis_mesh_splits_the_batch_and_the_weights_over_the_same_axis():
 def test_a_custom_loop_runs_on_the_distributions_replicator():
   keras.distribution.set_distribution(None)
   one = _guide_model("sgd")  # one device's, made and trained without a distribution
+  early = keras.optimizers.SGD(0.1)  # an optimizer made before the distribution is set
   loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8, drop_remainder=True)
 
-  def make_step(model):
+  def make_step(model, optimizer=None):
     def train_step(batch):
       x, y = batch
       with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
       grads = tape.gradient(loss, model.trainable_variables)
-      model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+      (optimizer or model.optimizer).apply_gradients(zip(grads, model.trainable_variables))
       return loss
     return train_step
 
@@ -143,6 +144,18 @@ def test_a_custom_loop_runs_on_the_distributions_replicator():
   with pytest.raises(replicator.UnsupportedError, match=r"model.fit of a model whose variables are not this "
                                                         r"Replicator's.*Fix: make and compile the model inside"):
     one.fit(data, verbose=0)
+  # The same in a custom step: the model made before (its variables one device's), or only its optimizer (which
+  # enters the one-device strategy current when it was made: TensorFlow said "Must not nest tf.distribute.Strategy
+  # scopes." and nothing else).
+  before = [w.numpy() for w in one.weights]
+  with pytest.raises(replicator.UnreplicatedStateError, match=r"created outside every Replicator context.*not while "
+                                                              r"a distribution was set.*inside `distribution.scope\(\)`"):
+    repl.run(make_step(one, keras.optimizers.SGD(0.1)), data)  # an optimizer made while the distribution is set
+  with pytest.raises(replicator.UnreplicatedStateError, match=r"entered another tf.distribute strategy's scope.*"
+                                                              r"an optimizer made before.*Fix: create the optimizer"):
+    repl.run(make_step(model, early), data)
+  for w, value in zip(one.weights, before):  # nothing ran
+    np.testing.assert_array_equal(w.numpy(), value)
 
 
 def test_checkpoints_under_model_parallel_reload_under_another_layout_map(tmp_path):
