@@ -115,3 +115,30 @@ def unsorted_segment_sum(view, layouts):
     return [tf.math.unsorted_segment_sum(values, local, local_segments)]
 
   return _rules.Decision(inputs=inputs, outputs=[out], reduce=reduce, lower=lower)
+
+
+@_rules.register("GatherNd")
+def gather_nd(view, layouts):
+  """Slices of ``params`` at the positions ``indices`` lists (the gradient of ``ScatterNd``, a lookup by pairs).
+
+  The listed positions keep the indices' splits (or take the split the
+  consumers want), the slices' own dimensions the table's; an indexed
+  dimension of the table that is split is gathered first (a position may
+  point into any device's piece).
+  """
+  params, indices = layouts
+  if params is None or indices is None or not indices:
+    return _rules.fallback(view, layouts)
+  depth = view.in_shape(1)[-1]
+  if depth <= 0 or depth > len(params):
+    return _rules.fallback(view, layouts)
+  trailing = params[depth:]
+  want = view.want()
+  lead = _rules.with_wanted(indices[:-1], None if want is None else want[:len(indices) - 1])
+  used = _rules.axes_in(trailing)
+  kept = []
+  for axes in lead:  # an axis once: the table's slices keep theirs
+    kept.append(axes if used.isdisjoint(axes) else ())
+    used.update(kept[-1])
+  lead = tuple(kept)
+  return _rules.Decision(inputs=[((),) * depth + trailing, lead + ((),)], outputs=[lead + trailing])

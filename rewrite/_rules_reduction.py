@@ -164,6 +164,22 @@ def arg_max(view, layouts):
                                        ("all_reduce", split, why + "first index holding it")))
 
 
+@_rules.register("TopKV2", "TopK")
+def top_k(view, layouts):
+  """The ``k`` largest entries of each row (a router's choice of experts): the last dimension whole.
+
+  The other dimensions keep their splits (rows split over the batch stay
+  split), or take the split the consumers want of either output; a split
+  last dimension is gathered first.
+  """
+  layout = layouts[0]
+  if layout is None or not layout:
+    return _rules.fallback(view, layouts)
+  want = view.want(0) or view.want(1)
+  need = _rules.with_wanted(layout[:-1] + ((),), want)[:-1] + ((),)
+  return _rules.Decision(inputs=[need] + [None] * (len(view.op.inputs) - 1), outputs=[need, need])
+
+
 @_rules.register("Cumsum", "Cumprod", "CumulativeLogsumexp")
 def cumulative(view, layouts):
   """A running sum (product) along one dimension: along a whole one, the others keep their splits.

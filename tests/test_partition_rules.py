@@ -147,6 +147,20 @@ CASES = {
                              lambda x, w: tf.einsum("bthe,hef->bthf", tf.repeat(
                                  tf.reshape(tf.matmul(x, w), [8, 3, 2, 2]), 2, axis=2),
                                  tf.reshape(tf.tile(w, [2, 1]), [4, 2, 6])[:, :, :3])),
+    # a router's choice: the top k of rows split over the batch (its gradient scatters into the rows: ScatterNd)
+    "top_k_of_batch_rows": _case([8, 6], [6, 4], ("model", None),
+                                 lambda x, w: tf.math.top_k(tf.matmul(x, w), k=2).values * tf.cast(
+                                     1 + tf.math.top_k(tf.matmul(x, w), k=2).indices, tf.float32)),
+    "top_k_along_split_dim": _case([8, 6], [6, 4], (None, "model"),
+                                   lambda x, w: tf.math.top_k(tf.matmul(x, w), k=3).values),
+    # updates of batch rows scattered into a new tensor at indices from the data (duplicates summed)
+    "scatter_nd_of_batch_rows": _case([8, 6], [6, 4], (None, "model"),
+                                      lambda x, w: tf.scatter_nd(tf.cast(tf.abs(x[:, :1]) * 3, tf.int32) % 5,
+                                                                 tf.matmul(x, w), [5, 4]) * 2.0),
+    "scatter_nd_into_rows_wanted_split": _case([8, 6], [6, 4], (None, "model"),
+                                               lambda x, w: tf.matmul(x, w) * tf.reshape(tf.scatter_nd(
+                                                   tf.reshape(tf.range(8) * 4 + tf.cast(tf.abs(x[:, 0]) * 3, tf.int32) % 4,
+                                                              [8, 1]), tf.reduce_sum(x, 1), [32]), [8, 4])),
     # masks by position
     "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                        lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
