@@ -31,6 +31,7 @@ import tensorflow as tf
 from rewrite import _errors
 from rewrite import _partition_owners
 from rewrite import _placeholders
+from rewrite import _relayout
 from rewrite import _rules
 from rewrite import _rules_contraction  # noqa: F401  (registers rules)
 from rewrite import _rules_control_flow  # noqa: F401
@@ -262,7 +263,7 @@ def _decide(op, context, ins, wants) -> _rules.Decision:
   if decision.fallback:  # the rule cannot split it so (a dimension of unknown size): without the weights' batch axes?
     again = _apply(rule, view, _without(view, context, ins, context.data_axes)) if context.data else decision
     return decision if again.fallback else again
-  return _data_first(rule, view, context, ins, decision)
+  return _weights_stay(rule, view, context, ins, _data_first(rule, view, context, ins, decision))
 
 
 def _apply(rule, view, ins) -> _rules.Decision:
@@ -317,6 +318,64 @@ def _data_first(rule, view, context, ins, decision) -> _rules.Decision:
     if t.name in context.data and _is_layout(have) and _is_layout(need) and _moved(have, need) & lost:
       return decision  # the data is gathered all the same
   return again
+
+
+def _weights_stay(rule, view, context, ins, decision) -> _rules.Decision:
+  """``decision``, or one that moves the data to a weight split over the data's axis instead of gathering it.
+
+  Expert parallelism (GShard's dispatch): experts' stacked kernels ``[experts,
+  ...]`` split over the axis the tokens are split over (the batch axis, on
+  their groups). Rules settle the conflict by operand order, and the tokens
+  usually come first: every device gathers every expert. Where the data can
+  take the weight's split on another of its dimensions by moving its pieces
+  (one ``all_to_all``: tokens sent to the devices holding their experts) and
+  that moves fewer bytes than gathering the weight (the data and the result,
+  a k-th of each, against the weight), the rule decides again with the data's
+  axes taken off.
+  """
+  if not context.data:
+    return decision
+  lost = set()  # axes a weight loses (gathered) where the data keeps them
+  weights = []
+  for t, have, need in zip(view.op.inputs, ins, decision.inputs):
+    if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) and _is_layout(need):
+      gathered = _moved(have, need)
+      if gathered:
+        lost |= gathered
+        weights.append(t)
+  if not lost:
+    return decision
+  data_axes = {a for t, have in zip(view.op.inputs, ins) if t.name in context.data and _is_layout(have)
+               for a in _rules.axes_in(have)}
+  lost &= data_axes
+  if not lost:
+    return decision
+  stripped = [tuple(tuple(a for a in split if a not in lost) for split in have)
+              if t.name in context.data and _is_layout(have) else have for t, have in zip(view.op.inputs, ins)]
+  again = _apply(rule, view, stripped)
+  if again.fallback or again.lower is not None:
+    return decision
+  moved_bytes = 0
+  for t, have, need in zip(view.op.inputs, ins, again.inputs):
+    if not _is_layout(have) or not _is_layout(need) or t.dtype == tf.resource:
+      continue
+    if t.name not in context.data and _moved(have, need) & lost:
+      return decision  # the weight is gathered all the same
+    if t.name in context.data and have != need:
+      steps = _relayout.steps(have, need, t.shape.as_list() if t.shape.rank is not None else None,
+                              context.mesh.axis_size)
+      if steps.gathered or not steps.moved:
+        return decision  # a move only: the data is not gathered
+      moved_bytes += _bytes(t) // context.mesh.axis_size(tuple(sorted(lost)))
+  moved_bytes += sum(_bytes(t) for t in view.op.outputs) // context.mesh.axis_size(tuple(sorted(lost)))  # and back
+  return again if moved_bytes < sum(_bytes(t) for t in weights) else decision
+
+
+def _bytes(t) -> int:
+  """``t``'s global size in bytes (0 if unknown)."""
+  if not t.shape.is_fully_defined() or t.dtype == tf.resource:
+    return 0
+  return t.shape.num_elements() * t.dtype.size
 
 
 def _without(view, context, ins, axes) -> list:
@@ -639,12 +698,21 @@ class _Expander:
     """Device ``r``'s piece ``x`` (layout ``have``) as its piece in layout ``want``."""
     if have == want:
       return x
-    # Gather every dimension whose split changes, then slice to the wanted split.
-    for d, (h, w) in enumerate(zip(have, want)):
-      if h and h != w:
-        shape = x.shape.as_list()
-        shape[d] *= self.mesh.axis_size(h)
-        x = self._emit(r, x, "all_gather", {"concat_dimension": d}, h, tf.TensorShape(shape), op)
+    # Move axes between dimensions (all_to_all), gather every dimension whose split still changes, then slice to
+    # the wanted split.
+    plan = _relayout.steps(have, want, global_shape, self.mesh.axis_size)
+    have = list(have)
+    for d1, d2, axes in plan.moved:
+      shape = x.shape.as_list()
+      k = self.mesh.axis_size(axes)
+      shape[d1], shape[d2] = shape[d1] * k, shape[d2] // k
+      x = self._emit(r, x, "all_to_all", {"split_dimension": d2, "concat_dimension": d1}, axes,
+                     tf.TensorShape(shape), op)
+      have[d1], have[d2] = (), axes
+    for d, h in plan.gathered:
+      shape = x.shape.as_list()
+      shape[d] *= self.mesh.axis_size(h)
+      x = self._emit(r, x, "all_gather", {"concat_dimension": d}, h, tf.TensorShape(shape), op)
     begin, size, shape = [], [], x.shape.as_list()
     sliced = False
     for d, (h, w) in enumerate(zip(have, want)):

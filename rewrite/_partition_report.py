@@ -24,6 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from rewrite import _relayout
 from rewrite._plan import Collective
 from rewrite._plan import Plan
 
@@ -124,6 +125,8 @@ class RelayoutRow:
     location: the user's source line of the consuming op (of the producer, for a step output).
     gathered: ``(dimension, axes)`` of every dimension gathered (one ``all_gather``
       each); empty if the relayout only slices locally.
+    moved: ``(from dimension, to dimension, axes)`` of every ``all_to_all``
+      (axes that split one dimension split another after it).
   """
 
   tensor: str
@@ -134,11 +137,12 @@ class RelayoutRow:
   input: int
   location: str
   gathered: tuple[tuple[int, tuple[str, ...]], ...]
+  moved: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
 
   @property
   def free(self) -> bool:
     """Whether it only slices (every changed dimension goes from whole to split): no communication."""
-    return not self.gathered
+    return not self.gathered and not self.moved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +236,7 @@ class PartitionReport:
     for name, label in inputs.items():
       t = graph.get_tensor_by_name(name)
       input_rows.append(_tensor_row(label, name, t.shape, t.dtype, layouts.get(name), mesh_shape))
-    relayouts, expected = _relayouts(graph, partition, outputs, locate)
+    relayouts, expected = _relayouts(graph, partition, outputs, locate, mesh_shape)
     for (op_name, index), owner in (ownership.broadcasts.items() if ownership is not None else ()):
       why = f"sharded update: input {index}, computed by {_owner_label(owner)} only"
       expected[op_name].appendleft(("broadcast", owner.axes, why))
@@ -331,7 +335,8 @@ class PartitionReport:
 def _cost(row: RelayoutRow) -> str:
   if row.free:
     return "free (local slice)"
-  return ", ".join(f"all_gather dim {d} over {','.join(axes)}" for d, axes in row.gathered)
+  return ", ".join([f"all_to_all dim {a} -> {b} over {','.join(axes)}" for a, b, axes in row.moved]
+                   + [f"all_gather dim {d} over {','.join(axes)}" for d, axes in row.gathered])
 
 
 def _table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
@@ -366,12 +371,7 @@ def _tensor_row(label, name, shape, dtype, layout, mesh_shape, owner="", chosen_
   return TensorRow(label, name, dims, tf.as_dtype(dtype).name, layout, nbytes, owner, chosen_by)
 
 
-def _gathered(source: Layout, target: Layout) -> tuple[tuple[int, tuple[str, ...]], ...]:
-  """The dimensions the expander gathers to go from ``source`` to ``target`` (their split changes)."""
-  return tuple((d, tuple(s)) for d, (s, t) in enumerate(zip(source, target)) if s and s != t)
-
-
-def _relayouts(graph, partition, outputs, locate):
+def _relayouts(graph, partition, outputs, locate, mesh_shape):
   """Every relayout the expander makes, and per op the collectives it emits, in order (kind, axes, why)."""
   layouts = partition.layouts
   rows = []
@@ -384,13 +384,17 @@ def _relayouts(graph, partition, outputs, locate):
     if source is None or source == target or len(source) != len(target):
       return
     op_type, op_name = ("return", f"output {index}") if returned else (op.type, op.name)
-    gathered = _gathered(source, target)
+    shape = t.shape.as_list() if t.shape.rank is not None else None
+    steps = _relayout.steps(source, target, shape, lambda axes: math.prod(mesh_shape[a] for a in axes))
     if not returned:  # the expander relayouts a tensor once per layout: later consumers reuse it, for free
-      gathered = () if (t.name, target) in done else gathered
+      steps = _relayout.Steps() if (t.name, target) in done else steps
       done.add((t.name, target))
-    row = RelayoutRow(t.name, source, target, op_type, op_name, index, locate(op), gathered)
+    row = RelayoutRow(t.name, source, target, op_type, op_name, index, locate(op), steps.gathered, steps.moved)
     rows.append(row)
-    for d, axes in row.gathered:  # the expander's all_gathers, attributed to ``op``
+    for a, b, axes in row.moved:  # the expander's all_to_alls, then its all_gathers, attributed to ``op``
+      expected[op.name].append(("all_to_all", axes, f"move {t.name} dim {a} -> {b}" + (
+          " to return it" if returned else f" (input {index})")))
+    for d, axes in row.gathered:
       why = f"gather {t.name} dim {d}" + (" to return it" if returned else f" (input {index})")
       expected[op.name].append(("all_gather", axes, why))
 

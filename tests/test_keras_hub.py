@@ -176,6 +176,22 @@ def _moe_backbone(name, dtype=None):
   return getattr(keras_hub.models, name)(vocabulary_size=VOCABULARY, num_layers=2, dtype=dtype, **MOE[name])
 
 
+def _moe_step(backbone, optimizer):
+  """As :func:`_step`, in training mode, with the routers' load-balancing losses (a statistic of the batch)."""
+
+  def step(batch):
+    with tf.GradientTape() as tape:
+      hidden = backbone({"token_ids": batch["token_ids"], "padding_mask": batch["padding_mask"]}, training=True)
+      logits = backbone.token_embedding(hidden, reverse=True)
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["labels"], logits, from_logits=True))
+      loss += tf.add_n(backbone.losses) if backbone.losses else 0.0
+    variables = backbone.trainable_variables
+    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    return loss
+
+  return step
+
+
 def _moe_cases():
   return [pytest.param(name, shape, marks=() if (name, shape) == ("MixtralBackbone", "2x2") else (pytest.mark.full_grid,))
           for name in MOE for shape in MOE_MESHES]
@@ -191,11 +207,12 @@ def _max_distance(ours, reference) -> float:
 def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_device(name, shape):
   # Data-parallel (4x1), experts over "model" (1x4), and both (2x2): the experts' stacked kernels split over
   # "model", 1/k of their bytes a device; TopKV2 (the router) and ScatterNd (its gradient) had no rule and ran on
-  # gathered inputs. Float32's noise measured against a float64 run of the same steps from the same weights.
+  # gathered inputs. In training mode, with the routers' load-balancing losses: a statistic of the whole batch, as
+  # on one device. Float32's noise measured against a float64 run of the same steps from the same weights.
   one, one_opt = _moe_backbone(name), keras.optimizers.Adam(1e-3)
   truth, truth_opt = _moe_backbone(name, "float64"), keras.optimizers.Adam(1e-3)
   truth.set_weights([w.numpy() for w in one.weights])
-  one_step, truth_step = tf.function(_step(one, one_opt)), tf.function(_step(truth, truth_opt))
+  one_step, truth_step = tf.function(_moe_step(one, one_opt)), tf.function(_moe_step(truth, truth_opt))
   expected = [float(one_step(batch)) for batch in _dataset()]
   for batch in _dataset():
     truth_step(batch)
@@ -204,7 +221,7 @@ def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_
                                layouts=mesh.LayoutMap({r"experts/": ("model",)}, pad=True) if "model" in axes else None)
   with repl.context():
     backbone, optimizer = _moe_backbone(name), keras.optimizers.Adam(1e-3)
-  step, data = _step(backbone, optimizer), _dataset()
+  step, data = _moe_step(backbone, optimizer), _dataset()
   losses = [float(repl.run(step, data)) for _ in range(STEPS)]  # one dataset: its next batch each call
   noise = _max_distance(one.weights, [w.numpy() for w in truth.weights])  # float32 on one device
   ours = _max_distance(backbone.weights, [w.numpy() for w in truth.weights])
