@@ -176,22 +176,36 @@ def _loss_and_grads(fn, x, w):
   return y, loss, tf.convert_to_tensor(dw), tf.zeros_like(x) if dx is None else dx  # None: ids are not differentiable
 
 
+def _equal_to_one_device(fn, x, w0, layout, strict=False):
+  """Runs ``_loss_and_grads(fn)`` in the global view (``w`` laid out by ``layout``) and on one device; asserts equal.
+
+  Returns ``(repl, w, step, dataset)`` (for ``repl.explain``).
+  """
+  expected = tf.function(lambda x, w: _loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
+  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": layout}), batch_axes=("batch",), view="global",
+                               strict=strict)
+  with repl.context():
+    w = tf.Variable(w0, name="w")
+  ds = tf.data.Dataset.from_tensors(x)
+
+  def step(batch):
+    return _loss_and_grads(fn, batch, w)
+
+  got = repl.run(step, ds)
+  for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
+  return repl, w, step, ds
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rule_family_equals_one_device(name):
   x_shape, w_shape, layout, fn = CASES[name]
   rng = np.random.default_rng(7)
   x = rng.normal(size=x_shape).astype("float32")
   w0 = rng.normal(size=w_shape).astype("float32")
-  expected = tf.function(lambda x, w: _loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
-  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": layout}), batch_axes=("batch",), view="global")
-  with repl.context():
-    w = tf.Variable(w0, name="w")
+  _, w, _, _ = _equal_to_one_device(fn, x, w0, layout)
   assert w.components[0].shape.num_elements() == w0.size // 2  # the layout splits it
-  ds = tf.data.Dataset.from_tensors(x)
-  got = repl.run(lambda batch: _loss_and_grads(fn, batch, w), ds)
-  for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
 
 
 def test_the_keras_transformer_step_is_covered():
@@ -299,18 +313,8 @@ def test_a_weight_split_over_the_batch_axis_is_gathered_not_the_batch(name):
   w_shape, layout, fn = FSDP[name]
   rng = np.random.default_rng(7)
   x = rng.normal(size=[8, 6]).astype("float32")
-  w0 = rng.normal(size=w_shape).astype("float32")
-  expected = tf.function(lambda x, w: _loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
-  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": layout}), batch_axes=("batch",), view="global",
-                               strict=True)
-  with repl.context():
-    w = tf.Variable(w0, name="w")
-  ds = tf.data.Dataset.from_tensors(x)
-  got = repl.run(lambda batch: _loss_and_grads(fn, batch, w), ds)
-  for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
-  gathered = [c.why for c in repl.explain(lambda batch: _loss_and_grads(fn, batch, w), ds).collective_rows
+  repl, _, step, ds = _equal_to_one_device(fn, x, rng.normal(size=w_shape).astype("float32"), layout, strict=True)
+  gathered = [c.why for c in repl.explain(step, ds).collective_rows
               if c.kind == "all_gather" and c.axes == ("batch",) and "to return it" not in c.why]
   assert gathered and all("ReadVariableOp" in why for why in gathered), gathered  # the weight's read only
 
@@ -350,24 +354,15 @@ def test_partial_sums_a_consumer_takes_split_are_reduce_scattered():
   # after it (a Qwen step's attention) whole. Where the next contraction takes that result split over the same
   # axis (the output projection's kernel is split there), the partials are reduce-scattered instead; a gradient
   # summed over the batch for a weight split over "batch" is reduce-scattered too.
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
   rng = np.random.default_rng(5)
   x = rng.normal(size=[8, 3, 6]).astype("float32")
-  w0 = rng.normal(size=[6, 6]).astype("float32")
 
   def fn(x, w):
     return tf.matmul(tf.tanh(tf.matmul(x, w)), w)  # both contract over w's first dimension, split over "model"
 
-  expected = tf.function(lambda x, w: _loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
-  repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": ("model", None)}), batch_axes=("batch",),
-                               view="global", strict=True)
-  with repl.context():
-    w = tf.Variable(w0, name="w")
-  ds = tf.data.Dataset.from_tensors(x)
-  got = repl.run(lambda batch: _loss_and_grads(fn, batch, w), ds)
-  for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
-  rows = repl.explain(lambda batch: _loss_and_grads(fn, batch, w), ds).collective_rows
+  repl, _, step, ds = _equal_to_one_device(fn, x, rng.normal(size=[6, 6]).astype("float32"), ("model", None),
+                                           strict=True)
+  rows = repl.explain(step, ds).collective_rows
   scattered = [(c.axes, c.shape, c.why) for c in rows if c.kind == "reduce_scatter"]
   assert ((("model",), (4, 3, 6), "partial sum, scattered along dim 2")) in scattered, scattered
   assert not [c for c in rows if c.kind == "all_reduce" and c.axes == ("model",) and c.shape == (4, 3, 6)
