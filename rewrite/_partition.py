@@ -365,7 +365,7 @@ def _weights_stay(rule, view, context, ins, decision) -> _rules.Decision:
       steps = _relayout.steps(have, need, t.shape.as_list() if t.shape.rank is not None else None,
                               context.mesh.axis_size)
       if steps.gathered or not steps.moved:
-        return decision  # a move only: the data is not gathered
+        return decision  # the data would be gathered, not moved: gathering the weight is no worse
       moved_bytes += _bytes(t) // context.mesh.axis_size(tuple(sorted(lost)))
   moved_bytes += sum(_bytes(t) for t in view.op.outputs) // context.mesh.axis_size(tuple(sorted(lost)))  # and back
   return again if moved_bytes < sum(_bytes(t) for t in weights) else decision

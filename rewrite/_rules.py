@@ -116,8 +116,8 @@ def scatter_partials(view, out: tuple, summed: tuple, index: int = 0) -> tuple[t
     entry for it (empty: all-reduced as before).
   """
   want = view.want(index)
-  if want is None or not summed or len(want) != len(out):
-    return out, ()
+  if want is None or not summed or len(want) != len(out) or not view.op.outputs[index].dtype.is_floating:
+    return out, ()  # integer partials (counts) stay all-reduced
   free = set(summed)
   shape = view.out_shape(index)
   out, scatter = list(out), []
