@@ -87,7 +87,7 @@ def _fits_as_one_device(make, *fit_args, **fit_kwargs):
   _check_state_equal(model, ref)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=pytest.mark.full_grid)])  # CI: 2 and 4
 def test_fit_evaluate_predict_equal_one_device(n):
   ref = _compiled(_mlp)
   ref_history = ref.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
