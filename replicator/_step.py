@@ -55,7 +55,8 @@ OUTPUT_MISMATCH = (
 WRITE_OUTSIDE = (
     "The step writes {what} at {location}, but it was created outside every Replicator context "
     "(not in `with repl.context():` nor inside a step; with replicator.enable_keras_distribution(), "
-    "not while a distribution was set), so it is one variable that every replica's step would update (with 4 replicas, assign_add(1.0) would add 4.0). Fix: create it inside "
+    "not while a distribution was set), so it is one variable that every replica's step would update "
+    "(with 4 replicas, assign_add(1.0) would add 4.0). Fix: create it inside "
     "`with repl.context():` (each replica then has a component, and writes that differ between "
     "replicas are combined by its aggregation); an optimizer's own variables (its step counter) "
     "are created with it: create the optimizer, and wrap it with repl.wrap_optimizer, inside the context "

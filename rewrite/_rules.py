@@ -67,7 +67,7 @@ class Decision:
       gather need every device of the group). Nothing may read its outputs.
     attrs: integer attributes to set on every device's copy (a stateful
       random op's seeds, so that every copy draws the same numbers).
-    scatter: output index -> ``((dimension, axes), ...)``: of that output's
+    scatter: output index -> ``((dimension, axes), ...)`` (empty: none): of that output's
       partial sums (``reduce``), the ``axes`` are reduce-scattered along
       ``dimension`` instead of all-reduced (its layout splits the dimension
       over them): each device sums only its piece, half the bytes of an

@@ -54,7 +54,7 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decisi
   summed = tuple(a for label in sorted(split) if label not in out_labels for a in split[label])
   out, scatter = _rules.scatter_partials(view, tuple(split.get(label, ()) for label in out_labels), summed)
   return _rules.Decision(inputs=inputs, outputs=[out], reduce=[("sum", summed) if summed else None],
-                         scatter={0: scatter} if scatter else {})
+                         scatter={0: scatter})
 
 
 @_rules.register("MatMul")

@@ -28,7 +28,7 @@ def reduce(view, layouts):
     out, scatter = _rules.scatter_partials(view, out, split)
   return _rules.Decision(inputs=[layout, None], outputs=[out],
                          reduce=[(_COMBINE[view.op.type], split) if split else None],
-                         scatter={0: scatter} if scatter else {})
+                         scatter={0: scatter})
 
 
 @_rules.register("BiasAddGrad")
@@ -141,8 +141,7 @@ def arg_max(view, layouts):
   split = layout[axis]
   out = layout[:axis] + layout[axis + 1:]
   if not split or view.in_shape(0)[axis] <= 0 or not view.op.inputs[0].dtype.is_floating:
-    need = layout[:axis] + ((),) + layout[axis + 1:]
-    return _rules.Decision(inputs=[need, None], outputs=[need[:axis] + need[axis + 1:]])
+    return _rules.Decision(inputs=[layout[:axis] + ((),) + layout[axis + 1:], None], outputs=[out])
   size = view.in_shape(0)[axis]
   largest = view.op.type == "ArgMax"
   out_type = view.attr("output_type")

@@ -41,5 +41,5 @@ def scatter_nd(view, layouts):
   summed = tuple(a for axes in pairs for a in axes)
   out, scatter = _rules.scatter_partials(view, computed, summed)
   return _rules.Decision(inputs=[pairs + ((),), pairs + trailing, None], outputs=[out],
-                         reduce=[("sum", summed) if summed else None], scatter={0: scatter} if scatter else {},
+                         reduce=[("sum", summed) if summed else None], scatter={0: scatter},
                          consts={2: view.local_shape(shape, computed, shape.dtype)})

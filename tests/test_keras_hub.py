@@ -63,14 +63,19 @@ def _dataset():
   }).batch(BATCH, drop_remainder=True)
 
 
-def _step(backbone, optimizer):
-  """A language model's training step written for one device: logits from the tied embedding."""
+def _step(backbone, optimizer, training=None):
+  """A language model's training step written for one device: logits from the tied embedding.
+
+  ``training=True``: in training mode, with the layers' own losses (a router's load-balancing loss).
+  """
 
   def step(batch):
     with tf.GradientTape() as tape:
-      hidden = backbone({"token_ids": batch["token_ids"], "padding_mask": batch["padding_mask"]})
+      hidden = backbone({"token_ids": batch["token_ids"], "padding_mask": batch["padding_mask"]}, training=training)
       logits = backbone.token_embedding(hidden, reverse=True)
       loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["labels"], logits, from_logits=True))
+      if training and backbone.losses:
+        loss += tf.add_n(backbone.losses)
     variables = backbone.trainable_variables
     optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
     return loss
@@ -177,22 +182,6 @@ def _moe_backbone(name):
   return getattr(keras_hub.models, name)(vocabulary_size=VOCABULARY, num_layers=2, **MOE[name])
 
 
-def _moe_step(backbone, optimizer):
-  """As :func:`_step`, in training mode, with the routers' load-balancing losses (a statistic of the batch)."""
-
-  def step(batch):
-    with tf.GradientTape() as tape:
-      hidden = backbone({"token_ids": batch["token_ids"], "padding_mask": batch["padding_mask"]}, training=True)
-      logits = backbone.token_embedding(hidden, reverse=True)
-      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["labels"], logits, from_logits=True))
-      loss += tf.add_n(backbone.losses) if backbone.losses else 0.0
-    variables = backbone.trainable_variables
-    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-    return loss
-
-  return step
-
-
 def _moe_cases():
   return [pytest.param(name, shape, marks=() if (name, shape) == ("MixtralBackbone", "2x2") else (pytest.mark.full_grid,))
           for name in MOE for shape in MOE_MESHES]
@@ -214,7 +203,7 @@ def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_
   # casts the load-balancing mask to float32 and fails to multiply it with float64 probabilities.
   one, one_opt = _moe_backbone(name), keras.optimizers.Adam(1e-3)
   other, other_opt = _moe_backbone(name), keras.optimizers.Adam(1e-3)
-  one_step, other_step = tf.function(_moe_step(one, one_opt)), tf.function(_moe_step(other, other_opt))
+  one_step, other_step = tf.function(_step(one, one_opt, True)), tf.function(_step(other, other_opt, True))
   expected = [float(one_step(batch)) for batch in _dataset()]
   for batch in _dataset():
     other_step({k: v[::-1] for k, v in batch.items()})
@@ -223,7 +212,7 @@ def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_
                                layouts=mesh.LayoutMap({r"experts/": ("model",)}, pad=True) if "model" in axes else None)
   with repl.context():
     backbone, optimizer = _moe_backbone(name), keras.optimizers.Adam(1e-3)
-  step, data = _moe_step(backbone, optimizer), _dataset()
+  step, data = _step(backbone, optimizer, True), _dataset()
   losses = [float(repl.run(step, data)) for _ in range(STEPS)]  # one dataset: its next batch each call
   noise = _max_distance(other.weights, [w.numpy() for w in one.weights])
   ours = _max_distance(backbone.weights, [w.numpy() for w in one.weights])
