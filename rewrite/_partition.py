@@ -913,6 +913,16 @@ class _Comm:
     y = expander._emit(self._r, x, "all_reduce", {"op": op}, tuple(axes), x.shape, self._op)  # pylint: disable=protected-access
     return expander._real(y)  # pylint: disable=protected-access  (the rule goes on with it)
 
+  def all_gather(self, x: tf.Tensor, dim: int, axes: tuple) -> tf.Tensor:
+    """The pieces of ``x`` of every device along ``axes``, concatenated along ``dim`` in the mesh's order."""
+    expander = self._expander
+    shape = x.shape.as_list()
+    if shape[dim] is not None:
+      shape[dim] *= expander.mesh.axis_size(tuple(axes))
+    y = expander._emit(self._r, x, "all_gather", {"concat_dimension": dim}, tuple(axes), tf.TensorShape(shape),  # pylint: disable=protected-access
+                       self._op)
+    return expander._real(y)  # pylint: disable=protected-access
+
 
 _PREFIX = "expand"  # the copies' names: expand/replica_<r>/<op name in the global graph>
 

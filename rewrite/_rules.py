@@ -55,8 +55,9 @@ class Decision:
       outputs from its (relayouted) inputs, instead of a copy of the op (a
       lookup in a table split along its rows, say). With ``communicates``,
       it is called as ``lower(r, inputs, comm)``: ``comm.all_reduce(x, op,
-      axes)`` sums (or takes the max of) ``x`` over ``axes`` in between (every
-      device must ask for the same collectives in the same order).
+      axes)`` sums (or takes the max of) ``x`` over ``axes`` in between, and
+      ``comm.all_gather(x, dim, axes)`` concatenates the pieces (every device
+      must ask for the same collectives in the same order).
     communicates: ``(kind, axes, why)`` of each collective ``lower`` asks
       ``comm`` for, in order (empty: ``lower`` takes no ``comm``); ``why``
       is what ``repl.explain`` says of it.

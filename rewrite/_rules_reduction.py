@@ -179,21 +179,52 @@ def top_k(view, layouts):
   return _rules.Decision(inputs=[need] + [None] * (len(view.op.inputs) - 1), outputs=[need, need])
 
 
+_SCANS = {  # op -> (its reduction, the identity of its combine, combine(running, before))
+    "Cumsum": (tf.reduce_sum, 0.0, lambda running, before: running + before),
+    "Cumprod": (tf.reduce_prod, 1.0, lambda running, before: running * before),
+    "CumulativeLogsumexp": (tf.reduce_logsumexp, -np.inf,
+                            lambda running, before: tf.reduce_logsumexp(tf.stack([running, before + tf.zeros_like(
+                                running)]), axis=0)),
+}
+
+
 @_rules.register("Cumsum", "Cumprod", "CumulativeLogsumexp")
 def cumulative(view, layouts):
-  """A running sum (product) along one dimension: along a whole one, the others keep their splits.
+  """A running sum (product, log-sum-exp) along one dimension; the other dimensions keep their splits.
 
-  Along a split dimension each device would need the totals of the pieces
-  before its own (a scan across devices): no rule, the op falls back.
+  Along a split dimension (a capacity counted over a batch split over
+  devices) it is a scan across devices: each device runs it on its piece,
+  the pieces' totals are all-gathered (one entry a device along that
+  dimension), and each device combines its running values with the total
+  of the pieces before its own (after it, with ``reverse``).
   """
   axis = view.const(1)
   layout = layouts[0]
   if axis is None or layout is None:
     return _rules.fallback(view, layouts)
   axis = int(axis) % len(layout)
-  if layout[axis]:
-    return _rules.fallback(view, layouts)
+  split = layout[axis]
   want = view.want()
-  if want is not None and len(want) == len(layout) and not want[axis]:
-    layout = _rules.with_wanted(layout, want)
-  return _rules.Decision(inputs=[layout, None], outputs=[layout])
+  if not split:
+    if want is not None and len(want) == len(layout) and not want[axis]:
+      layout = _rules.with_wanted(layout, want)
+    return _rules.Decision(inputs=[layout, None], outputs=[layout])
+  reduce_fn, identity, combine = _SCANS[view.op.type]
+  reverse = bool(view.attr("reverse"))
+  k = view.shards(split)
+
+  def lower(r, inputs, comm):
+    x, dim = inputs
+    running = getattr(tf.raw_ops, view.op.type)(x=x, axis=dim, exclusive=view.attr("exclusive"), reverse=reverse)
+    totals = comm.all_gather(reduce_fn(x, axis=axis, keepdims=True), axis, split)  # [..., k, ...]
+    me = view.mesh.axis_index(r, split)
+    shape = [1] * len(layout)
+    shape[axis] = k
+    before = tf.reshape(tf.range(k) > me if reverse else tf.range(k) < me, shape)
+    before = tf.broadcast_to(before, tf.shape(totals))
+    prior = reduce_fn(tf.where(before, totals, tf.cast(identity, totals.dtype)), axis=axis, keepdims=True)
+    return [combine(running, prior)]
+
+  return _rules.Decision(inputs=[layout, None], outputs=[layout], lower=lower,
+                         communicates=(("all_gather", split, f"{view.op.type} along a split dimension: the pieces' "
+                                        "totals"),))

@@ -138,6 +138,14 @@ CASES = {
                                     lambda x, w: tf.cumsum(tf.matmul(x, w), axis=1, reverse=True)
                                     + tf.math.cumprod(tf.tanh(tf.matmul(x, w)), axis=-2, exclusive=True)),
     # the index of a row's best entry along a split dimension (an accuracy metric on vocabulary-parallel logits)
+    # running sums along a split dimension: a scan across devices (a capacity counted over the whole batch)
+    "cumsum_along_split_dims": _case([8, 6], [6, 4], (None, "model"),
+                                     lambda x, w: tf.cumsum(tf.matmul(x, w), axis=0)
+                                     + tf.cumsum(tf.matmul(x, w), axis=1, exclusive=True, reverse=True)),
+    "cumprod_and_logcumsumexp_along_split_dims": _case(
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.math.cumprod(1.0 + 0.1 * tf.tanh(tf.matmul(x, w)), axis=0, reverse=True)
+        + tf.math.cumulative_logsumexp(tf.matmul(x, w), axis=1, reverse=True)),
     "argmax_along_split_dim": _case([8, 6], [6, 4], (None, "model"),
                                     lambda x, w: tf.matmul(x, w) * tf.cast(
                                         tf.argmax(tf.matmul(x, w), axis=1) - tf.argmin(tf.matmul(x, w), axis=-1),
@@ -367,3 +375,22 @@ def test_partial_sums_a_consumer_takes_split_are_reduce_scattered():
   assert ((("model",), (4, 3, 6), "partial sum, scattered along dim 2")) in scattered, scattered
   assert not [c for c in rows if c.kind == "all_reduce" and c.axes == ("model",) and c.shape == (4, 3, 6)
               and c.op_name.endswith("MatMul") and "gradient" not in c.op_name]  # the first product's
+
+
+def test_a_running_sum_over_the_split_batch_is_a_scan_across_devices():
+  # Cumsum along a split dimension fell back (the input gathered, the sum run whole on every device). Now each
+  # device runs it on its piece and adds the totals of the pieces before its own: one all-gather of [1, 4]
+  # totals, strict (no fallback), and the numbers of one device.
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=[8, 6]).astype("float32")
+
+  def fn(x, w):
+    return tf.cumsum(tf.matmul(x, w), axis=0) + tf.cumsum(x[:, :4], axis=0, exclusive=True, reverse=True)
+
+  repl, _, step, ds = _equal_to_one_device(fn, x, rng.normal(size=[6, 4]).astype("float32"), (None, "model"),
+                                           strict=True)
+  rows = repl.explain(step, ds).collective_rows
+  scans = [(c.axes, c.shape) for c in rows if "along a split dimension: the pieces' totals" in c.why]
+  assert (("batch",), (1, 2)) in scans and len(scans) >= 3, scans  # the sums forward, and their gradients
+  assert not [c for c in rows if c.kind == "all_gather" and c.axes == ("batch",) and c.shape[0] == 4
+              and "to return it" not in c.why]  # no piece of the batch gathered
