@@ -12,8 +12,8 @@ configurations of the same Adam training step, interleaved round by round:
   devices holding their experts by ``all_to_all`` and come back by another.
 
 For each number of experts and tokens per group it prints the step times, the bytes per device of the experts'
-kernels and Adam's slots, and the bytes the all-to-alls move a step (``repl.explain``): how the all-to-all grows
-with the experts and the tokens.
+kernels and Adam's slots, and the bytes the all-to-alls move a step (``repl.explain``); then the time of one
+all-to-all of the dispatch buffer alone: how the all-to-all grows with the experts and the tokens.
 
 Run by hand: ``python -m benchmarks.moe [--experts 4,8] [--tokens 32,128] [--rounds 15] [--json F]``.
 """
@@ -111,6 +111,42 @@ def measure(experts: int, tokens: int, rounds: int) -> dict:
   return record
 
 
+def all_to_all_time(experts: int, tokens: int, rounds: int) -> dict:
+  """One all-to-all of the expert-parallel step's dispatch buffer, timed alone (the local view).
+
+  Each of the 4 devices holds ``[groups/4, experts, capacity, hidden]`` (its
+  groups' tokens, sorted by expert) and sends each device its experts'
+  share; a step doing that and the way back, against a step that only reads
+  the buffer, interleaved: the difference over two is one all-to-all.
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+  import mesh  # pylint: disable=import-outside-toplevel
+
+  capacity = max(1, 2 * tokens * TOP_K // experts)
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")[:4]]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=devices))
+  shape = [GROUPS // 4, experts, capacity, HIDDEN]
+  with repl.context():
+    buffer = tf.Variable(np.ones(shape, np.float32))
+
+  def there_and_back():
+    x = buffer.read_value()
+    moved = repl.all_to_all(x, split_dimension=1, concat_dimension=0)  # to the devices holding the experts
+    return tf.reduce_sum(repl.all_to_all(moved, split_dimension=0, concat_dimension=1)[:1, :1, :1, :1])
+
+  def read_only():
+    return tf.reduce_sum(buffer.read_value()[:1, :1, :1, :1])
+
+  calls = {name: (lambda fn=fn: [t.numpy() for t in repl.run(fn)]) for name, fn in (("moved", there_and_back),
+                                                                                    ("read", read_only))}
+  times = _timing.interleaved(calls, rounds=rounds, warmup=2)
+  moved, read = (_timing.summary(times[k])["median"] for k in ("moved", "read"))
+  return {"experts": experts, "tokens": tokens, "bytes_per_device": int(np.prod(shape)) * 4,
+          "all_to_all_ms": max(0.0, moved - read) / 2 * 1e3, "read_only_step_ms": read * 1e3}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--experts", default="4,8")
@@ -132,10 +168,18 @@ def main(argv=None) -> None:
                    if "bytes_per_step" in info else ""])
   print(_timing.table(["experts", "tokens/group", "configuration", "step", "over one device",
                        "expert weights+slots/device", "all_to_alls", "all_to_all bytes/step", "bytes/step"], rows))
+  alone = [all_to_all_time(int(e), int(t), args.rounds) for e in args.experts.split(",")
+           for t in args.tokens.split(",")]
+  print()
+  print("One all-to-all of the dispatch buffer alone (4 devices, local view; the step there and back less a step"
+        " that reads the buffer, over two):")
+  print(_timing.table(["experts", "tokens/group", "bytes/device", "all_to_all"],
+                      [[a["experts"], a["tokens"], f"{a['bytes_per_device']:,}", f"{a['all_to_all_ms']:.2f} ms"]
+                       for a in alone]))
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"config": {"groups": GROUPS, "hidden": HIDDEN, "ffn": FFN, "top_k": TOP_K, "rounds": args.rounds},
-                 "records": records}, f, indent=1)
+                 "records": records, "all_to_all_alone": alone}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from rewrite import _rules_random  # noqa: F401
 from rewrite import _rules_reduction  # noqa: F401
 from rewrite import _rules_resource  # noqa: F401
 from rewrite import _rules_scatter  # noqa: F401
+from rewrite import _rules_segment  # noqa: F401
 from rewrite import _rules_shape  # noqa: F401
 
 _SOURCES = ("Placeholder", "Const")

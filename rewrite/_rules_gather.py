@@ -1,12 +1,11 @@
-"""Rules for gathers (embedding lookups) and their gradients' segment sums.
+"""Rules for gathers (embedding lookups); their gradients' segment sums are in ``_rules_segment``.
 
 A table split along its other dimensions (the embedding dimension) is looked up
 locally: each device's rows hold its columns. A table split along the gathered
 dimension (the vocabulary) is looked up by every device in its own rows, with
 the ids of other devices' rows masked to zero, and the lookups are summed
 (all-reduce) over the vocabulary's axes: the Megatron vocabulary-parallel
-embedding. The gradient's ``UnsortedSegmentSum`` into a vocabulary-split
-gradient likewise keeps only its own rows.
+embedding.
 """
 
 from __future__ import annotations
@@ -80,41 +79,6 @@ def resource_gather(view, layouts):
   decision = _lookup(view, params, ids, 0, lookup)
   decision.inputs[0] = None  # the handle: each device's own piece
   return decision
-
-
-@_rules.register("UnsortedSegmentSum")
-def unsorted_segment_sum(view, layouts):
-  """Sums rows into segments: split rows leave partial sums; a wanted split of the segments keeps own rows."""
-  data = layouts[0]
-  segments = view.const(2)
-  if segments is None:
-    return _rules.fallback(view, layouts)
-  segments = int(segments)
-  prefix = len(view.in_shape(1))
-  rest = data[prefix:]
-  want = view.want()
-  table_split = ()
-  if want is not None and want[0] and _rules.axes_in(rest).isdisjoint(want[0]) and segments % view.shards(want[0]) == 0:
-    table_split = want[0]
-  rows = tuple(axes if set(axes).isdisjoint(table_split) and _rules.axes_in(rest).isdisjoint(axes) else ()
-               for axes in data[:prefix])
-  summed = tuple(a for axes in rows for a in axes)
-  out = (table_split,) + rest
-  inputs = [rows + rest, rows, None]
-  reduce = [("sum", summed) if summed else None]
-  if not table_split:
-    return _rules.Decision(inputs=inputs, outputs=[out], reduce=reduce)
-  local_segments = segments // view.shards(table_split)
-
-  def lower(r, ins):
-    values, segment_ids = ins[0], ins[1]
-    start = view.offset(r, table_split, segments)
-    local = segment_ids - tf.cast(start, segment_ids.dtype)
-    inside = tf.logical_and(local >= 0, local < local_segments)
-    local = tf.where(inside, local, -tf.ones_like(local))  # a negative id is dropped
-    return [tf.math.unsorted_segment_sum(values, local, local_segments)]
-
-  return _rules.Decision(inputs=inputs, outputs=[out], reduce=reduce, lower=lower)
 
 
 @_rules.register("GatherNd")

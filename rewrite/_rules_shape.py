@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import tensorflow as tf
 
 from rewrite import _rules
 
@@ -18,9 +19,8 @@ def reshape(view, layouts):
   splitting rows back). Other splits are gathered first.
   """
   layout = layouts[0]
-  target = view.const(1)
-  in_shape, out_shape = view.in_shape(0), view.out_shape()
-  if target is None or _rules.UNKNOWN in in_shape or _rules.UNKNOWN in out_shape:
+  in_shape, out_shape = view.in_shape(0), view.out_shape()  # a shape computed at run time but known when traced too
+  if _rules.UNKNOWN in in_shape or _rules.UNKNOWN in out_shape:
     return _rules.fallback(view, layouts)
   starts_in = {math.prod(in_shape[:i]): i for i in range(len(in_shape))}
   starts_out = {math.prod(out_shape[:j]): j for j in range(len(out_shape))}
@@ -47,7 +47,7 @@ def reshape(view, layouts):
           need[i], out[j] = axes, axes
           used.update(axes)
   return _rules.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
-                         consts={1: view.local_shape(out_shape, out, target.dtype)})
+                         consts={1: view.local_shape(out_shape, out, view.op.inputs[1].dtype.as_numpy_dtype)})
 
 
 @_rules.register("Transpose")
@@ -338,10 +338,24 @@ def shape_query(view, layouts):
   ``ShapeN`` asks for several shapes, one per input and output.
   """
   shapes = [view.in_shape(i) for i in range(len(layouts))]
-  if any(_rules.UNKNOWN in shape for shape in shapes):  # asked at run time, of the whole value
-    return _rules.fallback(view, layouts)
-  answer = {"Shape": lambda shape: shape, "ShapeN": lambda shape: shape, "Size": math.prod, "Rank": len}[view.op.type]
   outputs = view.op.outputs
+  if any(_rules.UNKNOWN in shape for shape in shapes):  # asked at run time: the local shape, split dims scaled
+    if any(layout is None for layout in layouts):
+      return _rules.fallback(view, layouts)
+    scales = [[view.shards(axes) for axes in layout] for layout in layouts]  # a dim of unknown size is whole
+
+    def lower(r, inputs):
+      whole = [tf.shape(x, out_type=t.dtype if view.op.type != "Size" else tf.int64) * np.asarray(scale)
+               for x, scale, t in zip(inputs, scales, outputs * len(inputs))]
+      if view.op.type == "Size":
+        return [tf.cast(tf.reduce_prod(whole[0]), outputs[0].dtype)]
+      if view.op.type == "Rank":
+        return [tf.size(whole[0], out_type=tf.int32)]
+      return whole
+
+    return _rules.Decision(inputs=list(layouts), outputs=[_rules.replicated(t.shape.rank) for t in outputs],
+                           lower=lower)
+  answer = {"Shape": lambda shape: shape, "ShapeN": lambda shape: shape, "Size": math.prod, "Rank": len}[view.op.type]
   return _rules.Decision(inputs=[None] * len(layouts), outputs=[_rules.replicated(t.shape.rank) for t in outputs],
                          values={k: np.asarray(answer(shape), dtype=t.dtype.as_numpy_dtype)
                                  for k, (shape, t) in enumerate(zip(shapes, outputs))})

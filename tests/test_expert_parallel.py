@@ -54,10 +54,31 @@ class TopKMoE(keras.layers.Layer):
     return tf.einsum("gsec,gech->gsh", combine, expert_out)
 
 
-def _model():
+class BatchCapacityMoE(TopKMoE):
+  """The capacity counted over the whole batch (no groups): the running sum runs along the split batch."""
+
+  CAPACITY = 12  # of 16 routed tokens an expert on average: some are dropped
+
+  def call(self, x):
+    n = GROUPS * TOKENS
+    probs = tf.nn.softmax(tf.einsum("gsh,he->gse", x, self.router))
+    top_p, top_i = tf.math.top_k(probs, k=TOP_K)
+    mask = tf.reshape(tf.one_hot(top_i, EXPERTS), [n * TOP_K, EXPERTS])
+    position = tf.cumsum(mask, axis=0) * mask - mask  # over every token of the batch, in order
+    kept = mask * tf.cast(position < self.CAPACITY, mask.dtype)
+    dispatch = tf.one_hot(tf.cast(position, tf.int32), self.CAPACITY) * kept[..., None]  # [n*k, e, c]
+    dispatch = tf.reshape(dispatch, [n, TOP_K, EXPERTS, self.CAPACITY])
+    combine = tf.reduce_sum(dispatch * tf.reshape(top_p, [n, TOP_K])[..., None, None], axis=1)  # [n, e, c]
+    expert_in = tf.einsum("nec,nh->ech", tf.reduce_sum(dispatch, axis=1), tf.reshape(x, [n, HIDDEN]))
+    hidden = tf.nn.relu(tf.einsum("ech,ehf->ecf", expert_in, self.w_in))
+    expert_out = tf.einsum("ecf,efh->ech", hidden, self.w_out)
+    return tf.reshape(tf.einsum("nec,ech->nh", combine, expert_out), [GROUPS, TOKENS, HIDDEN])
+
+
+def _model(layer=TopKMoE):
   keras.utils.set_random_seed(0)
   inputs = keras.Input((TOKENS, HIDDEN), batch_size=GROUPS)
-  return keras.Model(inputs, TopKMoE(name="moe")(inputs))
+  return keras.Model(inputs, layer(name="moe")(inputs))
 
 
 def _data(steps=3):
@@ -127,3 +148,29 @@ def test_experts_split_over_the_batch_axis_receive_their_tokens_by_all_to_all():
   print(f"moved {moved} bytes a device a step; gathering the kernels once: {kernel_bytes * 3 // 4}")
   assert moved < kernel_bytes * 3 // 4  # less than one gather of the kernels (each device lacks 3/4 of them)
   assert "all_to_all dim 0 -> 1 over batch" in str(report)
+
+
+@pytest.mark.parametrize("case", ["experts over the batch axis", "experts over model, 2x2"])
+def test_a_capacity_counted_over_the_whole_split_batch_drops_the_tokens_one_device_drops(case):
+  # A capacity per expert over the whole batch (no groups): each token's place in its expert's buffer is a running
+  # sum of the routing masks along the batch, which is split over devices. The running sum along a split
+  # dimension fell back (the masks gathered); it is a scan across devices now, and the same tokens are dropped.
+  axes, experts_axis = MESHES[case]
+  one, one_opt = _model(BatchCapacityMoE), keras.optimizers.Adam(1e-2)
+  x = next(iter(_data()))[0]
+  probs = tf.nn.softmax(tf.einsum("gsh,he->gse", x, one.get_layer("moe").router))
+  routed = tf.reshape(tf.one_hot(tf.math.top_k(probs, k=TOP_K).indices, EXPERTS), [-1, EXPERTS])
+  assert np.max(np.sum(routed.numpy(), axis=0)) > BatchCapacityMoE.CAPACITY  # an expert overflows: tokens dropped
+  one_step = tf.function(_step(one, one_opt))
+  expected = [float(one_step(batch)) for batch in _data()]
+  repl = replicator.Replicator(mesh=mesh.Mesh(axes, devices=cpus(4)), view="global", strict=True,
+                               layouts=mesh.LayoutMap({r"experts_": (experts_axis,)}, pad=True))
+  with repl.context():
+    model, optimizer = _model(BatchCapacityMoE), keras.optimizers.Adam(1e-2)
+  step, data = _step(model, optimizer), _data()
+  losses = [float(repl.run(step, data)) for _ in range(3)]
+  np.testing.assert_allclose(losses, expected, atol=2e-6)
+  assert_every_copy(model.weights, one.weights, atol=2e-6)
+  assert_every_copy(optimizer.variables, one_opt.variables, atol=2e-6)
+  scans = [c for c in repl.explain(step, data).collective_rows if "Cumsum along a split dimension" in c.why]
+  assert scans and all(c.shape[0] == 1 for c in scans)  # one total a device, not the masks

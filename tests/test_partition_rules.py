@@ -111,6 +111,22 @@ CASES = {
     "gather_axis1": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.gather(tf.matmul(x, w), [3, 0, 0], axis=1)),
     "segment_sum": _case([8, 6], [6, 4], (None, "model"),
                          lambda x, w: tf.math.unsorted_segment_sum(tf.matmul(x, w), [0, 1, 0, 2, 2, 1, 0, 0], 3)),
+    # segment reductions of batch rows (pooling by graph or by expert): each device's rows' partial segments combined
+    "unsorted_segment_max_min_prod": _case(
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.math.unsorted_segment_max(tf.matmul(x, w), (7 - tf.range(8)) % 3, 3)
+        + tf.math.unsorted_segment_min(tf.matmul(x, w) * x[:, :1], (7 - tf.range(8)) % 3, 3)
+        + tf.math.unsorted_segment_prod(1.0 + 0.1 * tf.tanh(tf.matmul(x, w)), (7 - tf.range(8)) % 3, 3)),
+    "sorted_segment_reductions": _case(  # ids sorted; segment 3 has no rows (zero in each, one in the product)
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.math.segment_sum(tf.matmul(x, w), [0, 0, 0, 1, 1, 2, 2, 4])
+        + tf.math.segment_mean(tf.matmul(x, w), [0, 0, 0, 1, 1, 2, 2, 4])
+        + tf.math.segment_max(tf.matmul(x, w) * x[:, :1], [0, 0, 0, 1, 1, 2, 2, 4])
+        + tf.math.segment_min(tf.matmul(x, w), [0, 0, 0, 1, 1, 2, 2, 4])
+        + tf.math.segment_prod(1.0 + 0.1 * tf.tanh(tf.matmul(x, w)), [0, 0, 0, 1, 1, 2, 2, 4])),
+    "segment_max_of_whole_rows": _case(  # the ids of whole rows: a gathered batch's segments, the columns split
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.math.segment_max(tf.transpose(tf.matmul(x, w)), [0, 1, 1, 3])),
     # random draws: each device draws its piece of the global draw
     "stateless_uniform": _case([8, 6], [6, 4], (None, "model"),
                                lambda x, w: tf.random.stateless_uniform([8, 4], seed=[1, 2]) * tf.matmul(x, w)),
@@ -169,6 +185,16 @@ CASES = {
                                                lambda x, w: tf.matmul(x, w) * tf.reshape(tf.scatter_nd(
                                                    tf.reshape(tf.range(8) * 4 + tf.cast(tf.abs(x[:, 0]) * 3, tf.int32) % 4,
                                                               [8, 1]), tf.reduce_sum(x, 1), [32]), [8, 4])),
+    # updates of batch rows written into a given tensor (TensorScatter*: a KV cache, a routing table)
+    "tensor_scatter_add_sub_of_batch_rows": _case(
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.tensor_scatter_nd_add(w[:5] * 2.0, tf.cast(tf.abs(x[:, :1]) * 3, tf.int32) % 5, tf.matmul(x, w))
+        + tf.tensor_scatter_nd_sub(w[1:], (tf.range(8) % 5)[:, None], tf.tanh(tf.matmul(x, w)))),
+    "tensor_scatter_max_min_update": _case(
+        [8, 6], [6, 4], (None, "model"),
+        lambda x, w: tf.tensor_scatter_nd_max(w[:5], (tf.range(8) % 5)[:, None], tf.matmul(x, w))
+        + tf.tensor_scatter_nd_min(w[1:], ((7 - tf.range(8)) % 3)[:, None], tf.matmul(x, w))
+        + tf.tensor_scatter_nd_update(tf.tile(w, [2, 1]), (tf.range(8) * 5 % 12)[:, None], tf.matmul(x, w))[:5]),
     # masks by position
     "band_part": _case([8, 3, 6], [6, 2, 4], (None, "model", None),
                        lambda x, w: tf.linalg.band_part(tf.einsum("btd,dhe,bsd->bhts", x, w[..., :1] * 0 + 1, x), -1, 0)),
@@ -394,3 +420,24 @@ def test_a_running_sum_over_the_split_batch_is_a_scan_across_devices():
   assert (("batch",), (1, 2)) in scans and len(scans) >= 3, scans  # the sums forward, and their gradients
   assert not [c for c in rows if c.kind == "all_gather" and c.axes == ("batch",) and c.shape[0] == 4
               and "to return it" not in c.why]  # no piece of the batch gathered
+
+
+def test_scatters_and_segments_of_batch_rows_combine_pieces_not_rows():
+  # TensorScatterAdd, a segment max and an unsorted segment product of rows split over "batch": each device
+  # combines its own rows, and only [segments, columns] pieces cross the batch axis (no row is gathered).
+  rng = np.random.default_rng(8)
+  x = rng.normal(size=[8, 6]).astype("float32")
+  ids = (7 - tf.range(8)) % 3
+
+  def fn(x, w):
+    rows = tf.matmul(x, w)
+    return (tf.tensor_scatter_nd_add(w[:3], ids[:, None], rows) + tf.math.unsorted_segment_prod(1.0 + 0.1 * rows, ids, 3)
+            + tf.reduce_sum(tf.math.segment_max(rows, [0, 0, 1, 1, 1, 2, 2, 2])))  # [segments (unknown), 4]
+
+  repl, _, step, ds = _equal_to_one_device(fn, x, rng.normal(size=[6, 4]).astype("float32"), (None, "model"),
+                                           strict=True)
+  rows = [c for c in repl.explain(step, ds).collective_rows if c.axes == ("batch",)]
+  whys = {c.why for c in rows}
+  assert {"TensorScatterAdd of split pairs: their sum", "segment product of split rows: the partial products",
+          "SegmentMax of split rows: the partial segments"} <= whys, whys
+  assert not [c for c in rows if c.kind == "all_gather" and c.shape[0] == 4 and "to return it" not in c.why], rows
