@@ -10,6 +10,7 @@ Examples:
 from mesh import virtual_cpus
 from replicator import testing
 from replicator._batch_norm import CrossReplicaBatchNorm
+from replicator._calibration import calibrate
 from replicator._context import current
 from replicator._errors import ArgumentError
 from replicator._errors import ArgumentTypeError
@@ -75,6 +76,7 @@ __all__ = (
     "VariableCreationError",
     "WorkerUnavailableError",
     "bytes_per_device",
+    "calibrate",
     "current",
     "distribution_replicator",
     "enable_keras_distribution",

@@ -24,6 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from rewrite import _cost as cost_model
 from rewrite import _relayout
 from rewrite._plan import Collective
 from rewrite._plan import Plan
@@ -189,6 +190,7 @@ class PartitionReport:
     collective_rows: one row per collective of the plan, in call order.
     relayouts: every op input (and step output) relayouted, in graph order.
     fallbacks: every op that ran on gathered inputs for want of a rule.
+    work: what each device does a step, for the cost model (:meth:`estimate`).
   """
 
   plan: Plan
@@ -198,6 +200,7 @@ class PartitionReport:
   collective_rows: list[CollectiveRow]
   relayouts: list[RelayoutRow]
   fallbacks: list[FallbackRow]
+  work: cost_model.Work | None = None
 
   @classmethod
   def from_partition(cls, graph: tf.Graph, partition, plan: Plan, mesh_shape: Mapping[str, int], *,
@@ -246,7 +249,17 @@ class PartitionReport:
       fallbacks.append(FallbackRow(op.type, name, locate(op), tuple(t.name for t in op.inputs),
                                    tuple(layouts.get(t.name) for t in op.inputs)))
     rows = [_collective_row(c, expected) for c in plan.collectives]
-    return cls(plan, mesh_shape, variable_rows, input_rows, rows, relayouts, fallbacks)
+    work = cost_model.work(graph, partition, mesh_shape, outputs, ownership)
+    return cls(plan, mesh_shape, variable_rows, input_rows, rows, relayouts, fallbacks, work)
+
+  def estimate(self, machine: cost_model.Machine) -> cost_model.Estimate:
+    """The step's estimated time on ``machine`` (``replicator.calibrate()``), from :attr:`work`.
+
+    The cost model (``rewrite._cost``) prices each device's ops by their
+    flops or bytes and each collective by its bytes; it ranks layouts of one
+    step, it does not predict a step time to the millisecond.
+    """
+    return self.work.estimate(machine)
 
   # -- the plan's ---------------------------------------------------------------
 

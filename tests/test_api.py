@@ -10,7 +10,7 @@ def test_replicator_public_names():
       "CollectiveInControlFlowError", "CollectiveMismatchError", "CrossReplicaBatchNorm", "DeviceError", "EndOfInput", "InputContext",
       "InputMismatchError", "OutputMismatchError", "PerReplica", "ReplicaContextError", "ReplicaInvarianceError", "ReplicasDivergedError", "StepFailedError",
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
-      "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "ArgumentError",
+      "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "calibrate", "ArgumentError",
       "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus", "enable_keras_distribution", "distribution_replicator",
       "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "testing"}
   for name in replicator.__all__:

@@ -83,7 +83,7 @@ def test_python_blocks_run(page, tmp_path):
   # repository (examples/ and benchmarks/ importable).
   script = tmp_path / (os.path.splitext(os.path.basename(page))[0].replace("-", "_") + ".py")
   script.write_text("\n\n".join(run), encoding="utf-8")
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT, REPLICATOR_CACHE=str(tmp_path))  # calibrate()
   process = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=600)
   assert process.returncode == 0, f"docs/{page} failed:\n{process.stdout[-2000:]}\n{process.stderr[-6000:]}"

@@ -1,0 +1,253 @@
+"""A cost model of the global view's lowering: a partition's step time, estimated from shapes and collectives.
+
+What one device does for a partitioned op is known from the partition alone:
+its pieces' shapes. :func:`work` counts it, machine-independent: per op the
+flops of a contraction (``2 x output elements x contracted size``, on the
+pieces) or else the bytes it reads and writes; per collective its kind, the
+number of devices it spans and the bytes each sends. :meth:`Work.estimate`
+prices that on a :class:`Machine` (measured by ``replicator.calibrate``):
+
+* compute: each op costs a fixed ``op_seconds`` (the executor's) plus its
+  flops at ``flops_per_second`` or its bytes at ``bytes_per_second``; every
+  device runs every op, and ``parallel_devices`` of them run at once (logical
+  devices share the cores);
+* communication: each collective costs ``collective_seconds`` plus the bytes
+  a device sends over ``collective_bytes_per_second``: an all-reduce sends
+  ``2 (k-1)/k`` of its input, a reduce-scatter and an all-to-all ``(k-1)/k``,
+  an all-gather ``k-1`` pieces (the ring algorithms' counts).
+
+Not modelled: overlap of compute and communication (they add up), the cost of
+a lowering's own ops beyond the collective, kernels' efficiency by shape (one
+rate for every contraction), and a sharded update's owners computing only
+their share of an update (every device is counted as running every op). The estimate is
+for ranking layouts of one step on one machine; ``benchmarks/cost_model.py``
+checks it against measured step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import tensorflow as tf
+
+from rewrite import _relayout
+
+_CONTRACTIONS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
+                 "Conv2DBackpropInput", "Conv2DBackpropFilter", "DepthwiseConv2dNative",
+                 "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter")
+_FREE = ("Const", "Placeholder", "Identity", "NoOp", "ReadVariableOp", "VarHandleOp", "Shape", "Reshape",
+         "StopGradient", "IdentityN")
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """Measured rates of one machine and device count (``replicator.calibrate``).
+
+  Attributes:
+    flops_per_second: a contraction's rate on one device.
+    bytes_per_second: an elementwise op's rate on one device (bytes read and written).
+    op_seconds: the fixed cost of running one op on one device.
+    parallel_devices: how many devices' ops run at the same time (at most
+      the cores; 4 logical devices on 2 cores: about 2).
+    collective_seconds: the fixed cost of one collective.
+    collective_bytes_per_second: the rate at which a device sends a collective's bytes.
+    devices: the number of devices it was measured on.
+  """
+
+  flops_per_second: float
+  bytes_per_second: float
+  op_seconds: float
+  parallel_devices: float
+  collective_seconds: float
+  collective_bytes_per_second: float
+  devices: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """A step's estimated time on a :class:`Machine`, in seconds, and what it is made of."""
+
+  compute_seconds: float
+  overhead_seconds: float
+  communication_seconds: float
+
+  @property
+  def seconds(self) -> float:
+    return self.compute_seconds + self.overhead_seconds + self.communication_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveWork:
+  """One collective of a partition: its kind, the devices it spans, the bytes of each device's input."""
+
+  kind: str
+  group: int
+  bytes: int
+  op_name: str
+
+  @property
+  def sent(self) -> float:
+    """The bytes each device sends (ring algorithms)."""
+    k = self.group
+    return {"all_reduce": 2 * (k - 1) / k, "reduce_scatter": (k - 1) / k, "all_to_all": (k - 1) / k,
+            "all_gather": k - 1}.get(self.kind, 1.0) * self.bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+  """What one device does in a step of a partition (machine-independent; see :func:`work`).
+
+  Attributes:
+    devices: the number of devices.
+    ops: the ops each device runs (not counting free ones: constants, reads, reshapes).
+    flops: each device's contractions' flops.
+    bytes: each device's other ops' bytes read and written.
+    collectives: one entry per collective.
+  """
+
+  devices: int
+  ops: int
+  flops: float
+  bytes: float
+  collectives: tuple
+
+  @property
+  def bytes_communicated(self) -> float:
+    """The bytes each device sends a step."""
+    return sum(c.sent for c in self.collectives)
+
+  def estimate(self, machine: Machine) -> Estimate:
+    share = self.devices / max(1.0, min(machine.parallel_devices, self.devices))  # devices' ops in turn
+    compute = (self.flops / machine.flops_per_second + self.bytes / machine.bytes_per_second) * share
+    overhead = self.ops * machine.op_seconds * share
+    communication = sum(machine.collective_seconds + c.sent / machine.collective_bytes_per_second
+                        for c in self.collectives)
+    return Estimate(compute, overhead, communication)
+
+
+def _local(shape, layout, mesh_shape) -> list[int] | None:
+  """A piece's shape (unknown dimensions as 1), or None if the rank is unknown."""
+  if shape.rank is None:
+    return None
+  dims = [1 if n is None else n for n in shape.as_list()]
+  if layout is None or len(layout) != len(dims):
+    return dims
+  return [n // math.prod(mesh_shape[a] for a in axes) for n, axes in zip(dims, layout)]
+
+
+def _nbytes(t, layout, mesh_shape) -> int:
+  local = _local(t.shape, layout, mesh_shape)
+  if local is None or t.dtype in (tf.resource, tf.variant, tf.string):
+    return 0
+  return math.prod(local) * t.dtype.size
+
+
+def _contracted(op, inputs) -> int:
+  """The contracted size of a contraction, from its inputs' local shapes."""
+  a, b = inputs[0], inputs[1] if len(inputs) > 1 else None
+  t = op.type
+  if t == "MatMul":
+    return a[0] if op.get_attr("transpose_a") else a[1]
+  if t.startswith("BatchMatMul"):
+    return a[-2] if op.get_attr("adj_x") else a[-1]
+  if t == "Einsum":
+    spec = op.get_attr("equation").decode().replace(" ", "")
+    ins, out = spec.split("->")
+    first = ins.split(",")[0].replace("...", "")
+    labels = [c for c in first if c.isalpha()]
+    start = len(a) - len(labels) if "..." in ins.split(",")[0] else 0
+    return math.prod(a[start + i] for i, c in enumerate(labels) if c not in out) or 1
+  if t in ("Conv2D", "DepthwiseConv2dNative"):
+    return b[0] * b[1] * (b[2] if t == "Conv2D" else 1)
+  return 1
+
+
+def _flops(op, decision, mesh_shape) -> float:
+  ins = [_local(t.shape, layout, mesh_shape) or [1] for t, layout in zip(op.inputs, decision.inputs + [None] * 8)]
+  out = _local(op.outputs[0].shape, decision.outputs[0] if decision.outputs else None, mesh_shape) or [1]
+  t = op.type
+  if re.fullmatch(r"(Conv2D|DepthwiseConv2dNative)Backprop(Input|Filter)", t):
+    # the forward's products: out_backprop's elements times the filter's window (and its input channels)
+    kernel = out if t.endswith("Filter") else ins[1]  # [height, width, in channels, ...]
+    channels = 1 if t.startswith("Depthwise") else kernel[2]
+    return 2.0 * math.prod(ins[2]) * kernel[0] * kernel[1] * channels
+  return 2.0 * math.prod(out) * _contracted(op, ins)
+
+
+def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None) -> Work:
+  """What each device does for ``partition`` of ``graph``: ops, flops, bytes and collectives.
+
+  Args:
+    graph: the traced global graph.
+    partition: its ``_partition.Partition``.
+    mesh_shape: axis name -> size.
+    outputs: the step's outputs (returned whole: split ones are gathered).
+    ownership: the sharded update's owners (``_partition_owners.Ownership``): their broadcasts, if any.
+  """
+  mesh_shape = dict(mesh_shape)
+  devices = math.prod(mesh_shape.values()) if mesh_shape else 1
+  layouts = partition.layouts
+  group = lambda axes: math.prod(mesh_shape[a] for a in axes)  # noqa: E731
+  ops, flops, nbytes, collectives, done = 0, 0.0, 0.0, [], set()
+
+  def relayout(t, target, op_name):
+    source = layouts.get(t.name)
+    if source is None or target is None or source == target or len(source) != len(target):
+      return
+    if (t.name, target) in done:  # a tensor is relayouted once per layout
+      return
+    done.add((t.name, target))
+    shape = t.shape.as_list() if t.shape.rank is not None else None
+    steps = _relayout.steps(source, target, shape, group)
+    current = list(source)
+    for a, b, axes in steps.moved:
+      collectives.append(CollectiveWork("all_to_all", group(axes), _nbytes(t, tuple(current), mesh_shape), op_name))
+      current[a], current[b] = (), axes
+    for d, axes in steps.gathered:
+      collectives.append(CollectiveWork("all_gather", group(axes), _nbytes(t, tuple(current), mesh_shape), op_name))
+      current[d] = ()
+
+  broadcasts = ownership.broadcasts if ownership is not None else {}
+  for op in graph.get_operations():
+    decision = partition.decisions.get(op.name)
+    if decision is None:
+      continue
+    for i, t in enumerate(op.inputs):
+      if (op.name, i) in broadcasts:  # computed by one device of each group, sent to the others
+        collectives.append(CollectiveWork("broadcast", group(broadcasts[op.name, i].axes),
+                                          _nbytes(t, layouts.get(t.name), mesh_shape), op.name))
+    for i, t in enumerate(op.inputs):
+      if i < len(decision.inputs) and t.dtype != tf.resource:
+        relayout(t, decision.inputs[i], op.name)
+    if op.type not in _FREE:
+      ops += 1
+      if op.type in _CONTRACTIONS:
+        flops += _flops(op, decision, mesh_shape)
+      else:
+        nbytes += sum(_nbytes(t, layouts.get(t.name), mesh_shape) for t in op.inputs)
+        nbytes += sum(_nbytes(t, layouts.get(t.name), mesh_shape) for t in op.outputs)
+    for kind, axes, _ in decision.communicates:
+      size = _nbytes(op.outputs[0], layouts.get(op.outputs[0].name), mesh_shape) if op.outputs else 0
+      collectives.append(CollectiveWork(kind, group(axes), size, op.name))
+    for k, reduce in enumerate(decision.reduce[:len(op.outputs)]):
+      if reduce is None:
+        continue
+      _, axes = reduce
+      out = op.outputs[k]
+      computed = list(layouts.get(out.name) or ())
+      for d, over in decision.scatter.get(k, ()):
+        if d < len(computed):
+          computed[d] = tuple(a for a in computed[d] if a not in over)
+      partial = _nbytes(out, tuple(computed) if computed else None, mesh_shape)
+      for _, over in decision.scatter.get(k, ()):
+        collectives.append(CollectiveWork("reduce_scatter", group(over), partial, op.name))
+        axes = tuple(a for a in axes if a not in over)
+      if axes:
+        collectives.append(CollectiveWork("all_reduce", group(axes), _nbytes(out, layouts.get(out.name), mesh_shape),
+                                          op.name))
+  for t in outputs:
+    if t.shape.rank is not None and t.dtype != tf.resource:
+      relayout(t, ((),) * t.shape.rank, "return")
+  return Work(devices, ops, flops, nbytes, tuple(collectives))

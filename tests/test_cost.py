@@ -1,0 +1,120 @@
+"""The global view's cost model (``rewrite._cost``): each device's work from a partition, priced on a machine."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import mesh
+import replicator
+from rewrite import _cost
+from rewrite import _partition
+
+MESH = {"batch": 2, "model": 2}
+
+
+def _work(fn, specs, given, outputs=True):
+  graph = tf.function(fn, autograph=False).get_concrete_function(*specs).graph
+  m = mesh.Mesh(MESH, devices=cpus(4))
+  part = _partition.propagate(graph, m, {t.name: layout for t, layout in zip(graph.inputs, given)})
+  return _cost.work(graph, part, MESH, graph.outputs if outputs else ())
+
+
+def test_a_column_split_product_counts_the_pieces_flops_and_the_gathers_of_its_output():
+  # x [8, 6] over "batch", w [6, 4] by columns over "model": each device multiplies [4, 6] by [6, 2].
+  work = _work(lambda x, w: tf.matmul(x, w), [tf.TensorSpec([8, 6]), tf.TensorSpec([6, 4])],
+               [(("batch",), ()), ((), ("model",))])
+  assert work.devices == 4 and work.ops == 1
+  assert work.flops == 2 * 4 * 2 * 6
+  # returned whole: gathered over "batch" (a [4, 2] piece: 32 bytes), then over "model" ([8, 2]: 64 bytes)
+  assert [(c.kind, c.group, c.bytes) for c in work.collectives] == [("all_gather", 2, 32), ("all_gather", 2, 64)]
+  assert work.bytes_communicated == 32 + 64  # an all-gather of 2 sends its piece once
+
+
+def test_a_row_split_product_all_reduces_its_partial_sums():
+  # w [6, 4] by rows over "model": x's columns are sliced (free), the products are partial sums over "model".
+  work = _work(lambda x, w: tf.matmul(x, w), [tf.TensorSpec([8, 6]), tf.TensorSpec([6, 4])],
+               [(("batch",), ()), (("model",), ())], outputs=False)
+  assert work.flops == 2 * 4 * 4 * 3
+  assert [(c.kind, c.group, c.bytes) for c in work.collectives] == [("all_reduce", 2, 4 * 4 * 4)]
+  assert work.bytes_communicated == pytest.approx(2 * (2 - 1) / 2 * 64)
+  # an elementwise op after it: bytes read and written on the piece, no flops
+  work = _work(lambda x, w: tf.tanh(tf.matmul(x, w)), [tf.TensorSpec([8, 6]), tf.TensorSpec([6, 4])],
+               [(("batch",), ()), (("model",), ())], outputs=False)
+  assert work.ops == 2 and work.bytes == 2 * 4 * 4 * 4
+
+
+def test_contractions_count_their_contracted_size():
+  specs = [tf.TensorSpec([8, 3, 6]), tf.TensorSpec([6, 2, 4])]
+  given = [(("batch",), (), ()), ((), ("model",), ())]
+  einsum = _work(lambda x, w: tf.einsum("btd,dhe->bthe", x, w), specs, given, outputs=False)
+  assert einsum.flops == 2 * (4 * 3 * 1 * 4) * 6
+  batched = _work(lambda x, y: tf.matmul(x, y, adjoint_b=True), [tf.TensorSpec([8, 3, 6]), tf.TensorSpec([8, 5, 6])],
+                  [(("batch",), (), ()), (("batch",), (), ())], outputs=False)
+  assert batched.flops == 2 * (4 * 3 * 5) * 6
+  conv = _work(lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"), [tf.TensorSpec([4, 6, 6, 3]), tf.TensorSpec([3, 3, 3, 8])],
+               [(("batch",), (), (), ()), ((), (), (), ("model",))], outputs=False)
+  assert conv.flops == 2 * (2 * 6 * 6 * 4) * (3 * 3 * 3)
+
+
+def test_an_estimate_adds_compute_overhead_and_communication_with_devices_sharing_cores():
+  work = _cost.Work(devices=4, ops=10, flops=1e6, bytes=2e6, collectives=(
+      _cost.CollectiveWork("all_reduce", 4, 1000, "a"), _cost.CollectiveWork("all_gather", 2, 500, "b")))
+  machine = _cost.Machine(flops_per_second=1e9, bytes_per_second=1e9, op_seconds=1e-6, parallel_devices=2,
+                          collective_seconds=1e-5, collective_bytes_per_second=1e8)
+  estimate = work.estimate(machine)
+  assert estimate.compute_seconds == pytest.approx((1e-3 + 2e-3) * 2)  # 4 devices, 2 at a time
+  assert estimate.overhead_seconds == pytest.approx(10 * 1e-6 * 2)
+  assert estimate.communication_seconds == pytest.approx(2 * 1e-5 + (1500 + 500) / 1e8)
+  assert estimate.seconds == pytest.approx(estimate.compute_seconds + estimate.overhead_seconds
+                                           + estimate.communication_seconds)
+
+
+def _keras_step(layouts, update="replicated"):
+  repl = replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", update=update,
+                               layouts=mesh.LayoutMap(layouts) if layouts else None)
+  with repl.context():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Input((32,)), keras.layers.Dense(64, activation="relu", name="ff_in"),
+                              keras.layers.Dense(64, activation="relu", name="ff_mid"),
+                              keras.layers.Dense(8, name="ff_out")])
+    opt = keras.optimizers.Adam(1e-2)
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  rng = np.random.default_rng(0)
+  data = tf.data.Dataset.from_tensors((rng.normal(size=(16, 32)).astype("float32"),
+                                       rng.integers(0, 8, size=16).astype("int32")))
+  return repl.explain(step, data)
+
+
+@pytest.mark.parametrize("update", ["replicated", "sharded"])
+def test_the_work_of_a_keras_step_has_the_collectives_of_its_plan(update):
+  # The cost model reads the partition alone (a search scores layouts without expanding them): its collectives
+  # must be the ones the expander and the plan make.
+  report = _keras_step({r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",),
+                        r"ff_mid/kernel$": ("model", None)}, update=update)
+  assert any(c.kind == "broadcast" for c in report.collectives) == (update == "sharded")
+  planned = collections.Counter((c.kind, len(c.groups[0])) for c in report.collectives)
+  modelled = collections.Counter((c.kind, c.group) for c in report.work.collectives)
+  assert modelled == planned, (modelled, planned)
+  assert sum(c.bytes for c in report.work.collectives) == sum(r.bytes_per_device for r in report.collective_rows)
+
+
+def test_splitting_the_hidden_layers_costs_less_compute_a_device_than_replicating_them():
+  machine = _cost.Machine(flops_per_second=1e10, bytes_per_second=1e10, op_seconds=1e-6, parallel_devices=4,
+                          collective_seconds=1e-5, collective_bytes_per_second=1e9)
+  replicated = _keras_step(None).work
+  split = _keras_step({r"ff_(in|mid)/kernel$": (None, "model"), r"ff_in/bias$": ("model",)}).work
+  assert split.flops < replicated.flops  # the hidden layers' products on half the units a device
+  assert len(split.collectives) > len(replicated.collectives)
+  assert split.estimate(machine).compute_seconds < replicated.estimate(machine).compute_seconds
