@@ -27,6 +27,7 @@ import tree
 import rewrite
 from replicator import _access
 from replicator import _atomic
+from replicator import _auto_layouts
 from replicator import _callables
 from replicator import _captures
 from replicator import _consistency
@@ -321,6 +322,15 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
   data = frozenset(placeholder.name for placeholder in graph.inputs[:len(specs)])
+  auto = replicator._auto  # pylint: disable=protected-access
+  if auto is not None and auto.result is None:  # layouts="auto": chosen now, from this step
+    captured = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
+                if id(external) in trace.owners}
+    _auto_layouts.choose(replicator, graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes),
+                         captured)
+    for name, variable in captured.items():  # laid out anew: new layouts, new components
+      given[name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
+      handles[name] = [c.handle for c in variable.components]
   partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes))
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
@@ -454,10 +464,13 @@ def _report(graph, partition, plan, mesh, trace, element_spec, ownership=None) -
     if variable is not None:
       variables[internal.name] = tf.TensorSpec(variable.shape, variable.dtype, name=variable.name.split(":")[0])
       chosen_by[internal.name] = variable._chosen_by  # pylint: disable=protected-access
-  return rewrite.PartitionReport.from_partition(graph, partition, plan, mesh.shape, inputs=inputs,
-                                                variables=variables, outputs=graph.outputs,
-                                                locate=_primitives.location_of, ownership=ownership,
-                                                chosen_by=chosen_by)
+  report = rewrite.PartitionReport.from_partition(graph, partition, plan, mesh.shape, inputs=inputs,
+                                                  variables=variables, outputs=graph.outputs,
+                                                  locate=_primitives.location_of, ownership=ownership,
+                                                  chosen_by=chosen_by)
+  auto = trace.replicator._auto  # pylint: disable=protected-access
+  report.layout_search = None if auto is None else auto.result
+  return report
 
 
 def _split_axes(mesh, axes) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ import tree
 
 import mesh as mesh_lib
 import rewrite
+from replicator import _auto_layouts
 from replicator import _callables
 from replicator import _collective_methods
 from replicator import _consistency
@@ -139,7 +140,13 @@ class Replicator(_collective_methods.CollectiveMethods):
       every device the same input.
     layouts: a :class:`mesh.LayoutMap` (or dict, or ``keras.distribution.LayoutMap``)
       choosing the layout of variables created in :meth:`context` and in
-      steps; see :meth:`context`.
+      steps; see :meth:`context`. ``"auto"`` (global view): the first step
+      built chooses them by a search priced by the cost model (variables are
+      replicated until then; see :attr:`layouts` and the docs' "Automatic
+      layouts").
+    memory_per_device: with ``layouts="auto"``, the bytes of variables and
+      their optimizer slots a device may hold (None: no limit); a layout that
+      needs more is not chosen.
     drop_remainder: when the replicas' ``input_fn`` datasets have different
       lengths, end the epoch as soon as one runs out, dropping the rows left
       on the others. By default (False) the epoch ends when every dataset has
@@ -180,7 +187,8 @@ class Replicator(_collective_methods.CollectiveMethods):
   def __init__(self, devices: Sequence[str] | None = None, *, mesh: mesh_lib.Mesh | None = None,
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
                batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False,
-               view: str = "local", strict: bool = False, update: str = "auto", atomic: bool = True):
+               view: str = "local", strict: bool = False, update: str = "auto", atomic: bool = True,
+               memory_per_device: int | None = None):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
@@ -203,6 +211,19 @@ class Replicator(_collective_methods.CollectiveMethods):
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
+    self._auto = None  # layouts="auto": the search's state (_auto_layouts.Auto)
+    if isinstance(layouts, str) and layouts == "auto":
+      if self._view != "global":
+        raise _errors.ArgumentError(
+            f"Replicator(layouts='auto', view={self._view!r}): automatic layouts are chosen by partitioning the "
+            "single-device step, in the global view. Fix: pass view='global', or give the layouts (a "
+            "mesh.LayoutMap).")
+      self._auto = _auto_layouts.Auto(memory_per_device)
+      layouts = None
+    elif memory_per_device is not None:
+      raise _errors.ArgumentError(
+          f"Replicator(memory_per_device={memory_per_device!r}) bounds the layouts a search chooses, but layouts="
+          f"{layouts!r} were given. Fix: pass layouts='auto', or leave memory_per_device out.")
     self._layouts = _as_layout_map(layouts)
     # Every variable path looked up in the layouts, in order (_layout_check) -> the key that matched it (None: none).
     self._chosen_by: dict[str, str | None] = {}
@@ -331,6 +352,15 @@ class Replicator(_collective_methods.CollectiveMethods):
     if self._keras_strategy is None:
       self._keras_strategy = _keras.KerasStrategy(self)
     return self._keras_strategy
+
+  @property
+  def layouts(self) -> mesh_lib.LayoutMap | None:
+    """The layout map in use: the one given, or with ``layouts="auto"`` the one chosen (None before the first step).
+
+    A chosen map names each variable it splits by its exact path; print it,
+    or pass it to another Replicator as a hand-written map.
+    """
+    return self._layouts
 
   def layout_spec(self, path: str):
     """The layout spec the LayoutMap gives the variable at ``path`` (None: replicated)."""

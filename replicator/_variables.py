@@ -202,6 +202,7 @@ class ReplicatedVariable(tf.Variable):
     self._home = tuple(range(len(self._components)))
     self._owner = None  # (position, axes) once a sharded update owns it (set_owner)
     self._chosen_by = ""  # what chose its layout (a layouts key, its variable's for a slot), for repl.explain
+    self._reference = None  # the variable it was made like (an optimizer's slot: its variable), if any
     # A never-assigned handle of the global shape, made by the first read inside a
     # function that combines components (see _export); None until then.
     self._serving_handle = None
@@ -246,6 +247,41 @@ class ReplicatedVariable(tf.Variable):
       for device in group:
         home[device] = group[position]
     self._home = tuple(home)
+
+  def relayout(self, layout: mesh_lib.Layout | None, chosen_by: str = "") -> None:
+    """Lays the variable out anew (automatic layouts): new components holding the pieces of its value.
+
+    The variable object stays (models and optimizers keep referring to it);
+    its components are replaced. Steps built before hold the old components:
+    the caller rebuilds them. Not for on-read variables.
+    """
+    layout = None if layout is None or layout.is_fully_replicated else layout
+    if self._on_read or layout == self._sharding:
+      return
+    devices = self._replicator.devices
+    with tf.init_scope(), _context.cross_replica_scope():
+      with tf.device(devices[0]):
+        value = tf.identity(self.read_value())  # the global value (gathered if sharded)
+        pieces = mesh_lib.split(value, layout) if layout is not None else [value] * len(devices)
+      components = []
+      for piece, device in zip(pieces, devices):
+        with tf.device(device):
+          components.append(_new_component(initial_value=piece, trainable=self.trainable,
+                                           name=self.name.split(":")[0], dtype=self.dtype,
+                                           synchronization=self.synchronization, aggregation=self.aggregation))
+    for component in self._components:
+      _OWNERS.pop(id(component.handle), None)
+    self._components = tuple(components)
+    self._sharding = layout
+    self._global_shape = None if layout is None else tf.TensorShape(
+        mesh_lib.global_shape(components[0].shape.as_list(), layout))
+    self._home = tuple(range(len(components)))
+    self._owner = None
+    self._serving_handle = None
+    if chosen_by:
+      self._chosen_by = chosen_by
+    for component in components:
+      _OWNERS[id(component.handle)] = self
 
   def _current(self) -> tf.Variable:
     standin = self._global_standin()
@@ -757,6 +793,12 @@ def _chosen_by(replicator, path: str, reference) -> str:
   return "no key matched" if replicator._layouts is not None else "no layouts"  # pylint: disable=protected-access
 
 
+def variables_of(replicator) -> list:
+  """Every live ReplicatedVariable of ``replicator``, once each."""
+  found = {id(v): v for v in list(_OWNERS.values()) if v._replicator is replicator}  # pylint: disable=protected-access
+  return list(found.values())
+
+
 def owner_of(handle):
   """The ReplicatedVariable whose component (or first-run flag) has ``handle``, or None."""
   return _OWNERS.get(id(handle))
@@ -928,6 +970,7 @@ def make_creator(replicator):
           components.append(_new_component(initial_value=initial, **kwargs))
     variable = ReplicatedVariable(components, replicator, offsets, layout)
     variable._chosen_by = _chosen_by(replicator, path, reference)  # pylint: disable=protected-access
+    variable._reference = None if reference is None else underlying(reference)  # pylint: disable=protected-access
     if deferred is not None:
       _initialize_in_graph(variable, deferred, sum_on_read)
     if step is not None:

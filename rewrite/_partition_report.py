@@ -191,6 +191,9 @@ class PartitionReport:
     relayouts: every op input (and step output) relayouted, in graph order.
     fallbacks: every op that ran on gathered inputs for want of a rule.
     work: what each device does a step, for the cost model (:meth:`estimate`).
+    layout_search: with automatic layouts, the search that chose them
+      (``rewrite._search.Result``: every assignment tried, its estimate and
+      bytes a device); None otherwise.
   """
 
   plan: Plan
@@ -201,6 +204,7 @@ class PartitionReport:
   relayouts: list[RelayoutRow]
   fallbacks: list[FallbackRow]
   work: cost_model.Work | None = None
+  layout_search: Any = None
 
   @classmethod
   def from_partition(cls, graph: tf.Graph, partition, plan: Plan, mesh_shape: Mapping[str, int], *,
@@ -342,6 +346,8 @@ class PartitionReport:
     lines += _table(("op", "input layouts", "at"),
                     [(f"{r.op_type} {r.op_name}", ", ".join(format_layout(x) for x in r.input_layouts), r.location)
                      for r in self.fallbacks])
+    if self.layout_search is not None:
+      lines += _search_lines(self.layout_search)
     return "\n".join(lines)
 
 
@@ -350,6 +356,20 @@ def _cost(row: RelayoutRow) -> str:
     return "free (local slice)"
   return ", ".join([f"all_to_all dim {a} -> {b} over {','.join(axes)}" for a, b, axes in row.moved]
                    + [f"all_gather dim {d} over {','.join(axes)}" for d, axes in row.gathered])
+
+
+def _search_lines(result) -> list[str]:
+  """The automatic layouts' search: each assignment tried (one group's choice changed), the winner's rows marked."""
+  chosen = {}
+  for name, layout in result.layouts.items():
+    chosen.setdefault(name, layout)
+  lines = [f"\nAutomatic layouts ({len(result.tried)} assignments tried in {result.search_seconds:.1f} s; the chosen "
+           f"one is estimated at {result.seconds * 1e3:.2f} ms a step, {result.bytes_per_device:,} bytes/device of "
+           "variables and slots; each row changes one group's layout from the best so far):"]
+  rows = [(t.group, format_layout(t.layout), f"{t.seconds * 1e3:.3f} ms", f"{t.bytes_per_device:,}",
+           "yes" if t.fits else "no") for t in result.tried]
+  lines += _table(("group", "layout tried", "estimated step", "bytes/device", "fits"), rows)
+  return lines
 
 
 def _table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:

@@ -1,0 +1,120 @@
+r"""``Replicator(layouts="auto")``: the global view chooses its variables' layouts by a search, on the first build.
+
+The first step built (``repl.run`` or ``repl.explain``) is traced at global
+shapes as any global-view step, with every variable replicated. Its variables
+are then handed to ``rewrite._search``: each variable of some size is a
+candidate (an optimizer's slots follow their variable and count towards its
+bytes; small ones, such as biases and norms' scales, on-read metrics and
+scalars stay replicated), grouped by its path with the numbers taken out
+(every block's query kernel is one choice), and every assignment the search
+tries is priced by partitioning the traced step with it
+(``rewrite._partition.propagate``) and the cost model
+(``rewrite._cost``, on the machine ``replicator.calibrate`` measured). The
+winner's layouts are given to the variables (their components replaced, the
+objects kept) and to their slots, become :attr:`Replicator.layouts` (a
+``mesh.LayoutMap`` with a key per group, its path with ``\d+`` for the
+numbers: for variables made later, and to reuse as a hand-written map), and
+the step is partitioned with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import mesh as mesh_lib
+from replicator import _calibration
+from replicator import _errors
+from replicator import _variables
+from rewrite import _cost
+from rewrite import _partition
+from rewrite import _search
+
+SMALL = 0.01  # variables below this fraction of the largest one's bytes stay replicated
+
+
+@dataclasses.dataclass
+class Auto:
+  """The state of a Replicator whose layouts are chosen automatically."""
+
+  memory_per_device: int | None
+  result: _search.Result | None = None
+
+
+def group_of(path: str) -> str:
+  """Variables that take one choice: every block's (numbers in the path as ``#``), of any instance of the model.
+
+  ``sequential_1/block0_attn/query/kernel`` -> ``sequential/block#_attn/query/kernel``: the first part is the
+  model's (or optimizer's) name, to which Keras adds ``_<n>`` for a second instance.
+  """
+  first, _, rest = path.partition("/")
+  return "/".join([re.sub(r"_\d+$", "", first)] + ([re.sub(r"\d+", "#", rest)] if rest else []))
+
+
+def key_of(path: str) -> str:
+  r"""The layout-map key of ``path``'s group: ``^sequential(?:_\d+)?/block\d+_attn/query/kernel$``."""
+  first, _, rest = path.partition("/")
+  key = re.escape(re.sub(r"_\d+$", "", first)) + r"(?:_\d+)?"
+  if rest:
+    key += "/" + re.sub(r"\d+", lambda _: r"\d+", re.escape(rest))
+  return "^" + key + "$"
+
+
+def _spec(layout: tuple) -> tuple:
+  return tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in layout)
+
+
+def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes, variables: dict) -> None:
+  """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner."""
+  auto = replicator._auto  # pylint: disable=protected-access
+  machine = _calibration.calibrate(list(mesh.devices))
+  slots: dict[int, int] = {}
+  for v in variables.values():
+    reference = v._reference  # pylint: disable=protected-access
+    if reference is not None:
+      slots[id(reference)] = slots.get(id(reference), 0) + 1
+  sizes = {name: v.shape.num_elements() * v.dtype.size for name, v in variables.items()
+           if v.shape.is_fully_defined()}
+  largest = max(sizes.values(), default=0)
+  searched, fixed_bytes = {}, 0
+  for name, v in variables.items():
+    if v._reference is not None:  # pylint: disable=protected-access  (a slot: follows its variable)
+      continue
+    nbytes = sizes.get(name, 0) * (1 + slots.get(id(v), 0))
+    if (v._on_read or v._offsets is not None or v.shape.rank == 0 or not v.dtype.is_floating  # pylint: disable=protected-access
+        or name not in sizes or sizes[name] < SMALL * largest):
+      fixed_bytes += nbytes
+      continue
+    path = _variables.variable_path(v.name.split(":")[0])
+    searched[name] = _search.Variable(tuple(v.shape.as_list()), sizes[name], group_of(path),
+                                      copies=1 + slots.get(id(v), 0))
+
+  def evaluate(layouts: dict) -> float:
+    partition = _partition.propagate(graph, mesh, {**given, **layouts}, handle_shapes, summed, data, axes)
+    return _cost.work(graph, partition, mesh.shape, graph.outputs).estimate(machine).seconds
+
+  budget = auto.memory_per_device
+  if budget is not None and budget < fixed_bytes:
+    raise _errors.ArgumentError(
+        f"Replicator(layouts='auto', memory_per_device={budget:,}): the variables that stay replicated (small "
+        f"ones, metrics, counters) alone take {fixed_bytes:,} bytes a device. Fix: raise memory_per_device.")
+  try:
+    result = _search.search(searched, mesh.shape, evaluate, batch_axes=axes,
+                            memory_per_device=None if budget is None else budget - fixed_bytes)
+  except _search.BudgetError as e:
+    raise _errors.ArgumentError(f"Replicator(layouts='auto', memory_per_device={budget:,}): {e}") from None
+  chosen, relaid = {}, {}
+  for name, layout in result.layouts.items():
+    v = variables[name]
+    path = _variables.variable_path(v.name.split(":")[0])
+    spec = _spec(layout)
+    v.relayout(mesh_lib.Layout(spec, mesh), chosen_by=f"auto ({searched[name].group})")
+    relaid[id(v)] = v
+    if any(spec):  # one key per group: any number where the path has one (another model_<n>, every block)
+      chosen[key_of(path)] = spec
+  for v in _variables.variables_of(replicator):  # the slots take their variable's layout
+    reference = v._reference  # pylint: disable=protected-access
+    if reference is not None and id(reference) in relaid and v.shape == reference.shape:
+      v.relayout(reference.sharding, chosen_by=f"as {reference.name.split(':')[0]} (a slot)")
+  replicator._layouts = mesh_lib.LayoutMap(chosen) if chosen else None  # pylint: disable=protected-access
+  auto.result = dataclasses.replace(result, bytes_per_device=result.bytes_per_device + fixed_bytes)

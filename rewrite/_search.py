@@ -1,0 +1,205 @@
+"""A search for variables' layouts: candidates per variable, scored by the cost model, under a memory budget.
+
+The search knows the variables only by name, global shape, bytes and a
+*group* (variables that play the same part, such as every block's query
+kernel, take the same choice), and the step only through ``evaluate``: a
+callable that partitions the step with a given assignment of layouts and
+returns its estimated seconds (``rewrite._cost``).
+
+Candidates for one variable, from the rule families the partitioner knows:
+replicated; one dimension split over one mesh axis that is not a batch axis
+(Megatron's column and row splits, heads, the vocabulary, experts are all
+"dimension d over the model axis" for some d); and the largest dimension
+split over the batch axes (fully sharded data parallelism), alone or with a
+model split of another dimension.
+
+Why a greedy search by groups rather than an ILP over every op (Alpa): the
+estimate of an assignment is the partitioner's own propagation plus the cost
+model, which prices exactly what the expander will emit, and a group's choice
+interacts with its neighbours' only through the relayouts between them, which
+that evaluation sees. Coordinate descent: start replicated; for each group,
+largest first, try each candidate with the others fixed and keep the best;
+sweep again until nothing changes (at most ``sweeps`` times). Evaluations:
+groups x candidates x sweeps, each one propagation of the step's graph. Groups
+make this independent of the depth of a model: a 12-block transformer has as
+many groups as a 2-block one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Callable
+from typing import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+  """What the search knows of one variable.
+
+  Attributes:
+    shape: its global shape.
+    nbytes: its bytes, whole.
+    group: variables of one group take the same choice.
+    copies: how many variables of its bytes follow its layout (1 + an
+      optimizer's slots: Adam's two moments make 3).
+  """
+
+  shape: tuple
+  nbytes: int
+  group: str
+  copies: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+  """One evaluated assignment: the choice tried for a group, its estimate and memory."""
+
+  group: str
+  layout: tuple
+  seconds: float
+  bytes_per_device: int
+  fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """The search's outcome.
+
+  Attributes:
+    layouts: variable name -> its chosen layout (mesh axes per dimension).
+    seconds: the chosen assignment's estimate.
+    bytes_per_device: its variables' (and their copies') bytes a device.
+    tried: every evaluated assignment, in order.
+    search_seconds: how long the search took.
+  """
+
+  layouts: dict
+  seconds: float
+  bytes_per_device: int
+  tried: tuple
+  search_seconds: float
+
+
+class BudgetError(ValueError):
+  """No assignment found fits the memory budget."""
+
+
+def candidates(shape, mesh_shape: Mapping[str, int], batch_axes=()) -> list[tuple]:
+  """The layouts the search tries for a variable of ``shape``: replicated first."""
+  rank = len(shape)
+  replicated = ((),) * rank
+  found = [replicated]
+  model_axes = [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
+  batch = tuple(a for a in batch_axes if mesh_shape.get(a, 1) > 1)
+
+  def split(layout, d, axes):
+    n = math.prod(mesh_shape[a] for a in axes)
+    if shape[d] is None or shape[d] < n or shape[d] % n or layout[d]:
+      return None
+    out = list(layout)
+    out[d] = tuple(axes)
+    return tuple(out)
+
+  for axis, d in itertools.product(model_axes, range(rank)):
+    layout = split(replicated, d, (axis,))
+    if layout is not None and layout not in found:
+      found.append(layout)
+  if batch and rank:
+    by_size = sorted(range(rank), key=lambda d: -(shape[d] or 0))
+    for base in list(found):
+      for d in by_size:
+        layout = split(base, d, batch)
+        if layout is not None:
+          if layout not in found:
+            found.append(layout)
+          break
+  return found
+
+
+def bytes_per_device(variables: Mapping[str, Variable], layouts: Mapping[str, tuple],
+                     mesh_shape: Mapping[str, int]) -> int:
+  """The bytes a device holds of ``variables`` (and their copies) under ``layouts``."""
+  total = 0
+  for name, v in variables.items():
+    layout = layouts.get(name) or ()
+    pieces = math.prod(math.prod(mesh_shape[a] for a in axes) for axes in layout)
+    total += v.nbytes * v.copies // pieces
+  return total
+
+
+def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], evaluate: Callable[[dict], float],
+           batch_axes=(), memory_per_device: int | None = None, sweeps: int = 3) -> Result:
+  """The assignment of layouts with the lowest estimate that fits ``memory_per_device`` (see the module).
+
+  Args:
+    variables: name -> :class:`Variable`.
+    mesh_shape: axis name -> size.
+    evaluate: an assignment (name -> layout, every variable) -> its estimated seconds.
+    batch_axes: the mesh axes the batch is split over.
+    memory_per_device: bytes of variables a device may hold; None: no limit.
+    sweeps: at most this many passes over the groups.
+
+  Raises:
+    BudgetError: nothing found fits the budget (the message names the smallest footprint found).
+  """
+  start = time.perf_counter()
+  mesh_shape = dict(mesh_shape)
+  groups: dict[str, list[str]] = {}
+  for name, v in variables.items():
+    groups.setdefault(v.group, []).append(name)
+  options = {}
+  for group, names in groups.items():  # a choice valid for every member
+    shapes = {variables[n].shape for n in names}
+    common = [layout for layout in candidates(next(iter(shapes)), mesh_shape, batch_axes)
+              if all(layout in candidates(s, mesh_shape, batch_axes) for s in shapes)]
+    options[group] = common or [((),) * len(next(iter(shapes)))]
+  order = sorted(groups, key=lambda g: -sum(variables[n].nbytes * variables[n].copies for n in groups[g]))
+  choice = {g: options[g][0] for g in groups}
+  tried, cache = [], {}
+
+  def assignment(choice):
+    return {n: choice[g] for g, names in groups.items() for n in names}
+
+  def score(choice, group):
+    key = tuple(sorted(choice.items()))
+    if key not in cache:
+      layouts = assignment(choice)
+      memory = bytes_per_device(variables, layouts, mesh_shape)
+      fits = memory_per_device is None or memory <= memory_per_device
+      cache[key] = (evaluate(layouts), memory, fits)
+      tried.append(Scored(group, choice[group], *cache[key]))
+    return cache[key]
+
+  def rank(r):  # fitting ones by time (then bytes); the others by bytes, to move towards the budget
+    seconds, memory, fits = r
+    return (0, seconds, memory) if fits else (1, memory, seconds)
+
+  def better(a, b):
+    return rank(a) < rank(b)
+
+  best = score(choice, order[0]) if order else (evaluate({}), 0, True)
+  for _ in range(sweeps):
+    changed = False
+    for group in order:
+      for layout in options[group]:
+        if layout == choice[group]:
+          continue
+        trial = dict(choice, **{group: layout})
+        result = score(trial, group)
+        if better(result, best):
+          choice, best, changed = trial, result, True
+    if not changed:
+      break
+  if not best[2]:  # ``choice`` is the smallest found: say what takes its bytes
+    layouts = assignment(choice)
+    by_group = sorted(((bytes_per_device({n: variables[n] for n in names}, layouts, mesh_shape), g)
+                       for g, names in groups.items()), key=lambda bg: (-bg[0], bg[1]))
+    largest = ", ".join(f"{g} ({len(groups[g])} variable(s), {b:,} bytes)" for b, g in by_group[:3])
+    raise BudgetError(
+        f"No layout found keeps the variables within memory_per_device={memory_per_device:,} bytes a device: the "
+        f"smallest footprint found is {best[1]:,} bytes (variables and their optimizer slots), the largest parts "
+        f"{largest}. Fix: raise memory_per_device, use a larger mesh, or split the variables over more axes.")
+  return Result(assignment(choice), best[0], best[1], tuple(tried), time.perf_counter() - start)

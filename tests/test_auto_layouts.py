@@ -1,0 +1,137 @@
+"""``Replicator(layouts="auto")``: the first step chooses the variables' layouts; the step equals one device.
+
+Tolerance: Adam in float32, 3 steps. The noise is measured in each test: the
+same one-device steps on each batch's rows in reverse order (the same sums in
+another order) are as far from the one-device run as float32 makes them; the
+automatic layouts' run may be at most 10 times that (and 1e-7) from it.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_every_copy
+from conftest import cpus
+
+import mesh
+import replicator
+from replicator import _variables
+
+MESH = {"batch": 2, "model": 2}
+
+
+@pytest.fixture(autouse=True)
+def _calibration_cache(tmp_path_factory, monkeypatch):
+  monkeypatch.setenv("REPLICATOR_CACHE", str(tmp_path_factory.getbasetemp() / "calibration"))
+
+
+def _model():
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.layers.Input((64,)), keras.layers.Dense(256, activation="relu", name="ff_in"),
+                           keras.layers.Dense(256, activation="relu", name="ff_mid"),
+                           keras.layers.Dense(16, name="ff_out")])
+
+
+def _step(model, optimizer):
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+  return step
+
+
+def _data(reverse=False):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 32, 64)).astype("float32")
+  y = rng.integers(0, 16, size=(3, 32)).astype("int32")
+  if reverse:
+    x, y = x[:, ::-1], y[:, ::-1]
+  return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def _one_device(reverse=False):
+  with tf.device(cpus(4)[0]):
+    model, optimizer = _model(), keras.optimizers.Adam(1e-2)
+  step = tf.function(_step(model, optimizer))
+  losses = [float(step(batch)) for batch in _data(reverse)]
+  return model, optimizer, losses
+
+
+def _noise(one, one_opt):
+  other, other_opt, _ = _one_device(reverse=True)
+  return max(float(np.max(np.abs(a.numpy() - b.numpy())))
+             for a, b in zip(one.weights + one_opt.variables, other.weights + other_opt.variables))
+
+
+def _auto(**kwargs):
+  repl = replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", layouts="auto", **kwargs)
+  with repl.context():
+    model, optimizer = _model(), keras.optimizers.Adam(1e-2)
+  step, data = _step(model, optimizer), _data()
+  losses = [float(repl.run(step, data)) for _ in range(3)]  # the dataset's three batches
+  return repl, model, optimizer, step, losses
+
+
+def test_automatic_layouts_split_the_hidden_layers_and_train_as_on_one_device():
+  one, one_opt, expected = _one_device()
+  noise = _noise(one, one_opt)
+  repl, model, optimizer, step, losses = _auto()
+  np.testing.assert_allclose(losses, expected, atol=10 * noise + 1e-7)
+  assert_every_copy(model.weights, one.weights, atol=10 * noise + 1e-7)
+  assert_every_copy(optimizer.variables, one_opt.variables, atol=10 * noise + 1e-7)
+  chosen = {w.path.split("/", 1)[1]: _variables.underlying(w).layout.spec for w in model.weights}
+  assert chosen["ff_mid/kernel"] != (None, None), chosen  # the largest kernel is split (it was replicated)
+  for slot in optimizer.variables:  # Adam's moments follow their variable
+    if "ff_mid_kernel" in slot.path:
+      assert _variables.underlying(slot).layout.spec == chosen["ff_mid/kernel"]
+  report = repl.explain(step, _data())
+  assert report.layout_search is repl._auto.result and "Automatic layouts (" in str(report)  # pylint: disable=protected-access
+  assert {r.chosen_by for r in report.variables if r.name.endswith("ff_mid/kernel")} == {
+      "auto (sequential/ff_mid/kernel)"}
+
+
+def test_the_chosen_layout_map_is_reusable_as_a_hand_written_one():
+  repl, model, _, _, _ = _auto()
+  chosen = repl.layouts
+  assert isinstance(chosen, mesh.LayoutMap)
+  again = replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", layouts=chosen)
+  with again.context():
+    same = _model()
+  for a, b in zip(model.weights, same.weights):
+    assert _variables.underlying(a).layout.spec == _variables.underlying(b).layout.spec, a.path
+
+
+def test_a_memory_budget_below_replicated_variables_gets_layouts_that_fit_and_train_as_on_one_device():
+  one, one_opt, expected = _one_device()
+  noise = _noise(one, one_opt)
+  replicated = sum(v.numpy().nbytes for v in one.weights + one_opt.variables)
+  budget = replicated // 3
+  repl, model, optimizer, _, losses = _auto(memory_per_device=budget)
+  held = replicator.bytes_per_device(model.weights + optimizer.variables)
+  assert max(held.values()) <= budget < replicated
+  assert repl._auto.result.bytes_per_device == max(held.values())  # pylint: disable=protected-access
+  np.testing.assert_allclose(losses, expected, atol=10 * noise + 1e-7)
+  assert_every_copy(model.weights + optimizer.variables, one.weights + one_opt.variables, atol=10 * noise + 1e-7)
+
+
+def test_a_budget_no_layout_meets_is_refused_with_the_smallest_footprint():
+  with pytest.raises(replicator.ArgumentError) as raised:
+    _auto(memory_per_device=100_000)
+  message = str(raised.value)
+  assert message.startswith("Replicator(layouts='auto', memory_per_device=100,000): No layout found keeps the "
+                            "variables within memory_per_device=")
+  assert "the smallest footprint found is 258,048 bytes" in message and "sequential/ff_mid/kernel" in message
+  assert message.endswith("Fix: raise memory_per_device, use a larger mesh, or split the variables over more axes.")
+
+
+def test_automatic_layouts_need_the_global_view_and_a_budget_needs_them():
+  with pytest.raises(replicator.ArgumentError, match=r"automatic layouts are chosen by partitioning the "
+                     r"single-device step, in the global view\. Fix: pass view='global'"):
+    replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), layouts="auto")
+  with pytest.raises(replicator.ArgumentError, match=r"memory_per_device=1000\) bounds the layouts a search "
+                     r"chooses, but layouts=None were given\. Fix: pass layouts='auto'"):
+    replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", memory_per_device=1000)
