@@ -4,7 +4,8 @@ One process, 4 logical CPUs. A 2-block Keras 3 transformer (hidden 128, 4 heads,
 global batch 16, Adam) in the global view under several layouts, the same step unchanged: data-parallel (4x1), and
 on 2x2 variables replicated over "model", Megatron (heads and feed-forward over "model"), Megatron with the
 vocabulary (embedding and output layer) over "model", and FSDP (every kernel's first dimension over "batch"); and
-Megatron with the vocabulary on 1x4. For each it prints the estimate of ``repl.explain(...).estimate(machine)``
+Megatron with the vocabulary on 1x4; and ``layouts="auto"`` on 2x2 (its search's time and choice, and its step
+against the fastest hand-written one). For each it prints the estimate of ``repl.explain(...).estimate(machine)``
 (``machine = replicator.calibrate()``: compute, executor overhead, communication) beside the measured step time
 (interleaved rounds), and how well the estimate ranks the layouts (Spearman's rank correlation, and whether it
 picks the fastest).
@@ -31,6 +32,7 @@ MEGATRON = {r"attn/(query|key|value)/kernel$": (None, "model", None), r"attn/(qu
             r"ff_in/bias$": ("model",), r"ff_out/kernel$": ("model", None)}
 VOCABULARY = {r"embed/embeddings$": ("model", None), r"head/kernel$": (None, "model"), r"head/bias$": ("model",)}
 FSDP = {r"kernel$": ("batch",), r"embeddings$": ("batch",)}
+AUTO = "2x2 layouts=\"auto\""
 LAYOUTS = {  # name -> (mesh, layout map)
     "4x1 data-parallel": ({"batch": 4}, None),
     "2x2 replicated over model": ({"batch": 2, "model": 2}, None),
@@ -92,13 +94,18 @@ def main(argv=None) -> dict:
            rng.integers(0, VOCAB, size=(BATCH, TIME)).astype("int32"))
   data = tf.data.Dataset.from_tensors(batch).repeat()
   calls, records = {}, {}
-  for name, (shape, layouts) in LAYOUTS.items():
-    repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=devices), view="global",
-                                 layouts=mesh.LayoutMap(layouts, pad=True) if layouts else None)
+  for name, (shape, layouts) in {**LAYOUTS, AUTO: ({"batch": 2, "model": 2}, "auto")}.items():
+    if layouts == "auto":
+      repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=devices), view="global", layouts="auto")
+    else:
+      repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=devices), view="global",
+                                   layouts=mesh.LayoutMap(layouts, pad=True) if layouts else None)
     with repl.context():
       model, optimizer = _transformer(keras), keras.optimizers.Adam(1e-3)
     step = _step(tf, keras, model, optimizer)
-    repl.run(step, data)  # builds the step and Adam's slots
+    start = time.perf_counter()
+    repl.run(step, data)  # builds the step and Adam's slots (with "auto": chooses the layouts first)
+    first_call = time.perf_counter() - start
     report = repl.explain(step, data)
     estimate = report.estimate(machine)
     records[name] = {"estimate_ms": estimate.seconds * 1e3, "compute_ms": estimate.compute_seconds * 1e3,
@@ -106,12 +113,16 @@ def main(argv=None) -> dict:
                      "communication_ms": estimate.communication_seconds * 1e3,
                      "collectives": len(report.work.collectives), "ops_per_device": report.work.ops,
                      "bytes_sent_per_device": report.work.bytes_communicated,
-                     "weights_bytes_per_device": max(replicator.bytes_per_device(model.weights).values())}
+                     "weights_bytes_per_device": max(replicator.bytes_per_device(model.weights).values()),
+                     "first_call_s": first_call}
+    if report.layout_search is not None:
+      records[name].update(search_s=report.layout_search.search_seconds, tried=len(report.layout_search.tried),
+                           chosen={k: list(v) for k, v in repl.layouts.items()} if repl.layouts else {})
     calls[name] = (lambda repl=repl, step=step: float(repl.run(step, data)))
   times = _timing.interleaved(calls, rounds=args.rounds, warmup=2)
   for name, samples in times.items():
     records[name]["measured_ms"] = _timing.summary(samples)["median"] * 1e3
-  names = list(LAYOUTS)
+  names = list(LAYOUTS)  # the hand-written ones
   estimated = [records[n]["estimate_ms"] for n in names]
   measured = [records[n]["measured_ms"] for n in names]
   rank = _spearman(estimated, measured)
@@ -120,9 +131,14 @@ def main(argv=None) -> dict:
            f"{records[n]['estimate_ms'] / records[n]['measured_ms']:.2f}",
            f"{records[n]['compute_ms']:.1f} / {records[n]['overhead_ms']:.1f} / {records[n]['communication_ms']:.1f}",
            records[n]["collectives"], f"{records[n]['bytes_sent_per_device']:,.0f}",
-           f"{records[n]['weights_bytes_per_device']:,}"] for n in names]
+           f"{records[n]['weights_bytes_per_device']:,}"] for n in names + [AUTO]]
   print(_timing.table(["layout", "measured", "estimated", "estimated / measured", "compute / overhead / comm. (ms)",
                        "collectives", "bytes sent/device", "weights/device"], rows))
+  auto = records[AUTO]
+  auto["over_best_hand_written"] = auto["measured_ms"] / records[fastest]["measured_ms"]
+  print(f"\n{AUTO}: {auto['measured_ms']:.1f} ms measured ({auto['estimate_ms']:.1f} estimated), "
+        f"{auto['over_best_hand_written']:.2f}x the best hand-written layout's; {auto['tried']} assignments tried "
+        f"in {auto['search_s']:.1f} s; chosen: {auto['chosen']}")
   print(f"\nSpearman rank correlation, estimated vs measured: {rank:.2f}; the estimate picks {picked!r}, "
         f"the fastest measured is {fastest!r} ({records[picked]['measured_ms'] / records[fastest]['measured_ms']:.2f}x "
         f"of it). Calibration: {calibration_s:.1f} s (cached after the first run).")

@@ -15,14 +15,22 @@ from conftest import cpus
 
 import mesh
 import replicator
+from replicator import _auto_layouts
 from replicator import _variables
+from rewrite import _cost
 
 MESH = {"batch": 2, "model": 2}
 
 
+# The machine the search prices layouts on: fixed, so that its choice does not depend on this run's timings
+# (replicator.calibrate has its own test). Compute dominates: splitting the products pays for their collectives.
+MACHINE = _cost.Machine(flops_per_second=2e9, bytes_per_second=2e10, op_seconds=2e-6, parallel_devices=2,
+                        collective_seconds=2e-5, collective_bytes_per_second=5e9, devices=4)
+
+
 @pytest.fixture(autouse=True)
-def _calibration_cache(tmp_path_factory, monkeypatch):
-  monkeypatch.setenv("REPLICATOR_CACHE", str(tmp_path_factory.getbasetemp() / "calibration"))
+def _machine(monkeypatch):
+  monkeypatch.setattr(_auto_layouts._calibration, "calibrate", lambda devices: MACHINE)  # pylint: disable=protected-access
 
 
 def _model():
@@ -84,18 +92,18 @@ def test_automatic_layouts_split_the_hidden_layers_and_train_as_on_one_device():
   assert_every_copy(model.weights, one.weights, atol=10 * noise + 1e-7)
   assert_every_copy(optimizer.variables, one_opt.variables, atol=10 * noise + 1e-7)
   chosen = {w.path.split("/", 1)[1]: _variables.underlying(w).layout.spec for w in model.weights}
-  assert chosen["ff_mid/kernel"] != (None, None), chosen  # the largest kernel is split (it was replicated)
+  split = [path for path, spec in chosen.items() if any(spec)]
+  assert split and all(path.endswith("kernel") for path in split), chosen
   for slot in optimizer.variables:  # Adam's moments follow their variable
-    if "ff_mid_kernel" in slot.path:
-      assert _variables.underlying(slot).layout.spec == chosen["ff_mid/kernel"]
+    variable = _variables.underlying(slot)._reference  # pylint: disable=protected-access
+    if variable is not None and variable.shape == slot.shape:
+      assert _variables.underlying(slot).layout.spec == variable.layout.spec, slot.path
+  result = repl._auto.result  # pylint: disable=protected-access
+  assert result.seconds < result.tried[0].seconds  # faster than the first assignment tried (replicated's neighbour)
   report = repl.explain(step, _data())
-  assert report.layout_search is repl._auto.result and "Automatic layouts (" in str(report)  # pylint: disable=protected-access
-  assert {r.chosen_by for r in report.variables if r.name.endswith("ff_mid/kernel")} == {
-      "auto (sequential/ff_mid/kernel)"}
-
-
-def test_the_chosen_layout_map_is_reusable_as_a_hand_written_one():
-  repl, model, _, _, _ = _auto()
+  assert report.layout_search is result and "Automatic layouts (" in str(report)
+  assert {r.chosen_by for r in report.variables if r.name.endswith(split[0])} == {f"auto (sequential/{split[0]})"}
+  # the chosen map is reusable as a hand-written one, by another instance of the model
   chosen = repl.layouts
   assert isinstance(chosen, mesh.LayoutMap)
   again = replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", layouts=chosen)

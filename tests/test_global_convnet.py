@@ -29,7 +29,7 @@ LAYOUTS = {
                  r"conv2/kernel$": (None, None, "model", None), r"dw/kernel$": (None, None, "model", None),
                  r"dw/bias$": ("model",), r"conv2/bias$": ("model",)},
 }
-REPRESENTATIVE = {((2, 2), "batch"), ((2, 2), "channels"), ((2, 4), "channels"), ((4, 1), "batch")}
+REPRESENTATIVE = {((2, 2), "batch"), ((2, 2), "channels"), ((4, 1), "batch")}  # CI time: 2x4 by --full-grid
 
 
 def make_convnet():
