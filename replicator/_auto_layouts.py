@@ -42,19 +42,21 @@ class Auto:
 
 
 def group_of(path: str) -> str:
-  """Variables that take one choice: every block's (numbers in the path as ``#``), of any instance of the model.
+  """Variables that take one choice: every block's (numbers in the path as ``#``), of any instance of a model.
 
-  ``sequential_1/block0_attn/query/kernel`` -> ``sequential/block#_attn/query/kernel``: the first part is the
-  model's (or optimizer's) name, to which Keras adds ``_<n>`` for a second instance.
+  ``sequential_1/block0_attn/query/kernel`` -> ``sequential/block#_attn/query/kernel``; a functional model's
+  ``block1_ff_in/kernel`` -> ``block#_ff_in/kernel``. The ``_<n>`` Keras adds to a second instance's name is
+  dropped from the first part.
   """
   first, _, rest = path.partition("/")
-  return "/".join([re.sub(r"_\d+$", "", first)] + ([re.sub(r"\d+", "#", rest)] if rest else []))
+  parts = [re.sub(r"_\d+$", "", first)] + ([rest] if rest else [])
+  return re.sub(r"\d+", "#", "/".join(parts))
 
 
 def key_of(path: str) -> str:
   r"""The layout-map key of ``path``'s group: ``^sequential(?:_\d+)?/block\d+_attn/query/kernel$``."""
   first, _, rest = path.partition("/")
-  key = re.escape(re.sub(r"_\d+$", "", first)) + r"(?:_\d+)?"
+  key = re.sub(r"\d+", lambda _: r"\d+", re.escape(re.sub(r"_\d+$", "", first))) + r"(?:_\d+)?"
   if rest:
     key += "/" + re.sub(r"\d+", lambda _: r"\d+", re.escape(rest))
   return "^" + key + "$"

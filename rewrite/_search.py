@@ -17,10 +17,15 @@ Why a greedy search by groups rather than an ILP over every op (Alpa): the
 estimate of an assignment is the partitioner's own propagation plus the cost
 model, which prices exactly what the expander will emit, and a group's choice
 interacts with its neighbours' only through the relayouts between them, which
-that evaluation sees. Coordinate descent: start replicated; for each group,
+that evaluation sees. Coordinate descent: from a start, for each group,
 largest first, try each candidate with the others fixed and keep the best;
-sweep again until nothing changes (at most ``sweeps`` times). Evaluations:
-groups x candidates x sweeps, each one propagation of the step's graph. Groups
+sweep again until nothing changes (at most ``sweeps`` times). Three starts
+(every group replicated; every group split along its last dimension over the
+model axis, Megatron's column split; along its first, the row split), the
+best end kept: one descent stops at local optima (on a 2-block transformer,
+from replicated alone it ended 7% above the best hand-written map's
+estimate). Evaluations: about starts x groups x candidates x sweeps, each one
+propagation of the step's graph (shared between starts by a cache). Groups
 make this independent of the depth of a model: a 12-block transformer has as
 many groups as a 2-block one.
 """
@@ -119,6 +124,23 @@ def candidates(shape, mesh_shape: Mapping[str, int], batch_axes=()) -> list[tupl
   return found
 
 
+def _seeds(options: dict, mesh_shape, batch_axes) -> list[dict]:
+  """Where the descent starts: every group replicated; each split along its last dimension over a model axis
+  (column-parallel); along its first (row-parallel). Descents from several starts escape some local optima."""
+  seeds = [{g: found[0] for g, found in options.items()}]
+  model = [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
+  for pick in (lambda layouts: layouts[::-1], lambda layouts: layouts):
+    seed = {}
+    for g, found in options.items():
+      rank = len(found[0])
+      along = [d for d in pick(list(range(rank)))]
+      wanted = [tuple((a,) if e == d else () for e in range(rank)) for d in along for a in model[:1]]
+      seed[g] = next((w for w in wanted if w in found), found[0])
+    if seed not in seeds:
+      seeds.append(seed)
+  return seeds
+
+
 def bytes_per_device(variables: Mapping[str, Variable], layouts: Mapping[str, tuple],
                      mesh_shape: Mapping[str, int]) -> int:
   """The bytes a device holds of ``variables`` (and their copies) under ``layouts``."""
@@ -157,7 +179,6 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
               if all(layout in candidates(s, mesh_shape, batch_axes) for s in shapes)]
     options[group] = common or [((),) * len(next(iter(shapes)))]
   order = sorted(groups, key=lambda g: -sum(variables[n].nbytes * variables[n].copies for n in groups[g]))
-  choice = {g: options[g][0] for g in groups}
   tried, cache = [], {}
 
   def assignment(choice):
@@ -180,19 +201,29 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
   def better(a, b):
     return rank(a) < rank(b)
 
-  best = score(choice, order[0]) if order else (evaluate({}), 0, True)
-  for _ in range(sweeps):
-    changed = False
-    for group in order:
-      for layout in options[group]:
-        if layout == choice[group]:
-          continue
-        trial = dict(choice, **{group: layout})
-        result = score(trial, group)
-        if better(result, best):
-          choice, best, changed = trial, result, True
-    if not changed:
-      break
+  def descend(choice):
+    best = score(choice, order[0])
+    for _ in range(sweeps):
+      changed = False
+      for group in order:
+        for layout in options[group]:
+          if layout == choice[group]:
+            continue
+          trial = dict(choice, **{group: layout})
+          result = score(trial, group)
+          if better(result, best):
+            choice, best, changed = trial, result, True
+      if not changed:
+        break
+    return choice, best
+
+  if not order:
+    return Result({}, evaluate({}), 0, (), time.perf_counter() - start)
+  choice, best = None, None
+  for seed in _seeds(options, mesh_shape, batch_axes):
+    found, result = descend(seed)
+    if best is None or better(result, best):
+      choice, best = found, result
   if not best[2]:  # ``choice`` is the smallest found: say what takes its bytes
     layouts = assignment(choice)
     by_group = sorted(((bytes_per_device({n: variables[n] for n in names}, layouts, mesh_shape), g)
