@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import keras_step
 
 import mesh
 import replicator
@@ -40,18 +41,6 @@ def _model():
                            keras.layers.Dense(16, name="ff_out")])
 
 
-def _step(model, optimizer):
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-  return step
-
-
 def _data(reverse=False):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(3, 32, 64)).astype("float32")
@@ -64,7 +53,7 @@ def _data(reverse=False):
 def _one_device(reverse=False):
   with tf.device(cpus(4)[0]):
     model, optimizer = _model(), keras.optimizers.Adam(1e-2)
-  step = tf.function(_step(model, optimizer))
+  step = tf.function(keras_step(model, optimizer))
   losses = [float(step(batch)) for batch in _data(reverse)]
   return model, optimizer, losses
 
@@ -79,7 +68,7 @@ def _auto(**kwargs):
   repl = replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", layouts="auto", **kwargs)
   with repl.context():
     model, optimizer = _model(), keras.optimizers.Adam(1e-2)
-  step, data = _step(model, optimizer), _data()
+  step, data = keras_step(model, optimizer), _data()
   losses = [float(repl.run(step, data)) for _ in range(3)]  # the dataset's three batches
   return repl, model, optimizer, step, losses
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import keras_step
 
 import mesh
 import replicator
@@ -73,7 +74,7 @@ def test_an_estimate_adds_compute_overhead_and_communication_with_devices_sharin
                                            + estimate.communication_seconds)
 
 
-def _keras_step(layouts, update="replicated"):
+def _explained(layouts, update="replicated"):
   repl = replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", update=update,
                                layouts=mesh.LayoutMap(layouts) if layouts else None)
   with repl.context():
@@ -82,14 +83,7 @@ def _keras_step(layouts, update="replicated"):
                               keras.layers.Dense(64, activation="relu", name="ff_mid"),
                               keras.layers.Dense(8, name="ff_out")])
     opt = keras.optimizers.Adam(1e-2)
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
+  step = keras_step(model, opt)
 
   rng = np.random.default_rng(0)
   data = tf.data.Dataset.from_tensors((rng.normal(size=(16, 32)).astype("float32"),
@@ -101,7 +95,7 @@ def _keras_step(layouts, update="replicated"):
 def test_the_work_of_a_keras_step_has_the_collectives_of_its_plan(update):
   # The cost model reads the partition alone (a search scores layouts without expanding them): its collectives
   # must be the ones the expander and the plan make.
-  report = _keras_step({r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",),
+  report = _explained({r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",),
                         r"ff_mid/kernel$": ("model", None)}, update=update)
   assert any(c.kind == "broadcast" for c in report.collectives) == (update == "sharded")
   planned = collections.Counter((c.kind, len(c.groups[0])) for c in report.collectives)
@@ -113,8 +107,8 @@ def test_the_work_of_a_keras_step_has_the_collectives_of_its_plan(update):
 def test_splitting_the_hidden_layers_costs_less_compute_a_device_than_replicating_them():
   machine = _cost.Machine(flops_per_second=1e10, bytes_per_second=1e10, op_seconds=1e-6, parallel_devices=4,
                           collective_seconds=1e-5, collective_bytes_per_second=1e9)
-  replicated = _keras_step(None).work
-  split = _keras_step({r"ff_(in|mid)/kernel$": (None, "model"), r"ff_in/bias$": ("model",)}).work
+  replicated = _explained(None).work
+  split = _explained({r"ff_(in|mid)/kernel$": (None, "model"), r"ff_in/bias$": ("model",)}).work
   assert split.flops < replicated.flops  # the hidden layers' products on half the units a device
   assert len(split.collectives) > len(replicated.collectives)
   assert split.estimate(machine).compute_seconds < replicated.estimate(machine).compute_seconds
