@@ -27,10 +27,10 @@ def test_mnist_learns(mnist_data_parallel):
 def test_convnet_learns_and_resumes_from_a_checkpoint(tmp_path):
   pytest.importorskip("sklearn")
   from examples import convnet
-  result = convnet.main(["--devices", "8", "--epochs", "4", "--resume-at", "2",
+  result = convnet.main(["--devices", "8", "--epochs", "3", "--resume-at", "2",  # (0.83 after 3 epochs)
                          "--checkpoint-dir", str(tmp_path)])
   assert result["replicas"] == 8
-  assert [h["epoch"] for h in result["history"]] == [1, 2, 3, 4]  # resumed after epoch 2, no epoch repeated
+  assert [h["epoch"] for h in result["history"]] == [1, 2, 3]  # resumed after epoch 2, no epoch repeated
   assert result["test_accuracy"] > 0.75
   assert (tmp_path / "checkpoint").exists()
   # The TensorBoard log, read back: one series per tag (not one per replica), one point per step.
@@ -40,7 +40,7 @@ def test_convnet_learns_and_resumes_from_a_checkpoint(tmp_path):
       for value in event.summary.value:
         events.setdefault(value.tag, []).append((event.step, float(tf.make_ndarray(value.tensor))))
   assert set(events) == {"train/loss", "train/accuracy", "train/learning_rate", "test/accuracy"}
-  steps = 4 * result["steps_per_epoch"]
+  steps = 3 * result["steps_per_epoch"]
   assert sorted(s for s, _ in events["train/loss"]) == list(range(1, steps + 1))
   assert all(abs(v - 3e-3) < 1e-9 for _, v in events["train/learning_rate"])
   assert all(0.0 <= v <= 1.0 for _, v in events["train/accuracy"])

@@ -34,7 +34,7 @@ def test_wheel_holds_the_three_packages_only(built):
     assert f"{package}/__init__.py" in names
 
 
-@pytest.mark.parametrize("kind", ["wheel", "sdist"])
+@pytest.mark.parametrize("kind", ["wheel", pytest.param("sdist", marks=pytest.mark.full_grid)])  # CI time
 def test_installs_into_a_fresh_virtualenv_and_imports(built, kind, tmp_path):
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)

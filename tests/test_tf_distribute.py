@@ -70,7 +70,7 @@ def _train_keras(net, opt, x, y):
   return loss
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=pytest.mark.full_grid)])  # CI time: 8 by --full-grid
 def test_synchronized_keras_batch_norm_equals_one_device(n):
   ref = _bn_model(synchronized=False)
   ref_opt = keras.optimizers.Adam(0.05)
