@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -89,8 +91,60 @@ def test_python_blocks_run(page, tmp_path):
   assert process.returncode == 0, f"docs/{page} failed:\n{process.stdout[-2000:]}\n{process.stderr[-6000:]}"
 
 
+# Every module's `--help` in one process (one TensorFlow import instead of one per module: CI time); a module
+# whose help fails there (one that configures devices when imported, say) is asked again in its own process.
+_HELPS = """
+import contextlib, io, json, runpy, sys
+out = {}
+for module in sys.argv[2:]:
+  buf, code = io.StringIO(), 0
+  sys.argv = [module, "--help"]
+  try:
+    with contextlib.redirect_stdout(buf):
+      runpy.run_module(module, run_name="__main__", alter_sys=True)
+  except SystemExit as e:
+    code = e.code or 0
+  except BaseException as e:  # noqa: BLE001  (asked again in its own process)
+    code = repr(e)
+  out[module] = [code, buf.getvalue()]
+with open(OUT_PATH, "w") as f:
+  json.dump(out, f)
+"""
+
+
+def _sh_commands():
+  """``(page, command)`` of every command in the docs' sh blocks."""
+  for page in _pages_with("sh"):
+    for language, code in blocks(page):
+      if language != "sh":
+        continue
+      for line in code.replace("\\\n", " ").splitlines():
+        line = line.split(" #")[0].strip()
+        if not line or line.startswith("#"):
+          continue
+        for command in re.split(r"\s*(?:&&|\|\||;)\s*", line):
+          if not command.startswith("cd "):
+            yield page, re.sub(r"^(\w+=\S+\s+)+", "", command)  # VAR=value python -m ...
+
+
+@functools.lru_cache(maxsize=None)
+def _helps() -> dict:
+  modules = sorted({shlex.split(c)[2] for _, c in _sh_commands() if shlex.split(c)[:2] == ["python", "-m"]})
+  with tempfile.TemporaryDirectory() as scratch:
+    out = os.path.join(scratch, "helps.json")
+    subprocess.run([sys.executable, "-c", _HELPS.replace("OUT_PATH", repr(out)), "-"]
+                   + modules, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                   env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT))
+    if not os.path.exists(out):
+      return {}
+    with open(out, encoding="utf-8") as f:
+      return {m: text for m, (code, text) in json.load(f).items() if code == 0 and text}
+
+
 @functools.lru_cache(maxsize=None)
 def _help(module: str) -> str:
+  if module in _helps():
+    return _helps()[module]
   process = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
   assert process.returncode == 0, f"python -m {module} --help failed:\n{process.stderr[-3000:]}"
@@ -117,17 +171,9 @@ def _check_command(page: str, command: str) -> None:
 
 @pytest.mark.parametrize("page", _pages_with("sh"))
 def test_shell_commands_exist(page):
-  for language, code in blocks(page):
-    if language != "sh":
-      continue
-    for line in code.replace("\\\n", " ").splitlines():
-      line = line.split(" #")[0].strip()
-      if not line or line.startswith("#"):
-        continue
-      for command in re.split(r"\s*(?:&&|\|\||;)\s*", line):
-        if command.startswith("cd "):
-          continue
-        _check_command(page, re.sub(r"^(\w+=\S+\s+)+", "", command))  # VAR=value python -m ...
+  for where, command in _sh_commands():
+    if where == page:
+      _check_command(page, command)
 
 
 def _documented(page: str) -> list[str]:
