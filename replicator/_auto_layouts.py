@@ -62,10 +62,6 @@ def key_of(path: str) -> str:
   return "^" + key + "$"
 
 
-def _spec(layout: tuple) -> tuple:
-  return tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in layout)
-
-
 def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes, variables: dict) -> None:
   """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner."""
   auto = replicator._auto  # pylint: disable=protected-access
@@ -109,11 +105,11 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
   for name, layout in result.layouts.items():
     v = variables[name]
     path = _variables.variable_path(v.name.split(":")[0])
-    spec = _spec(layout)
-    v.relayout(mesh_lib.Layout(spec, mesh), chosen_by=f"auto ({searched[name].group})")
+    layout = mesh_lib.Layout(layout, mesh)  # (a Layout takes the partition's tuples of axes as they are)
+    v.relayout(layout, chosen_by=f"auto ({searched[name].group})")
     relaid[id(v)] = v
-    if any(spec):  # one key per group: any number where the path has one (another model_<n>, every block)
-      chosen[key_of(path)] = spec
+    if not layout.is_fully_replicated:  # one key per group: any number where the path has one (every block)
+      chosen[key_of(path)] = layout.spec
   for v in _variables.variables_of(replicator):  # the slots take their variable's layout
     reference = v._reference  # pylint: disable=protected-access
     if reference is not None and id(reference) in relaid and v.shape == reference.shape:

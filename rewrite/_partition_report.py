@@ -359,10 +359,7 @@ def _cost(row: RelayoutRow) -> str:
 
 
 def _search_lines(result) -> list[str]:
-  """The automatic layouts' search: each assignment tried (one group's choice changed), the winner's rows marked."""
-  chosen = {}
-  for name, layout in result.layouts.items():
-    chosen.setdefault(name, layout)
+  """The automatic layouts' search: each assignment tried (one group's choice changed from the best so far)."""
   lines = [f"\nAutomatic layouts ({len(result.tried)} assignments tried in {result.search_seconds:.1f} s; the chosen "
            f"one is estimated at {result.seconds * 1e3:.2f} ms a step, {result.bytes_per_device:,} bytes/device of "
            "variables and slots; each row changes one group's layout from the best so far):"]

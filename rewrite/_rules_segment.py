@@ -30,7 +30,7 @@ def _kind(op_type: str) -> str:
   return op_type.removeprefix("Unsorted").removeprefix("Segment")
 
 
-def _rows(view, data, prefix, keep=()):
+def _rows(data, prefix, keep=()):
   """The split the rows (the dimensions the ids cover) keep: axes not used past them, nor in ``keep``."""
   rest = _rules.axes_in(data[prefix:])
   return tuple(axes if set(axes).isdisjoint(keep) and rest.isdisjoint(axes) else () for axes in data[:prefix])
@@ -57,7 +57,7 @@ def unsorted_segment(view, layouts):
   table_split = ()
   if want is not None and want[0] and _rules.axes_in(rest).isdisjoint(want[0]) and segments % view.shards(want[0]) == 0:
     table_split = want[0]
-  rows = _rows(view, data, prefix, table_split)
+  rows = _rows(data, prefix, table_split)
   summed = tuple(a for axes in rows for a in axes)
   out = (table_split,) + rest
   inputs = [rows + rest, rows, None]
@@ -87,7 +87,7 @@ def sorted_segment(view, layouts):
   if data is None:
     return _rules.fallback(view, layouts)
   kind = _kind(view.op.type)
-  rows = _rows(view, data, 1)
+  rows = _rows(data, 1)
   summed = rows[0]
   rest = data[1:]
   inputs = [rows + rest, rows]

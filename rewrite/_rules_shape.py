@@ -346,7 +346,7 @@ def shape_query(view, layouts):
 
     def lower(r, inputs):
       whole = [tf.shape(x, out_type=t.dtype if view.op.type != "Size" else tf.int64) * np.asarray(scale)
-               for x, scale, t in zip(inputs, scales, outputs * len(inputs))]
+               for x, scale, t in zip(inputs, scales, outputs)]  # (ShapeN: an output per input)
       if view.op.type == "Size":
         return [tf.cast(tf.reduce_prod(whole[0]), outputs[0].dtype)]
       if view.op.type == "Rank":

@@ -129,11 +129,11 @@ def _seeds(options: dict, mesh_shape, batch_axes) -> list[dict]:
   (column-parallel); along its first (row-parallel). Descents from several starts escape some local optima."""
   seeds = [{g: found[0] for g, found in options.items()}]
   model = [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
-  for pick in (lambda layouts: layouts[::-1], lambda layouts: layouts):
+  for last_first in (True, False):
     seed = {}
     for g, found in options.items():
       rank = len(found[0])
-      along = [d for d in pick(list(range(rank)))]
+      along = range(rank - 1, -1, -1) if last_first else range(rank)
       wanted = [tuple((a,) if e == d else () for e in range(rank)) for d in along for a in model[:1]]
       seed[g] = next((w for w in wanted if w in found), found[0])
     if seed not in seeds:
