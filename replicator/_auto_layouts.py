@@ -87,9 +87,12 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
     searched[name] = _search.Variable(tuple(v.shape.as_list()), sizes[name], group_of(path),
                                       copies=1 + slots.get(id(v), 0))
 
+  propagate, memo = _partition.Propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True), {}
+
   def evaluate(layouts: dict) -> float:
-    partition = _partition.propagate(graph, mesh, {**given, **layouts}, handle_shapes, summed, data, axes)
-    return _cost.work(graph, partition, mesh.shape, graph.outputs).estimate(machine).seconds
+    partition = propagate({**given, **layouts})
+    work = _cost.work(graph, partition, mesh.shape, graph.outputs, memo=memo)
+    return work.estimate(machine).seconds, int(work.peak_bytes)
 
   budget = auto.memory_per_device
   if budget is not None and budget < fixed_bytes:

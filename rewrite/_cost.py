@@ -37,6 +37,7 @@ from rewrite import _relayout
 _CONTRACTIONS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
                  "Conv2DBackpropInput", "Conv2DBackpropFilter", "DepthwiseConv2dNative",
                  "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter")
+_ALIASES = ("Identity", "IdentityN", "Reshape", "StopGradient", "Snapshot")  # outputs that are their inputs' buffers
 _FREE = ("Const", "Placeholder", "Identity", "NoOp", "ReadVariableOp", "VarHandleOp", "Shape", "Reshape",
          "StopGradient", "IdentityN")
 
@@ -105,6 +106,11 @@ class Work:
     flops: each device's contractions' flops.
     bytes: each device's other ops' bytes read and written.
     collectives: one entry per collective.
+    peak_bytes: the most bytes of the step's tensors a device holds at once,
+      each kept from the op that makes it to the last op that reads it, in
+      the graph's order (activations kept for the backward pass, gradients,
+      temporaries; variables, their reads and aliases not counted; the
+      executor may order ops otherwise and free sooner).
   """
 
   devices: int
@@ -112,6 +118,7 @@ class Work:
   flops: float
   bytes: float
   collectives: tuple
+  peak_bytes: float = 0.0
 
   @property
   def bytes_communicated(self) -> float:
@@ -176,7 +183,19 @@ def _flops(op, decision, mesh_shape) -> float:
   return 2.0 * math.prod(out) * _contracted(op, ins)
 
 
-def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None) -> Work:
+class _Op:
+  """What :func:`work` asks of an op, asked of TensorFlow once."""
+
+  __slots__ = ("op", "name", "type", "free", "contraction", "inputs", "outputs")
+
+  def __init__(self, op):
+    self.op, self.name, self.type = op, op.name, op.type
+    self.free, self.contraction = op.type in _FREE, op.type in _CONTRACTIONS
+    self.inputs = tuple((t, t.name, t.dtype == tf.resource) for t in op.inputs)
+    self.outputs = tuple((t, t.name) for t in op.outputs)
+
+
+def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, memo: dict | None = None) -> Work:
   """What each device does for ``partition`` of ``graph``: ops, flops, bytes and collectives.
 
   Args:
@@ -185,69 +204,107 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None) -> 
     mesh_shape: axis name -> size.
     outputs: the step's outputs (returned whole: split ones are gathered).
     ownership: the sharded update's owners (``_partition_owners.Ownership``): their broadcasts, if any.
+    memo: a dict kept between calls on one graph and mesh (a layout search's): each tensor's bytes in each
+      layout, and each contraction's flops in each decision, are computed once.
   """
+  memo = {} if memo is None else memo
   mesh_shape = dict(mesh_shape)
+
+  def size_of(t, name, layout) -> int:  # a piece's bytes, remembered
+    key = (name, layout)
+    found = memo.get(key)
+    if found is None:
+      found = memo[key] = _nbytes(t, layout, mesh_shape)
+    return found
+
   devices = math.prod(mesh_shape.values()) if mesh_shape else 1
   layouts = partition.layouts
   group = lambda axes: math.prod(mesh_shape[a] for a in axes)  # noqa: E731
   ops, flops, nbytes, collectives, done = 0, 0.0, 0.0, [], set()
 
-  def relayout(t, target, op_name):
-    source = layouts.get(t.name)
+  def relayout(t, name, target, op_name):
+    source = layouts.get(name)
     if source is None or target is None or source == target or len(source) != len(target):
       return
-    if (t.name, target) in done:  # a tensor is relayouted once per layout
+    if (name, target) in done:  # a tensor is relayouted once per layout
       return
-    done.add((t.name, target))
+    done.add((name, target))
     shape = t.shape.as_list() if t.shape.rank is not None else None
     steps = _relayout.steps(source, target, shape, group)
     current = list(source)
     for a, b, axes in steps.moved:
-      collectives.append(CollectiveWork("all_to_all", group(axes), _nbytes(t, tuple(current), mesh_shape), op_name))
+      collectives.append(CollectiveWork("all_to_all", group(axes), size_of(t, name, tuple(current)), op_name))
       current[a], current[b] = (), axes
     for d, axes in steps.gathered:
-      collectives.append(CollectiveWork("all_gather", group(axes), _nbytes(t, tuple(current), mesh_shape), op_name))
+      collectives.append(CollectiveWork("all_gather", group(axes), size_of(t, name, tuple(current)), op_name))
       current[d] = ()
 
+  every = memo.get("ops")
+  if every is None:  # (TensorFlow's properties asked once: a layout search prices hundreds of partitions)
+    every = memo["ops"] = [_Op(op) for op in graph.get_operations()]
+    last = memo["last use"] = {name: i for i, op in enumerate(every) for _, name, _ in op.inputs}
+    for op in reversed(every):  # tensor name -> the index of the last op that reads it, or an alias of it
+      if op.type in _ALIASES and op.inputs:
+        ends = [last.get(name, -1) for _, name in op.outputs]
+        for _, name, _ in op.inputs[:len(op.outputs)]:
+          last[name] = max([last.get(name, -1)] + ends)
+  last = memo["last use"]
+  live, peak, freed = 0, 0, {}
   broadcasts = ownership.broadcasts if ownership is not None else {}
-  for op in graph.get_operations():
+  for index, op in enumerate(every):
     decision = partition.decisions.get(op.name)
     if decision is None:
       continue
-    for i, t in enumerate(op.inputs):
-      if (op.name, i) in broadcasts:  # computed by one device of each group, sent to the others
-        collectives.append(CollectiveWork("broadcast", group(broadcasts[op.name, i].axes),
-                                          _nbytes(t, layouts.get(t.name), mesh_shape), op.name))
-    for i, t in enumerate(op.inputs):
-      if i < len(decision.inputs) and t.dtype != tf.resource:
-        relayout(t, decision.inputs[i], op.name)
-    if op.type not in _FREE:
+    if not op.free:
+      made = kept = 0
+      for t, name in op.outputs:
+        size = size_of(t, name, layouts.get(name))
+        made += size
+        end = last.get(name, -1)
+        if end > index:
+          kept += size
+          freed[end] = freed.get(end, 0) + size
+      peak = max(peak, live + made)
+      live += kept
+    live -= freed.pop(index, 0)
+    if broadcasts:
+      for i, (t, name, _) in enumerate(op.inputs):
+        if (op.name, i) in broadcasts:  # computed by one device of each group, sent to the others
+          collectives.append(CollectiveWork("broadcast", group(broadcasts[op.name, i].axes),
+                                            size_of(t, name, layouts.get(name)), op.name))
+    for (t, name, resource), need in zip(op.inputs, decision.inputs):
+      if not resource:
+        relayout(t, name, need, op.name)
+    if not op.free:
       ops += 1
-      if op.type in _CONTRACTIONS:
-        flops += _flops(op, decision, mesh_shape)
+      if op.contraction:
+        key = (op.name, id(decision))
+        if key not in memo:
+          memo[key] = (_flops(op.op, decision, mesh_shape), decision)  # (the decision kept: its id stays its own)
+        flops += memo[key][0]
       else:
-        nbytes += sum(_nbytes(t, layouts.get(t.name), mesh_shape) for t in op.inputs)
-        nbytes += sum(_nbytes(t, layouts.get(t.name), mesh_shape) for t in op.outputs)
+        nbytes += sum(size_of(t, name, layouts.get(name)) for t, name, _ in op.inputs)
+        nbytes += sum(size_of(t, name, layouts.get(name)) for t, name in op.outputs)
     for kind, axes, _ in decision.communicates:
-      size = _nbytes(op.outputs[0], layouts.get(op.outputs[0].name), mesh_shape) if op.outputs else 0
+      size = size_of(*op.outputs[0], layouts.get(op.outputs[0][1])) if op.outputs else 0
       collectives.append(CollectiveWork(kind, group(axes), size, op.name))
     for k, reduce in enumerate(decision.reduce[:len(op.outputs)]):
       if reduce is None:
         continue
       _, axes = reduce
-      out = op.outputs[k]
-      computed = list(layouts.get(out.name) or ())
+      out, out_name = op.outputs[k]
+      computed = list(layouts.get(out_name) or ())
       for d, over in decision.scatter.get(k, ()):
         if d < len(computed):
           computed[d] = tuple(a for a in computed[d] if a not in over)
-      partial = _nbytes(out, tuple(computed) if computed else None, mesh_shape)
+      partial = size_of(out, out_name, tuple(computed) if computed else None)
       for _, over in decision.scatter.get(k, ()):
         collectives.append(CollectiveWork("reduce_scatter", group(over), partial, op.name))
         axes = tuple(a for a in axes if a not in over)
       if axes:
-        collectives.append(CollectiveWork("all_reduce", group(axes), _nbytes(out, layouts.get(out.name), mesh_shape),
+        collectives.append(CollectiveWork("all_reduce", group(axes), size_of(out, out_name, layouts.get(out_name)),
                                           op.name))
   for t in outputs:
     if t.shape.rank is not None and t.dtype != tf.resource:
-      relayout(t, ((),) * t.shape.rank, "return")
-  return Work(devices, ops, flops, nbytes, tuple(collectives))
+      relayout(t, t.name, ((),) * t.shape.rank, "return")
+  return Work(devices, ops, flops, nbytes, tuple(collectives), peak)

@@ -112,21 +112,53 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
   Returns:
     The :class:`Partition`.
   """
-  dead = _dead(graph)
-  ops = [op for op in ordered(graph) if op.name not in dead]
-  context = _Context(mesh, handle_shapes or {}, frozenset(summed))
-  context.data, context.data_axes = _from_data(ops, given, data, batch_axes)
-  wants: dict = {}
-  partition = _forward(ops, context, given, wants)
-  for _ in range(MAX_ROUNDS):
-    before, wants = wants, _backward(ops, context, partition, wants)
-    if wants == before:
-      return partition  # no new wish: a forward pass would decide the same
-    again = _forward(ops, context, given, wants)
-    if again.layouts == partition.layouts:
-      return again
-    partition = again
-  return partition
+  return Propagator(graph, mesh, handle_shapes, summed, data, batch_axes)(given)
+
+
+class Propagator:
+  """:func:`propagate` of one graph under many assignments of layouts (a layout search prices hundreds).
+
+  The graph's ops are ordered once, shape arithmetic is folded once, and every
+  rule's decision is remembered by the op, its inputs' layouts and the layouts
+  wanted of its outputs (a rule is a function of those and of the graph, the
+  mesh and the variables' shapes): an assignment that changes one variable's
+  layout decides again only the ops whose inputs' layouts change.
+
+  With ``alike``, ops alike (the same type, attributes, input and output
+  shapes, constant inputs and variables' shapes: every block's copy of an
+  op) share their decisions, so that a change is decided once, not once a
+  block. For pricing only: a shared decision's ``lower``, ``attrs`` and
+  reasons are another op's, so such a partition is not to be expanded.
+  """
+
+  def __init__(self, graph: tf.Graph, mesh, handle_shapes: dict | None = None, summed: frozenset = frozenset(),
+               data: frozenset = frozenset(), batch_axes: tuple = (), alike: bool = False):
+    dead = _dead(graph)
+    self._ops = [op for op in ordered(graph) if op.name not in dead]
+    self._mesh, self._handle_shapes, self._summed = mesh, handle_shapes or {}, frozenset(summed)
+    self._data, self._batch_axes, self._alike = data, batch_axes, alike
+    self._contexts: dict = {}  # the data's tensors and axes -> a context (its decisions remembered)
+
+  def __call__(self, given: dict) -> Partition:
+    """The :class:`Partition` of the graph with its inputs in ``given``'s layouts (see :func:`propagate`)."""
+    ops = self._ops
+    data = _from_data(ops, given, self._data, self._batch_axes)
+    context = self._contexts.get(data)
+    if context is None:
+      context = self._contexts[data] = _Context(self._mesh, self._handle_shapes, self._summed)
+      context.data, context.data_axes = data
+      context.alike = self._alike
+    wants: dict = {}
+    partition = _forward(ops, context, given, wants)
+    for _ in range(MAX_ROUNDS):
+      before, wants = wants, _backward(ops, context, partition, wants)
+      if wants == before:
+        return partition  # no new wish: a forward pass would decide the same
+      again = _forward(ops, context, given, wants)
+      if again.layouts == partition.layouts:
+        return again
+      partition = again
+    return partition
 
 
 def ordered(graph) -> list:
@@ -207,6 +239,38 @@ class _Context:
     self.data: frozenset = frozenset()  # tensors computed from the step's data inputs
     self.data_axes: frozenset = frozenset()  # the batch axes (where the batch is split)
     self._values: dict = {}
+    self.decided: dict = {}  # (op, its inputs' layouts, its outputs' wanted layouts) -> the rule's decision
+    self.alike = False  # ops alike share decisions (see Propagator)
+    self._records: dict = {}
+    self._kinds: dict = {}
+
+  def record(self, op) -> "_Record":
+    """What the propagation asks of ``op`` by the million, asked of TensorFlow once (its properties are slow)."""
+    found = self._records.get(op)
+    if found is None:
+      found = self._records[op] = _Record(op, self._kind(op))
+    return found
+
+  def _kind(self, op):
+    """What ``op``'s decisions are remembered by: its name; or, with ``alike``, a number for what makes ops alike."""
+    if not self.alike:
+      return op.name
+    attrs = tuple(sorted((k, v.SerializeToString(deterministic=True)) for k, v in op.node_def.attr.items()
+                         if not k.startswith("_")))
+    ins = tuple((t.dtype, str(t.shape), str(self.handle_shapes.get(t.name)), t.name in self.summed,
+                 t.name in self.data, self._constant(t)) for t in op.inputs)
+    kind = (op.type, attrs, ins, tuple((t.dtype, str(t.shape)) for t in op.outputs))
+    return self._kinds.setdefault(kind, len(self._kinds))  # (a number: a key hashed by the million)
+
+  def _constant(self, t):
+    """``t``'s value as a key, if it is a small integer one the traced shapes determine (a shape operand)."""
+    if t.dtype not in _FOLDED_DTYPES or not t.shape.is_fully_defined() or t.shape.num_elements() > MAX_FOLDED_ELEMENTS:
+      return None
+    value = self.value(t)
+    if value is None:
+      return None
+    value = np.asarray(value)
+    return value.shape, value.dtype.str, value.tobytes()
 
   def know(self, t: tf.Tensor, value) -> None:
     """Records ``t``'s value (a shape query's global answer)."""
@@ -222,6 +286,21 @@ class _Context:
           value = _evaluate(t.op, inputs)[t.value_index]
       self._values[t.name] = value
     return self._values[t.name]
+
+
+class _Record:
+  """One op's names, as the propagation asks them (see :meth:`_Context.record`)."""
+
+  __slots__ = ("name", "source", "inputs", "outputs", "data_inputs", "kind", "variant")
+
+  def __init__(self, op, kind):
+    self.name = op.name
+    self.source = op.type in _SOURCES
+    self.inputs = tuple(t.name for t in op.inputs)
+    self.outputs = tuple(t.name for t in op.outputs)
+    self.data_inputs = tuple(None if t.dtype == tf.resource else t.name for t in op.inputs)  # (handles: None)
+    self.kind = kind
+    self.variant = any(t.dtype == tf.variant for t in list(op.inputs) + list(op.outputs))
 
 
 def _foldable(op) -> bool:
@@ -255,6 +334,21 @@ def _evaluate(op, inputs):
 
 
 def _decide(op, context, ins, wants) -> _rules.Decision:
+  record = context.record(op)
+  outs = tuple([wants.get(name) for name in record.outputs]) if wants else ()
+  key = (record.kind, _key(ins), _key(outs)) if record.variant else (record.kind, tuple(ins), outs)
+  decision = context.decided.get(key)
+  if decision is None:
+    decision = context.decided[key] = _decide_anew(op, context, ins, wants)
+  return decision
+
+
+def _key(layouts) -> tuple:
+  """``layouts`` as a key: a variant's contents told apart from a layout (``Contents(()) == ()``)."""
+  return tuple((x, True) if isinstance(x, _rules.Contents) else x for x in layouts)
+
+
+def _decide_anew(op, context, ins, wants) -> _rules.Decision:
   rule = _rules.get(op.type)
   view = _rules.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
                        context.value, context.summed)
@@ -418,8 +512,14 @@ def _splits_unknown(tensors, layouts) -> bool:
   return False
 
 
-def _inputs_of(op, layouts):
-  return [layouts.get(t.name, _rules.replicated(_rules.rank_of(t))) for t in op.inputs]
+def _inputs_of(op, layouts, context):
+  found = [layouts.get(name, _UNSET) for name in context.record(op).inputs]
+  if _UNSET in found:  # (rare: an input no op before gave a layout)
+    found = [_rules.replicated(_rules.rank_of(t)) if f is _UNSET else f for f, t in zip(found, op.inputs)]
+  return found
+
+
+_UNSET = object()
 
 
 def _forward(ops, context, given, wants) -> Partition:
@@ -427,19 +527,19 @@ def _forward(ops, context, given, wants) -> Partition:
   decisions = {}
   fallbacks = []
   for op in ops:
-    if op.type in _SOURCES:
-      t = op.outputs[0]
-      if t.name not in layouts:
-        layouts[t.name] = _rules.replicated(_rules.rank_of(t))
+    record = context.record(op)
+    if record.source:
+      if record.outputs[0] not in layouts:
+        layouts[record.outputs[0]] = _rules.replicated(_rules.rank_of(op.outputs[0]))
       continue
-    decision = _decide(op, context, _inputs_of(op, layouts), wants)
+    decision = _decide(op, context, _inputs_of(op, layouts, context), wants)
     for k, value in decision.values.items():
       context.know(op.outputs[k], value)
     if decision.fallback:
-      fallbacks.append(op.name)
-    decisions[op.name] = decision
-    for t, layout in zip(op.outputs, decision.outputs):
-      layouts[t.name] = layout
+      fallbacks.append(record.name)
+    decisions[record.name] = decision
+    for name, layout in zip(record.outputs, decision.outputs):
+      layouts[name] = layout
   return Partition(layouts, decisions, fallbacks)
 
 
@@ -452,22 +552,23 @@ def _backward(ops, context, partition, wants) -> dict:
   wants = dict(wants)
   required: dict = {}  # tensor name -> (layout, consumer, its decision) for each consumer
   for op in reversed(ops):
-    if op.type in _SOURCES or op.name not in partition.decisions:
+    record = context.record(op)
+    if record.source or record.name not in partition.decisions:
       continue
-    for t in op.outputs:
-      needs = required.get(t.name, [])
+    for k, name in enumerate(record.outputs):
+      needs = required.get(name)
       if not needs:
         continue
       want = needs[0][0]
       if any(n != want for n, _, _ in needs):
-        want = _finest_taken(t, needs, context, partition, wants)
-      if want is not None and want != partition.layouts.get(t.name):
-        wants[t.name] = want
+        want = _finest_taken(op.outputs[k], needs, context, partition, wants)
+      if want is not None and want != partition.layouts.get(name):
+        wants[name] = want
     # Re-decide with the wants, so that they reach this op's inputs in the same pass.
-    decision = _decide(op, context, _inputs_of(op, partition.layouts), wants)
-    for t, need in zip(op.inputs, decision.inputs):
-      if need is not None and t.dtype != tf.resource:
-        required.setdefault(t.name, []).append((need, op, decision))
+    decision = _decide(op, context, _inputs_of(op, partition.layouts, context), wants)
+    for name, need in zip(record.data_inputs, decision.inputs):
+      if need is not None and name is not None:
+        required.setdefault(name, []).append((need, op, decision))
   return wants
 
 
@@ -490,7 +591,7 @@ def _finest_taken(t, needs, context, partition, wants):
   for need, consumer, before in needs:
     if need == finest:
       continue
-    ins = [finest if x.name == t.name else have for x, have in zip(consumer.inputs, _inputs_of(consumer, partition.layouts))]
+    ins = [finest if x.name == t.name else have for x, have in zip(consumer.inputs, _inputs_of(consumer, partition.layouts, context))]
     after = _decide(consumer, context, ins, wants)
     if after.fallback or after.lower is not None or after.communicates:
       return None

@@ -359,12 +359,13 @@ def _cost(row: RelayoutRow) -> str:
 
 
 def _search_lines(result) -> list[str]:
-  """The automatic layouts' search: each assignment tried (one group's choice changed from the best so far)."""
+  """The automatic layouts' search: each assignment tried (a move from the best so far)."""
   lines = [f"\nAutomatic layouts ({len(result.tried)} assignments tried in {result.search_seconds:.1f} s; the chosen "
            f"one is estimated at {result.seconds * 1e3:.2f} ms a step, {result.bytes_per_device:,} bytes/device of "
-           "variables and slots; each row changes one group's layout from the best so far):"]
-  rows = [(t.group, format_layout(t.layout), f"{t.seconds * 1e3:.3f} ms", f"{t.bytes_per_device:,}",
-           "yes" if t.fits else "no") for t in result.tried]
+           "variables and slots; each row changes one group's layout, or every group's dimension of one size, from "
+           "the best so far):"]
+  rows = [(t.group, format_layout(t.layout) if t.layout else "-", f"{t.seconds * 1e3:.3f} ms",
+           f"{t.bytes_per_device:,}", "yes" if t.fits else "no") for t in result.tried]
   lines += _table(("group", "layout tried", "estimated step", "bytes/device", "fits"), rows)
   return lines
 

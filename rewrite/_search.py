@@ -13,21 +13,34 @@ replicated; one dimension split over one mesh axis that is not a batch axis
 split over the batch axes (fully sharded data parallelism), alone or with a
 model split of another dimension.
 
+Joint moves by dimension size. A dimension's size names its part in most
+models: in a transformer the hidden width, the heads, a head's width, the
+feed-forward width and the vocabulary each have their own size, and the
+layouts people write by hand are "this dimension over that axis" wherever
+it occurs (Mesh TensorFlow's layouts map named dimensions to mesh axes the
+same way): Megatron's attention is the heads split in the query, key, value
+and output kernels together, its feed-forward the feed-forward width split
+in both kernels, the vocabulary split the embedding's rows and the output
+layer's columns. One group moved alone rarely gets there (the query's heads
+split alone adds collectives the output kernel's split would have removed),
+so the search also moves, for each size and model axis, every group with
+one dimension of that size to that dimension over the axis, at once.
+
 Why a greedy search by groups rather than an ILP over every op (Alpa): the
 estimate of an assignment is the partitioner's own propagation plus the cost
 model, which prices exactly what the expander will emit, and a group's choice
 interacts with its neighbours' only through the relayouts between them, which
-that evaluation sees. Coordinate descent: from a start, for each group,
-largest first, try each candidate with the others fixed and keep the best;
-sweep again until nothing changes (at most ``sweeps`` times). Three starts
-(every group replicated; every group split along its last dimension over the
-model axis, Megatron's column split; along its first, the row split), the
-best end kept: one descent stops at local optima (on a 2-block transformer,
-from replicated alone it ended 7% above the best hand-written map's
-estimate). Evaluations: about starts x groups x candidates x sweeps, each one
-propagation of the step's graph (shared between starts by a cache). Groups
-make this independent of the depth of a model: a 12-block transformer has as
-many groups as a 2-block one.
+that evaluation sees. Coordinate descent: from a start, try each joint move
+and then, for each group, largest first, each candidate with the others
+fixed, keeping the best; sweep again until nothing changes (at most
+``sweeps`` times). Two starts (every group replicated; every group split
+along its last dimension over the model axis, Megatron's column split), the
+best end kept: one descent stops at local optima. Evaluations: about starts
+x (groups x candidates + sizes) x sweeps, each one propagation of the step's
+graph (``rewrite._partition.Propagator``: an op whose inputs' layouts are
+unchanged is not decided again). Groups make the count independent of the
+depth of a model: a 12-block transformer has as many groups as a 2-block
+one.
 """
 
 from __future__ import annotations
@@ -60,7 +73,13 @@ class Variable:
 
 @dataclasses.dataclass(frozen=True)
 class Scored:
-  """One evaluated assignment: the choice tried for a group, its estimate and memory."""
+  """One evaluated assignment: the move tried, its estimate and memory.
+
+  Attributes:
+    group: the group whose choice changed; or a joint move's description
+      (``dimensions of size 512 over 'model' (2 groups)``), or ``start``.
+    layout: the group's layout tried (empty for a joint move or a start).
+  """
 
   group: str
   layout: tuple
@@ -76,9 +95,11 @@ class Result:
   Attributes:
     layouts: variable name -> its chosen layout (mesh axes per dimension).
     seconds: the chosen assignment's estimate.
-    bytes_per_device: its variables' (and their copies') bytes a device.
+    bytes_per_device: its variables' (and their copies') bytes a device, and the step's tensors' at their peak
+      (what ``evaluate`` adds).
     tried: every evaluated assignment, in order.
     search_seconds: how long the search took.
+    activation_bytes: of ``bytes_per_device``, the step's tensors' (what ``evaluate`` adds).
   """
 
   layouts: dict
@@ -86,6 +107,7 @@ class Result:
   bytes_per_device: int
   tried: tuple
   search_seconds: float
+  activation_bytes: int = 0
 
 
 class BudgetError(ValueError):
@@ -141,6 +163,32 @@ def _seeds(options: dict, mesh_shape, batch_axes) -> list[dict]:
   return seeds
 
 
+def joint_moves(shapes: Mapping[str, tuple], options: Mapping[str, list], mesh_shape: Mapping[str, int],
+                batch_axes=()) -> list[tuple[str, dict]]:
+  """For each dimension size and model axis, every group with one dimension of that size split along it.
+
+  Args:
+    shapes: group -> its variables' shape.
+    options: group -> its candidates.
+
+  Returns:
+    ``(label, {group: layout})`` for each move of two groups or more, largest sizes first.
+  """
+  moves = []
+  for axis in [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]:
+    sizes = sorted({n for shape in shapes.values() for n in shape if n}, reverse=True)
+    for size in sizes:
+      move = {}
+      for group, shape in shapes.items():
+        dims = [d for d, n in enumerate(shape) if n == size]
+        layout = tuple((axis,) if d == dims[0] else () for d in range(len(shape))) if len(dims) == 1 else None
+        if layout in options[group]:
+          move[group] = layout
+      if len(move) > 1:
+        moves.append((f"dimensions of size {size} over {axis!r} ({len(move)} groups)", move))
+  return moves
+
+
 def bytes_per_device(variables: Mapping[str, Variable], layouts: Mapping[str, tuple],
                      mesh_shape: Mapping[str, int]) -> int:
   """The bytes a device holds of ``variables`` (and their copies) under ``layouts``."""
@@ -159,9 +207,11 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
   Args:
     variables: name -> :class:`Variable`.
     mesh_shape: axis name -> size.
-    evaluate: an assignment (name -> layout, every variable) -> its estimated seconds.
+    evaluate: an assignment (name -> layout, every variable) -> its estimated seconds, or (its estimated
+      seconds, the bytes of the step's tensors a device holds besides the variables).
     batch_axes: the mesh axes the batch is split over.
-    memory_per_device: bytes of variables a device may hold; None: no limit.
+    memory_per_device: the bytes a device may hold: variables (and their copies) and what ``evaluate`` adds;
+      None: no limit.
     sweeps: at most this many passes over the groups.
 
   Raises:
@@ -179,46 +229,55 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
               if all(layout in candidates(s, mesh_shape, batch_axes) for s in shapes)]
     options[group] = common or [((),) * len(next(iter(shapes)))]
   order = sorted(groups, key=lambda g: -sum(variables[n].nbytes * variables[n].copies for n in groups[g]))
+  moves = joint_moves({g: variables[names[0]].shape for g, names in groups.items()}, options, mesh_shape, batch_axes)
+  moves += [(g, {g: layout}) for g in order for layout in options[g]]
   tried, cache = [], {}
 
   def assignment(choice):
     return {n: choice[g] for g, names in groups.items() for n in names}
 
-  def score(choice, group):
+  def score(choice, label, layout):
     key = tuple(sorted(choice.items()))
     if key not in cache:
       layouts = assignment(choice)
-      memory = bytes_per_device(variables, layouts, mesh_shape)
+      seconds = evaluate(layouts)
+      seconds, activations = seconds if isinstance(seconds, tuple) else (seconds, 0)
+      memory = bytes_per_device(variables, layouts, mesh_shape) + activations
       fits = memory_per_device is None or memory <= memory_per_device
-      cache[key] = (evaluate(layouts), memory, fits)
-      tried.append(Scored(group, choice[group], *cache[key]))
+      cache[key] = (seconds, memory, fits, activations)
+      tried.append(Scored(label, layout, *cache[key][:3]))
     return cache[key]
 
   def rank(r):  # fitting ones by time (then bytes); the others by bytes, to move towards the budget
-    seconds, memory, fits = r
+    seconds, memory, fits, _ = r
     return (0, seconds, memory) if fits else (1, memory, seconds)
 
   def better(a, b):
     return rank(a) < rank(b)
 
   def descend(choice):
-    best = score(choice, order[0])
+    best = score(choice, "start", ())
     for _ in range(sweeps):
       changed = False
-      for group in order:
-        for layout in options[group]:
-          if layout == choice[group]:
-            continue
-          trial = dict(choice, **{group: layout})
-          result = score(trial, group)
-          if better(result, best):
-            choice, best, changed = trial, result, True
+      for label, move in moves:
+        if all(choice[g] == layout for g, layout in move.items()):
+          continue
+        trial = {**choice, **move}
+        result = score(trial, label, move[label] if label in move else ())
+        if better(result, best):
+          choice, best, changed = trial, result, True
       if not changed:
         break
     return choice, best
 
   if not order:
-    return Result({}, evaluate({}), 0, (), time.perf_counter() - start)
+    seconds = evaluate({})
+    seconds, activations = seconds if isinstance(seconds, tuple) else (seconds, 0)
+    if memory_per_device is not None and activations > memory_per_device:
+      raise BudgetError(f"The step's tensors alone take {activations:,} bytes a device, above memory_per_device="
+                        f"{memory_per_device:,}, and it has no variable large enough to split. Fix: raise "
+                        "memory_per_device or use a smaller batch.")
+    return Result({}, seconds, activations, (), time.perf_counter() - start, activations)
   choice, best = None, None
   for seed in _seeds(options, mesh_shape, batch_axes):
     found, result = descend(seed)
@@ -226,11 +285,13 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
       choice, best = found, result
   if not best[2]:  # ``choice`` is the smallest found: say what takes its bytes
     layouts = assignment(choice)
+    held = bytes_per_device(variables, layouts, mesh_shape)
     by_group = sorted(((bytes_per_device({n: variables[n] for n in names}, layouts, mesh_shape), g)
                        for g, names in groups.items()), key=lambda bg: (-bg[0], bg[1]))
     largest = ", ".join(f"{g} ({len(groups[g])} variable(s), {b:,} bytes)" for b, g in by_group[:3])
     raise BudgetError(
-        f"No layout found keeps the variables within memory_per_device={memory_per_device:,} bytes a device: the "
-        f"smallest footprint found is {best[1]:,} bytes (variables and their optimizer slots), the largest parts "
-        f"{largest}. Fix: raise memory_per_device, use a larger mesh, or split the variables over more axes.")
-  return Result(assignment(choice), best[0], best[1], tuple(tried), time.perf_counter() - start)
+        f"No layout found keeps a device within memory_per_device={memory_per_device:,} bytes: the smallest "
+        f"footprint found is {best[1]:,} bytes ({held:,} of variables and their optimizer slots, {best[1] - held:,} "
+        f"of the step's tensors at their peak), the largest variables {largest}. Fix: raise memory_per_device, "
+        "use a larger mesh or a smaller batch, or split the variables over more axes.")
+  return Result(assignment(choice), best[0], best[1], tuple(tried), time.perf_counter() - start, best[3])

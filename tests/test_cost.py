@@ -48,6 +48,23 @@ def test_a_row_split_product_all_reduces_its_partial_sums():
   assert work.ops == 2 and work.bytes == 2 * 4 * 4 * 4
 
 
+def test_the_peak_counts_each_tensor_from_its_op_to_its_last_reader():
+  # y = exp(x), z = 2y, out = y + z, x [1000] float32: at the sum y and z are still held and out is made (12,000
+  # bytes); the reshape is y's buffer (not counted), and keeps y until its reader. The input is not counted.
+  def fn(x):
+    y = tf.exp(x)
+    z = y * 2.0
+    return y + z, tf.reshape(y, [20, 50]) * 3.0
+
+  spec = [tf.TensorSpec([1000])]
+  whole = _work(fn, spec, [((),)], outputs=False)
+  assert whole.peak_bytes == 4000 * 3
+  # the last product: y (through its reshape) and the product; out was freed (nothing reads it) as were z
+  assert _work(lambda x: fn(x)[1], spec, [((),)], outputs=False).peak_bytes == 4000 * 2
+  split = _work(fn, spec, [(("batch", "model"),)], outputs=False)  # a piece of 250 a device
+  assert split.peak_bytes == 1000 * 3
+
+
 def test_contractions_count_their_contracted_size():
   specs = [tf.TensorSpec([8, 3, 6]), tf.TensorSpec([6, 2, 4])]
   given = [(("batch",), (), ()), ((), ("model",), ())]
