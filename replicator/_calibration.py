@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from rewrite import _cost
 
-_VERSION = 1  # of the measurements: a new one ignores older files
+_VERSION = 2  # of the measurements: a new one ignores older files (2: each kind of collective)
 
 
 def _cache_path(devices: list[str]) -> str:
@@ -88,20 +88,33 @@ class _Root:  # (a chain of products by constants would be folded into one by Gr
     return tf.sqrt(x)
 
 
-def _collective_seconds(devices, elements: int) -> float:
-  """One all-reduce of ``elements`` floats over ``devices``, less a step that only reads them."""
+# Each kind as the lowering makes it (``rewrite._collective_ops``): an all-gather along dimension 0 is one op, along
+# another a transpose around it; an all-to-all and a reduce-scatter transpose and reshape around an exchange. Per
+# kind: the input of each device (rows of 64 floats) -> the collective -> an output of the input's shape.
+_KINDS = {
+    "all_reduce": lambda repl, x: repl.all_reduce(x),
+    "all_gather": lambda repl, x: tf.concat([  # half along dimension 0, half along 1: both are common
+        repl.all_gather(x[:x.shape[0] // repl.num_replicas // 2], concat_dimension=0),
+        repl.all_gather(x[x.shape[0] // 2:, :x.shape[1] // repl.num_replicas], concat_dimension=1)], 0),
+    "all_to_all": lambda repl, x: repl.all_to_all(x, split_dimension=0, concat_dimension=0),
+    "reduce_scatter": lambda repl, x: tf.tile(repl.reduce_scatter(x, scatter_dimension=0), [repl.num_replicas, 1]),
+}
+
+
+def _collective_seconds(devices, elements: int, kind: str = "all_reduce") -> float:
+  """One collective of ``kind`` on ``elements`` floats a device over ``devices``, less a step that only reads them."""
   import mesh  # pylint: disable=import-outside-toplevel
   from replicator import _replicator  # pylint: disable=import-outside-toplevel  (a cycle: the package imports us)
 
   repl = _replicator.Replicator(mesh=mesh.Mesh({"all": len(devices)}, devices=devices))
   with repl.context():
-    v = tf.Variable(tf.ones([elements]))
+    v = tf.Variable(tf.ones([max(2 * len(devices), elements // 64), 64]))
   calls = 8
 
   def reduced():
     x = v.read_value()
     for _ in range(calls):
-      x = repl.all_reduce(x) * 0.25
+      x = _KINDS[kind](repl, x) * 0.25
     return tf.reduce_sum(x[:1])
 
   def read():
@@ -131,7 +144,9 @@ def calibrate(devices=None, cache: bool = True) -> _cost.Machine:
   path = _cache_path(devices)
   if cache and os.path.exists(path):
     with open(path, encoding="utf-8") as f:
-      return _cost.Machine(**json.load(f))
+      found = json.load(f)
+    found["collectives"] = {kind: tuple(cost) for kind, cost in found.get("collectives", {}).items()}
+    return _cost.Machine(**found)
   n, length = 256, 16
   product = _seconds(_chain(devices[:1], _Product(n), length))
   flops = 2.0 * n ** 3 * length / product
@@ -142,18 +157,22 @@ def calibrate(devices=None, cache: bool = True) -> _cost.Machine:
   bytes_per_second = 2.0 * 4 * vector * length / max(1e-9, scale - length * op_seconds)
   everywhere = _seconds(_chain(devices, _Product(n), length))
   parallel = min(float(len(devices)), max(1.0, len(devices) * product / everywhere))
+  kinds = {}
   if len(devices) > 1:
-    small = _collective_seconds(devices, 1)
-    large_elements = 1 << 18
-    large = _collective_seconds(devices, large_elements)
-    k = len(devices)
-    sent = 2 * (k - 1) / k * 4 * large_elements
-    rate = sent / max(1e-9, large - small)
+    k, large_elements = len(devices), 1 << 18
+    small_elements = 2 * k * 64
+    for kind in _KINDS:  # a fixed cost and a rate for each, from a small and a 1 MB one
+      small = _collective_seconds(devices, small_elements, kind)
+      large = _collective_seconds(devices, large_elements, kind)
+      per_device = 4 * (large_elements - small_elements) // (k if kind == "all_gather" else 1)  # (a k-th gathered)
+      sent = _cost.CollectiveWork(kind, k, per_device, "").sent
+      kinds[kind] = (small, sent / max(1e-9, large - small))
+    small, rate = kinds["all_reduce"]
   else:
     small, rate = 0.0, float("inf")
   machine = _cost.Machine(flops_per_second=flops, bytes_per_second=bytes_per_second, op_seconds=op_seconds,
                           parallel_devices=parallel, collective_seconds=small, collective_bytes_per_second=rate,
-                          devices=len(devices))
+                          devices=len(devices), collectives=kinds)
   if cache:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

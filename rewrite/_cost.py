@@ -32,7 +32,7 @@ import re
 
 import tensorflow as tf
 
-from rewrite import _relayout
+from rewrite import _communication
 
 _CONTRACTIONS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
                  "Conv2DBackpropInput", "Conv2DBackpropFilter", "DepthwiseConv2dNative",
@@ -52,9 +52,14 @@ class Machine:
     op_seconds: the fixed cost of running one op on one device.
     parallel_devices: how many devices' ops run at the same time (at most
       the cores; 4 logical devices on 2 cores: about 2).
-    collective_seconds: the fixed cost of one collective.
-    collective_bytes_per_second: the rate at which a device sends a collective's bytes.
+    collective_seconds: the fixed cost of one collective (an all-reduce's).
+    collective_bytes_per_second: the rate at which a device sends a collective's bytes (an all-reduce's).
     devices: the number of devices it was measured on.
+    collectives: kind -> (its fixed cost, its rate) where measured: the
+      kinds differ as the lowering makes them (on 4 logical CPUs an
+      all-to-all or a reduce-scatter, reshaped and transposed around an
+      exchange, sends its bytes at a third of an all-reduce's rate); the
+      others cost as an all-reduce.
   """
 
   flops_per_second: float
@@ -64,6 +69,12 @@ class Machine:
   collective_seconds: float
   collective_bytes_per_second: float
   devices: int = 1
+  collectives: dict = dataclasses.field(default_factory=dict)
+
+  def collective(self, kind: str) -> tuple[float, float]:
+    """(fixed seconds, bytes a second) of a collective of ``kind``."""
+    found = self.collectives.get(kind)
+    return tuple(found) if found else (self.collective_seconds, self.collective_bytes_per_second)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +140,10 @@ class Work:
     share = self.devices / max(1.0, min(machine.parallel_devices, self.devices))  # devices' ops in turn
     compute = (self.flops / machine.flops_per_second + self.bytes / machine.bytes_per_second) * share
     overhead = self.ops * machine.op_seconds * share
-    communication = sum(machine.collective_seconds + c.sent / machine.collective_bytes_per_second
-                        for c in self.collectives)
+    communication = 0.0
+    for c in self.collectives:
+      fixed, rate = machine.collective(c.kind)
+      communication += fixed + c.sent / rate
     return Estimate(compute, overhead, communication)
 
 
@@ -220,28 +233,12 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
   devices = math.prod(mesh_shape.values()) if mesh_shape else 1
   layouts = partition.layouts
   group = lambda axes: math.prod(mesh_shape[a] for a in axes)  # noqa: E731
-  ops, flops, nbytes, collectives, done = 0, 0.0, 0.0, [], set()
-
-  def relayout(t, name, target, op_name):
-    source = layouts.get(name)
-    if source is None or target is None or source == target or len(source) != len(target):
-      return
-    if (name, target) in done:  # a tensor is relayouted once per layout
-      return
-    done.add((name, target))
-    shape = t.shape.as_list() if t.shape.rank is not None else None
-    steps = _relayout.steps(source, target, shape, group)
-    current = list(source)
-    for a, b, axes in steps.moved:
-      collectives.append(CollectiveWork("all_to_all", group(axes), size_of(t, name, tuple(current)), op_name))
-      current[a], current[b] = (), axes
-    for d, axes in steps.gathered:
-      collectives.append(CollectiveWork("all_gather", group(axes), size_of(t, name, tuple(current)), op_name))
-      current[d] = ()
+  ops, flops, nbytes, collectives = 0, 0.0, 0.0, []
 
   every = memo.get("ops")
   if every is None:  # (TensorFlow's properties asked once: a layout search prices hundreds of partitions)
     every = memo["ops"] = [_Op(op) for op in graph.get_operations()]
+    memo["walked"] = [(op.op, op.name, op.inputs) for op in every]
     last = memo["last use"] = {name: i for i, op in enumerate(every) for _, name, _ in op.inputs}
     for op in reversed(every):  # tensor name -> the index of the last op that reads it, or an alias of it
       if op.type in _ALIASES and op.inputs:
@@ -267,14 +264,10 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
       peak = max(peak, live + made)
       live += kept
     live -= freed.pop(index, 0)
-    if broadcasts:
-      for i, (t, name, _) in enumerate(op.inputs):
-        if (op.name, i) in broadcasts:  # computed by one device of each group, sent to the others
-          collectives.append(CollectiveWork("broadcast", group(broadcasts[op.name, i].axes),
-                                            size_of(t, name, layouts.get(name)), op.name))
-    for (t, name, resource), need in zip(op.inputs, decision.inputs):
-      if not resource:
-        relayout(t, name, need, op.name)
+    for i, (t, name, _) in enumerate(op.inputs if broadcasts else ()):
+      if (op.name, i) in broadcasts:  # computed by one device of each group, sent to the others
+        collectives.append(CollectiveWork("broadcast", group(broadcasts[op.name, i].axes),
+                                          size_of(t, name, layouts.get(name)), op.name))
     if not op.free:
       ops += 1
       if op.contraction:
@@ -285,26 +278,8 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
       else:
         nbytes += sum(size_of(t, name, layouts.get(name)) for t, name, _ in op.inputs)
         nbytes += sum(size_of(t, name, layouts.get(name)) for t, name in op.outputs)
-    for kind, axes, _ in decision.communicates:
-      size = size_of(*op.outputs[0], layouts.get(op.outputs[0][1])) if op.outputs else 0
-      collectives.append(CollectiveWork(kind, group(axes), size, op.name))
-    for k, reduce in enumerate(decision.reduce[:len(op.outputs)]):
-      if reduce is None:
-        continue
-      _, axes = reduce
-      out, out_name = op.outputs[k]
-      computed = list(layouts.get(out_name) or ())
-      for d, over in decision.scatter.get(k, ()):
-        if d < len(computed):
-          computed[d] = tuple(a for a in computed[d] if a not in over)
-      partial = size_of(out, out_name, tuple(computed) if computed else None)
-      for _, over in decision.scatter.get(k, ()):
-        collectives.append(CollectiveWork("reduce_scatter", group(over), partial, op.name))
-        axes = tuple(a for a in axes if a not in over)
-      if axes:
-        collectives.append(CollectiveWork("all_reduce", group(axes), size_of(out, out_name, layouts.get(out_name)),
-                                          op.name))
-  for t in outputs:
-    if t.shape.rank is not None and t.dtype != tf.resource:
-      relayout(t, t.name, ((),) * t.shape.rank, "return")
+  for event in _communication.walk(graph, partition, outputs, mesh_shape, memo["walked"]):
+    if isinstance(event, _communication.Needed):
+      size = size_of(event.tensor, event.tensor.name, event.layout) if event.tensor is not None else 0
+      collectives.append(CollectiveWork(event.kind, group(event.axes), size, event.op_name))
   return Work(devices, ops, flops, nbytes, tuple(collectives), peak)

@@ -24,8 +24,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from rewrite import _communication
 from rewrite import _cost as cost_model
-from rewrite import _relayout
 from rewrite._plan import Collective
 from rewrite._plan import Plan
 
@@ -367,7 +367,15 @@ def _search_lines(result) -> list[str]:
   rows = [(t.group, format_layout(t.layout) if t.layout else "-", f"{t.seconds * 1e3:.3f} ms",
            f"{t.bytes_per_device:,}", "yes" if t.fits else "no") for t in result.tried]
   lines += _table(("group", "layout tried", "estimated step", "bytes/device", "fits"), rows)
-  return lines
+  fitting = [t for t in result.tried if t.fits]
+  others = sorted((t for t in fitting if t.seconds > result.seconds), key=lambda t: t.seconds)
+  why = f"Chosen: the lowest estimate of the {len(fitting)} assignment(s) that fit"
+  if others:
+    runner = others[0]
+    what = runner.group + (f" {format_layout(runner.layout)}" if runner.layout else "")
+    why += (f"; the next best tried (a move of {what}) is estimated at {runner.seconds * 1e3:.3f} ms, "
+            f"{100 * (runner.seconds / result.seconds - 1):.1f}% slower")
+  return lines + [why + "."]
 
 
 def _table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
@@ -404,54 +412,15 @@ def _tensor_row(label, name, shape, dtype, layout, mesh_shape, owner="", chosen_
 
 def _relayouts(graph, partition, outputs, locate, mesh_shape):
   """Every relayout the expander makes, and per op the collectives it emits, in order (kind, axes, why)."""
-  layouts = partition.layouts
   rows = []
   expected: dict = collections.defaultdict(collections.deque)
-  done: set = set()
-
-  def relayout(t, target, op, index, returned=False):
-    """``t`` relayouted for input ``index`` of ``op`` (or, ``returned``, as output ``index`` of the step)."""
-    source = layouts.get(t.name)
-    if source is None or source == target or len(source) != len(target):
-      return
-    op_type, op_name = ("return", f"output {index}") if returned else (op.type, op.name)
-    shape = t.shape.as_list() if t.shape.rank is not None else None
-    steps = _relayout.steps(source, target, shape, lambda axes: math.prod(mesh_shape[a] for a in axes))
-    if not returned:  # the expander relayouts a tensor once per layout: later consumers reuse it, for free
-      steps = _relayout.Steps() if (t.name, target) in done else steps
-      done.add((t.name, target))
-    row = RelayoutRow(t.name, source, target, op_type, op_name, index, locate(op), steps.gathered, steps.moved)
-    rows.append(row)
-    for a, b, axes in row.moved:  # the expander's all_to_alls, then its all_gathers, attributed to ``op``
-      expected[op.name].append(("all_to_all", axes, f"move {t.name} dim {a} -> {b}" + (
-          " to return it" if returned else f" (input {index})")))
-    for d, axes in row.gathered:
-      why = f"gather {t.name} dim {d}" + (" to return it" if returned else f" (input {index})")
-      expected[op.name].append(("all_gather", axes, why))
-
-  for op in graph.get_operations():
-    decision = partition.decisions.get(op.name)
-    if decision is None:
-      continue
-    for i, t in enumerate(op.inputs):
-      target = decision.inputs[i] if i < len(decision.inputs) else None
-      if target is not None and t.dtype != tf.resource:
-        relayout(t, target, op, i)
-    for kind, axes, why in decision.communicates:  # a self-lowering rule's own collectives
-      expected[op.name].append((kind, tuple(axes), why))
-    for k, reduce in enumerate(decision.reduce[:len(op.outputs)]):
-      if reduce is not None:
-        combine, axes = reduce
-        why = f"partial {combine}" + (f" (output {k})" if len(op.outputs) > 1 else "")
-        for d, over in decision.scatter.get(k, ()):
-          expected[op.name].append(("reduce_scatter", tuple(over), f"{why}, scattered along dim {d}"))
-          axes = tuple(a for a in axes if a not in over)
-        if axes:
-          expected[op.name].append(("all_reduce", tuple(axes), why))
-  for k, t in enumerate(outputs):
-    rank = t.shape.rank
-    if t.dtype != tf.resource and rank is not None:
-      relayout(t, ((),) * rank, t.op, k, returned=True)  # returned whole on every device
+  for event in _communication.walk(graph, partition, outputs, mesh_shape):
+    if isinstance(event, _communication.Relayout):
+      op_type, op_name = ("return", f"output {event.index}") if event.returned else (event.op.type, event.op.name)
+      rows.append(RelayoutRow(event.tensor.name, event.source, event.target, op_type, op_name, event.index,
+                              locate(event.op), event.steps.gathered, event.steps.moved))
+    else:
+      expected[event.op_name].append((event.kind, event.axes, event.why))
   return rows, expected
 
 

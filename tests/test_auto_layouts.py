@@ -91,6 +91,7 @@ def test_automatic_layouts_split_the_hidden_layers_and_train_as_on_one_device():
   assert result.tried[0].group == "start" and result.seconds < result.tried[0].seconds  # faster than replicated
   report = repl.explain(step, _data())
   assert report.layout_search is result and "Automatic layouts (" in str(report)
+  assert "Chosen: the lowest estimate of the " in str(report) and "% slower." in str(report)
   assert {r.chosen_by for r in report.variables if r.name.endswith(split[0])} == {f"auto (sequential/{split[0]})"}
   # the chosen map is reusable as a hand-written one, by another instance of the model
   chosen = repl.layouts

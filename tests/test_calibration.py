@@ -17,6 +17,11 @@ def test_calibration_measures_rates_and_reads_them_back_from_its_cache(tmp_path,
   for rate in (machine.flops_per_second, machine.bytes_per_second, machine.collective_bytes_per_second):
     assert math.isfinite(rate) and rate > 0
   assert 0 < machine.op_seconds < 1e-3 and 0 <= machine.collective_seconds < 1e-2
+  assert set(machine.collectives) == {"all_reduce", "all_gather", "all_to_all", "reduce_scatter"}  # each kind's own
+  for fixed, rate in machine.collectives.values():
+    assert 0 <= fixed < 1e-2 and math.isfinite(rate) and rate > 0
+  assert machine.collective("all_reduce") == (machine.collective_seconds, machine.collective_bytes_per_second)
+  assert machine.collective("broadcast") == machine.collective("all_reduce")  # not measured: as an all-reduce
   (kept,) = os.listdir(tmp_path)
   assert kept.startswith("machine-") and kept.endswith(".json")
 

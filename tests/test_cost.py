@@ -1,6 +1,7 @@
 """The global view's cost model (``rewrite._cost``): each device's work from a partition, priced on a machine."""
 
 import collections
+import dataclasses
 
 import keras
 import numpy as np
@@ -89,6 +90,9 @@ def test_an_estimate_adds_compute_overhead_and_communication_with_devices_sharin
   assert estimate.communication_seconds == pytest.approx(2 * 1e-5 + (1500 + 500) / 1e8)
   assert estimate.seconds == pytest.approx(estimate.compute_seconds + estimate.overhead_seconds
                                            + estimate.communication_seconds)
+  # each kind at its own measured cost where the machine has one (the all-gather's: 5e-5 s and 1e7 bytes/s)
+  measured = dataclasses.replace(machine, collectives={"all_gather": (5e-5, 1e7)})
+  assert work.estimate(measured).communication_seconds == pytest.approx(1e-5 + 1500 / 1e8 + 5e-5 + 500 / 1e7)
 
 
 def _explained(layouts, update="replicated"):
