@@ -5,7 +5,8 @@ shapes as any global-view step, with every variable replicated. Its variables
 are then handed to ``rewrite._search``: each variable of some size is a
 candidate (an optimizer's slots follow their variable and count towards its
 bytes; small ones, such as biases and norms' scales, on-read metrics and
-scalars stay replicated), grouped by its path with the numbers taken out
+scalars stay replicated, but a bias takes its kernel's layout on the
+dimensions they share), grouped by its path with the numbers taken out
 (every block's query kernel is one choice), and every assignment the search
 tries is priced by partitioning the traced step with it
 (``rewrite._partition.propagate``) and the cost model
@@ -20,6 +21,7 @@ the step is partitioned with them.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 
 import mesh as mesh_lib
@@ -62,6 +64,33 @@ def key_of(path: str) -> str:
   return "^" + key + "$"
 
 
+def _companions(small: dict, searched: dict) -> dict:
+  """A small variable (a bias) -> (the searched one it follows, its rank): of one layer, its shape the other's end.
+
+  A kernel split along its output dimension makes outputs split there; its
+  bias, replicated, would be sliced for the sum (free) but its gradient,
+  computed split, gathered every step: a bias takes its kernel's layout on
+  the dimensions it shares (a query kernel ``[hidden, heads, head]`` split over
+  the heads splits its bias ``[heads, head]`` over them too).
+  """
+  parents: dict = {}
+  for name, v in searched.items():
+    parents.setdefault(_variables.variable_path(v.name.split(":")[0]).rpartition("/")[0], []).append((name, v))
+  found = {}
+  for name, v in small.items():
+    shape = v.shape.as_list()
+    for leader, kernel in parents.get(_variables.variable_path(v.name.split(":")[0]).rpartition("/")[0], ()):
+      if kernel.shape.rank > len(shape) and kernel.shape.as_list()[-len(shape):] == shape:
+        found[name] = (leader, len(shape))
+        break
+  return found
+
+
+def _following(companions: dict, layouts: dict) -> dict:
+  """The companions' layouts under ``layouts`` of their leaders: the leader's, on the dimensions they share."""
+  return {name: layouts[leader][-rank:] for name, (leader, rank) in companions.items() if leader in layouts}
+
+
 def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes, variables: dict) -> None:
   """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner."""
   auto = replicator._auto  # pylint: disable=protected-access
@@ -74,7 +103,7 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
   sizes = {name: v.shape.num_elements() * v.dtype.size for name, v in variables.items()
            if v.shape.is_fully_defined()}
   largest = max(sizes.values(), default=0)
-  searched, fixed_bytes = {}, 0
+  searched, fixed_bytes, small = {}, 0, {}
   for name, v in variables.items():
     if v._reference is not None:  # pylint: disable=protected-access  (a slot: follows its variable)
       continue
@@ -82,15 +111,18 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
     if (v._on_read or v._offsets is not None or v.shape.rank == 0 or not v.dtype.is_floating  # pylint: disable=protected-access
         or name not in sizes or sizes[name] < SMALL * largest):
       fixed_bytes += nbytes
+      if name in sizes and v.shape.rank and v.dtype.is_floating and not v._on_read and v._offsets is None:  # pylint: disable=protected-access
+        small[name] = v
       continue
     path = _variables.variable_path(v.name.split(":")[0])
     searched[name] = _search.Variable(tuple(v.shape.as_list()), sizes[name], group_of(path),
                                       copies=1 + slots.get(id(v), 0))
+  companions = _companions(small, {name: variables[name] for name in searched})
 
   propagate, memo = _partition.Propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True), {}
 
   def evaluate(layouts: dict) -> float:
-    partition = propagate({**given, **layouts})
+    partition = propagate({**given, **layouts, **_following(companions, layouts)})
     work = _cost.work(graph, partition, mesh.shape, graph.outputs, memo=memo)
     return work.estimate(machine).seconds, int(work.peak_bytes)
 
@@ -99,11 +131,16 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
     raise _errors.ArgumentError(
         f"Replicator(layouts='auto', memory_per_device={budget:,}): the variables that stay replicated (small "
         f"ones, metrics, counters) alone take {fixed_bytes:,} bytes a device. Fix: raise memory_per_device.")
+  collecting = gc.isenabled()
+  gc.disable()  # (the remembered decisions are millions of small tuples: collections would scan them, a third of the time)
   try:
     result = _search.search(searched, mesh.shape, evaluate, batch_axes=axes,
                             memory_per_device=None if budget is None else budget - fixed_bytes)
   except _search.BudgetError as e:
     raise _errors.ArgumentError(f"Replicator(layouts='auto', memory_per_device={budget:,}): {e}") from None
+  finally:
+    if collecting:
+      gc.enable()
   chosen, relaid = {}, {}
   for name, layout in result.layouts.items():
     v = variables[name]
@@ -113,9 +150,20 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
     relaid[id(v)] = v
     if not layout.is_fully_replicated:  # one key per group: any number where the path has one (every block)
       chosen[key_of(path)] = layout.spec
+  for name, layout in _following(companions, result.layouts).items():  # biases as their kernels
+    v, leader = variables[name], variables[companions[name][0]]
+    layout = mesh_lib.Layout(layout, mesh)
+    if not layout.is_fully_replicated:
+      v.relayout(layout, chosen_by=f"as {_variables.variable_path(leader.name.split(':')[0])}")
+      relaid[id(v)] = v
+      chosen[key_of(_variables.variable_path(v.name.split(":")[0]))] = layout.spec
   for v in _variables.variables_of(replicator):  # the slots take their variable's layout
     reference = v._reference  # pylint: disable=protected-access
     if reference is not None and id(reference) in relaid and v.shape == reference.shape:
       v.relayout(reference.sharding, chosen_by=f"as {reference.name.split(':')[0]} (a slot)")
   replicator._layouts = mesh_lib.LayoutMap(chosen) if chosen else None  # pylint: disable=protected-access
-  auto.result = dataclasses.replace(result, bytes_per_device=result.bytes_per_device + fixed_bytes)
+  followed = {name: _search.Variable(tuple(variables[name].shape.as_list()), sizes[name], "",
+                                     copies=1 + slots.get(id(variables[name]), 0)) for name in companions}
+  split_off = (_search.bytes_per_device(followed, {}, mesh.shape)  # (counted whole in fixed_bytes)
+               - _search.bytes_per_device(followed, _following(companions, result.layouts), mesh.shape))
+  auto.result = dataclasses.replace(result, bytes_per_device=result.bytes_per_device + fixed_bytes - split_off)

@@ -76,8 +76,8 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
     partition: its ``_partition.Partition``.
     outputs: the step's outputs (returned whole).
     mesh_shape: axis name -> size.
-    ops: ``graph``'s ops as ``(op, its name, ((input, its name, whether a resource), ...))``, if the caller
-      keeps them (TensorFlow's properties are slow to ask again); else asked here.
+    ops: ``graph``'s ops as ``(op, its name, ((input, its name, whether a resource), ...), ((output, its
+      name), ...))``, if the caller keeps them (TensorFlow's properties are slow to ask again); else asked here.
   """
   layouts = partition.layouts
   group = lambda axes: math.prod(mesh_shape[a] for a in axes)  # noqa: E731
@@ -105,25 +105,25 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
       current[d] = ()
 
   if ops is None:
-    ops = [(op, op.name, tuple((t, t.name, t.dtype == tf.resource) for t in op.inputs))
-           for op in graph.get_operations()]
-  for op, op_name, inputs in ops:
+    ops = [(op, op.name, tuple((t, t.name, t.dtype == tf.resource) for t in op.inputs),
+            tuple((t, t.name) for t in op.outputs)) for op in graph.get_operations()]
+  for op, op_name, inputs, outs in ops:
     decision = partition.decisions.get(op_name)
     if decision is None:
       continue
     for i, ((t, name, resource), target) in enumerate(zip(inputs, decision.inputs)):
       if not resource:
         yield from relayout(t, name, target, op, i)
-    out = op.outputs[0] if op.outputs else None
+    out, out_name = outs[0] if outs else (None, None)
     for kind, axes, why in decision.communicates:  # a self-lowering rule's own collectives
-      yield Needed(kind, tuple(axes), op_name, why, out, layouts.get(out.name) if out is not None else None)
-    for k, reduce in enumerate(decision.reduce[:len(op.outputs)]):
+      yield Needed(kind, tuple(axes), op_name, why, out, layouts.get(out_name))
+    for k, reduce in enumerate(decision.reduce[:len(outs)]):
       if reduce is None:
         continue
       combine, axes = reduce
-      out = op.outputs[k]
-      why = f"partial {combine}" + (f" (output {k})" if len(op.outputs) > 1 else "")
-      computed = list(layouts.get(out.name) or ())  # the partial sums' layout: the scattered axes not yet taken
+      out, out_name = outs[k]
+      why = f"partial {combine}" + (f" (output {k})" if len(outs) > 1 else "")
+      computed = list(layouts.get(out_name) or ())  # the partial sums' layout: the scattered axes not yet taken
       for d, over in decision.scatter.get(k, ()):
         if d < len(computed):
           computed[d] = tuple(a for a in computed[d] if a not in over)
@@ -132,7 +132,7 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
                      tuple(computed) if computed else None)
         axes = tuple(a for a in axes if a not in over)
       if axes:
-        yield Needed("all_reduce", tuple(axes), op_name, why, out, layouts.get(out.name))
+        yield Needed("all_reduce", tuple(axes), op_name, why, out, layouts.get(out_name))
   for k, t in enumerate(outputs):
     if t.dtype != tf.resource and t.shape.rank is not None:
       yield from relayout(t, t.name, ((),) * t.shape.rank, t.op, k, returned=True)

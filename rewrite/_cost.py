@@ -238,7 +238,7 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
   every = memo.get("ops")
   if every is None:  # (TensorFlow's properties asked once: a layout search prices hundreds of partitions)
     every = memo["ops"] = [_Op(op) for op in graph.get_operations()]
-    memo["walked"] = [(op.op, op.name, op.inputs) for op in every]
+    memo["walked"] = [(op.op, op.name, op.inputs, op.outputs) for op in every]
     last = memo["last use"] = {name: i for i, op in enumerate(every) for _, name, _ in op.inputs}
     for op in reversed(every):  # tensor name -> the index of the last op that reads it, or an alias of it
       if op.type in _ALIASES and op.inputs:

@@ -138,11 +138,15 @@ class Propagator:
     self._mesh, self._handle_shapes, self._summed = mesh, handle_shapes or {}, frozenset(summed)
     self._data, self._batch_axes, self._alike = data, batch_axes, alike
     self._contexts: dict = {}  # the data's tensors and axes -> a context (its decisions remembered)
+    self._derived = None  # the tensors computed from the data (once)
 
   def __call__(self, given: dict) -> Partition:
     """The :class:`Partition` of the graph with its inputs in ``given``'s layouts (see :func:`propagate`)."""
     ops = self._ops
-    data = _from_data(ops, given, self._data, self._batch_axes)
+    axes = _data_axes(given, self._data, self._batch_axes)
+    if axes and self._derived is None:
+      self._derived = _derived(ops, self._data)
+    data = (self._derived, axes) if axes else (frozenset(), frozenset())
     context = self._contexts.get(data)
     if context is None:
       context = self._contexts[data] = _Context(self._mesh, self._handle_shapes, self._summed)
@@ -288,14 +292,20 @@ class _Context:
     return self._values[t.name]
 
 
+_NOT_SOURCE = object()
+
+
 class _Record:
-  """One op's names, as the propagation asks them (see :meth:`_Context.record`)."""
+  """One op's names, as the propagation asks them (see :meth:`_Context.record`).
+
+  ``source``: a constant's or placeholder's own layout (replicated, unless given), else ``_NOT_SOURCE``.
+  """
 
   __slots__ = ("name", "source", "inputs", "outputs", "data_inputs", "kind", "variant")
 
   def __init__(self, op, kind):
     self.name = op.name
-    self.source = op.type in _SOURCES
+    self.source = _rules.replicated(_rules.rank_of(op.outputs[0])) if op.type in _SOURCES else _NOT_SOURCE
     self.inputs = tuple(t.name for t in op.inputs)
     self.outputs = tuple(t.name for t in op.outputs)
     self.data_inputs = tuple(None if t.dtype == tf.resource else t.name for t in op.inputs)  # (handles: None)
@@ -333,8 +343,8 @@ def _evaluate(op, inputs):
     return session.run(list(copy.outputs))
 
 
-def _decide(op, context, ins, wants) -> _rules.Decision:
-  record = context.record(op)
+def _decide(op, context, ins, wants, record=None) -> _rules.Decision:
+  record = record or context.record(op)
   outs = tuple([wants.get(name) for name in record.outputs]) if wants else ()
   key = (record.kind, _key(ins), _key(outs)) if record.variant else (record.kind, tuple(ins), outs)
   decision = context.decided.get(key)
@@ -489,17 +499,19 @@ def _is_layout(layout) -> bool:
   return layout is not None and not isinstance(layout, _rules.Contents)
 
 
-def _from_data(ops, given: dict, data: frozenset, batch_axes: tuple = ()) -> tuple[frozenset, frozenset]:
-  """The tensors computed from the step's data inputs ``data``, and the batch axes (those inputs' if not given)."""
-  axes = frozenset(batch_axes) or frozenset(
+def _data_axes(given: dict, data: frozenset, batch_axes: tuple = ()) -> frozenset:
+  """The batch axes: ``batch_axes``, else the axes the step's data inputs ``data`` are split over."""
+  return frozenset(batch_axes) or frozenset(
       a for name in data if _is_layout(given.get(name)) for a in _rules.axes_in(given[name]))
-  if not axes:
-    return frozenset(), frozenset()
+
+
+def _derived(ops, data: frozenset) -> frozenset:
+  """The tensors computed from the step's data inputs ``data``."""
   derived = set(data)
   for op in ops:
     if any(t.name in derived for t in op.inputs):
       derived.update(t.name for t in op.outputs)
-  return frozenset(derived), axes
+  return frozenset(derived)
 
 
 def _splits_unknown(tensors, layouts) -> bool:
@@ -512,8 +524,8 @@ def _splits_unknown(tensors, layouts) -> bool:
   return False
 
 
-def _inputs_of(op, layouts, context):
-  found = [layouts.get(name, _UNSET) for name in context.record(op).inputs]
+def _inputs_of(op, layouts, context, record=None):
+  found = [layouts.get(name, _UNSET) for name in (record or context.record(op)).inputs]
   if _UNSET in found:  # (rare: an input no op before gave a layout)
     found = [_rules.replicated(_rules.rank_of(t)) if f is _UNSET else f for f, t in zip(found, op.inputs)]
   return found
@@ -528,11 +540,11 @@ def _forward(ops, context, given, wants) -> Partition:
   fallbacks = []
   for op in ops:
     record = context.record(op)
-    if record.source:
+    if record.source is not _NOT_SOURCE:  # (its layout: replicated, unless given)
       if record.outputs[0] not in layouts:
-        layouts[record.outputs[0]] = _rules.replicated(_rules.rank_of(op.outputs[0]))
+        layouts[record.outputs[0]] = record.source
       continue
-    decision = _decide(op, context, _inputs_of(op, layouts, context), wants)
+    decision = _decide(op, context, _inputs_of(op, layouts, context, record), wants, record)
     for k, value in decision.values.items():
       context.know(op.outputs[k], value)
     if decision.fallback:
@@ -553,7 +565,7 @@ def _backward(ops, context, partition, wants) -> dict:
   required: dict = {}  # tensor name -> (layout, consumer, its decision) for each consumer
   for op in reversed(ops):
     record = context.record(op)
-    if record.source or record.name not in partition.decisions:
+    if record.source is not _NOT_SOURCE or record.name not in partition.decisions:
       continue
     for k, name in enumerate(record.outputs):
       needs = required.get(name)
@@ -565,7 +577,7 @@ def _backward(ops, context, partition, wants) -> dict:
       if want is not None and want != partition.layouts.get(name):
         wants[name] = want
     # Re-decide with the wants, so that they reach this op's inputs in the same pass.
-    decision = _decide(op, context, _inputs_of(op, partition.layouts, context), wants)
+    decision = _decide(op, context, _inputs_of(op, partition.layouts, context, record), wants, record)
     for name, need in zip(record.data_inputs, decision.inputs):
       if need is not None and name is not None:
         required.setdefault(name, []).append((need, op, decision))

@@ -81,8 +81,11 @@ def test_automatic_layouts_split_the_hidden_layers_and_train_as_on_one_device():
   assert_every_copy(model.weights, one.weights, atol=10 * noise + 1e-7)
   assert_every_copy(optimizer.variables, one_opt.variables, atol=10 * noise + 1e-7)
   chosen = {w.path.split("/", 1)[1]: _variables.underlying(w).layout.spec for w in model.weights}
-  split = [path for path, spec in chosen.items() if any(spec)]
-  assert split and all(path.endswith("kernel") for path in split), chosen
+  split = [path for path, spec in chosen.items() if any(spec) and path.endswith("kernel")]
+  assert split, chosen
+  for path, spec in chosen.items():  # a bias is split only as its kernel's output dimension is
+    if path.endswith("bias"):
+      assert spec == chosen[path.replace("bias", "kernel")][1:], chosen
   for slot in optimizer.variables:  # Adam's moments follow their variable
     variable = _variables.underlying(slot)._reference  # pylint: disable=protected-access
     if variable is not None and variable.shape == slot.shape:
@@ -130,6 +133,18 @@ def test_a_budget_no_layout_meets_is_refused_with_the_smallest_footprint():
   assert "(258,048 of variables and their optimizer slots, " in message and "sequential/ff_mid/kernel" in message
   assert message.endswith("Fix: raise memory_per_device, use a larger mesh or a smaller batch, or split the variables "
                           "over more axes.")
+
+
+def test_a_bias_follows_its_kernel_on_the_dimensions_they_share():
+  with tf.device(cpus(1)[0]):
+    query = tf.Variable(tf.zeros([8, 4, 2]), name="block0/query/kernel")
+    bias = tf.Variable(tf.zeros([4, 2]), name="block0/query/bias")
+    other = tf.Variable(tf.zeros([4, 2]), name="block1/query/bias")  # another layer's
+    scale = tf.Variable(tf.zeros([8]), name="block0/query/scale")  # not the end of the kernel's shape
+  companions = _auto_layouts._companions({"b": bias, "o": other, "s": scale}, {"q": query})  # pylint: disable=protected-access
+  assert companions == {"b": ("q", 2)}
+  heads = ((), ("model",), ())
+  assert _auto_layouts._following(companions, {"q": heads}) == {"b": (("model",), ())}  # pylint: disable=protected-access
 
 
 def test_automatic_layouts_need_the_global_view_and_a_budget_needs_them():
