@@ -111,6 +111,31 @@ def test_a_keras_hub_backbone_trains_in_the_global_view_as_on_one_device(name):
   assert fraction < 0.4 if name in WITH_MAPS else fraction == 1.0  # the maps split most weights over 2 axes
 
 
+def test_a_keras_hub_model_with_automatic_layouts_trains_as_on_one_device(monkeypatch):
+  # GPT-2 (no shipped map; biases) on 2x2: the search's choice, on a fixed machine where splitting pays (the test's
+  # choice must not follow this run's timings), equals one device, every copy of every weight and Adam slot.
+  from replicator import _auto_layouts  # pylint: disable=import-outside-toplevel
+  from rewrite import _cost  # pylint: disable=import-outside-toplevel
+  machine = _cost.Machine(flops_per_second=2e9, bytes_per_second=2e10, op_seconds=2e-6, parallel_devices=2,
+                          collective_seconds=2e-5, collective_bytes_per_second=5e9, devices=4)
+  monkeypatch.setattr(_auto_layouts._calibration, "calibrate", lambda devices: machine)  # pylint: disable=protected-access
+  name = "GPT2Backbone"
+  one, one_opt = _backbone(name), keras.optimizers.Adam(1e-3)
+  one_step = tf.function(_step(one, one_opt))
+  expected = [float(one_step(batch)) for batch in _dataset()]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)), view="global",
+                               layouts="auto", strict=True)
+  with repl.context():
+    backbone, optimizer = _backbone(name), keras.optimizers.Adam(1e-3)
+  step, data = _step(backbone, optimizer), _dataset()
+  losses = [float(repl.run(step, data)) for _ in range(STEPS)]
+  np.testing.assert_allclose(losses, expected, atol=2e-6)
+  assert_every_copy(backbone.weights, one.weights, atol=2e-6)
+  assert_every_copy(optimizer.variables, one_opt.variables, atol=2e-6)
+  assert repl.layouts is not None and max(replicator.bytes_per_device(backbone.weights).values()) < sum(
+      w.numpy().nbytes for w in one.weights)  # something was split
+
+
 @pytest.mark.parametrize("arrays_too", [False, pytest.param(True, marks=pytest.mark.full_grid)],
                          ids=["dataset", "dataset_and_arrays"])  # CI time: arrays (batches of unknown size) by flag
 def test_a_causal_lm_fits_under_keras_distribution_with_the_backbones_own_map(arrays_too):

@@ -95,3 +95,27 @@ def test_a_budget_nothing_meets_says_the_smallest_footprint_and_what_takes_it():
       "bytes (12,288 of variables and their optimizer slots, 0 of the step's tensors at their peak), the largest "
       "variables w1 (1 variable(s), 6,144 bytes), w2 (1 variable(s), 6,144 bytes). Fix: raise memory_per_device, "
       "use a larger mesh or a smaller batch, or split the variables over more axes.")
+
+
+def test_a_joint_move_another_split_blocks_is_tried_with_that_group_replicated():
+  # Hand-made costs on {"model": 2}: splitting a's columns with b's rows (their dimension of size 16, a joint move)
+  # pays only once q is split and p is not; p's and q's own splits each pay alone. From every group replicated the
+  # descent splits p, then q; the joint move then costs more (p split blocks it) and no single move improves:
+  # the move with p made replicated reaches the optimum, 6.
+  variables = {"a": _search.Variable((4, 16), 256, "a"), "b": _search.Variable((16, 4), 256, "b"),
+               "p": _search.Variable((6, 5), 120, "p"), "q": _search.Variable((2, 3), 24, "q")}
+  split = lambda layout: any(layout)  # noqa: E731
+
+  def evaluate(layouts):
+    joint = layouts["a"] == ((), ("model",)) and layouts["b"] == (("model",), ())
+    cost = 10 - split(layouts["p"]) - split(layouts["q"])
+    if joint:
+      cost += 2 if not split(layouts["q"]) else (1 if split(layouts["p"]) else -3)
+    else:
+      cost += 0.5 * (split(layouts["a"]) + split(layouts["b"]))
+    return cost
+
+  result = _search.search(variables, {"model": 2}, evaluate)
+  assert result.seconds == 6 and not split(result.layouts["p"]) and split(result.layouts["q"])
+  released = [t for t in result.tried if t.group == "dimensions of size 16 over 'model' (2 groups), p replicated"]
+  assert released and released[0].seconds == 6
