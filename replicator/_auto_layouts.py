@@ -117,11 +117,11 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
     path = _variables.variable_path(v.name.split(":")[0])
     searched[name] = _search.Variable(tuple(v.shape.as_list()), sizes[name], group_of(path),
                                       copies=1 + slots.get(id(v), 0))
-  companions = _companions(small, {name: variables[name] for name in searched})
+  companions = _companions(small, {name: variables[name] for name in searched})  # (in the budget: counted whole)
 
   propagate, memo = _partition.Propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True), {}
 
-  def evaluate(layouts: dict) -> float:
+  def evaluate(layouts: dict) -> tuple[float, int]:  # (seconds, the step's tensors' bytes at their peak)
     partition = propagate({**given, **layouts, **_following(companions, layouts)})
     work = _cost.work(graph, partition, mesh.shape, graph.outputs, memo=memo)
     return work.estimate(machine).seconds, int(work.peak_bytes)
