@@ -64,6 +64,11 @@ def key_of(path: str) -> str:
   return "^" + key + "$"
 
 
+def _path(v) -> str:
+  """A variable's path, as its layout-map key is matched when it is made (``sequential/ff_in/kernel``)."""
+  return _variables.variable_path(v.name)
+
+
 def _companions(small: dict, searched: dict) -> dict:
   """A small variable (a bias) -> (the searched one it follows, its rank): of one layer, its shape the other's end.
 
@@ -75,11 +80,11 @@ def _companions(small: dict, searched: dict) -> dict:
   """
   parents: dict = {}
   for name, v in searched.items():
-    parents.setdefault(_variables.variable_path(v.name.split(":")[0]).rpartition("/")[0], []).append((name, v))
+    parents.setdefault(_path(v).rpartition("/")[0], []).append((name, v))
   found = {}
   for name, v in small.items():
     shape = v.shape.as_list()
-    for leader, kernel in parents.get(_variables.variable_path(v.name.split(":")[0]).rpartition("/")[0], ()):
+    for leader, kernel in parents.get(_path(v).rpartition("/")[0], ()):
       if kernel.shape.rank > len(shape) and kernel.shape.as_list()[-len(shape):] == shape:
         found[name] = (leader, len(shape))
         break
@@ -114,7 +119,7 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
       if name in sizes and v.shape.rank and v.dtype.is_floating and not v._on_read and v._offsets is None:  # pylint: disable=protected-access
         small[name] = v
       continue
-    path = _variables.variable_path(v.name.split(":")[0])
+    path = _path(v)
     searched[name] = _search.Variable(tuple(v.shape.as_list()), sizes[name], group_of(path),
                                       copies=1 + slots.get(id(v), 0))
   companions = _companions(small, {name: variables[name] for name in searched})  # (in the budget: counted whole)
@@ -144,7 +149,7 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
   chosen, relaid = {}, {}
   for name, layout in result.layouts.items():
     v = variables[name]
-    path = _variables.variable_path(v.name.split(":")[0])
+    path = _path(v)
     layout = mesh_lib.Layout(layout, mesh)  # (a Layout takes the partition's tuples of axes as they are)
     v.relayout(layout, chosen_by=f"auto ({searched[name].group})")
     relaid[id(v)] = v
@@ -154,9 +159,9 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
     v, leader = variables[name], variables[companions[name][0]]
     layout = mesh_lib.Layout(layout, mesh)
     if not layout.is_fully_replicated:
-      v.relayout(layout, chosen_by=f"as {_variables.variable_path(leader.name.split(':')[0])}")
+      v.relayout(layout, chosen_by=f"as {_path(leader)}")
       relaid[id(v)] = v
-      chosen[key_of(_variables.variable_path(v.name.split(":")[0]))] = layout.spec
+      chosen[key_of(_path(v))] = layout.spec
   for v in _variables.variables_of(replicator):  # the slots take their variable's layout
     reference = v._reference  # pylint: disable=protected-access
     if reference is not None and id(reference) in relaid and v.shape == reference.shape:

@@ -120,12 +120,17 @@ class BudgetError(ValueError):
   """No assignment found fits the memory budget."""
 
 
+def _model_axes(mesh_shape: Mapping[str, int], batch_axes=()) -> list[str]:
+  """The mesh axes a variable's dimension may be split over alone: more than one device, not a batch axis."""
+  return [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
+
+
 def candidates(shape, mesh_shape: Mapping[str, int], batch_axes=()) -> list[tuple]:
   """The layouts the search tries for a variable of ``shape``: replicated first."""
   rank = len(shape)
   replicated = ((),) * rank
   found = [replicated]
-  model_axes = [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
+  model_axes = _model_axes(mesh_shape, batch_axes)
   batch = tuple(a for a in batch_axes if mesh_shape.get(a, 1) > 1)
 
   def split(layout, d, axes):
@@ -156,7 +161,7 @@ def _seeds(options: dict, mesh_shape, batch_axes) -> list[dict]:
   """Where the descent starts: every group replicated; each split along its first dimension over a model axis
   (row-parallel). Descents from two starts escape some local optima (see the module)."""
   seeds = [{g: found[0] for g, found in options.items()}]
-  model = [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
+  model = _model_axes(mesh_shape, batch_axes)
   seed = {}
   for g, found in options.items():
     rank = len(found[0])
@@ -179,8 +184,8 @@ def joint_moves(shapes: Mapping[str, tuple], options: Mapping[str, list], mesh_s
     ``(label, {group: layout})`` for each move of two groups or more, largest sizes first.
   """
   moves = []
-  for axis in [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]:
-    sizes = sorted({n for shape in shapes.values() for n in shape if n}, reverse=True)
+  sizes = sorted({n for shape in shapes.values() for n in shape if n}, reverse=True)
+  for axis in _model_axes(mesh_shape, batch_axes):
     for size in sizes:
       move = {}
       for group, shape in shapes.items():
