@@ -15,14 +15,20 @@ For each model (a tiny-but-not-trivial KerasHub causal LM: 2 layers, hidden
   process with ``TF_ENABLE_ONEDNN_OPTS=0``. oneDNN's kernels (TensorFlow's
   default on x86) are much faster than Eigen's on one device's whole matrices
   and gain less on each device's quarter of them, so the ratio depends on the
-  kernel library as well as on the partitioning.
+  kernel library as well as on the partitioning;
+* TensorFlow's default threads (``--default-threads``): the first item again
+  in a child process with ``virtual_cpus(4, intra_op_threads=0)`` (a kernel
+  may use every core, as TensorFlow's default; ``virtual_cpus(4)`` gives it
+  ``cores // 4``). Its one-device step is the fair baseline where one kernel
+  on every core is faster: the table gives our split step over it too.
 
 The figure of merit is the ratio of the split step to its own one-device step
 (the partitioning overhead; absolute times differ between backends, whose CPU
 kernels differ). Also reported: the split step's collectives and relayouts
 (``repl.explain``), and each device's share of the weights.
 
-Run by hand: ``python -m benchmarks.keras_hub [--models llama,qwen] [--rounds 20] [--jax] [--no-onednn] [--json F]``.
+Run by hand: ``python -m benchmarks.keras_hub [--models llama,qwen] [--rounds 20] [--jax] [--no-onednn]
+[--default-threads] [--json F]``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ def _arguments(argv):
   parser.add_argument("--vocabulary", type=int, default=1024)
   parser.add_argument("--jax", action="store_true", help="also time Keras on JAX in a child process")
   parser.add_argument("--no-onednn", action="store_true", help="also time TensorFlow with oneDNN off, in a child process")
+  parser.add_argument("--default-threads", action="store_true",
+                      help="also time TensorFlow with its default intra-op threads, in a child process")
+  parser.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)  # virtual_cpus' intra_op_threads
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the JAX side, in its own process
   parser.add_argument("--tf-child", action="store_true", help=argparse.SUPPRESS)  # TensorFlow without oneDNN
   parser.add_argument("--json", default=None)
@@ -108,9 +117,9 @@ def _child(args) -> None:
     keras.backend.clear_session()
 
 
-def _in_child(args, flag: str, **env) -> dict:
-  """This benchmark in a child process with ``env`` set: per model, the row it prints."""
-  command = [sys.executable, "-m", "benchmarks.keras_hub", flag, "--models", args.models,
+def _in_child(args, flags: list[str], **env) -> dict:
+  """This benchmark in a child process with ``flags`` and ``env`` set: per model, the row it prints."""
+  command = [sys.executable, "-m", "benchmarks.keras_hub", *flags, "--models", args.models,
              "--rounds", str(args.rounds), "--hidden", str(args.hidden), "--length", str(args.length),
              "--batch", str(args.batch), "--vocabulary", str(args.vocabulary)]
   out = subprocess.run(command, env=dict(os.environ, **env), capture_output=True, text=True, check=True).stdout
@@ -118,7 +127,7 @@ def _in_child(args, flag: str, **env) -> dict:
 
 
 def _jax(args) -> dict:
-  return _in_child(args, "--child", KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  return _in_child(args, ["--child"], KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
 
 
 def main(argv=None) -> dict:
@@ -128,10 +137,10 @@ def main(argv=None) -> dict:
     return {}
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import replicator  # pylint: disable=import-outside-toplevel
-  replicator.virtual_cpus(4)
+  replicator.virtual_cpus(4, intra_op_threads=args.threads)
   import keras  # pylint: disable=import-outside-toplevel
   replicator.enable_keras_distribution()
-  if args.tf_child:  # TensorFlow without oneDNN (set by the parent), with this library as in the parent
+  if args.tf_child:  # TensorFlow without oneDNN or with its default threads (set by the parent)
     _child(args)
     return {}
   results = {"config": {k: getattr(args, k) for k in ("hidden", "length", "batch", "vocabulary", "rounds")},
@@ -148,16 +157,26 @@ def main(argv=None) -> dict:
     for name, row in _jax(args).items():
       results["models"][name]["jax"] = row
   if args.no_onednn:
-    for name, row in _in_child(args, "--tf-child", TF_ENABLE_ONEDNN_OPTS="0").items():
+    for name, row in _in_child(args, ["--tf-child"], TF_ENABLE_ONEDNN_OPTS="0").items():
       results["models"][name]["no_onednn"] = row
+  if args.default_threads:
+    for name, row in _in_child(args, ["--tf-child", "--threads", "0"]).items():
+      row["ours_split_over_this_one_device"] = results["models"][name]["split_ms"] / row["one_device_ms"]
+      results["models"][name]["default_threads"] = row
   print(f"{'model':8s} {'one device':>12s} {'2x2 map':>10s} {'ratio':>7s} {'weights/dev':>12s} {'JAX ratio':>10s} "
-        f"{'no oneDNN: one / 2x2 / ratio':>30s}")
+        f"{'no oneDNN: one / 2x2 / ratio':>30s} {'default threads: one / 2x2 / ratio / ours over its one':>56s}")
+
+  def child_row(row, extra=""):
+    if not row:
+      return "-"
+    return f"{row['one_device_ms']:.1f}ms / {row['split_ms']:.1f}ms / {row['ratio']:.2f}" + extra
+
   for name, row in results["models"].items():
     jax_ratio = f"{row['jax']['ratio']:.2f}" if "jax" in row else "-"
-    eigen = row.get("no_onednn")
-    eigen = f"{eigen['one_device_ms']:.1f}ms / {eigen['split_ms']:.1f}ms / {eigen['ratio']:.2f}" if eigen else "-"
+    default = row.get("default_threads")
+    default = child_row(default, f" / {default['ours_split_over_this_one_device']:.2f}" if default else "")
     print(f"{name:8s} {row['one_device_ms']:10.1f}ms {row['split_ms']:8.1f}ms {row['ratio']:7.2f} "
-          f"{row['weights_per_device']:12.2f} {jax_ratio:>10s} {eigen:>30s}")
+          f"{row['weights_per_device']:12.2f} {jax_ratio:>10s} {child_row(row.get('no_onednn')):>30s} {default:>56s}")
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=1)

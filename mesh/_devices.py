@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -111,7 +112,28 @@ def resolve(devices: Sequence[str] | None) -> tuple[str, ...]:
   return tuple(resolved)
 
 
-def virtual_cpus(n: int) -> list[str]:
+def cores() -> int:
+  """The CPU cores this process may run on (its affinity where the system says)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # no sched_getaffinity (macOS, Windows)
+    return os.cpu_count() or 1
+
+
+def intra_op_threads_for(n: int) -> int:
+  """Threads a kernel may use when ``n`` logical CPUs share this host's cores (0: TensorFlow's default).
+
+  Every logical CPU runs its own ops at the same time, and TensorFlow gives all
+  of them one pool of intra-op threads (as many as there are cores) to split a
+  kernel over. With several logical CPUs busy at once, each kernel's threads
+  compete with the other devices' kernels for the same cores; a pool of
+  ``cores // n`` threads (at least one) keeps the threads about the cores
+  (measured in :func:`virtual_cpus`'s docstring).
+  """
+  return 0 if n <= 1 else max(1, cores() // n)
+
+
+def virtual_cpus(n: int, *, intra_op_threads: int | None = None) -> list[str]:
   """Splits the host CPU into ``n`` logical CPU devices.
 
   Lets a machine without accelerators run several replicas (each logical CPU is
@@ -119,8 +141,21 @@ def virtual_cpus(n: int) -> list[str]:
   TensorFlow initialises its devices; calling it again with the same ``n`` is a
   no-op.
 
+  The logical CPUs run their ops at the same time, so one kernel need not
+  spread over every core: unless told otherwise (or TensorFlow's intra-op
+  threads were already set, by ``tf.config.threading`` or
+  ``TF_NUM_INTRAOP_THREADS``), a kernel gets ``cores // n`` threads, at least
+  one (TensorFlow's default, one per core, for ``n == 1``). On 2 cores and 4
+  logical CPUs this took a KerasHub Qwen step split 2x2 from 56 to 38 ms, and
+  left its one-device step as it was (38.6 and 37.7 ms); a one-device step of
+  four times the width was 2-9% slower (``benchmarks/README.md``). The setting
+  is the process's: pass ``intra_op_threads=0`` for TensorFlow's default.
+
   Args:
     n: number of logical CPUs, at least 1.
+    intra_op_threads: threads a kernel may use
+      (``tf.config.threading.set_intra_op_parallelism_threads``); None: as
+      above; 0: TensorFlow's default.
 
   Returns:
     The logical CPU device names.
@@ -131,6 +166,10 @@ def virtual_cpus(n: int) -> list[str]:
   """
   if not isinstance(n, int) or isinstance(n, bool) or n < 1:
     raise _errors.DeviceError(f"virtual_cpus(n) needs a positive integer n, but found {n!r}.")
+  if intra_op_threads is not None and (not isinstance(intra_op_threads, int) or isinstance(intra_op_threads, bool)
+                                       or intra_op_threads < 0):
+    raise _errors.DeviceError(
+        f"virtual_cpus(intra_op_threads=...) needs a non-negative integer or None, but found {intra_op_threads!r}.")
   cpu = tf.config.list_physical_devices("CPU")[0]
   try:
     tf.config.set_logical_device_configuration(
@@ -139,4 +178,10 @@ def virtual_cpus(n: int) -> list[str]:
     found = len(tf.config.list_logical_devices("CPU"))
     if found != n:
       raise _errors.DeviceError(VIRTUAL_CPUS_TOO_LATE.format(n=n, found=found)) from e
+    return local_devices("CPU")
+  if intra_op_threads is None:
+    already = tf.config.threading.get_intra_op_parallelism_threads() or os.environ.get("TF_NUM_INTRAOP_THREADS")
+    intra_op_threads = 0 if already else intra_op_threads_for(n)
+  if intra_op_threads:
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
   return local_devices("CPU")

@@ -59,9 +59,10 @@ CASES = [(point, update, False) for point in POINTS for update in ("sharded", "r
 
 
 @pytest.mark.parametrize("point,update,atomic", CASES)
-def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, update, atomic, tmp_path):
+def test_a_failing_replica_leaves_agreeing_copies_or_a_named_divergence(point, update, atomic, tmp_path, request):
   # Was: components [2.0, 1.0, 1.0, 1.0], iterations [5, 4, 4, 4], and the next checkpoint saved replica 0's.
-  for replica in range(4):
+  # CI fails the first replica and the last; --full-grid each of the four.
+  for replica in range(4) if request.config.getoption("--full-grid") else (0, 3):
     keras.backend.clear_session()
     repl, model, optimizer, step, fail = _setup(update=update, atomic=atomic)
     inputs = replicator.PerReplica(np.split(X, 4))

@@ -17,6 +17,9 @@ float32 differences in the order of sums. Measured for these configurations
 error in a step (a gradient missing from one device's piece is 1e-3 or more).
 """
 
+import re
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -202,7 +205,8 @@ MOE = {  # four experts, top 2; the blocks compute every expert on every token a
                         "top_k": 2},
     "GptOssBackbone": {**GQA, "num_experts": 4, "top_k": 2, "head_dim": 8},
 }
-MOE_MESHES = {"4x1": {"batch": 4}, "2x2": {"batch": 2, "model": 2}, "1x4": {"batch": 1, "model": 4}}
+MOE_MESHES = {"4x1": {"batch": 4}, "2x2": {"batch": 2, "model": 2}, "1x4": {"batch": 1, "model": 4},
+              "2x2 shipped map": {"batch": 2, "model": 2}}
 
 
 def _moe_backbone(name):
@@ -212,7 +216,8 @@ def _moe_backbone(name):
 
 def _moe_cases():
   return [pytest.param(name, shape, marks=() if (name, shape) == ("MixtralBackbone", "2x2") else (pytest.mark.full_grid,))
-          for name in MOE for shape in MOE_MESHES]
+          for name in MOE for shape in MOE_MESHES
+          if shape != "2x2 shipped map" or "get_layout_map" in getattr(keras_hub.models, name).__dict__]
 
 
 def _max_distance(ours, reference) -> float:
@@ -236,12 +241,26 @@ def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_
   for batch in _dataset():
     other_step({k: v[::-1] for k, v in batch.items()})
   axes = MOE_MESHES[shape]
-  repl = replicator.Replicator(mesh=mesh.Mesh(axes, devices=cpus(4)), view="global", strict=True,
-                               layouts=mesh.LayoutMap({r"experts/": ("model",)}, pad=True) if "model" in axes else None)
-  with repl.context():
-    backbone, optimizer = _moe_backbone(name), keras.optimizers.Adam(1e-3)
-  step, data = _step(backbone, optimizer, True), _dataset()
-  losses = [float(repl.run(step, data)) for _ in range(STEPS)]  # one dataset: its next batch each call
+  shipped = shape == "2x2 shipped map"  # the backbone's own map (Qwen MoE, Qwen 3 MoE)
+  if shipped:
+    device_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=cpus(4))
+    layouts = getattr(keras_hub.models, name).get_layout_map(device_mesh)
+  else:
+    layouts = mesh.LayoutMap({r"experts/": ("model",)}, pad=True) if "model" in axes else None
+  # Strict, except with a shipped map: its keys for a dense feed-forward layer ("...feedforward_intermediate_dense
+  # .kernel", "...feedforward_output_dense.kernel") match nothing in a model whose every block is a mixture (Keras
+  # ignores them; the experts stay whole); any other warning (a fallback, another key) fails the test.
+  repl = replicator.Replicator(mesh=mesh.Mesh(axes, devices=cpus(4)), view="global", strict=not shipped,
+                               layouts=layouts)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with repl.context():
+      backbone, optimizer = _moe_backbone(name), keras.optimizers.Adam(1e-3)
+    step, data = _step(backbone, optimizer, True), _dataset()
+    losses = [float(repl.run(step, data)) for _ in range(STEPS)]  # one dataset: its next batch each call
+  ours_warnings = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+  assert all(re.match(r"The layouts' key 'transformer_layer\.\*feedforward_(intermediate|output)_dense\.kernel' matches "
+                      "none", m) for m in ours_warnings), "\n".join(m[:150] for m in ours_warnings)
   noise = _max_distance(other.weights, [w.numpy() for w in one.weights])
   ours = _max_distance(backbone.weights, [w.numpy() for w in one.weights])
   print(f"{name} {shape}: one device reordered {noise:.2e} from one device, split {ours:.2e}")
@@ -253,6 +272,12 @@ def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_
   assert_every_copy(optimizer.variables, one_opt.variables, atol=2e-6)
   experts = [w for w in backbone.weights if "experts/" in w.path]
   assert experts
-  if "model" in axes:  # 1/k of their bytes a device
+  if shipped:  # each weight split as Keras's own lookup of the map says (over both axes: a quarter a device)
+    for w in backbone.weights:
+      layout = layouts[w.path]
+      parts = 2 ** sum(axis is not None for axis in layout.axes) if layout is not None else 1
+      assert max(replicator.bytes_per_device([w]).values()) * parts == w.numpy().nbytes, w.path
+    assert all(layouts[w.path] is None for w in experts)  # the experts stay whole (see above)
+  elif "model" in axes:  # 1/k of their bytes a device
     for w in experts:
       assert max(replicator.bytes_per_device([w]).values()) * axes["model"] == w.numpy().nbytes, w.path

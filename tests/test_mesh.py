@@ -1,9 +1,13 @@
 """Tests for mesh: devices and the named-axis Mesh."""
 
+import os
+
 import pytest
+import tensorflow as tf
 from conftest import cpus
 
 import mesh
+from mesh import _devices
 
 
 def test_canonical_names():
@@ -43,6 +47,17 @@ def test_virtual_cpus_after_initialisation():
     mesh.virtual_cpus(3)
   with pytest.raises(mesh.DeviceError, match="positive integer"):
     mesh.virtual_cpus(0)
+  with pytest.raises(mesh.DeviceError, match=r"intra_op_threads=...\) needs a non-negative integer or None, but found -1"):
+    mesh.virtual_cpus(8, intra_op_threads=-1)
+
+
+def test_virtual_cpus_give_a_kernel_the_cores_over_the_devices(monkeypatch):
+  # conftest made 8 logical CPUs with virtual_cpus(8): unless TF_NUM_INTRAOP_THREADS was set, a kernel gets
+  # cores // 8 threads, at least one (TensorFlow's default would be one per core).
+  if not os.environ.get("TF_NUM_INTRAOP_THREADS"):
+    assert tf.config.threading.get_intra_op_parallelism_threads() == max(1, _devices.cores() // 8)
+  monkeypatch.setattr(_devices, "cores", lambda: 16)
+  assert [_devices.intra_op_threads_for(n) for n in (1, 2, 4, 8, 16, 32)] == [0, 8, 4, 2, 1, 1]
 
 
 def test_coordinates_row_major():
