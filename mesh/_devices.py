@@ -32,6 +32,11 @@ VIRTUAL_CPUS_TOO_LATE = (
     "Fix: call replicator.virtual_cpus({n}) at the very start of the program, "
     "before any tensor, variable, dataset or model is created."
 )
+THREADS_TOO_LATE = (
+    "replicator.virtual_cpus({n}, intra_op_threads={threads}) must run before TensorFlow initialises its "
+    "devices, but they are already initialised with {now} intra-op thread(s) (0: TensorFlow's default). "
+    "Fix: call it at the very start of the program, before any tensor, variable, dataset or model is created."
+)
 
 
 def local_devices(device_type: str | None = None) -> list[str]:
@@ -146,10 +151,11 @@ def virtual_cpus(n: int, *, intra_op_threads: int | None = None) -> list[str]:
   threads were already set, by ``tf.config.threading`` or
   ``TF_NUM_INTRAOP_THREADS``), a kernel gets ``cores // n`` threads, at least
   one (TensorFlow's default, one per core, for ``n == 1``). On 2 cores and 4
-  logical CPUs this took a KerasHub Qwen step split 2x2 from 56 to 38 ms, and
-  left its one-device step as it was (38.6 and 37.7 ms); a one-device step of
-  four times the width was 2-9% slower (``benchmarks/README.md``). The setting
-  is the process's: pass ``intra_op_threads=0`` for TensorFlow's default.
+  logical CPUs this took a KerasHub Qwen step split 2x2 from 55 to 39 ms, and
+  its one-device step from 40.9 to 38.2 ms; a one-device step of four times
+  the width was 2-9% slower, a wide MLP's 47% (``benchmarks/README.md``). The
+  setting is the process's: pass ``intra_op_threads=0`` for TensorFlow's
+  default.
 
   Args:
     n: number of logical CPUs, at least 1.
@@ -169,7 +175,8 @@ def virtual_cpus(n: int, *, intra_op_threads: int | None = None) -> list[str]:
   if intra_op_threads is not None and (not isinstance(intra_op_threads, int) or isinstance(intra_op_threads, bool)
                                        or intra_op_threads < 0):
     raise _errors.DeviceError(
-        f"virtual_cpus(intra_op_threads=...) needs a non-negative integer or None, but found {intra_op_threads!r}.")
+        f"virtual_cpus(intra_op_threads=...) needs a non-negative integer or None, but found {intra_op_threads!r}. "
+        "Fix: pass a number of threads, 0 for TensorFlow's default, or leave it out for cores // n.")
   cpu = tf.config.list_physical_devices("CPU")[0]
   try:
     tf.config.set_logical_device_configuration(
@@ -178,10 +185,15 @@ def virtual_cpus(n: int, *, intra_op_threads: int | None = None) -> list[str]:
     found = len(tf.config.list_logical_devices("CPU"))
     if found != n:
       raise _errors.DeviceError(VIRTUAL_CPUS_TOO_LATE.format(n=n, found=found)) from e
-    return local_devices("CPU")
-  if intra_op_threads is None:
+  threads = intra_op_threads
+  if threads is None:
     already = tf.config.threading.get_intra_op_parallelism_threads() or os.environ.get("TF_NUM_INTRAOP_THREADS")
-    intra_op_threads = 0 if already else intra_op_threads_for(n)
-  if intra_op_threads:
-    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    threads = 0 if already else intra_op_threads_for(n)
+  if threads:
+    try:
+      tf.config.threading.set_intra_op_parallelism_threads(threads)
+    except RuntimeError as e:  # TensorFlow already runs, with another count: an error only if one was asked for
+      if intra_op_threads is not None:
+        now = tf.config.threading.get_intra_op_parallelism_threads()
+        raise _errors.DeviceError(THREADS_TOO_LATE.format(n=n, threads=threads, now=now)) from e
   return local_devices("CPU")

@@ -49,6 +49,11 @@ def test_virtual_cpus_after_initialisation():
     mesh.virtual_cpus(0)
   with pytest.raises(mesh.DeviceError, match=r"intra_op_threads=...\) needs a non-negative integer or None, but found -1"):
     mesh.virtual_cpus(8, intra_op_threads=-1)
+  now = tf.config.threading.get_intra_op_parallelism_threads()
+  with pytest.raises(mesh.DeviceError, match=rf"virtual_cpus\(8, intra_op_threads={now + 2}\) must run before "
+                     rf"TensorFlow initialises its devices, but they are already initialised with {now} intra-op"):
+    mesh.virtual_cpus(8, intra_op_threads=now + 2)
+  assert mesh.virtual_cpus(8, intra_op_threads=now) == cpus(8)
 
 
 def test_virtual_cpus_give_a_kernel_the_cores_over_the_devices(monkeypatch):
