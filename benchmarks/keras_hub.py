@@ -60,7 +60,7 @@ def _arguments(argv):
                       help="also time TensorFlow with its default intra-op threads, in a child process")
   parser.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)  # virtual_cpus' intra_op_threads
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the JAX side, in its own process
-  parser.add_argument("--tf-child", action="store_true", help=argparse.SUPPRESS)  # TensorFlow without oneDNN
+  parser.add_argument("--tf-child", action="store_true", help=argparse.SUPPRESS)  # ours again: oneDNN off, or default threads
   parser.add_argument("--json", default=None)
   return parser.parse_args(argv)
 
