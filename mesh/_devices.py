@@ -126,16 +126,19 @@ def cores() -> int:
 
 
 def intra_op_threads_for(n: int) -> int:
-  """Threads a kernel may use when ``n`` logical CPUs share this host's cores (0: TensorFlow's default).
+  """Threads a kernel may use when ``n`` logical CPUs share this host's cores (0: TensorFlow's own setting).
 
   Every logical CPU runs its own ops at the same time, and TensorFlow gives all
   of them one pool of intra-op threads (as many as there are cores) to split a
   kernel over. With several logical CPUs busy at once, each kernel's threads
   compete with the other devices' kernels for the same cores; a pool of
   ``cores // n`` threads (at least one) keeps the threads about the cores
-  (measured in :func:`virtual_cpus`'s docstring).
+  (measured in :func:`virtual_cpus`'s docstring). 0 where the user chose with
+  ``TF_NUM_INTRAOP_THREADS``.
   """
-  return 0 if n <= 1 else max(1, cores() // n)
+  if n <= 1 or os.environ.get("TF_NUM_INTRAOP_THREADS"):
+    return 0
+  return max(1, cores() // n)
 
 
 def virtual_cpus(n: int, *, intra_op_threads: int | None = None) -> list[str]:
@@ -187,8 +190,7 @@ def virtual_cpus(n: int, *, intra_op_threads: int | None = None) -> list[str]:
       raise _errors.DeviceError(VIRTUAL_CPUS_TOO_LATE.format(n=n, found=found)) from e
   threads = intra_op_threads
   if threads is None:
-    already = tf.config.threading.get_intra_op_parallelism_threads() or os.environ.get("TF_NUM_INTRAOP_THREADS")
-    threads = 0 if already else intra_op_threads_for(n)
+    threads = 0 if tf.config.threading.get_intra_op_parallelism_threads() else intra_op_threads_for(n)
   if threads:
     try:
       tf.config.threading.set_intra_op_parallelism_threads(threads)

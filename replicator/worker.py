@@ -83,8 +83,8 @@ def serve(cluster, task: int, devices: int = 1):
   cluster = _cluster.parse(cluster)
   cluster.check_task(task)
   # As replicator.virtual_cpus: a worker's logical CPUs run at once, a kernel gets cores // devices threads.
-  threads = 0 if os.environ.get("TF_NUM_INTRAOP_THREADS") else _devices.intra_op_threads_for(devices)
-  config = tf.compat.v1.ConfigProto(device_count={"CPU": devices}, intra_op_parallelism_threads=threads)
+  config = tf.compat.v1.ConfigProto(device_count={"CPU": devices},
+                                    intra_op_parallelism_threads=_devices.intra_op_threads_for(devices))
   return tf.distribute.Server(cluster.spec, job_name=_cluster.JOB, task_index=task, protocol="grpc",
                               config=config, start=True)
 

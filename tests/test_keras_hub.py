@@ -230,15 +230,10 @@ MOE_MESHES = {"4x1": {"batch": 4}, "2x2": {"batch": 2, "model": 2}, "1x4": {"bat
               "2x2 shipped map": {"batch": 2, "model": 2}}
 
 
-def _moe_backbone(name):
-  keras.utils.set_random_seed(0)
-  return getattr(keras_hub.models, name)(vocabulary_size=VOCABULARY, num_layers=2, **MOE[name])
-
-
 def _moe_cases():
   return [pytest.param(name, shape, marks=() if (name, shape) == ("MixtralBackbone", "2x2") else (pytest.mark.full_grid,))
           for name in MOE for shape in MOE_MESHES
-          if shape != "2x2 shipped map" or "get_layout_map" in getattr(keras_hub.models, name).__dict__]
+          if shape != "2x2 shipped map" or name in MOE_WITH_MAPS]
 
 
 def _assert_only_unmatched_feed_forward_keys(caught):
@@ -262,8 +257,8 @@ def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_
   # on one device. Float32's noise: the same one-device steps on each batch's rows in reverse order (the same
   # sums in another order; routing is per token). A float64 run cannot be the truth here: KerasHub's Mixtral
   # casts the load-balancing mask to float32 and fails to multiply it with float64 probabilities.
-  one, one_opt = _moe_backbone(name), keras.optimizers.Adam(1e-3)
-  other, other_opt = _moe_backbone(name), keras.optimizers.Adam(1e-3)
+  one, one_opt = _backbone(name), keras.optimizers.Adam(1e-3)
+  other, other_opt = _backbone(name), keras.optimizers.Adam(1e-3)
   one_step, other_step = tf.function(_step(one, one_opt, True)), tf.function(_step(other, other_opt, True))
   expected = [float(one_step(batch)) for batch in _dataset()]
   for batch in _dataset():
@@ -283,7 +278,7 @@ def test_a_keras_hub_mixture_of_experts_trains_with_its_experts_split_as_on_one_
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with repl.context():
-      backbone, optimizer = _moe_backbone(name), keras.optimizers.Adam(1e-3)
+      backbone, optimizer = _backbone(name), keras.optimizers.Adam(1e-3)
     step, data = _step(backbone, optimizer, True), _dataset()
     losses = [float(repl.run(step, data)) for _ in range(STEPS)]  # one dataset: its next batch each call
   _assert_only_unmatched_feed_forward_keys(caught)

@@ -62,7 +62,10 @@ def test_virtual_cpus_give_a_kernel_the_cores_over_the_devices(monkeypatch):
   if not os.environ.get("TF_NUM_INTRAOP_THREADS"):
     assert tf.config.threading.get_intra_op_parallelism_threads() == max(1, _devices.cores() // 8)
   monkeypatch.setattr(_devices, "cores", lambda: 16)
+  monkeypatch.delenv("TF_NUM_INTRAOP_THREADS", raising=False)
   assert [_devices.intra_op_threads_for(n) for n in (1, 2, 4, 8, 16, 32)] == [0, 8, 4, 2, 1, 1]
+  monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "3")  # the user's choice: left to TensorFlow
+  assert _devices.intra_op_threads_for(4) == 0
 
 
 def test_coordinates_row_major():
