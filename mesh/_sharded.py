@@ -105,7 +105,10 @@ class ShardedTensor:
   def numpy(self) -> np.ndarray:
     return self.global_value().numpy()
 
-  def __array__(self, dtype=None):
+  def __array__(self, dtype=None, copy=None):  # NumPy 2's protocol
+    if copy is False:
+      raise ValueError("np.array(ShardedTensor, copy=False): its value is read into a new array, so it cannot be "
+                       "given without a copy. Fix: np.asarray(x) or np.array(x).")
     return np.asarray(self.numpy(), dtype=dtype)
 
   def __repr__(self) -> str:

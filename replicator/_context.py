@@ -31,9 +31,6 @@ class ReplicaContext:
       of the step (left out of the rewritten graph).
     analysis: which mesh axes the trace's values vary along, shared by the
       replicas of one trace (``_invariance``).
-    gradient_weight: in a step run for Keras's trainer, this replica's rows
-      over the global batch's, weighting its gradients before Keras's
-      optimizer sums them (``_keras``); None in ``repl.run``.
   """
 
   replicator: Any
@@ -48,7 +45,6 @@ class ReplicaContext:
   creations: int = 0
   lifted: set | None = None
   analysis: Any = None  # _invariance.Analysis of this trace (None: writes are not checked)
-  gradient_weight: Any = None  # Keras's trainer: this replica's share of the global batch (_keras)
 
 
 _state = threading.local()

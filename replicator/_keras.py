@@ -1,36 +1,29 @@
-"""Keras's trainer on a Replicator: ``model.fit``, ``evaluate`` and ``predict`` across the replicas.
+"""Keras's trainer on a Replicator: ``model.fit``, ``evaluate``, ``predict`` and the ``*_on_batch`` calls.
 
 Keras 3's TensorFlow trainer runs each step through the
 ``tf.distribute.Strategy`` that was current when the model was created:
 ``strategy.experimental_distribute_dataset`` for its data and
 ``strategy.run(train_step, args=(batch,))`` inside its own ``tf.function``.
-``repl.context()`` makes :class:`KerasStrategy` current, so a model built
-there is trained by the Replicator:
+``repl.context()`` (and a Keras distribution after
+``replicator.enable_keras_distribution()``) makes :class:`KerasStrategy`
+current, so a model built there is trained by the Replicator.
 
-* its datasets stay datasets of global batches (Keras batches them globally);
-* ``strategy.run`` splits each global batch across the replicas (as
-  ``repl.distribute_dataset`` does, in the graph), builds the step through
-  the same trace -> plan -> rewrite pipeline as ``repl.run`` (cached per step
-  function and input signature) and imports the rewritten step into Keras's
-  function, where Keras's loop (``steps_per_execution``), callbacks,
-  validation and progress bar run as usual;
-* gradients: Keras's optimizers sum gradients over the replica context
-  themselves; in a step run for Keras each replica's gradient of its mean
-  loss is weighted by its share of the global batch before that sum, which
-  gives one device's gradient of the global mean loss (also for a last,
-  uneven batch), as ``wrap_optimizer`` does;
-* metrics: Keras's metric variables add up their state (``aggregation``
-  SUM), which the Replicator combines across replicas on write, so every
-  replica's result is the global one; ``train_step``/``test_step`` results
-  are returned once, ``predict``'s outputs concatenated in batch order.
+Keras's steps (``train_step``, ``test_step``, ``predict_step``, Keras's or a
+subclass's own) are written for one device, so in either view of the
+Replicator ``strategy.run`` runs them as the global view runs a step: traced
+once at the global batch's shapes, partitioned over the mesh (the batch split
+over the batch axes, the variables by their layouts) and imported into
+Keras's function, where Keras's loop (``steps_per_execution``), callbacks,
+validation and progress bar run as usual. What the step returns, the losses,
+gradients, metrics, random draws (Dropout) and batch statistics
+(BatchNormalization) are then one device's, whatever the step computes: a
+loss summed rather than averaged, metrics updated without sample weights, a
+``repl.wrap_optimizer`` wrapper (it reduces nothing in the one program).
 
-A model with sharded variables needs the global view
-(``Replicator(view="global")``): there ``strategy.run`` traces Keras's step
-once at the global batch's shapes and partitions it by the layouts, as
-``repl.run`` does for a global-view step; its outputs are already global. A
-batch of unknown size (a dataset batched without ``drop_remainder``, arrays
-whose rows ``batch_size`` does not divide, ``predict`` on fewer rows) is
-taken whole by every device: the variables stay split, the batch is not.
+Batches of unknown size (a dataset batched without ``drop_remainder``,
+arrays whose rows ``batch_size`` does not divide) are handed to Keras's step
+one concrete batch at a time (``_keras_batches``): full batches are split
+over the batch axes, a short last batch is taken whole by every device.
 
 The strategy is TensorFlow's default strategy with these overrides (its
 class is taken from the default strategy object, no private import). Outside
@@ -57,9 +50,8 @@ import tensorflow as tf
 import tree
 
 from replicator import _context
-from replicator import _distributed_dataset
 from replicator import _errors
-from replicator import _inputs
+from replicator import _keras_batches
 from replicator import _primitives
 from replicator import _tf_distribute
 from replicator import _variables
@@ -82,20 +74,13 @@ FOREIGN_MODEL = (
     "inside the context (or while the distribution is set); to train it on one device, call fit outside them "
     "(keras.distribution.set_distribution(None))."
 )
-SHARDED_MODEL = (
-    "model.{what} of a model with sharded variables ({name!r} has layout {spec}) is not supported: "
-    "Keras's step is written for whole variables, and in the local view a step reads each device's "
-    "piece. Fix: make the Replicator with view=\"global\" (it partitions Keras's unchanged step by the "
-    "layouts; fit then takes a tf.data.Dataset batched with drop_remainder=True), or leave the model's "
-    "variables replicated (no layouts)."
-)
-PER_REPLICA_FIT = (
-    "model.{what} in a global-view Replicator: Keras traced its step with batches of unknown size (NumPy arrays "
-    "whose rows batch_size does not divide, or a dataset batched without drop_remainder=True), which the global "
-    "view cannot trace at static global shapes; with no variable split, the step runs data-parallel per replica "
-    "instead. The results equal one device's except for random ops: each replica draws its own stream, so a "
-    "Dropout mask differs from one device's. Fix, for results equal to one device: pass a tf.data.Dataset batched "
-    "with drop_remainder=True, or arrays whose rows batch_size divides."
+ONE_DEVICE_UPDATE = (
+    "{where} outside any Replicator step updated {name!r} through an optimizer, with the Replicator's strategy "
+    "current (repl.context(), or a Keras distribution after replicator.enable_keras_distribution()): that code is "
+    "one device's program (the batch it is given, whole, on one device; every update written to each device's "
+    "copy), so it trains as one device does, without the others. Fix, to use every device: run the step as the "
+    "Replicator's, `repl.run(step_fn, dataset)` with `repl = replicator.distribution_replicator()` (or your "
+    "Replicator) and step_fn taking one batch (a tf.function works unchanged inside it), or train with model.fit."
 )
 ACCUMULATING = (
     "An optimizer wrapped with accumulation_steps > 1 is used by a Keras train_step run by "
@@ -113,7 +98,7 @@ RUN_EAGERLY = (
 )
 # Where Keras 3's TensorFlow trainer calls strategy.run (keras/src/backend/tensorflow/trainer.py, 3.15).
 KERAS_CALLERS = ("one_step_on_data", "one_step_on_data_distributed")
-KERAS_STEPS = ("train_step", "test_step")  # their results are one value (metrics); other steps: per example
+KERAS_STEPS = ("train_step", "test_step")  # steps that train or evaluate (predict_step: per example)
 
 
 def _extended_class():
@@ -143,11 +128,11 @@ def _extended_class():
 
     @property
     def _num_replicas_in_sync(self):
-      if _context.current_global_trace() is not None:
-        # A global-view step is one program on the global batch: one replica, whose loss Keras must not divide
-        # by the batch replicas (scale_loss_for_distribution, when fit runs in the strategy's scope).
-        return 1
-      return _tf_distribute.batch_replicas(self.replicator)[0]
+      # Keras's losses divide by this (scale_loss_for_distribution) wherever the strategy is current: in Keras's
+      # step (one program on the global batch), in a plain tf.function or eager loop (one device's program).
+      # Each computes the loss of the whole batch it sees, so none may divide it: one replica. (Inside a
+      # local-view replica of repl.run the replica context's strategy is TensorFlow's default one.)
+      return 1
 
     def colocate_vars_with(self, colocate_with_variable):
       # Keras optimizers made in repl.context() place slots through their strategy, also inside
@@ -159,13 +144,29 @@ def _extended_class():
       return contextlib.nullcontext()
 
     def _update(self, var, fn, args, kwargs, group):
-      if (_context.current_context() is None and _context.current_global_trace() is None
-          and not tf.executing_eagerly() and _tf_distribute.called_by(KERAS_CALLERS, depth=40)):  # Keras's trainer, on one device
-        raise _errors.UnsupportedError(MODEL_OUTSIDE)
+      if _context.current_context() is None and _context.current_global_trace() is None:
+        if not tf.executing_eagerly() and _tf_distribute.called_by(KERAS_CALLERS, depth=40):  # Keras's trainer, on one device
+          raise _errors.UnsupportedError(MODEL_OUTSIDE)
+        self._warn_one_device(var)
       return super()._update(var, fn, args, kwargs, group)
+
+    def _warn_one_device(self, var):
+      """Warns (once) that an optimizer update outside any step trains as one device, not on the mesh."""
+      if getattr(self, "_warned_one_device", False) or _variables.underlying(var) is None:
+        return
+      self._warned_one_device = True
+      warnings.warn(ONE_DEVICE_UPDATE.format(name=getattr(var, "path", None) or var.name,
+                                             where="A tf.function" if tf.inside_function() else "Eager code"),
+                    stacklevel=_primitives.user_stacklevel())
 
     def _use_merge_call(self):
       return False  # Keras's optimizers then update each variable directly
+
+    def _experimental_distribute_dataset(self, dataset, options):
+      # Keras's epoch iterator: batches of unknown size reach Keras's step one at a time, at their shapes.
+      if not _keras_batches.static(dataset.element_spec):
+        return _keras_batches.ConcreteBatches(dataset)
+      return super()._experimental_distribute_dataset(dataset, options)
 
     def _call_for_each_replica(self, fn, args, kwargs):
       raise _errors.UnsupportedError(RUN_OUTSIDE_KERAS.format(name=getattr(fn, "__name__", "fn")))
@@ -195,53 +196,55 @@ class KerasStrategy(tf.distribute.Strategy):
     model = _model_of(fn)
     if getattr(model, "jit_compile", False) is True:
       raise _errors.UnsupportedError(JIT_COMPILE)
-    what = "fit/evaluate" if getattr(fn, "__name__", "") in KERAS_STEPS else "predict"
     variables = getattr(model, "variables", None) or ()
     if (getattr(fn, "__name__", "") == "train_step" and variables
         and all(_variables.underlying(v) is None for v in variables)):
       raise _errors.UnsupportedError(FOREIGN_MODEL)
-    for variable in variables:
-      layout = _variables.layout_of(variable)
-      if layout is None:
-        continue
-      if replicator._view != "global":  # pylint: disable=protected-access
-        raise _errors.UnsupportedError(SHARDED_MODEL.format(what=what, name=variable.path, spec=layout.spec))
-      _restore_on_failure(replicator, model, fn)
-      return run_global(replicator, fn, args[0])
-    if replicator._view == "global":  # pylint: disable=protected-access
-      if _static(args[0]):  # one program at global shapes, as for a split model: Dropout draws as on one device
-        _restore_on_failure(replicator, model, fn)
-        return run_global(replicator, fn, args[0])
-      _warn_per_replica_draws(model, what)
-    return run_in_graph(replicator, fn, args[0])
+    # One program at global shapes, split model or not: outputs, metrics and random draws as on one device.
+    for variable in variables:  # a local-view Replicator gave seed states per-replica streams: one here
+      replicated = _variables.underlying(variable)
+      if replicated is not None:
+        _variables.single_stream(replicated)
+    _wrap_function(replicator, model, fn)
+    return run_global(replicator, fn, args[0])
 
 
 _FUNCTIONS = {"train_step": "train_function", "test_step": "test_function"}  # predict writes no variable
 
 
-def _restore_on_failure(replicator, model, fn) -> None:
-  """Makes the Keras function that calls ``fn`` (fit's, evaluate's) write back what a failed call of it wrote.
+def _wrap_function(replicator, model, fn) -> None:
+  """Wraps the Keras function that calls ``fn`` (``model.train_function``, ``test_function``), once.
 
-  The global view's steps keep the values they write (``Replicator(atomic=
-  True)``), but a step in Keras's ``tf.function`` fails in Keras's call, where
-  ``repl.run`` cannot restore them. Keras calls its function through the
-  model's attribute (``model.train_function(iterator)``) on every batch, so
-  the attribute is wrapped: a failed call writes the kept values back before
-  the error leaves it. This runs while Keras traces its function, inside its
-  first call: a failure of that call is undone at the start of the next step
-  instead (``_atomic.Snapshot._keep``).
+  Keras calls its function through the model's attribute
+  (``model.train_function(iterator)``) for every ``steps_per_execution``
+  batches, so the attribute is wrapped:
+
+  * all-or-nothing (``Replicator(atomic=True)``): the steps keep the values
+    they write, but a step in Keras's ``tf.function`` fails in Keras's call,
+    where ``repl.run`` cannot restore them: a failed call writes the kept
+    values back before the error leaves it;
+  * batches of unknown size given from Python (``_keras_batches``): each call
+    starts a group of steps, which the iterator needs to end the data the way
+    Keras's loop expects.
+
+  This runs while Keras traces its function, inside its first call: a failure
+  of that call is undone at the start of the next step instead
+  (``_atomic.Snapshot._keep``), and its group is the iterator's first.
   """
   name = _FUNCTIONS.get(getattr(fn, "__name__", ""))
-  function = getattr(model, name, None) if name is not None and replicator._atomic else None  # pylint: disable=protected-access
-  if function is None or getattr(function, "_replicator_restores", False):
+  function = getattr(model, name, None) if name is not None else None
+  if function is None or getattr(function, "_replicator_wraps", False):
     return
+  atomic = replicator._atomic  # pylint: disable=protected-access
 
   @functools.wraps(function)
-  def restoring(*args, **kwargs):
+  def wrapped(iterator, *args, **kwargs):
+    if isinstance(iterator, _keras_batches.Iterator):
+      iterator.begin_call()
     try:
-      return function(*args, **kwargs)
+      return function(iterator, *args, **kwargs)
     except tf.errors.OpError as e:
-      if not isinstance(e, tf.errors.OutOfRangeError):  # the end of the data: nothing ran
+      if atomic and not isinstance(e, tf.errors.OutOfRangeError):  # the end of the data: nothing ran
         for step in replicator._global_steps.values():  # pylint: disable=protected-access
           for variants in step.values():
             for variant in variants.values():
@@ -249,24 +252,8 @@ def _restore_on_failure(replicator, model, fn) -> None:
                 variant.snapshot.restore()
       raise
 
-  restoring._replicator_restores = True  # pylint: disable=protected-access
-  setattr(model, name, restoring)
-
-
-def _static(data) -> bool:
-  """Whether every tensor of a batch has a static shape (the global view traces at static shapes)."""
-  leaves = tree.flatten(data)
-  return bool(leaves) and all(isinstance(t, tf.Tensor) and t.shape.is_fully_defined() for t in leaves)
-
-
-def _warn_per_replica_draws(model, what: str) -> None:
-  """Warns (once per model that draws random numbers) that a step of batches of unknown size runs per replica."""
-  if getattr(model, "_replicator_warned_dynamic", False):
-    return
-  if not any("seed_generator" in getattr(v, "path", "") for v in getattr(model, "variables", None) or ()):
-    return  # nothing drawn at random (Keras layers that draw own a SeedGenerator's state): equal to one device
-  model._replicator_warned_dynamic = True  # pylint: disable=protected-access
-  warnings.warn(PER_REPLICA_FIT.format(what=what), stacklevel=_primitives.user_stacklevel())
+  wrapped._replicator_wraps = True  # pylint: disable=protected-access
+  setattr(model, name, wrapped)
 
 
 def _model_of(fn):
@@ -282,69 +269,6 @@ def _model_of(fn):
   return model
 
 
-class GlobalBatch(_inputs.Source):
-  """A step's input given as one global batch in the calling graph, split across the input pipelines."""
-
-  def __init__(self, data, pipelines):
-    self._structure = data
-    leaves = tree.flatten(data)
-    self._present = [leaf is not None for leaf in leaves]
-    tensors = [leaf for leaf in leaves if leaf is not None]
-    self._n = n = max(pipelines) + 1
-    self.slots = tuple(pipelines)
-    even = _distributed_dataset._even_parts([t.shape for t in tensors], n)  # pylint: disable=protected-access
-    specs = [_distributed_dataset._replica_spec(tf.TensorSpec(t.shape, t.dtype), n if even else None)  # pylint: disable=protected-access
-             for t in tensors]
-    self.element_specs = tuple(specs) * n
-    self.counts = (len(specs),) * n
-    self.structures = (data,) * n
-    self.key = ("keras", tuple(specs), str(tree.map_structure(lambda _: 0, data)))
-
-  def step_args(self, replica, flat_elements):
-    slot = self.slots[replica]
-    start = slot * self.counts[0]
-    tensors = iter(flat_elements[start:start + self.counts[0]])
-    leaves = [next(tensors) if present else None for present in self._present]
-    return (tree.unflatten_as(self._structure, leaves),)
-
-  def fetch(self, flat_args):
-    parts = _distributed_dataset.split(list(flat_args), self._n)
-    return [t for part in parts for t in part]
-
-
-def _weighted(replicator):
-  """Wraps a step so each replica's gradients are weighted by its share of the global batch."""
-
-  def wrap(fn):
-    def step(data):
-      ctx = _context.current_context()
-      rows = next((tf.shape(t)[0] for t in tree.flatten(data) if t is not None and t.shape.rank), None)
-      if rows is not None:
-        axes = _tf_distribute.batch_replicas(replicator)[1]
-        rows = tf.cast(rows, tf.float32)
-        total = _primitives.all_reduce(ctx, rows, "sum", axes, "Keras step (rows per replica)") if axes else rows
-        ctx.gradient_weight = tf.math.divide_no_nan(rows, total)
-      return fn(data)
-
-    return step
-
-  return wrap
-
-
-def run_in_graph(replicator, fn, data):
-  """Builds (or reuses) the replicated step of Keras's ``fn`` and imports it into the current graph."""
-  pipelines = [replicator.input_pipeline(r) for r in range(replicator.num_replicas)]
-  source = GlobalBatch(data, pipelines)
-  step = replicator._compiled_keras(fn, source, _weighted(replicator))  # pylint: disable=protected-access
-  tensors = [t for t in tree.flatten(data) if t is not None]
-  # Keras's own tf.function runs this step: a failure surfaces from its call, where nothing is restored.
-  results = step.unflatten(step._import(source.fetch(tensors), step.captures.input_map()))  # pylint: disable=protected-access
-  if getattr(fn, "__name__", "") in KERAS_STEPS:
-    return results[0]  # metrics: combined across replicas, the same on each
-  firsts = [pipelines.index(p) for p in range(max(pipelines) + 1)]  # one replica per batch part
-  return tree.map_structure(lambda *parts: _concat(parts), *[results[r] for r in firsts])
-
-
 def run_global(replicator, fn, data):
   """Keras's ``fn`` on one global batch in the global view: traced once at global shapes and partitioned.
 
@@ -357,11 +281,3 @@ def run_global(replicator, fn, data):
   if step.accumulating:
     raise _errors.UnsupportedError(ACCUMULATING)
   return step(leaves)
-
-
-def _concat(parts):
-  if parts[0] is None:
-    return None
-  if parts[0].shape.rank == 0:
-    return tf.stack(parts)
-  return tf.concat(parts, axis=0)

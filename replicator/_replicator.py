@@ -622,20 +622,6 @@ class Replicator(_collective_methods.CollectiveMethods):
     step.use_source(source)  # a step built before may have run on another source (its last epoch's)
     return step, source
 
-  def _compiled_keras(self, fn: Callable, source: _inputs.Source, wrap: Callable) -> _step.CompiledStep:
-    """The step Keras's trainer runs (``_keras``), built like :meth:`run`'s and cached with them."""
-    variants = self._steps.setdefault(fn, {}).setdefault(source.key, {})
-    step = variants.get(())
-    if step is None:
-      step = _step.build(self, fn, source, self._choose, wrap)
-      if step.accumulating:
-        raise _errors.UnsupportedError(_keras.ACCUMULATING)
-      variants[()] = step
-      self.trace_count += 1
-      self._check_layouts()
-    step.use_source(source)
-    return step
-
   def _convert(self, fn: Callable) -> Callable:
     """The callable to trace for step ``fn`` (see ``_callables.to_trace``).
 

@@ -95,18 +95,6 @@ def called_by(names: str | tuple[str, ...], depth: int = 4) -> bool:
     del frame
 
 
-def _scaled(gradient, weight):
-  """``gradient * weight`` (a gradient of an empty batch, possibly NaN, times 0 is 0)."""
-  if gradient is None:
-    return None
-  if isinstance(gradient, tf.IndexedSlices):
-    values = gradient.values
-    scaled = tf.where(weight > 0, values * tf.cast(weight, values.dtype), tf.zeros_like(values))
-    return tf.IndexedSlices(scaled, gradient.indices, gradient.dense_shape)
-  gradient = tf.convert_to_tensor(gradient)
-  return tf.where(weight > 0, gradient * tf.cast(weight, gradient.dtype), tf.zeros_like(gradient))
-
-
 def _reduce_op(reduce_op) -> str:
   if isinstance(reduce_op, tf.distribute.ReduceOp):
     return reduce_op.value.lower()
@@ -147,13 +135,8 @@ class ReplicaContext(tf.distribute.ReplicaContext):
     op = _reduce_op(reduce_op)
     if not self._axes:
       return value
-    if called_by(_KERAS_GRADIENT_SUM):
-      weight = self._ctx.gradient_weight
-      if weight is None:  # repl.run: reduced by wrap_optimizer, or refused unreduced
-        return value
-      # Keras's trainer (_keras): each replica's share of the global batch.
-      value = [_scaled(g, weight) for g in value]
-      return _primitives.all_reduce(self._ctx, value, "sum", self._axes, "Keras optimizer (gradient sum)")
+    if called_by(_KERAS_GRADIENT_SUM):  # reduced by wrap_optimizer, or refused unreduced (see above)
+      return value
     return _primitives.all_reduce(self._ctx, value, op, self._axes, _primitives.user_location())
 
   def all_gather(self, value, axis, options=None):  # pylint: disable=unused-argument

@@ -346,6 +346,12 @@ class ReplicatedVariable(tf.Variable):
 
   @property
   def handle(self):
+    if self._sharding is not None and not self._in_replica():
+      # Outside a step a sharded variable is read whole (its pieces assembled) and has no handle of its global
+      # value: a GradientTape asking for one would find no gradient, and Keras's optimizer would skip it.
+      raise _errors.UnsupportedError(SHARDED_HANDLE.format(
+          name=self.name.split(":")[0], spec=self._sharding.spec,
+          where="a tf.function" if tf.inside_function() else "eager code"))
     return self._current().handle
 
   @property
@@ -440,7 +446,10 @@ class ReplicatedVariable(tf.Variable):
   def numpy(self):
     return self._current().numpy() if self._whole_on_each else self._aggregate().numpy()
 
-  def __array__(self, dtype=None):
+  def __array__(self, dtype=None, copy=None):  # NumPy 2's protocol
+    if copy is False:
+      raise ValueError("np.array(ReplicatedVariable, copy=False): its value is read into a new array, so it cannot be "
+                       "given without a copy. Fix: np.asarray(x) or np.array(x).")
     return np.asarray(self.numpy(), dtype=dtype)
 
   def __int__(self):  # int(optimizer.iterations), as for a resource variable
@@ -669,6 +678,22 @@ def seed_offsets(name: str, value: tf.Tensor, n: int) -> list | None:
   return [tf.constant([i * SEED_STREAM_STRIDE, 0], value.dtype) for i in range(n)]
 
 
+def single_stream(variable) -> None:
+  """Makes a random-seed state that draws per replica (see :func:`seed_offsets`) draw one stream: every component
+  holds the state without its offset from now on.
+
+  For a program that runs once over the global batch (Keras's steps, ``_keras``): its draws must be one
+  device's, the same state on every device. Does nothing to other variables.
+  """
+  if variable._offsets is None:  # pylint: disable=protected-access
+    return
+  with tf.init_scope():
+    state = variable._components[0].read_value() - variable._offsets[0]  # pylint: disable=protected-access
+    for component in variable._components:  # pylint: disable=protected-access
+      component.assign(state)
+  variable._offsets = None  # pylint: disable=protected-access
+
+
 def summed_on_read(variable) -> bool:
   """Whether ``variable``'s value is the sum of its components (on-read, ``SUM``): a metric's total or count."""
   return variable._on_read and variable.aggregation == tf.VariableAggregation.SUM  # pylint: disable=protected-access
@@ -802,6 +827,16 @@ def variables_of(replicator) -> list:
 def owner_of(handle):
   """The ReplicatedVariable whose component (or first-run flag) has ``handle``, or None."""
   return _OWNERS.get(id(handle))
+
+
+SHARDED_HANDLE = (
+    "The handle of the sharded variable {name!r} (layout {spec}) was asked for in {where} outside any Replicator "
+    "step (a GradientTape's gradient, or tape.watch): outside a step a sharded variable is one device's whole "
+    "value assembled from its pieces, which has no handle, so no gradient can be taken for it there. Fix: run the "
+    "training step as the Replicator's, `repl.run(step_fn, dataset)` (the global view partitions the step by the "
+    "layouts; after replicator.enable_keras_distribution(), `repl = replicator.distribution_replicator()`), with "
+    "step_fn taking one batch (a tf.function works unchanged inside it), or train with model.fit."
+)
 
 
 SAVE_DIVERGED = (

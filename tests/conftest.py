@@ -31,6 +31,22 @@ def replica_values(variable):
   return [replicated.components[h].numpy() for h in replicated._home]  # pylint: disable=protected-access
 
 
+def _copies(variable, expected):
+  """(device's value, the part of ``expected`` it must hold) for every copy of ``variable`` (see assert_every_copy)."""
+  import mesh  # pylint: disable=import-outside-toplevel
+  from replicator import _variables  # pylint: disable=import-outside-toplevel
+  replicated = _variables.underlying(variable)
+  if replicated is None:
+    return [(np.asarray(variable), expected)]
+  components = replicated.components
+  if _variables.summed_on_read(replicated):
+    return [(sum(c.numpy() for c in components), expected)]
+  pieces = [np.asarray(piece) for piece in mesh.split(expected, replicated.layout)]
+  if replicated._offsets is not None:  # pylint: disable=protected-access  (a seed state drawing per replica)
+    pieces = [piece + offset.numpy() for piece, offset in zip(pieces, replicated._offsets)]  # pylint: disable=protected-access
+  return list(zip(replica_values(replicated), pieces))
+
+
 def assert_every_copy(ours, reference, atol=1e-5, rtol=0):
   """Every device's copy of each variable of ``ours`` holds ``reference``'s value (one device's variables).
 
@@ -38,22 +54,22 @@ def assert_every_copy(ours, reference, atol=1e-5, rtol=0):
   variable's components (a metric's total) add up to the value; a slot the
   sharded update keeps current on one owner per group is read there.
   """
-  import mesh  # pylint: disable=import-outside-toplevel
-  from replicator import _variables  # pylint: disable=import-outside-toplevel
   assert len(ours) == len(reference)
   for mine, theirs in zip(ours, reference):
     expected, name = np.asarray(theirs), getattr(theirs, "path", None) or theirs.name
-    replicated = _variables.underlying(mine)
-    if replicated is None:
-      np.testing.assert_allclose(np.asarray(mine), expected, rtol=rtol, atol=atol, err_msg=name)
-      continue
-    components = replicated.components
-    if _variables.summed_on_read(replicated):
-      np.testing.assert_allclose(sum(c.numpy() for c in components), expected, rtol=rtol, atol=atol, err_msg=name)
-      continue
-    pieces = mesh.split(expected, replicated.layout)
-    for device, (value, piece) in enumerate(zip(replica_values(replicated), pieces)):
-      np.testing.assert_allclose(value, np.asarray(piece), rtol=rtol, atol=atol, err_msg=f"{name} on device {device}")
+    for device, (value, part) in enumerate(_copies(mine, expected)):
+      np.testing.assert_allclose(value, part, rtol=rtol, atol=atol, err_msg=f"{name} on device {device}")
+
+
+def copies_distance(ours, reference) -> float:
+  """The largest distance of any device's copy of any variable of ``ours`` to ``reference``'s (as above)."""
+  assert len(ours) == len(reference)
+  gaps = [0.0]
+  for mine, theirs in zip(ours, reference):
+    for value, part in _copies(mine, np.asarray(theirs)):
+      assert np.shape(value) == np.shape(part), (getattr(theirs, "path", None), np.shape(value), np.shape(part))
+      gaps.append(float(np.max(np.abs(np.asarray(value, np.float64) - np.asarray(part, np.float64)), initial=0.0)))
+  return max(gaps)
 
 
 def summary_events(logdir) -> list:
