@@ -166,6 +166,9 @@ def _pieces_and_layout(value) -> tuple[tuple, Layout]:
   components = getattr(value, "components", None)
   if isinstance(layout, Layout) and components is not None:  # a sharded variable
     return tuple(c.read_value() for c in components), layout
+  inner = getattr(value, "value", None)  # a Keras 3 variable: the backend variable it wraps (a method elsewhere)
+  if inner is not None and not callable(inner) and hasattr(inner, "components"):
+    return _pieces_and_layout(inner)
   raise _errors.ArgumentTypeError(
       f"Expected a mesh.ShardedTensor or a sharded variable (with `layout` and `components`), "
       f"found {type(value).__name__}. Fix: make one with mesh.shard(value, layout) or mesh.pack(pieces, layout).")

@@ -139,8 +139,8 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
   collecting = gc.isenabled()
   gc.disable()  # (the remembered decisions are millions of small tuples: collections would scan them, a third of the time)
   try:
-    result = _search.search(searched, mesh.shape, evaluate, batch_axes=axes,
-                            memory_per_device=None if budget is None else budget - fixed_bytes)
+    result = _search.search(searched, mesh.shape, evaluate, batch_axes=axes, memory_per_device=budget,
+                            held_besides=fixed_bytes)
   except _search.BudgetError as e:
     raise _errors.ArgumentError(f"Replicator(layouts='auto', memory_per_device={budget:,}): {e}") from None
   finally:

@@ -31,6 +31,17 @@ MAY_BE_TORN = (
 )
 
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
+_REWRITTEN = re.compile(r"(?:^|/)replicator_rewrite_*/(\d+)_\w+/")  # rewrite._apply's names of a collective's nodes
+_SHAPES = re.compile(r"same size and shape|[Ss]hape mismatch|[Ii]ncompatible shapes|must have the same shape")
+COLLECTIVE_OP = "{kind} #{index}"  # how a failing collective is named (the rewrite's nodes are not the user's ops)
+_INPUT_SHAPES = re.compile(r"[Ii]nput \d+: (\[[\d,]*\]) != input \d+: (\[[\d,]*\])")
+COLLECTIVE_SHAPES = (
+    "the replicas reached this {kind} with values of different shapes ({found}); the collective combines one value a "
+    "replica, of one shape. A value of the batch's size differs when the replicas' batches do (the last batch of "
+    "input_fn datasets of different lengths, or of a batch the replicas do not divide evenly). Fix: reduce a "
+    "value of a fixed shape (a sum over the batch, then divide by the total count from another all_reduce), "
+    "batch with drop_remainder=True, or make the Replicator with drop_remainder=True"
+)
 _LOCAL_NAME = re.compile(r"(?:^|/)(replica_\d+/.*)$")
 
 
@@ -87,16 +98,23 @@ def failing_replicas(nodes: list[str]) -> list[int] | None:
   return sorted(replicas) or None
 
 
-def locator(graph: tf.Graph, strip_replica: bool) -> Callable[[str], tuple[str, str] | None]:
+def locator(graph: tf.Graph, strip_replica: bool, plan=None) -> Callable[[str], tuple[str, str] | None]:
   """A function from a failing node's name to ``(traced op name, user location)``, found in ``graph``.
 
   The node may be in the rewritten graph (``step/replica_1/...``, or in the
   global view ``step/expand/replica_1/...``) or inside a function the step
   calls (a ``tf.cond`` branch): the longest prefix of its name that names an
   op of the traced graph is the op (a branch's op: the ``If`` that runs it).
+  A node of a collective the rewrite made (``replicator_rewrite/3_all_reduce/
+  ...``) is that collective of ``plan``: where the user called it.
   """
+  collectives = {c.index: c for c in plan.collectives} if plan is not None else {}
 
   def locate(node: str) -> tuple[str, str] | None:
+    made = _REWRITTEN.search(node)
+    if made is not None and int(made.group(1)) in collectives:
+      collective = collectives[int(made.group(1))]
+      return COLLECTIVE_OP.format(kind=collective.kind, index=collective.index), collective.members[0].location
     match = _LOCAL_NAME.search(node)
     name = match.group(1) if match else node
     if strip_replica:
@@ -134,6 +152,10 @@ def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str
     names = ", ".join(tf.DeviceSpec.from_string(d).to_string().rsplit("/", 1)[-1] or d for d in failed)
     on = f" on {names}"
   state = NOTHING_WRITTEN + NOTHING_WRITTEN_INPUT if restored else MAY_BE_TORN
+  if found is not None and " #" in found[0] and _SHAPES.search(first):  # a collective of the rewrite: say why
+    shapes = _INPUT_SHAPES.search(first)
+    first = COLLECTIVE_SHAPES.format(kind=found[0].split()[0], found=(
+        f"shapes {shapes.group(1)} and {shapes.group(2)}" if shapes else f"TensorFlow: {first}"))
   message = f"The step failed{on}{where}: {first}. {state}. The TensorFlow error is this error's __cause__."
   cls = _class_for(type(error))
   try:

@@ -285,7 +285,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   def traced(*flat):
     given = iter(flat)
     result = fn(tree.unflatten_as(element_spec, [None if spec is None else next(given) for spec in leaves]))
-    result = tree.map_structure(tf.convert_to_tensor, result)
+    result = _step.step_outputs(result)
     structure["value"] = result
     return tree.flatten(result)
 
@@ -385,7 +385,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       output_names=[rewritten.output_name(per_device[0]) for per_device in expansion.outputs],  # all whole
       structure=structure["value"], accumulating=tuple(trace.accumulating), snapshot=snapshot,
       written=_consistency.Written([h for _, h in written_handles]),
-      locate=_failures.locator(graph, strip_replica=True))
+      locate=_failures.locator(graph, strip_replica=True, plan=plan))
 
 
 UPDATES = ("auto", "sharded", "replicated")

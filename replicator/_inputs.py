@@ -132,6 +132,22 @@ class NoInputs(Source):
   key = ("none",)
 
 
+NOT_A_TENSOR = (
+    "repl.run(step_fn, inputs=...): replica {replica}'s input at {path} is {found}, which is not a tensor nor a "
+    "value TensorFlow converts to one (numbers, NumPy arrays). Fix: give every replica a tensor there (a "
+    "PerReplica of one tensor a replica), or leave that part out of inputs=."
+)
+
+
+def _input_tensor(value, path, replica: int) -> tf.Tensor:
+  try:
+    return tf.convert_to_tensor(value)
+  except (TypeError, ValueError):
+    where = "/".join(str(p) for p in path) or "its top level"
+    found = "None" if value is None else f"a value of type {type(value).__name__}"
+    raise _errors.ArgumentTypeError(NOT_A_TENSOR.format(replica=replica, path=where, found=found)) from None
+
+
 class ExplicitInputs(Source):
   """``inputs=``: one nest of tensors per replica, fed on every call.
 
@@ -150,8 +166,8 @@ class ExplicitInputs(Source):
           n=num_replicas, found=f"{len(values)} values", last=num_replicas - 1))
     self._flat = []
     counts = []
-    for value in values:
-      leaves = [tf.convert_to_tensor(v) for v in tree.flatten(value)]
+    for replica, value in enumerate(values):
+      leaves = [_input_tensor(v, path, replica) for path, v in tree.flatten_with_path(value)]
       self._flat.extend(leaves)
       counts.append(len(leaves))
     self.structures = tuple(values)

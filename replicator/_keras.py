@@ -53,6 +53,7 @@ from replicator import _context
 from replicator import _errors
 from replicator import _keras_batches
 from replicator import _primitives
+from replicator import _restore
 from replicator import _tf_distribute
 from replicator import _variables
 
@@ -239,6 +240,7 @@ def _wrap_function(replicator, model, fn) -> None:
 
   @functools.wraps(function)
   def wrapped(iterator, *args, **kwargs):
+    _restore.release()  # a restore before this step is over: the values it kept to undo itself go
     if isinstance(iterator, _keras_batches.Iterator):
       iterator.begin_call()
     try:

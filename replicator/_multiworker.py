@@ -36,6 +36,24 @@ WORKER_LOST = (
     "worker, create a new MultiWorkerReplicator (and model) and restore the last checkpoint."
 )
 
+WORKER_RESTARTED = (
+    "A worker of this MultiWorkerReplicator restarted since this process connected to it: every worker accepts "
+    "connections, but the step failed with {error_type}: {error}. A restarted worker starts empty (its devices' "
+    "copies of the variables and the built steps are gone), and this process cannot join it again: TensorFlow "
+    "keeps one cluster context per process. Fix: restart this client process too, create the "
+    "MultiWorkerReplicator and the model again, and restore the last checkpoint (examples/multiworker.py "
+    "restarts so)."
+)
+# What TensorFlow 2.21 says of a call reaching a worker that restarted: its first call finds the old
+# connection closed, later ones a worker that does not know this process's context.
+_RESTARTED = ("Socket closed", "context_id", "worker was restarted", "failed to connect to all addresses")
+
+
+def _restarted(error: tf.errors.OpError) -> bool:
+  """Whether ``error`` (every worker reachable again) says a worker restarted under this process."""
+  return isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError)) and \
+      any(sign in error.message for sign in _RESTARTED)
+
 
 ALREADY_CONNECTED = (
     "This process is already connected to the cluster {old}; it cannot connect to {new} as well "
@@ -181,6 +199,9 @@ class MultiWorkerReplicator(Replicator):
       dead = self._unreachable()
       if dead:
         raise self._lost(dead[0], e) from e
+      if _restarted(e):
+        raise _errors.WorkerUnavailableError(WORKER_RESTARTED.format(
+            error_type=type(e).__name__, error=_errors.root_cause(e.message))) from e
       raise
 
   def _unreachable(self) -> list[int]:

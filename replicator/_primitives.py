@@ -189,6 +189,11 @@ def all_reduce(ctx, x, op: str, axes: tuple[str, ...], location: str):
     if t.dtype == tf.bool or t.dtype == tf.string:
       raise _errors.ArgumentTypeError(f"repl.all_reduce() needs numeric tensors, found {t.dtype.name} at {location}. "
                       "Fix: cast to a number first (e.g. tf.cast(x, tf.int32)).")
+    if t.dtype.is_complex and op in ("max", "min"):
+      raise _errors.ArgumentTypeError(
+          f"repl.all_reduce(op={op!r}) of a {t.dtype.name} tensor at {location}: {op} is defined on real numbers, "
+          f"not complex ones. Fix: reduce the parts you order by (tf.math.real, tf.math.imag or tf.abs) with "
+          f"op={op!r}, or use op='sum' or 'mean', which complex tensors take.")
     return _differentiable(ctx, lambda u: _reduce_with_grad(ctx, u, op, axes, location, call), t)
 
   return _call(ctx, "all_reduce", location, x, one, keep_slices=True)

@@ -32,6 +32,7 @@ from replicator import _keras_distribution
 from replicator import _layout_check
 from replicator import _optimizer
 from replicator import _primitives
+from replicator import _restore
 from replicator import _step
 from replicator import _values
 from replicator import _variables
@@ -144,9 +145,9 @@ class Replicator(_collective_methods.CollectiveMethods):
       built chooses them by a search priced by the cost model (variables are
       replicated until then; see :attr:`layouts` and the docs' "Automatic
       layouts").
-    memory_per_device: with ``layouts="auto"``, the bytes of variables and
-      their optimizer slots a device may hold (None: no limit); a layout that
-      needs more is not chosen.
+    memory_per_device: with ``layouts="auto"``, the bytes a device may hold:
+      its variables, their optimizer slots and the step's tensors at their
+      peak (None: no limit); a layout that needs more is not chosen.
     drop_remainder: when the replicas' ``input_fn`` datasets have different
       lengths, end the epoch as soon as one runs out, dropping the rows left
       on the others. By default (False) the epoch ends when every dataset has
@@ -434,6 +435,7 @@ class Replicator(_collective_methods.CollectiveMethods):
   def _run(self, step_fn, input_fn, inputs, steps, all_steps, view):
     if self._layout_error is not None:
       raise self._layout_error
+    _restore.release()  # a restore before this step is over: the values it kept to undo itself go
     if not isinstance(all_steps, bool):
       raise _errors.ArgumentTypeError(
           f"repl.run(all_steps={all_steps!r}): expected True (every step's results, stacked) or False (the "

@@ -228,6 +228,28 @@ class CompiledStep:
     return results
 
 
+STEP_OUTPUT = (
+    "step_fn returned {found} at {path}: a step's results are tensors, or values TensorFlow converts to tensors "
+    "(numbers, NumPy arrays), in any nest of lists, tuples and dicts, or None. Fix: return tensors "
+    "(tf.constant(value) for a Python value), and keep other objects outside the step."
+)
+
+
+def step_outputs(result):
+  """``result`` (what a step returned) with every leaf a tensor (None kept); refuses a leaf that is not one."""
+
+  def convert(path, value):
+    if value is None or isinstance(value, tf.Tensor):
+      return value
+    try:
+      return tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+      where = "/".join(str(p) for p in path) or "its top level"
+      raise _errors.ArgumentTypeError(STEP_OUTPUT.format(found=f"a value of type {type(value).__name__}", path=where)) from None
+
+  return tree.map_structure_with_path(convert, result)
+
+
 def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callable,
           wrap: Callable[[Callable], Callable] | None = None) -> CompiledStep:
   """Traces ``step_fn`` (converted, then ``wrap``-ped if given) on every replica, plans and rewrites it."""
@@ -271,8 +293,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
         with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
               _tf_distribute.replica_context(ctx), _callables.inline_functions()):
           result = fn(*source.step_args(replica, flat_elements))
-          result = tree.map_structure(
-              lambda v: v if v is None else tf.convert_to_tensor(v), result)
+          result = step_outputs(result)
         outputs[replica] = result
     for result in outputs:
       flat_outputs.extend(t for t in tree.flatten(result) if t is not None)
@@ -317,7 +338,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       output_dtypes=[t.dtype for t in scratch.outputs], output_shapes=[t.shape for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
       accumulating=tuple(sorted(accumulating, key=id)), written=written_state, snapshot=snapshot,
-      locate=_failures.locator(scratch.graph, strip_replica=False))
+      locate=_failures.locator(scratch.graph, strip_replica=False, plan=plan))
 
 
 _REPLICA = re.compile(r"^replica_(\d+)/")

@@ -105,6 +105,7 @@ def _reduce_op(reduce_op) -> str:
       "tf.distribute.ReduceOp.SUM or MEAN (or 'sum' / 'mean').")
 
 
+@_context.no_autograph  # AutoGraph would convert these methods and all they call in each step (1.8 s a build)
 class ReplicaContext(tf.distribute.ReplicaContext):
   """The ``tf.distribute`` replica context of one replica of a Replicator step."""
 

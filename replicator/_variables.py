@@ -23,6 +23,7 @@ from replicator import _errors
 from replicator import _export
 from replicator import _global_handles
 from replicator import _lifting
+from replicator import _restore
 
 SYMBOLIC_INITIAL_VALUE = (
     "Variable {name!r} was created inside step_fn with an initial value computed from the "
@@ -625,6 +626,9 @@ class ReplicatedVariable(tf.Variable):
     return self._current()._serialize_to_tensors()  # pylint: disable=protected-access
 
   def _restore_from_tensors(self, restored_tensors):
+    self._check_restorable(restored_tensors)
+    if tf.executing_eagerly():
+      _restore.keep(self.name.split(":")[0], self._components)  # put back if a later variable cannot restore
     if self._sharding is not None:
       (value,) = restored_tensors.values()
       with tf.device(self._components[0].device):
@@ -639,6 +643,21 @@ class ReplicatedVariable(tf.Variable):
     else:
       ops = [c._restore_from_tensors(restored_tensors) for c in self._components]  # pylint: disable=protected-access
     return tf.group(ops) if not tf.executing_eagerly() else None
+
+  def _check_restorable(self, restored_tensors) -> None:
+    """Refuses a checkpoint's tensor of another shape or dtype, putting back what this restore assigned before."""
+    found = [t for t in restored_tensors.values() if hasattr(t, "shape")]
+    if len(found) != 1 or (found[0].shape.is_compatible_with(self.shape) and found[0].dtype == self.dtype):
+      return
+    (value,) = found
+    undone = _restore.undo() if tf.executing_eagerly() else []
+    name = self.name.split(":")[0]
+    raise _errors.ArgumentError(RESTORE_MISMATCH.format(
+        name=name, shape=self.shape.as_list(), dtype=self.dtype.name, found_shape=value.shape.as_list(),
+        found_dtype=value.dtype.name,
+        undone=(f"the {len(undone)} variable(s) this restore had assigned before it ({', '.join(undone[:4])}"
+                f"{', ...' if len(undone) > 4 else ''}) hold their values from before the restore again"
+                if undone else "no variable of this Replicator had been assigned by it")))
 
   def _copy_trackable_to_cpu(self, object_map):
     self._current()._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
@@ -836,6 +855,14 @@ SHARDED_HANDLE = (
     "training step as the Replicator's, `repl.run(step_fn, dataset)` (the global view partitions the step by the "
     "layouts; after replicator.enable_keras_distribution(), `repl = replicator.distribution_replicator()`), with "
     "step_fn taking one batch (a tf.function works unchanged inside it), or train with model.fit."
+)
+
+
+RESTORE_MISMATCH = (
+    "Restoring the checkpoint into {name!r}: it holds a {found_dtype} tensor of shape {found_shape}, and the "
+    "variable is {dtype} of shape {shape}. The restore stopped there, and {undone}: a failed restore changes none "
+    "of the Replicator's variables. Fix: restore into a model built like the checkpoint's (the same layers and "
+    "sizes), or restore only the objects that match (tf.train.Checkpoint of those objects)."
 )
 
 

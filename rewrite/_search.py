@@ -210,7 +210,7 @@ def bytes_per_device(variables: Mapping[str, Variable], layouts: Mapping[str, tu
 
 
 def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], evaluate: Callable[[dict], float],
-           batch_axes=(), memory_per_device: int | None = None, sweeps: int = 3) -> Result:
+           batch_axes=(), memory_per_device: int | None = None, sweeps: int = 3, held_besides: int = 0) -> Result:
   """The assignment of layouts with the lowest estimate that fits ``memory_per_device`` (see the module).
 
   Args:
@@ -219,9 +219,11 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
     evaluate: an assignment (name -> layout, every variable) -> its estimated seconds, or (its estimated
       seconds, the bytes of the step's tensors a device holds besides the variables).
     batch_axes: the mesh axes the batch is split over.
-    memory_per_device: the bytes a device may hold: variables (and their copies) and what ``evaluate`` adds;
-      None: no limit.
+    memory_per_device: the bytes a device may hold: variables (and their copies), what ``evaluate`` adds and
+      ``held_besides``; None: no limit.
     sweeps: at most this many passes over the groups.
+    held_besides: bytes a device holds whatever the layouts (variables left out of the search), counted in the
+      budget and in the refusal's figures (not in the result's ``bytes_per_device``).
 
   Raises:
     BudgetError: nothing found fits the budget (the message names the smallest footprint found).
@@ -252,7 +254,7 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
       seconds = evaluate(layouts)
       seconds, activations = seconds if isinstance(seconds, tuple) else (seconds, 0)
       memory = bytes_per_device(variables, layouts, mesh_shape) + activations
-      fits = memory_per_device is None or memory <= memory_per_device
+      fits = memory_per_device is None or memory + held_besides <= memory_per_device
       cache[key] = (seconds, memory, fits, activations)
       tried.append(Scored(label, layout, *cache[key][:3]))
     return cache[key]
@@ -291,10 +293,10 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
   if not order:
     seconds = evaluate({})
     seconds, activations = seconds if isinstance(seconds, tuple) else (seconds, 0)
-    if memory_per_device is not None and activations > memory_per_device:
-      raise BudgetError(f"The step's tensors alone take {activations:,} bytes a device, above memory_per_device="
-                        f"{memory_per_device:,}, and it has no variable large enough to split. Fix: raise "
-                        "memory_per_device or use a smaller batch.")
+    if memory_per_device is not None and activations + held_besides > memory_per_device:
+      raise BudgetError(f"The step's tensors take {activations:,} bytes a device (and the variables "
+                        f"{held_besides:,}), above memory_per_device={memory_per_device:,}, and it has no variable "
+                        "large enough to split. Fix: raise memory_per_device or use a smaller batch.")
     return Result({}, seconds, activations, (), time.perf_counter() - start, activations)
   choice, best = None, None
   for seed in _seeds(options, mesh_shape, batch_axes):
@@ -303,13 +305,14 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
       choice, best = found, result
   if not best[2]:  # ``choice`` is the smallest found: say what takes its bytes
     layouts = assignment(choice)
-    held = bytes_per_device(variables, layouts, mesh_shape)
+    held = bytes_per_device(variables, layouts, mesh_shape) + held_besides
+    smallest = best[1] + held_besides
     by_group = sorted(((bytes_per_device({n: variables[n] for n in names}, layouts, mesh_shape), g)
                        for g, names in groups.items()), key=lambda bg: (-bg[0], bg[1]))
     largest = ", ".join(f"{g} ({len(groups[g])} variable(s), {b:,} bytes)" for b, g in by_group[:3])
     raise BudgetError(
         f"No layout found keeps a device within memory_per_device={memory_per_device:,} bytes: the smallest "
-        f"footprint found is {best[1]:,} bytes ({held:,} of variables and their optimizer slots, {best[1] - held:,} "
+        f"footprint found is {smallest:,} bytes ({held:,} of variables and their optimizer slots, {smallest - held:,} "
         f"of the step's tensors at their peak), the largest variables {largest}. Fix: raise memory_per_device, "
         "use a larger mesh or a smaller batch, or split the variables over more axes.")
   return Result(assignment(choice), best[0], best[1], tuple(tried), time.perf_counter() - start, best[3])

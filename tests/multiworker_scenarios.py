@@ -163,6 +163,31 @@ def kill_mid_step():
     return outcome
 
 
+def restarted_worker():
+  """A worker restarts (on its address) between two calls: each later call's error, one readable line each."""
+  with testing.local_cluster(2, devices_per_worker=2) as cluster:
+    repl = replicator.MultiWorkerReplicator(cluster=cluster.spec, collective_timeout=10.0)
+    with repl.context():
+      v = tf.Variable(tf.ones([4]))
+
+    def step():
+      v.assign_add(repl.all_reduce(tf.ones([4]), "mean"))
+      return tf.reduce_sum(v)
+
+    repl.run(step)
+    cluster.restart(1)
+    outcomes = []
+    for _ in range(2):
+      try:
+        repl.run(step)
+        outcomes.append(dict(error=None))
+      except replicator.WorkerUnavailableError as e:
+        outcomes.append(dict(error=type(e).__name__, task=e.task, message=str(e)))
+      except Exception as e:  # pylint: disable=broad-except
+        outcomes.append(dict(error=type(e).__name__, task=None, message=str(e)[:800]))
+    return outcomes
+
+
 if __name__ == "__main__":
   result = globals()[sys.argv[1]]()
   print("RESULT " + json.dumps(result), flush=True)

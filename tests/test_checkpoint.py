@@ -4,9 +4,12 @@ import os
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import replica_values
 
+import mesh
 import replicator
 
 X = np.random.RandomState(0).randn(16, 3).astype(np.float32)
@@ -205,3 +208,34 @@ def test_sharded_checkpoint_restores_on_any_layout_mesh_or_one_device(tmp_path):
     if shape == targets[0][0]:
       _sharded_train(repl, w, opt)
       np.testing.assert_allclose(other_w.numpy(), w.numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("layouts", [None, {r"dense_\d+/kernel$": (None, "model")}], ids=["replicated", "sharded"])
+def test_a_restore_that_fails_changes_no_variable(tmp_path, layouts):
+  # Was: the first layer restored ([3.0, 3.0, ...]), then TensorFlow's ValueError at the second layer's kernel.
+  def model(width, value):
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(4, kernel_initializer=keras.initializers.Constant(
+        value), bias_initializer=keras.initializers.Constant(value)), keras.layers.Dense(
+            width, kernel_initializer=keras.initializers.Constant(value))])
+
+  saved = tf.train.Checkpoint(model=model(6, 3.0)).save(str(tmp_path / "ckpt"))
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
+                               layouts=None if layouts is None else mesh.LayoutMap(layouts))
+  with repl.context():
+    target = model(2, 0.5)  # the second layer 2 wide: the checkpoint's is 6
+  with pytest.raises(replicator.ArgumentError, match=(
+      r"Restoring the checkpoint into '.*dense_\d+/kernel': it holds a float32 tensor of shape \[4, 6\], and the "
+      r"variable is float32 of shape \[4, 2\]. The restore stopped there, and the 2 variable\(s\) this restore had "
+      r"assigned before it \(.*dense_\d+/kernel, .*dense_\d+/bias\) hold their values from before the restore "
+      r"again: a failed restore changes none of the Replicator's variables. Fix: restore into a model built like")):
+    tf.train.Checkpoint(model=target).restore(saved)
+  _every_copy_is(target, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.0})  # as made (the second bias: zeros)
+  # A restore that fits restores every variable (and the values kept to undo the failed one are gone).
+  tf.train.Checkpoint(model=target).restore(tf.train.Checkpoint(model=model(2, 3.0)).save(str(tmp_path / "fits")))
+  _every_copy_is(target, {0: 3.0, 1: 3.0, 2: 3.0, 3: 0.0})
+
+
+def _every_copy_is(model, values):
+  for i, variable in enumerate(model.weights):
+    for copy in replica_values(variable):
+      np.testing.assert_array_equal(copy, np.full_like(copy, values[i]), err_msg=variable.path)

@@ -176,6 +176,18 @@ def test_shell_commands_exist(page):
       _check_command(page, command)
 
 
+def test_the_docs_give_the_readmes_test_command():
+  # Was: the home page and Getting started gave the tests' command without the README's KerasHub step, so the
+  # KerasHub tests were skipped for a reader following the docs.
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = [line for line in f.read().splitlines() if line.startswith("pip install") and "python -m pytest" in line]
+  assert len(readme) == 1
+  found = [(page, line.strip()) for page in _pages_with("sh") for language, code in blocks(page)
+           if language == "sh" for line in code.splitlines() if "python -m pytest" in line]
+  assert {"index.md", "getting-started.md"} <= {page for page, _ in found}
+  assert all(command == readme[0].strip() for _, command in found), found
+
+
 def _documented(page: str) -> list[str]:
   with open(os.path.join(DOCS, page), encoding="utf-8") as f:
     return re.findall(r"^::: ([\w.]+)", f.read(), re.M)

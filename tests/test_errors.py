@@ -12,7 +12,7 @@ import mesh
 import replicator
 
 THIS_FILE = __file__.rsplit("/", 1)[-1]
-SECONDS = 60  # every error here is raised while building, in a few seconds
+SECONDS = 60  # every error here is raised while building (or in a first step), in a few seconds
 
 
 @pytest.fixture(autouse=True)
@@ -349,3 +349,51 @@ def test_the_end_of_an_input_fn_speaks_of_the_input_fn(repl):
   with pytest.raises(replicator.EndOfInput, match=re.escape(
       "The input is exhausted: an input_fn dataset has no more elements.")):
     repl.run(tf.reduce_sum, input_fn)
+
+
+def test_a_step_returning_an_object_that_is_not_a_tensor_is_refused_naming_it(repl):
+  # Was TensorFlow's TypeError "Failed to convert elements of <object object ...> to Tensor".
+  with pytest.raises(replicator.ArgumentTypeError, match=r"step_fn returned a value of type object at loss: a "
+                     r"step's results are tensors.*Fix: return tensors \(tf.constant\(value\) for a Python value\)"):
+    repl.run(lambda: {"loss": object()})
+  global_repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2}, devices=cpus(2)), view="global")
+  with pytest.raises(replicator.ArgumentTypeError, match=r"step_fn returned a value of type object at 1"):
+    global_repl.run(lambda batch: (tf.reduce_sum(batch), object()), tf.data.Dataset.range(4).batch(2))
+
+
+def test_inputs_that_are_not_tensors_are_refused_naming_the_replica(repl):
+  # Was TensorFlow's ValueError "Attempt to convert a value (None) with an unsupported type".
+  with pytest.raises(replicator.ArgumentTypeError, match=r"inputs=...\): replica 0's input at its top level is "
+                     r"None, which is not a tensor.*Fix: give every replica a tensor there"):
+    repl.run(lambda x: x, inputs=replicator.PerReplica([None, None]))
+  with pytest.raises(replicator.ArgumentTypeError, match=r"replica 1's input at x is a value of type object"):
+    repl.run(lambda d: d["x"], inputs=replicator.PerReplica([{"x": tf.ones([2])}, {"x": object()}]))
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_of_complex_values_is_refused_with_the_fix(repl, op):
+  # Was TensorFlow's TypeError "Value passed to parameter 'input' has DataType complex64 not in list of allowed".
+  with pytest.raises(replicator.ArgumentTypeError, match=rf"repl.all_reduce\(op='{op}'\) of a complex64 tensor at .*"
+                     rf"{THIS_FILE}:\d+ in <lambda>: {op} is defined on real numbers.*Fix: reduce the parts"):
+    repl.run(lambda: repl.all_reduce(tf.complex(tf.ones([2]), tf.ones([2])), op=op))
+  summed = repl.run(lambda: repl.all_reduce(tf.complex(tf.ones([2]), tf.ones([2])), op="sum"))
+  np.testing.assert_allclose(summed.values[0].numpy(), [2 + 2j, 2 + 2j])  # sum and mean take complex values
+
+
+def test_replicas_reaching_a_collective_with_other_batch_sizes_at_run_time_name_the_line_and_the_fix(repl):
+  # Was: "The step failed (node 'cond/step/replicator_rewrite/0_all_reduce/AddN'): Inputs to operation ... AddN
+  # must have the same size and shape", no user line and no fix. Replica 1's dataset is longer: its third batch
+  # is full (4 rows) where replica 0's is its last (2 rows).
+  def input_fn(ctx):
+    return tf.data.Dataset.from_tensor_slices(np.ones((10 + 2 * ctx.replica_id, 3), np.float32)).batch(4)
+
+  def step(x):
+    return repl.all_reduce(x)  # a value of the batch's size
+
+  repl.run(step, input_fn)
+  repl.run(step, input_fn)
+  with pytest.raises(replicator.StepFailedError, match=(
+      rf"The step failed at .*{THIS_FILE}:\d+ in step \(op 'all_reduce #0'\): the replicas reached this all_reduce "
+      r"with values of different shapes \(shapes \[2,3\] and \[4,3\]\); the collective combines one value a "
+      r"replica, of one shape.*Fix: reduce a value of a fixed shape.*drop_remainder=True. No variable was written")):
+    repl.run(step, input_fn)

@@ -79,6 +79,17 @@ def test_killing_a_worker_gives_the_named_error_within_the_timeout():
   assert result["seconds_after_kill"] < 10.0 + 5.0, result  # the collective timeout, plus slack
 
 
+def test_calls_after_a_worker_restarts_give_the_named_error_with_the_fix():
+  # Was: TensorFlow's UnavailableError ("Socket closed"), then AbortedError ("Unable to find a context_id").
+  outcomes = _scenario("restarted_worker")
+  assert [o["error"] for o in outcomes] == ["WorkerUnavailableError"] * 2, outcomes
+  for outcome in outcomes:
+    assert outcome["message"].startswith("A worker of this MultiWorkerReplicator restarted since this process "
+                                         "connected to it"), outcome
+    assert "Fix: restart this client process too, create the MultiWorkerReplicator and the model again, and " \
+        "restore the last checkpoint" in outcome["message"]
+
+
 def test_kill_and_resume_example_matches_the_uninterrupted_run():
   pytest.importorskip("sklearn")
   from examples import multiworker

@@ -37,6 +37,25 @@ def test_global_initial_value_is_the_same_whatever_the_layout():
     assert w.shape == (8, 16) and w.sharding == layout
 
 
+def test_a_keras_variable_unpacks_into_its_pieces_and_reads_into_numpy_without_warnings():
+  # Was: mesh.unpack(layer.kernel) refused a Keras variable (it needed .value); np.array(variable) warned
+  # "__array__ implementation doesn't accept a copy keyword" (NumPy 2's protocol; warnings are errors here).
+  repl = _repl({"batch": 2, "model": 2})
+  with repl.context(layouts={r"dense/kernel$": (None, "model")}):
+    layer = keras.layers.Dense(6, name="dense")
+    layer.build((None, 4))
+  whole = layer.kernel.numpy()
+  pieces = [p.numpy() for p in mesh.unpack(layer.kernel)]
+  expected = mesh.split(whole, mesh.Layout((None, "model"), repl.mesh))
+  assert len(pieces) == 4
+  for piece, want in zip(pieces, expected):
+    np.testing.assert_array_equal(piece, want.numpy())
+  np.testing.assert_array_equal(np.array(layer.kernel.value), whole)  # NumPy 2: __array__(dtype, copy)
+  np.testing.assert_array_equal(np.array(layer.bias.value, dtype=np.float64, copy=True), np.zeros(6))
+  with pytest.raises(ValueError, match=r"copy=False.*Fix: np.asarray\(x\)"):
+    np.array(layer.kernel.value, copy=False)
+
+
 def test_reads_local_piece_inside_a_step_global_outside():
   repl = _repl({"batch": 2, "model": 2})
   value = np.arange(24, dtype=np.float32).reshape(2, 12)
