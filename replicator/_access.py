@@ -70,6 +70,19 @@ _CALLS = {"If": (1, ("then_branch", "else_branch")), "StatelessIf": (1, ("then_b
           "PartitionedCall": (0, ("f",)), "StatefulPartitionedCall": (0, ("f",))}
 
 
+def called_functions(op: tf.Operation) -> list[str]:
+  """The names of the functions ``op`` runs: a tf.cond's branches, a tf.while_loop's condition and body, a call's."""
+  if op.type not in _CALLS:
+    return []
+  _, attrs = _CALLS[op.type]
+  return [name for attr in attrs if attr in op.node_def.attr for name in _functions(op.node_def.attr[attr])]
+
+
+def first_argument(op: tf.Operation) -> int:
+  """The position of ``op``'s first input that is passed to the functions it runs (after a tf.cond's predicate)."""
+  return _CALLS[op.type][0]
+
+
 def _is_write(op_type: str) -> bool:
   return op_type.startswith(_WRITE_PREFIXES)
 

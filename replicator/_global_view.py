@@ -38,6 +38,7 @@ from replicator import _lifting
 from replicator import _optimizer
 from replicator import _primitives
 from replicator import _step
+from replicator import _tf_distribute
 from replicator import _variables
 from rewrite import _partition
 from rewrite import _partition_owners
@@ -284,7 +285,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
 
   def traced(*flat):
     given = iter(flat)
-    result = fn(tree.unflatten_as(element_spec, [None if spec is None else next(given) for spec in leaves]))
+    with _tf_distribute.one_device_context():  # as on one device, also inside a strategy's scope
+      result = fn(tree.unflatten_as(element_spec, [None if spec is None else next(given) for spec in leaves]))
     result = _step.step_outputs(result)
     structure["value"] = result
     return tree.flatten(result)

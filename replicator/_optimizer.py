@@ -13,6 +13,7 @@ from replicator import _access
 from replicator import _context
 from replicator import _errors
 from replicator import _primitives
+from replicator import _tf_distribute
 from replicator import _variables
 
 REDUCTIONS = ("mean", "sum")
@@ -30,6 +31,18 @@ ROWS_THEN_DENSE = (
     "Fix: give the variable the same kind of gradient in every step (tf.convert_to_tensor(g) makes "
     "a sparse gradient dense), or use one wrapped optimizer per kind."
 )
+
+INSIDE_LOSS_SCALING = (
+    "keras.optimizers.LossScaleOptimizer(repl.wrap_optimizer(...)) applies the wrapped optimizer inside its "
+    "tf.cond on whether the gradients are finite, and checks each replica's own gradients: the wrapper's "
+    "gradient all-reduce cannot run inside the cond (it could not be matched across replicas), and replicas "
+    "whose checks differ would diverge. Fix: wrap the LossScaleOptimizer instead: "
+    "repl.wrap_optimizer(keras.optimizers.LossScaleOptimizer(opt)); it then checks the reduced gradients, "
+    "the same on every replica."
+)
+# Keras 3's LossScaleOptimizer applies its inner optimizer from this method, inside its tf.cond on whether the
+# gradients are finite (keras/src/optimizers/loss_scale_optimizer.py, checked on Keras 3.15).
+_LOSS_SCALE_BRANCH = "_stateful_handle_finite_grads"
 
 SHARDED_EXTRA_ARGUMENTS = (
     "A sharded optimizer update takes only gradients and variables, but found the extra "
@@ -371,6 +384,9 @@ class ReplicatedOptimizer(tf.Module):
     Keras 3: ``apply(grads, trainable_variables)``. Sonnet 2:
     ``apply(updates, parameters)``.
     """
+    ctx = _context.current_context()
+    if ctx is not None and ctx.replicator is self._replicator and _tf_distribute.called_by(_LOSS_SCALE_BRANCH):
+      raise _errors.UnsupportedError(INSIDE_LOSS_SCALING)  # the global view has no collective there: it runs
     if self.accumulation_steps != 1:
       if variables is None:
         raise _errors.ArgumentError("apply(grads) without variables cannot accumulate gradients; pass the variables.")

@@ -295,6 +295,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
           result = fn(*source.step_args(replica, flat_elements))
           result = step_outputs(result)
         outputs[replica] = result
+    _variables.check_control_flow_writes(analysis)  # writes inside control flow: now that the trace is complete
     for result in outputs:
       flat_outputs.extend(t for t in tree.flatten(result) if t is not None)
     return flat_outputs

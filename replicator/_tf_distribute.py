@@ -44,6 +44,7 @@ MERGE_CALL = (
 )
 
 _default_strategy = None
+_default_replica_context = None
 
 # Keras 3's TensorFlow optimizers sum gradients over the replica context
 # themselves (``TFOptimizer._all_reduce_sum_gradients``, checked on Keras
@@ -65,11 +66,30 @@ _STRATEGY_UPDATE = "_replica_ctx_update"
 
 def default_strategy() -> tf.distribute.Strategy:
   """TensorFlow's default (single-replica, no-op) strategy."""
-  global _default_strategy
+  global _default_strategy, _default_replica_context
   if _default_strategy is None:
     with tf.Graph().as_default():  # a fresh graph has no strategy scope entered
       _default_strategy = tf.distribute.get_strategy()
+      _default_replica_context = tf.distribute.get_replica_context()
   return _default_strategy
+
+
+@contextlib.contextmanager
+def one_device_context():
+  """``tf.distribute``'s context of a step on one device: the default strategy's replica context.
+
+  A global-view step is the one-device step, traced once: inside a
+  strategy's scope (``repl.context()``, a Keras distribution after
+  ``enable_keras_distribution()``, Keras's trainer) it would otherwise be
+  traced in that strategy's cross-replica context, which code written for one
+  device does not expect (Keras's ``LossScaleOptimizer.apply`` refuses it:
+  "apply() must be called in a replica context"). In this context
+  ``tf.distribute.has_strategy()`` is False, ``get_replica_context()`` is the
+  default one and its collectives are identities, as on one device.
+  """
+  default_strategy()
+  with _default_replica_context:
+    yield
 
 
 def batch_replicas(replicator) -> tuple[int, tuple[str, ...]]:

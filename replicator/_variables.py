@@ -8,6 +8,7 @@ components stay identical.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import re
 import sys
@@ -77,6 +78,32 @@ VARIANT_ROWS = (
     "Fix: make the update the same on every replica (reduce it with repl.all_reduce first), or "
     "use assign with a dense value."
 )
+
+CONDITIONAL_WRITE = (
+    "The step writes the replicated variable {name!r} at {location} inside {construct} at {condition} whose "
+    "{decider} differs between replicas (it depends on per-replica data along mesh axes {axes}), so some "
+    "replicas would write it and others not (or a different number of times) and its copies would drift apart. "
+    "A replicated variable must be written on every replica or on none, as one device decides once for the "
+    "whole batch. Fix: compute the {decider} from values reduced across replicas, as one device sees them (e.g. "
+    "`if repl.all_reduce(tf.reduce_sum(x), \"sum\") > 0:`); or write on every replica with a value chosen by "
+    "tf.where (v.assign_add(tf.where(c, 1, 0))), which the variable's aggregation combines "
+    "(aggregation=tf.VariableAggregation.SUM adds the replicas' values); or, for a value each replica keeps for "
+    "itself, create the variable with synchronization=tf.VariableSynchronization.ON_READ."
+)
+VARYING_IN_CONTROL_FLOW = (
+    "The step writes the replicated variable {name!r} (aggregation {aggregation}) at {location} inside "
+    "{construct} at {condition} with a value that differs between replicas (along mesh axes {axes}). Combining "
+    "the replicas' values by the aggregation takes a collective, which cannot run inside control flow. Fix: "
+    "compute the new value inside the control flow and write the variable after it, on every replica; or "
+    "reduce the value across replicas (repl.all_reduce) before the control flow; or, for a value each replica "
+    "keeps for itself, create the variable with synchronization=tf.VariableSynchronization.ON_READ."
+)
+# What decides whether code inside a control-flow op runs: (the construct, what of it decides).
+_CONSTRUCTS = {"If": ("a tf.cond (an `if` on a tensor)", "predicate"),
+               "StatelessIf": ("a tf.cond (an `if` on a tensor)", "predicate"),
+               "Case": ("a tf.switch_case", "branch index"), "StatelessCase": ("a tf.switch_case", "branch index"),
+               "While": ("a tf.while_loop (a `while` or `for` on a tensor)", "trip count"),
+               "StatelessWhile": ("a tf.while_loop (a `while` or `for` on a tensor)", "trip count")}
 
 INITIALIZE_SCOPE = "replicator_initialize"
 
@@ -491,7 +518,7 @@ class ReplicatedVariable(tf.Variable):
     moving statistics), ``ONLY_FIRST_REPLICA`` (replica 0's). A trainable
     variable written with differing values is an error: its gradients were
     not reduced. On-read variables and per-replica random-seed states keep
-    each replica's own value.
+    each replica's own value. Inside control flow see :meth:`_check_after_trace`.
     """
     checked = self._checked_writes()
     if checked is None:
@@ -501,6 +528,10 @@ class ReplicatedVariable(tf.Variable):
     value = tf.convert_to_tensor(value, self.dtype)
     aggregation = self.aggregation
     location = _primitives.user_location()
+    if _in_control_flow(ctx):
+      written = value * self._replicator.mesh.axis_size(axes) if aggregation == tf.VariableAggregation.SUM else value
+      self._check_after_trace(ctx, axes, [value], written, location)
+      return written
     if aggregation == tf.VariableAggregation.SUM:
       return _primitives.all_reduce(ctx, value, "sum", axes, location)
     varying = sorted(ctx.analysis.varying(value) & set(axes))
@@ -521,9 +552,16 @@ class ReplicatedVariable(tf.Variable):
     from replicator import _primitives  # pylint: disable=import-outside-toplevel
     aggregation = self.aggregation
     location = _primitives.user_location()
+    summed = aggregation == tf.VariableAggregation.SUM and method in ("scatter_add", "scatter_sub")
+    if _in_control_flow(ctx):
+      written = sparse_delta
+      if summed:
+        written = tf.IndexedSlices(sparse_delta.values * self._replicator.mesh.axis_size(axes), sparse_delta.indices,
+                                   sparse_delta.dense_shape)
+      self._check_after_trace(ctx, axes, [sparse_delta.values, sparse_delta.indices], written.values, location)
+      return written
     varying = sorted((ctx.analysis.varying(sparse_delta.values) | ctx.analysis.varying(sparse_delta.indices))
                      & set(axes))
-    summed = aggregation == tf.VariableAggregation.SUM and method in ("scatter_add", "scatter_sub")
     if not varying and not summed:
       return sparse_delta
     if self.trainable and varying:
@@ -535,6 +573,22 @@ class ReplicatedVariable(tf.Variable):
     (rows,) = _primitives.sparse_sum(ctx, [sparse_delta], axes, location,
                                      1.0 / self._replicator.mesh.axis_size(axes) if mean else 1.0)
     return rows
+
+  def _check_after_trace(self, ctx, axes: tuple[str, ...], values: list[tf.Tensor], written: tf.Tensor,
+                         location: str) -> None:
+    """A write inside a tf.cond branch or a tf.while_loop body: checked once the trace is complete.
+
+    No collective can run there (a body may run a different number of
+    times on each replica), so the write must be the same on every replica:
+    made on every replica or on none (the control flow's predicate or trip
+    count the same everywhere), with a value that is the same everywhere.
+    Such a value is written as it is; with ``SUM`` aggregation, as the sum
+    of the replicas' equal values (times the group's size), as outside
+    control flow. See :func:`check_control_flow_writes`.
+    """
+    ctx.analysis.deferred.append(_ControlFlowWrite(
+        name=self.name, trainable=self.trainable, aggregation=self.aggregation, axes=axes, values=values,
+        written=written, graph=tf.compat.v1.get_default_graph(), location=location))
 
   def _write(self, method: str, *args, **kwargs):
     standin = self._global_standin()
@@ -678,6 +732,73 @@ class ReplicatedVariable(tf.Variable):
     sharding = "" if self._sharding is None else f" layout={self._sharding.spec}"
     return (f"<ReplicatedVariable {self.name!r} shape={self.shape} dtype={self.dtype.name} "
             f"replicas={len(self._components)}{sharding}{value}>")
+
+
+def _in_control_flow(ctx) -> bool:
+  """Whether code runs in a function graph inside the step's graph (a tf.cond branch, a tf.while_loop body)."""
+  return not tf.executing_eagerly() and tf.compat.v1.get_default_graph() is not ctx.graph
+
+
+@dataclasses.dataclass
+class _ControlFlowWrite:
+  """A write of a replicated variable inside control flow, to check once the step's trace is complete."""
+
+  name: str
+  trainable: bool
+  aggregation: tf.VariableAggregation
+  axes: tuple[str, ...]  # the mesh axes along which its components must agree
+  values: list[tf.Tensor]  # what it writes (a scatter's rows and indices)
+  written: tf.Tensor  # the value its write op takes
+  graph: tf.Graph  # the function graph (branch, loop body) it was traced in
+  location: str  # where user code called the write, found as it was traced
+
+  def where(self) -> str:
+    """Where user code wrote: the write op's traceback, else the location found as it was traced.
+
+    The op's traceback names the line in a helper function that AutoGraph
+    converted (the innermost frame the trace saw is the step's call of it).
+    """
+    from replicator import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
+    for op in self.written.consumers():
+      if op.type.startswith(("Assign", "ResourceScatter")):
+        where = _primitives.location_of(op)
+        if where != "<unknown location>":
+          return where
+    return self.location
+
+
+def check_control_flow_writes(analysis) -> None:
+  """Refuses the step's writes inside control flow that could differ between replicas (``_check_after_trace``).
+
+  Called once the step is traced: a loop's body is traced before the loop,
+  so only then are its trip count and loop variables known. A write under a
+  predicate or trip count that differs between replicas is one that differs
+  (control dependence), even of a value that is the same everywhere.
+  """
+  from replicator import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
+  for write in analysis.deferred:
+    axes = set(write.axes)
+    conditions = analysis.conditions(write.graph)
+    for op, varying in conditions:
+      if varying & axes and op.type in _CONSTRUCTS:
+        construct, decider = _CONSTRUCTS[op.type]
+        raise _errors.ReplicaInvarianceError(CONDITIONAL_WRITE.format(
+            name=write.name, location=write.where(), construct=construct, condition=_primitives.location_of(op),
+            decider=decider, axes=sorted(varying & axes)))
+    varying = set()
+    for value in write.values:
+      varying |= analysis.varying(value)
+    varying = sorted(varying & axes)
+    if not varying:
+      continue
+    if write.trainable:
+      raise _errors.ReplicaInvarianceError(UNREDUCED_UPDATE.format(name=write.name, axes=varying,
+                                                                   location=write.where()))
+    op = next((op for op, _ in conditions if op.type in _CONSTRUCTS), None)
+    construct = _CONSTRUCTS[op.type][0] if op is not None else "a function"
+    raise _errors.ReplicaInvarianceError(VARYING_IN_CONTROL_FLOW.format(
+        name=write.name, aggregation=write.aggregation.name, location=write.where(), construct=construct,
+        condition=_primitives.location_of(op) if op is not None else "<unknown location>", axes=varying))
 
 
 SEED_STREAM_STRIDE = 1_000_003

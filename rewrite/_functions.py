@@ -44,8 +44,11 @@ def body(op: tf.Operation, attr: str, arguments: list) -> tf.Graph:
   fdef = _library(op.graph).get(name)
   if fdef is None:
     raise KeyError(f"{op.type} {op.name}: its {attr} function {name} is not in the graph's library.")
-  graph_def, flat = function_def_to_graph.function_def_to_graph_def(
-      fdef, [t.shape for t in arguments], include_library_functions=True)
+  # It looks the functions the body calls up in the default graph (eagerly: the eager context); they are
+  # op.graph's, which is not the default one when the step is traced inside another tf.function (Keras's).
+  with op.graph.as_default():
+    graph_def, flat = function_def_to_graph.function_def_to_graph_def(
+        fdef, [t.shape for t in arguments], include_library_functions=True)
   args = [a.name for a in fdef.signature.input_arg]
   graph = tf.Graph()
   with graph.as_default():

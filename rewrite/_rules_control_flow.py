@@ -2,15 +2,17 @@
 
 Keras emits conditionals inside a training step (an optimizer's
 ``gradient_accumulation_steps``: accumulate, or apply and reset; a loss's
-check of its labels). The predicate is a scalar, so every device has the same
-value (a reduction that produced it was all-reduced) and takes the same
-branch. Each branch's body is partitioned like the step (``_partition``),
-its arguments in the layouts they have outside; if no op of either branch
-needs a collective and both branches give their outputs the same layouts,
-each device runs a conditional over its own copies of the branches, made
-per device. Otherwise the op falls back (gathered, replicated), or, on a
-sharded variable's handle, is refused. Collectives inside branches and
-``While`` loops are not partitioned yet.
+check of its labels; a ``LossScaleOptimizer``: apply if the gradients are
+finite). The predicate is a scalar, so every device has the same value (a
+reduction that produced it was all-reduced) and takes the same branch. Each
+branch's body is partitioned like the step (``_partition``), its arguments in
+the layouts they have outside; a split argument from which a branch would
+gather a value is gathered before the ``If`` instead, and the branches
+partitioned again. If then no op of either branch needs a collective and both
+branches give their outputs the same layouts, each device runs a conditional
+over its own copies of the branches, made per device. Otherwise the op falls
+back (gathered, replicated), or, on a sharded variable's handle, is refused.
+Collectives inside branches and ``While`` loops are not partitioned yet.
 """
 
 from __future__ import annotations
@@ -50,6 +52,32 @@ def _branches(view, layouts):
 
 
 def _partitioned_branches(view, layouts):
+  """Both branches partitioned, or None and why not; a split argument a branch would gather is gathered first.
+
+  A branch that gathers a value computed from split arguments (Keras's
+  ``LossScaleOptimizer`` applies Adam in its branch: a replicated variable's
+  gradient arrives split when its layer's input is) cannot communicate there,
+  but the arguments can be gathered before the ``If``, where a step without
+  the conditional would have gathered them too. So those arguments (tensors,
+  not a sharded variable's handle) are asked for replicated, and the branches
+  partitioned again. Returns ``((parts, output layouts, input layouts), "")``.
+  """
+  op = view.op
+  layouts = list(layouts)
+  wanted = [None] * len(op.inputs)  # the If's inputs: as they are, or replicated (gathered before it)
+  while True:
+    branches, why, gather = _try_branches(view, layouts)
+    if branches is not None:
+      parts, unified = branches
+      return (parts, unified, wanted), ""
+    if not gather:
+      return None, why
+    for k in gather:
+      layouts[1 + k] = wanted[1 + k] = _rules.replicated(_rules.rank_of(op.inputs[1 + k]))
+
+
+def _try_branches(view, layouts):
+  """``(branches or None, why not, the split tensor arguments whose gathering before the If would help)``."""
   from rewrite import _partition  # pylint: disable=import-outside-toplevel  (it imports the rules)
   op = view.op
   args = list(op.inputs[1:])
@@ -68,16 +96,47 @@ def _partitioned_branches(view, layouts):
       for i, t in enumerate(o.inputs):
         want = d.inputs[i] if i < len(d.inputs) else None
         if t.dtype != tf.resource and _needs_gather(partition.layouts.get(t.name), want):
-          return None, f"{o.type} {o.name} in its {attr} gathers a split input"
+          why = f"{o.type} {o.name} in its {attr} gathers a split input"
+          return None, why, _split_arguments(body, [t], layouts)
     busy = _communicates(partition)
-    if busy:
-      return None, f"{busy} in its {attr} needs communication"
+    if busy:  # a partial sum, say: gathering its inputs would send more than its collective (left to the fallback)
+      return None, f"{busy} in its {attr} needs communication", []
     parts.append((body, partition))
   outs = [[p.layouts.get(t.name) for t in body.outputs] for body, p in parts]
   unified = [_unify(a, b) for a, b in zip(*outs)]
   if any(u is _DIFFERENT for u in unified):
-    return None, "its branches give their outputs different layouts"
-  return (parts, unified), ""
+    return None, "its branches give their outputs different layouts", []
+  return (parts, unified), "", []
+
+
+def _split_arguments(body, tensors, layouts) -> list[int]:
+  """The branch arguments that ``tensors`` are computed from, if every split one among them is a tensor.
+
+  Empty if none is split, or if one is a sharded variable's handle or a
+  variant (neither can be gathered): then gathering arguments cannot help.
+  """
+  position = {x.name: k for k, x in enumerate(body.inputs)}
+  found, seen, stack = set(), set(), [t for t in tensors if t.dtype != tf.resource]
+  while stack:
+    t = stack.pop()
+    if t.name in seen:
+      continue
+    seen.add(t.name)
+    k = position.get(t.name)
+    if k is None:
+      # IdentityN passes each input to its output alone (tf.distribute's all_reduce of a replica context that
+      # has one replica: every gradient through one op).
+      stack.extend([t.op.inputs[t.value_index]] if t.op.type == "IdentityN" else t.op.inputs)
+      continue
+    layout = layouts[1 + k]
+    if isinstance(layout, _rules.Contents):
+      if _rules._holds_split(layout):  # pylint: disable=protected-access
+        return []
+    elif layout is not None and any(layout):
+      if t.dtype in (tf.resource, tf.variant):
+        return []
+      found.add(k)
+  return sorted(found)
 
 
 _DIFFERENT = object()
@@ -155,7 +214,7 @@ def if_(view, layouts):
       decision.unsupported = f"{decision.unsupported} ({why})"
     return decision
   from rewrite import _partition  # pylint: disable=import-outside-toplevel
-  parts, out_layouts = branches
+  parts, out_layouts, in_layouts = branches
   (then_body, then_part), (else_body, else_part) = parts
   mesh = view.mesh
   kept = []
@@ -176,4 +235,4 @@ def if_(view, layouts):
                    else_branch=branches[1])
     return list(outputs) if isinstance(outputs, (list, tuple)) else []
 
-  return _rules.Decision(inputs=[None] * len(view.op.inputs), outputs=out_layouts, lower=lower)
+  return _rules.Decision(inputs=in_layouts, outputs=out_layouts, lower=lower)

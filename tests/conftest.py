@@ -72,6 +72,53 @@ def copies_distance(ours, reference) -> float:
   return max(gaps)
 
 
+@pytest.fixture
+def mixed_float16():
+  """Keras's global policy "mixed_float16" for the test (layers compute in float16), "float32" again after it.
+
+  ``keras.backend.clear_session()`` resets the policy: call ``mixed_float16()`` after it to set it again.
+  """
+  import keras  # pylint: disable=import-outside-toplevel
+
+  def set_policy():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+
+  set_policy()
+  yield set_policy
+  keras.mixed_precision.set_global_policy("float32")
+
+
+# A mixed_float16 run against the same run on one device differs by where float16 rounds: a replica's gradient
+# of its rows is a float16 sum of those rows, one device's a float16 sum of all of them (and a layer split over
+# "model" sums its partial products in float16). Its noise is measured where it is tested: the distance of one
+# device's mixed_float16 run from the same run in float32 (float16_noise). The tolerance is twice that: two
+# float16 runs that each stray that far from the exact run can be twice as far from each other. (Not the noise:
+# the same one-device fit with each batch's rows in another order, which moved no variable by more than 9e-8 on
+# an MLP like test_keras.py's over 24 steps, where float16 moved them by 1.4e-4: the reordered sums round alike.)
+
+
+def float16_noise(mixed, exact) -> float:
+  """How far float16 moves a run: its variables' largest distance from the run's in float32 (``exact``).
+
+  Each variable's distance is over ``max(1, its largest magnitude)``, as
+  float16's spacing (2**-10 at 1) scales: absolute for weights and slots,
+  relative for a loss scale.
+  """
+  return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / max(1.0, float(np.max(np.abs(np.asarray(a)))))
+             for a, b in zip(mixed, exact, strict=True))
+
+
+def assert_every_copy_float16(ours, reference, noise: float):
+  """:func:`assert_every_copy` within twice the float16 ``noise`` (:func:`float16_noise`) of one device's run.
+
+  Each variable within ``2 * noise * max(1, its largest magnitude)``; compare
+  counters (a LossScaleOptimizer's scale and step counter, iterations) exactly.
+  """
+  for mine, theirs in zip(ours, reference, strict=True):
+    largest = float(np.max(np.abs(np.asarray(theirs))))
+    assert_every_copy([mine], [theirs], atol=2 * noise * max(1.0, largest))
+
+
 def summary_events(logdir) -> list:
   """``(step, tag, value)`` of every summary written under ``logdir``, file by file in order (value: numpy)."""
   import glob  # pylint: disable=import-outside-toplevel

@@ -206,3 +206,153 @@ def test_writes_inside_control_flow_are_found():
 
   with pytest.raises(replicator.UnreplicatedStateError, match=r"writes the variable 'flag:0'"):
     repl.run(step, inputs=tf.constant([1.0]))
+
+
+PER_REPLICA = replicator.PerReplica([tf.constant([1.0, 2.0]), tf.constant([3.0, 0.0]), tf.constant([2.0, 2.0]),
+                                     tf.constant([-4.0, 1.0])])  # sums 3, 3, 4, -3: positive on replicas 0-2
+
+
+def _if_on_a_tensor(seen, x):
+  if tf.reduce_sum(x) > 0:  # AutoGraph: a tf.cond
+    seen.assign_add(1)
+
+
+def _tf_cond(seen, x):
+  tf.cond(tf.reduce_sum(x) > 0, lambda: seen.assign_add(1), lambda: seen.assign_add(0))
+
+
+def _while_on_a_tensor(seen, x):
+  i = 0
+  while i < tf.cast(tf.reduce_max(x), tf.int32):  # 2, 3, 2, 1 iterations
+    seen.assign_add(1)
+    i += 1
+
+
+@pytest.mark.parametrize("write, construct, decider", [
+    (_if_on_a_tensor, r"a tf.cond \(an `if` on a tensor\)", "predicate"),
+    (_tf_cond, r"a tf.cond \(an `if` on a tensor\)", "predicate"),
+    (_while_on_a_tensor, r"a tf.while_loop \(a `while` or `for` on a tensor\)", "trip count"),
+], ids=["if", "tf.cond", "while"])
+def test_a_write_under_a_condition_that_differs_between_replicas_is_refused(write, construct, decider):
+  # Was: no error, and the copies diverged ([1, 1, 1, 0] for the `if`): the write's value is the same on every
+  # replica, but whether (or how often) it runs is decided per replica.
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    seen = tf.Variable(0, name="seen")
+
+  def step(x):
+    write(seen, x)
+    return x
+
+  with pytest.raises(replicator.ReplicaInvarianceError,
+                     match=rf"writes the replicated variable 'seen:0' at .*test_invariance.py:\d+ in {write.__name__} "
+                           rf"inside {construct} at .*test_invariance.py:\d+ in {write.__name__} whose {decider} "
+                           rf"differs between replicas \(it depends on per-replica data along mesh axes "
+                           rf"\['replica'\]\).*must be written on every replica or on none.*Fix: compute the "
+                           rf"{decider} from values reduced across replicas.*repl.all_reduce.*tf.where.*ON_READ"):
+    repl.run(step, inputs=PER_REPLICA)
+  assert _components(seen) == [0] * 4  # refused before anything ran
+
+
+def test_writes_under_conditions_every_replica_agrees_on_are_accepted():
+  # The predicate or trip count is the same on every replica: a reduced value, a variable, a constant.
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    reduced = tf.Variable(0, name="reduced")
+    by_variable = tf.Variable(0, name="by_variable")
+    looped = tf.Variable(0.0, trainable=False, name="looped")
+    summed = tf.Variable(0.0, trainable=False, aggregation=tf.VariableAggregation.SUM, name="summed")
+    own = tf.Variable(0, synchronization=tf.VariableSynchronization.ON_READ,
+                      aggregation=tf.VariableAggregation.SUM, name="own")  # each replica's own count
+
+  def step(x):
+    total = repl.all_reduce(tf.reduce_sum(x), "sum")
+    if total > 0:  # 7 on every replica
+      reduced.assign_add(1)
+    if by_variable < 1:
+      by_variable.assign_add(2)
+    else:
+      by_variable.assign_add(3)
+    for i in tf.range(3):  # a constant trip count; the loop variable is the same everywhere
+      looped.assign(looped * 10.0 + tf.cast(i, tf.float32) + total)
+    tf.cond(total > 0, lambda: summed.assign_add(1.5), lambda: summed.assign_add(0.0))
+    if tf.reduce_sum(x) > 0:  # per replica, of a per-replica variable
+      own.assign_add(1)
+    return x
+
+  for _ in range(2):
+    repl.run(step, inputs=PER_REPLICA)
+  expected = 0.0
+  for _ in range(2):
+    for i in range(3):
+      expected = expected * 10.0 + i + 7.0
+  assert _components(reduced) == [2] * 4
+  assert _components(by_variable) == [5] * 4
+  np.testing.assert_allclose(_components(looped), [expected] * 4, rtol=1e-6)
+  assert _components(summed) == [12.0] * 4  # tf.distribute's SUM: 4 replicas' 1.5, twice
+  assert _components(own) == [2, 2, 2, 0] and int(own.numpy()) == 6
+
+
+def test_a_keras_metric_under_a_per_replica_condition_counts_every_example():
+  # A metric's variables are on-read: each replica keeps its own part.
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    metric = keras.metrics.Mean()
+
+  def step(x):
+    if tf.reduce_sum(x) > 0:
+      metric.update_state(x)
+    return x
+
+  repl.run(step, inputs=PER_REPLICA)
+  np.testing.assert_allclose(float(metric.result()), np.mean([1.0, 2.0, 3.0, 0.0, 2.0, 2.0]), rtol=1e-6)
+
+
+def test_a_differing_value_written_inside_control_flow_is_refused_with_the_fix():
+  # Combining the replicas' values takes a collective, which cannot run inside a tf.cond branch. Was: the
+  # CollectiveInControlFlowError of an all_reduce the user never called.
+  repl = replicator.Replicator(cpus(4))
+  with repl.context():
+    stat = tf.Variable(0.0, trainable=False, name="stat")
+
+  def step(x):
+    if repl.all_reduce(tf.reduce_sum(x), "sum") > 0:
+      stat.assign(tf.reduce_mean(x))
+    return x
+
+  with pytest.raises(replicator.ReplicaInvarianceError,
+                     match=r"writes the replicated variable 'stat:0' \(aggregation NONE\) at .*test_invariance.py:\d+ "
+                           r"in step inside a tf.cond .* at .*test_invariance.py:\d+ in step with a value that "
+                           r"differs between replicas \(along mesh axes \['replica'\]\).*Fix: compute the new value "
+                           r"inside the control flow and write the variable after it"):
+    repl.run(step, inputs=PER_REPLICA)
+
+
+def test_analysis_of_loops():
+  seen = {}
+  all_axes = frozenset({"a"})
+
+  @tf.function
+  def trace(x):
+    analysis = _invariance.Analysis(all_axes, all_axes, {x.op.name}, lambda handle: frozenset())
+    bodies = {}
+
+    def loop(name, trip, step):
+      def body(i, s):
+        bodies[name] = tf.compat.v1.get_default_graph()
+        return i + 1, step(s)
+
+      i, s = tf.while_loop(lambda i, s: i < trip, body, [tf.constant(0), tf.constant(0.0)])
+      seen[name] = (analysis.varying(i), analysis.varying(s))
+
+    loop("constant", 3, lambda s: s + 1.0)
+    loop("data in the body", 3, lambda s: s + x[0])
+    loop("per-replica trip count", tf.cast(x[0], tf.int32), lambda s: s + 1.0)
+    for name, body in bodies.items():
+      seen[name] += ([axes for _, axes in analysis.conditions(body)],)
+    return x
+
+  trace.get_concrete_function(tf.TensorSpec([2]))
+  assert seen == {"constant": (set(), set(), [set()]),
+                  "data in the body": (set(), {"a"}, [set()]),
+                  "per-replica trip count": ({"a"}, {"a"}, [{"a"}])}

@@ -17,6 +17,7 @@ import replicator
 LAYOUTS = {
     "batch": None,
     "hidden": {r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",), r"ff_out/kernel$": ("model", None)},
+    "hidden_in": {r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",)},
 }
 BATCH = 12
 STEPS = 4
@@ -117,15 +118,17 @@ def _scaled_step(model, opt):
   return step_fn
 
 
-@pytest.mark.parametrize("update", ["auto", "replicated"])
-def test_keras_loss_scale_optimizer_with_a_hidden_split_equals_one_device(update):
+@pytest.mark.parametrize("update,layouts", [("auto", "hidden"), ("replicated", "hidden"), ("auto", "hidden_in")])
+def test_keras_loss_scale_optimizer_with_a_hidden_split_equals_one_device(update, layouts):
   # Its apply is a tf.cond on whether every gradient is finite (tf.reduce_all over split gradients: a bool
-  # all-reduce), with the inner Adam's update and the scale's growth (another tf.cond) in the branch.
+  # all-reduce), with the inner Adam's update and the scale's growth (another tf.cond) in the branch. "hidden_in":
+  # ff_out's kernel is replicated, but its gradient comes split over "model" (ff_in's outputs are): the branch
+  # would gather it (was refused: "Sub ... in its then_branch gathers a split input"); it is gathered before.
   one_model, one_opt = _loss_scaled(contextlib.nullcontext())
   one_step = tf.function(_scaled_step(one_model, one_opt))
   expected = [float(one_step(batch)) for batch in _dataset()]
   repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
-                               layouts=mesh.LayoutMap(LAYOUTS["hidden"]), batch_axes=("batch",), view="global",
+                               layouts=mesh.LayoutMap(LAYOUTS[layouts]), batch_axes=("batch",), view="global",
                                update=update, strict=True)
   model, opt = _loss_scaled(repl.context())
   step_fn = _scaled_step(model, opt)
