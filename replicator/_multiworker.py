@@ -44,15 +44,18 @@ WORKER_RESTARTED = (
     "MultiWorkerReplicator and the model again, and restore the last checkpoint (examples/multiworker.py "
     "restarts so)."
 )
-# What TensorFlow 2.21 says of a call reaching a worker that restarted: its first call finds the old
-# connection closed, later ones a worker that does not know this process's context.
-_RESTARTED = ("Socket closed", "context_id", "worker was restarted", "failed to connect to all addresses")
 
 
 def _restarted(error: tf.errors.OpError) -> bool:
-  """Whether ``error`` (every worker reachable again) says a worker restarted under this process."""
-  return isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError)) and \
-      any(sign in error.message for sign in _RESTARTED)
+  """Whether ``error``, met while every worker accepts connections, says a worker restarted under this process.
+
+  On TensorFlow 2.21 the first call after a restart finds its connection gone (``UnavailableError``: "Socket
+  closed", "Connection reset by peer", "failed to connect to all addresses"), later calls a worker that does not
+  know this process's context (``AbortedError``: "Unable to find a context_id ... Perhaps the worker was
+  restarted", "... was probably restarted").
+  """
+  return isinstance(error, tf.errors.UnavailableError) or \
+      (isinstance(error, tf.errors.AbortedError) and ("context_id" in error.message or "restarted" in error.message))
 
 
 ALREADY_CONNECTED = (

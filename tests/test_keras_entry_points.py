@@ -43,13 +43,11 @@ TRAINING = ("fit", "train_on_batch", "custom_train_step")
 ATOL = 2e-6
 # The cells CI runs: each entry point once in each way in, both parallelisms and both batchings among them.
 REPRESENTATIVE = {
-    ("fit", "local", "data", "unknown"), ("fit", "keras", "model", "known"), ("fit", "global", "data", "unknown"),
-    ("evaluate", "keras", "data", "unknown"), ("predict", "local", "model", "unknown"),
-    ("train_on_batch", "keras", "data", "known"), ("train_on_batch", "local", "data", "unknown"),
-    ("test_on_batch", "keras", "data", "unknown"), ("test_on_batch", "global", "model", "known"),
+    ("fit", "local", "data", "unknown"), ("fit", "keras", "model", "known"), ("evaluate", "keras", "data", "unknown"),
+    ("predict", "local", "model", "unknown"), ("train_on_batch", "keras", "data", "known"),
+    ("test_on_batch", "keras", "data", "known"), ("test_on_batch", "global", "model", "known"),
     ("predict_on_batch", "keras", "model", "unknown"), ("custom_train_step", "local", "data", "unknown"),
-    ("custom_train_step", "keras", "model", "unknown"), ("tf_function", "keras", "data", "known"),
-    ("tf_function", "keras", "model", "known"), ("tf_function", "local", "data", "unknown"),
+    ("tf_function", "keras", "data", "known"), ("tf_function", "keras", "model", "known"),
 }
 
 X = np.random.RandomState(0).normal(size=(42, 12)).astype(np.float32)
