@@ -518,7 +518,8 @@ def test_mixed_float16_fit_equals_one_device(mixed_float16, view):
   # Was: in the local view a CollectiveInControlFlowError (the inner Adam's gradient sum inside the
   # LossScaleOptimizer's tf.cond), in the global view "Function cond_cond_true_... was not found" (its tf.cond in
   # a tf.cond, partitioned inside Keras's function) and, inside repl.context(), "apply() must be called in a
-  # replica context". Measured: 1.3e-5 (local) and 1.8e-5 (global) from one device; float16 noise 5.0e-4.
+  # replica context". Measured: 1.8e-5 from one device in both views (Keras's step is one program in either);
+  # float16 noise 5.0e-4.
   reference = _one_device_mixed(mixed_float16, X, 2)
   repl = replicator.Replicator(cpus(4), view=view)
   with repl.context():
@@ -531,7 +532,7 @@ def test_mixed_float16_fit_equals_one_device(mixed_float16, view):
 
 def test_mixed_float16_fit_skips_a_step_on_every_replica_when_one_replicas_gradients_are_not_finite(mixed_float16):
   # An infinite input in the second batch's rows 8-11 (replica 2's of 4): one device's gradients are not finite,
-  # it skips the step and halves the scale; every replica checks the summed gradients, so all skip it with it.
+  # it skips the step and halves the scale; the one program checks the batch's gradients, so every device skips it.
   # Measured: 1.3e-5 from one device; float16 noise 1.9e-5 (5 steps applied).
   x = X.copy()
   x[16 + 9, 2] = np.inf
