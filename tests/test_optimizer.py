@@ -247,13 +247,18 @@ def _loss_scale_run(repl, steps=4):
       scaled = optimizer.scale_loss(loss)  # before the first apply: the initial scale, as a constant
     optimizer.apply_gradients(zip(tape.gradient(scaled, model.trainable_variables), model.trainable_variables))
 
+  _run_steps(repl, step, x, y, steps)
+  return model, base
+
+
+def _run_steps(repl, step, x, y, steps):
+  """``steps`` steps on the batches ``(x[i], y[i])``: on one device (``repl`` None) or split over 4 replicas."""
   one_device = tf.function(step)
   for i in range(steps):
     if repl is None:
       one_device((x[i], y[i]))
     else:
       repl.run(step, inputs=replicator.PerReplica(list(zip(np.split(x[i], 4), np.split(y[i], 4)))))
-  return model, base
 
 
 def test_a_loss_scale_optimizer_built_by_the_step_equals_one_device():
@@ -292,12 +297,7 @@ def _mixed_float16_run(order, update="auto", steps=4):
     optimizer.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
     return loss
 
-  one_device = tf.function(step)
-  for i in range(steps):
-    if repl is None:
-      one_device((x[i], y[i]))
-    else:
-      repl.run(step, inputs=replicator.PerReplica(list(zip(np.split(x[i], 4), np.split(y[i], 4)))))
+  _run_steps(repl, step, x, y, steps)
   return model, scaler
 
 
