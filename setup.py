@@ -58,7 +58,7 @@ setup(
         "examples": ["scikit-learn", "tensorboard"],
         # KerasHub itself is installed with --no-deps (README): its tensorflow-text requirement pulls the full
         # TensorFlow wheel over tensorflow-cpu. These are what it imports.
-        "test": ["pytest", "scikit-learn", "dm-sonnet", "ruff", "tensorboard", "build",
+        "test": ["pytest", "pytest-xdist", "scikit-learn", "dm-sonnet", "ruff", "tensorboard", "build",
                  "regex", "rich", "packaging", "kagglehub", "tokenizers", "sentencepiece"],
         "docs": ["mkdocs", "mkdocs-material", "mkdocstrings[python]"],
         "benchmarks": ["matplotlib"],
