@@ -48,6 +48,8 @@ REPRESENTATIVE = {
     ("test_on_batch", "keras", "data", "known"), ("test_on_batch", "global", "model", "known"),
     ("predict_on_batch", "keras", "model", "unknown"), ("custom_train_step", "local", "data", "unknown"),
     ("tf_function", "keras", "data", "known"), ("tf_function", "keras", "model", "known"),
+    ("fit", "global", "data", "unknown"), ("train_on_batch", "local", "data", "unknown"),
+    ("custom_train_step", "keras", "model", "unknown"), ("tf_function", "local", "data", "unknown"),
 }
 
 X = np.random.RandomState(0).normal(size=(42, 12)).astype(np.float32)

@@ -346,8 +346,9 @@ def _slots(optimizer):
 # weight and slot): one device 1.8e-6 to 8.5e-4, the split runs 0.36 to 2.6 times one device's (2x2 and 4x1); a
 # load-balancing loss taken per half batch instead moves the weights 3e-2 to 5e-2.
 TRUTH_ATOL, TRUTH_RATIO = 2e-3, 10
-TRUTH_CASES = [pytest.param(name, shape, marks=pytest.mark.full_grid)  # a measurement (17-40 s a case): --full-grid
-               for name in ("MixtralBackbone", "Qwen3MoeBackbone") for shape in ("2x2", "4x1")]
+TRUTH_CASES = [pytest.param(name, shape, marks=() if (name, shape) == ("MixtralBackbone", "2x2") else
+                            (pytest.mark.full_grid,)) for name in ("MixtralBackbone", "Qwen3MoeBackbone")
+               for shape in ("2x2", "4x1")]
 
 
 @pytest.mark.parametrize("name,shape", TRUTH_CASES)
