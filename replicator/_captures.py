@@ -99,6 +99,9 @@ class Captures:
       taken.add(read)
       copy.name = read
       check = result.node.add(name=node.name, op="EnsureShape", input=[read], device=node.device)
+      # With the read, on the variable's device: a read has none in the GraphDef (the placer puts it with
+      # its resource), and an unplaced check went to the default device, a send and a receive each.
+      check.attr["_class"].list.s.append(b"loc:@" + read.encode())
       check.attr["T"].CopyFrom(node.attr["dtype"])
       check.attr["shape"].shape.CopyFrom(shapes[_node_of(node.input[0])])
     return result
