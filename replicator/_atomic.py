@@ -4,7 +4,9 @@ A step runs on every device at once, and TensorFlow aborts a function call at
 its first failing op (a ``tf.debugging.assert_*``, a ``check_numerics``, an
 out-of-range index): by then some devices may have written some variables,
 and a sharded variable may be half updated. Nothing in a graph can undo a
-write, so the step keeps the values to return to:
+write. Most writes need no undoing: they wait for every op that can fail
+(``_ordered_writes``). The variables written before such an op (and, in a
+call of several steps, every written variable) are kept instead, here:
 
 1. at the start of the call, each component the step writes is read, and the
    values of one device and dtype are kept together in one *shadow* variable
@@ -48,6 +50,36 @@ class _Group:
     with tf.init_scope(), tf.device(device), _variables._creating_components():  # pylint: disable=protected-access
       self.shadow = _variables._new_component(initial_value=_empty_list(dtype), trainable=False,  # pylint: disable=protected-access
                                               name="kept_before_step")
+
+
+class AllOrNothing:
+  """What a step's calls keep to be all or nothing.
+
+  A call of one step writes its variables only after every op that can fail
+  (``_ordered_writes``): it keeps only the variables written before such an op
+  (``kept``; usually none). A call of several steps (an in-graph loop) keeps
+  every variable the step writes (``whole``): a later step can fail after an
+  earlier one wrote.
+
+  Args:
+    written: ``(name in the step's graph, eager resource handle)`` of every
+      captured handle the step writes.
+    kept: the names of the placeholders (ops) among them whose values a call of
+      one step must keep.
+  """
+
+  def __init__(self, written: list[tuple[str, tf.Tensor]], kept):
+    self.whole = Snapshot(written)
+    kept = [(name, handle) for name, handle in written if name.split(":")[0] in kept]
+    self.kept = Snapshot(kept) if kept else None
+
+  def for_call(self, one_step: bool) -> "Snapshot | None":
+    """The snapshot a call of one step (``one_step``) or of several keeps (None: nothing to keep)."""
+    return self.kept if one_step else self.whole
+
+  def restore(self) -> int:
+    """After a failed call: writes back what it kept; returns how many components were restored."""
+    return self.whole.restore() + (self.kept.restore() if self.kept is not None else 0)
 
 
 def input_map(snapshot: "Snapshot | None", captures, put_back: bool = False) -> dict[str, tf.Tensor]:

@@ -36,6 +36,7 @@ from replicator import _errors
 from replicator import _failures
 from replicator import _lifting
 from replicator import _optimizer
+from replicator import _ordered_writes
 from replicator import _primitives
 from replicator import _step
 from replicator import _tf_distribute
@@ -117,7 +118,7 @@ class GlobalStep:
   accumulating: tuple = ()  # wrapped optimizers accumulating gradients in the step (their phase is traced)
 
   loops: dict = dataclasses.field(default_factory=dict)  # steps k -> tf.function of k steps over an iterator
-  snapshot: _atomic.Snapshot | None = None  # all-or-nothing calls: the written components' shadows
+  snapshot: _atomic.AllOrNothing | None = None  # all-or-nothing calls: what they keep of the written components
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
   written: _consistency.Written | None = None  # replicated components the step writes (atomic=False: checked)
 
@@ -130,9 +131,6 @@ class GlobalStep:
       t.set_shape(traced.shape)  # as traced: the rewritten graph's outputs may have lost it
     return outputs
 
-  def _release(self, outputs) -> None:
-    if self.snapshot is not None:
-      self.snapshot.release(_atomic.function_ops(outputs))
 
   def concrete(self, specs, atomic: bool = True, in_graph: bool = False):
     """The step as one function of the flattened global batch (imported on first use).
@@ -143,10 +141,12 @@ class GlobalStep:
     key = (atomic, in_graph)
     if key not in self.functions:
 
+      snapshot = self.snapshot.for_call(True) if atomic and self.snapshot is not None else None
+
       def call(*args):
-        outputs = self._import(args, _atomic.input_map(self.snapshot if atomic else None, self.captures, in_graph))
-        if atomic:
-          self._release(outputs)
+        outputs = self._import(args, _atomic.input_map(snapshot, self.captures, in_graph))
+        if snapshot is not None:
+          snapshot.release(_atomic.function_ops(outputs))
         return outputs
 
       self.functions[key] = tf.function(call, autograph=False).get_concrete_function(*specs)
@@ -189,8 +189,10 @@ class GlobalStep:
         """What the loop carries of a step's ``outputs``: the outputs, or ``kept`` arrays with them written at ``i``."""
         return [a.write(i, o) for a, o in zip(kept, outputs)] if all_steps else list(outputs)
 
+      snapshot = self.snapshot.for_call(False) if self.snapshot is not None else None
+
       def run(first, it):
-        captured = _atomic.input_map(self.snapshot, self.captures)
+        captured = _atomic.input_map(snapshot, self.captures)
 
         def cond(i, more, *_):
           going = tf.logical_and(i < steps, more)
@@ -213,7 +215,8 @@ class GlobalStep:
         arrays = [tf.TensorArray(o.dtype, size=0, dynamic_size=True, element_shape=o.shape) for o in outputs]
         count, more, *kept = tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + keep(arrays, 0, outputs))
         results = [count, more] + ([a.stack() for a in kept] if all_steps else kept)
-        self._release(results)
+        if snapshot is not None:
+          snapshot.release(_atomic.function_ops(results))
         return results
 
       loop = self.loops[(steps, all_steps)] = tf.function(run, autograph=False)
@@ -379,15 +382,36 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   written_handles = [(f"handle_{k}_{r}:0", h) for k, (external, internal) in enumerate(graph.captures)
                      if internal.name in handles and internal.op.name in written
                      for r, h in enumerate(handles[internal.name])]
-  snapshot = _atomic.Snapshot(written_handles) if replicator._atomic else None  # pylint: disable=protected-access
+  graph_def, snapshot = rewritten.graph_def, None
+  if replicator._atomic:  # pylint: disable=protected-access
+    traced = _ordered_writes.classifier(plan, _traced_ops(graph, expansion_graph))
+    placed = [(t.name, next((c.device for c in t.consumers() if c.device), "")) for t in inputs]
+    graph_def, kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles}, traced,
+                                            placed)
+    snapshot = _atomic.AllOrNothing(written_handles, kept)
   captures = _captures.Captures(fed + list(rewritten.external_inputs.items()))
   return GlobalStep(
-      partition=partition, plan=plan, report=report, graph_def=captures.with_read_shapes(rewritten.graph_def),
+      partition=partition, plan=plan, report=report, graph_def=captures.with_read_shapes(graph_def),
       ownership=ownership, input_names=[t.name for t in inputs], captures=captures,
       output_names=[rewritten.output_name(per_device[0]) for per_device in expansion.outputs],  # all whole
       structure=structure["value"], accumulating=tuple(trace.accumulating), snapshot=snapshot,
       written=_consistency.Written([h for _, h in written_handles]),
       locate=_failures.locator(graph, strip_replica=True, plan=plan))
+
+
+_COPY = re.compile(r"^expand/replica_\d+/(.*)$")  # rewrite._partition's name of a device's copy of a global op
+
+
+def _traced_ops(graph: tf.Graph, expansion_graph: tf.Graph):
+  """Node name of the expansion -> the op with its static shapes: a copy's global op, or the op made for it."""
+  made = {op.name: op for op in expansion_graph.get_operations()}
+  ops = {op.name: op for op in graph.get_operations()}
+
+  def traced(name: str):
+    copy = _COPY.match(name)
+    return ops.get(copy.group(1)) if copy is not None else made.get(name)
+
+  return traced
 
 
 UPDATES = ("auto", "sharded", "replicated")

@@ -173,10 +173,12 @@ class Replicator(_collective_methods.CollectiveMethods):
       ``wrap_optimizer(update="auto")`` does for the local view (where this
       argument has no effect). Results are the same either way.
     atomic: a call of :meth:`run` that fails at run time (an assertion, a
-      ``check_numerics``, on any device) writes no variable: each variable
-      the step writes is kept at the start of the call and written back after
-      a failure (True, the default; one copy of the written variables per
-      call, see the docs' Performance page). False keeps no copy: a failed
+      ``check_numerics``, on any device) writes no variable (True, the
+      default): the step's writes wait for every op of the step that can
+      fail, and a variable written before such an op (one a later check reads)
+      is kept at the start of the call and written back after a failure, as
+      is every variable a call of ``steps=k`` writes (see the docs'
+      Performance page). False orders nothing and keeps no copy: a failed
       step may leave some devices' copies written, which is detected for
       replicated variables (``ReplicasDivergedError``) but not for sharded
       ones. A step that Keras's ``fit``/``evaluate`` calls in the global

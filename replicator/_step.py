@@ -36,6 +36,7 @@ from replicator import _gradient_registry
 from replicator import _inputs
 from replicator import _invariance
 from replicator import _lifting
+from replicator import _ordered_writes
 from replicator import _primitives
 from replicator import _summaries
 from replicator import _tf_distribute
@@ -93,7 +94,7 @@ class CompiledStep:
   source: _inputs.Source
   accumulating: tuple = ()  # gradient-accumulating optimizers the step uses
   written: _consistency.Written | None = None  # replicated state the step writes
-  snapshot: _atomic.Snapshot | None = None  # all-or-nothing calls: the written components' shadows
+  snapshot: _atomic.AllOrNothing | None = None  # all-or-nothing calls: what they keep of the written components
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
   _executables: dict = dataclasses.field(default_factory=dict)
 
@@ -170,11 +171,13 @@ class CompiledStep:
     else:
       fn = loop
 
+    snapshot = self.snapshot.for_call(fn is not loop) if atomic and self.snapshot is not None else None
+
     def call(*flat_args):
-      captured.update(_atomic.input_map(self.snapshot if atomic else None, self.captures, in_graph))
+      captured.update(_atomic.input_map(snapshot, self.captures, in_graph))
       outputs = fn(*flat_args)
-      if atomic and self.snapshot is not None:
-        self.snapshot.release(_atomic.function_ops(outputs))
+      if snapshot is not None:
+        snapshot.release(_atomic.function_ops(outputs))
       return outputs
 
     return tf.function(call, autograph=False).get_concrete_function(*source.arg_specs)
@@ -320,20 +323,24 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   _check_outputs(outputs)  # they are the usual cause of output mismatches
   written_state = _consistency.Written([external for external, internal in scratch.graph.captures
                                        if internal.op.name in written])
-  snapshot = None
-  if replicator._atomic:  # pylint: disable=protected-access
-    snapshot = _atomic.Snapshot([(internal.name, external) for external, internal in scratch.graph.captures
-                                 if internal.op.name in written])
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
   graph_def = _independent_replicas(graph_def)
   graph_def = _summaries.single_series(graph_def)
   rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   graph = scratch.graph
+  graph_def, snapshot = rewritten.graph_def, None
+  if replicator._atomic:  # pylint: disable=protected-access
+    ops = {op.name: op for op in graph.get_operations()}
+    inputs = [(t.name, next((c.device for c in t.consumers() if c.device), ""))
+              for t in graph.inputs[:len(source.element_specs)]]
+    graph_def, kept = _ordered_writes.order(graph_def, written, _ordered_writes.classifier(plan, ops.get), inputs)
+    snapshot = _atomic.AllOrNothing([(internal.name, external) for external, internal in graph.captures
+                                     if internal.op.name in written], kept)
   flat0 = tree.flatten(outputs[0])
   captures = _captures.Captures([(internal.name, external) for external, internal in graph.captures]
                                 + list(rewritten.external_inputs.items()))
   return CompiledStep(
-      plan=plan, graph_def=captures.with_read_shapes(rewritten.graph_def),
+      plan=plan, graph_def=captures.with_read_shapes(graph_def),
       input_names=[t.name for t in graph.inputs[:len(source.element_specs)]], captures=captures,
       output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs], output_shapes=[t.shape for t in scratch.outputs],

@@ -297,7 +297,7 @@ def test_a_dropped_step_fn_frees_its_global_view_step_and_its_kept_values():
   repl.run(step, tf.data.Dataset.from_tensors(tf.ones([4])))
   (built,) = [s for by_spec in repl._global_steps.values() for variants in by_spec.values()  # pylint: disable=protected-access
               for s in variants.values()]
-  shadows = [weakref.ref(g.shadow) for g in built.snapshot._groups]  # pylint: disable=protected-access
+  shadows = [weakref.ref(g.shadow) for g in built.snapshot.whole._groups]  # pylint: disable=protected-access
   assert shadows and float(v.numpy()) == 4.0
   ref = weakref.ref(step)
   del step, built

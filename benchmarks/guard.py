@@ -1,0 +1,446 @@
+"""The benchmark guard: the core path's headline ratios, against the values recorded at earlier commits.
+
+Run before every stop that touches ``replicator/``, ``rewrite/`` or ``mesh/``
+(about 5 minutes on 2 cores)::
+
+  python -m benchmarks.guard                 # measure, compare with benchmarks/results/guard.json
+  python -m benchmarks.guard --record        # ... and record the new values (an intended change)
+  python -m benchmarks.guard --only mlp_deep,atomic   # some entries (names as in the table)
+
+Every configuration runs in a process of its own kind, so that no baseline
+runs under settings the library chose for itself:
+
+* ``library``: ``replicator.virtual_cpus(4)`` (or 8), the library's own
+  defaults (a kernel gets ``cores // devices`` intra-op threads);
+* ``plain``: TensorFlow with 4 logical CPUs made by ``tf.config`` and its
+  default threads, as a ``MirroredStrategy`` user sets it up;
+* ``one``: TensorFlow untouched (one CPU device, default threads), as a user
+  runs a one-device step.
+
+The parent process drives the step benchmarks in interleaved rounds: each
+round asks every configuration of a benchmark for one timed call, in an order
+shuffled from round to round, the processes taking turns (one runs at a time,
+so they do not share the cores): at least ``--rounds`` rounds, more while they
+have taken under 10 s (up to 400: fast steps get more). A ratio is the median of the round-by-round
+ratios with its 95% bootstrap interval (``_timing.paired_ratio``). Before
+timing, every configuration runs the same 3 steps from the same weights and
+their losses must agree (to 1e-3 relative).
+
+The builds (first call of a fresh step) are one measurement each, in a fresh
+``library`` process; their wall time and process CPU time are printed. A build
+is flagged when it exceeds the recorded one by more than ``BUILD_TOLERANCE``
+(the spread of repeated builds measured when they were recorded).
+
+A ratio is flagged as a regression when its new median lies above the recorded
+interval and its new interval lies wholly above the recorded median: worse by
+more than either measurement's own uncertainty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "guard.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD_TOLERANCE = 0.10
+LOSS_TOLERANCE = 1e-3
+CHECK_STEPS = 3
+MAX_ROUNDS = 400
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+  """A guarded ratio: ``numerator`` over ``denominator`` (configuration names), and its target."""
+
+  name: str
+  numerator: str
+  denominator: str
+  target: float | None = None
+  what: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBenchmark:
+  """Configurations timed together (name -> process kind) and the ratios taken of them."""
+
+  name: str
+  configs: dict
+  ratios: tuple
+  compare_losses: tuple = ()  # configurations whose first losses must agree
+
+
+# The step benchmarks. Configuration names are "<benchmark>/<configuration>"; their code is in _setup.
+STEPS = (
+    StepBenchmark("mlp_deep", {"mlp_deep/ours": "library", "mlp_deep/ours atomic=False": "library",
+                               "mlp_deep/MirroredStrategy": "plain"},
+                  (Ratio("mlp_deep", "mlp_deep/ours", "mlp_deep/MirroredStrategy", 0.40,
+                         "16 Dense(128), batch 64, Adam, 4 devices: ours / MirroredStrategy"),
+                   Ratio("atomic mlp_deep", "mlp_deep/ours", "mlp_deep/ours atomic=False", 1.03,
+                         "all-or-nothing's cost: atomic=True / atomic=False")),
+                  ("mlp_deep/ours", "mlp_deep/MirroredStrategy")),
+    StepBenchmark("mlp_wide", {"mlp_wide/ours": "library", "mlp_wide/ours atomic=False": "library",
+                               "mlp_wide/MirroredStrategy": "plain"},
+                  (Ratio("mlp_wide", "mlp_wide/ours", "mlp_wide/MirroredStrategy", 0.65,
+                         "256-4096-256, batch 512, Adam, 4 devices: ours / MirroredStrategy"),
+                   Ratio("atomic mlp_wide", "mlp_wide/ours", "mlp_wide/ours atomic=False", 1.03,
+                         "all-or-nothing's cost")),
+                  ("mlp_wide/ours", "mlp_wide/MirroredStrategy")),
+    StepBenchmark("embedding", {"embedding/ours": "library", "embedding/ours atomic=False": "library",
+                                "embedding/one device": "one"},
+                  (Ratio("embedding", "embedding/ours", "embedding/one device", 1.10,
+                         "Embedding(50000, 128) + Adam, batch 64, 4 devices: ours / one device"),
+                   Ratio("atomic embedding", "embedding/ours", "embedding/ours atomic=False", 1.03,
+                         "all-or-nothing's cost")),
+                  ("embedding/ours", "embedding/one device")),
+    StepBenchmark("global_2x2", {"global_2x2/ours": "library", "global_2x2/ours atomic=False": "library",
+                                 "global_2x2/one device": "one"},
+                  (Ratio("global_2x2", "global_2x2/ours", "global_2x2/one device", None,
+                         "global view, 784-4096-10 split over 'model' on 2x2, SGD: ours / one device"),
+                   Ratio("atomic global_2x2", "global_2x2/ours", "global_2x2/ours atomic=False", 1.03,
+                         "all-or-nothing's cost")),
+                  ("global_2x2/ours", "global_2x2/one device")),
+)
+
+# The builds: name -> (devices, what, target seconds).
+BUILDS = {
+    "build mobilenet_v2 local": (4, "MobileNetV2 96x96, batch 32, Adam, local view on 4 devices: first call (s)", 45.0),
+    "build transformer 2x4 global": (8, "one-block transformer, Megatron over 'model' on 2x4, Adam, global view: "
+                                        "first call (s)", None),
+}
+
+
+# -- the configurations (run in the child processes) ---------------------------------------------------------------
+
+
+def _cpus(n: int) -> list[str]:
+  return [f"/device:CPU:{i}" for i in range(n)]
+
+
+def _setup(config: str, devices: int):
+  """Builds ``config`` in this process; returns a function running one call and returning its loss (a float)."""
+  import keras
+  import numpy as np
+  import tensorflow as tf
+
+  import replicator
+  from benchmarks import global_view
+  from benchmarks import models
+  from benchmarks import step_time
+  bench, _, variant = config.partition("/")
+  if bench == "global_2x2":
+    weights, x, y = global_view._mlp_data()  # pylint: disable=protected-access
+    if variant == "one device":
+      return global_view._mlp_one(weights, x, y).step  # pylint: disable=protected-access
+    import mesh
+    m = mesh.Mesh({"batch": 2, "model": 2}, devices=_cpus(4))
+    repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(global_view.MLP_LAYOUTS), batch_axes=("batch",),
+                                 view="global", atomic=variant == "ours")
+    with repl.context():
+      variables = global_view._variables(tf, weights)  # pylint: disable=protected-access
+    step_fn = global_view._one_device_step(tf, variables)  # pylint: disable=protected-access
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    return lambda: float(repl.run(step_fn, dataset))
+  spec = models.by_name(bench)
+  keras.utils.set_random_seed(0)
+  with tf.device("/device:CPU:0"):
+    weights = spec.build().get_weights()
+  x, y = spec.batch()
+  if variant == "one device":
+    return step_time.single_device(spec, weights, x, y).call
+  if variant == "MirroredStrategy":
+    return step_time.mirrored(spec, weights, x, y, _cpus(devices)).call
+  original = replicator.Replicator.__init__
+  atomic = variant == "ours"
+
+  def init(self, *args, **kwargs):
+    original(self, *args, atomic=atomic, **kwargs)
+
+  replicator.Replicator.__init__ = init  # step_time.ours makes the Replicator with the library's defaults
+  try:
+    setup = step_time.ours(spec, weights, x, y, _cpus(devices))
+  finally:
+    replicator.Replicator.__init__ = original
+  del np
+  return setup.call
+
+
+def _build(name: str) -> dict:
+  """One build (first call) in this fresh process: wall and CPU seconds."""
+  import numpy as np
+  import tensorflow as tf
+
+  import replicator
+  if name == "build mobilenet_v2 local":
+    from benchmarks import global_view
+    record = global_view.child_build(global_view.LOCAL_BUILD)
+    return dict(seconds=record["first_call_s"], loss=record["loss"], nodes=record["graph_nodes"])
+  import keras
+
+  import mesh
+  from benchmarks import global_view
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, global_view.VOCAB, size=(global_view.TF_BATCH, global_view.TIME)).astype("int32")
+  y = rng.integers(0, global_view.VOCAB, size=(global_view.TF_BATCH, global_view.TIME)).astype("int32")
+  dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 4}, devices=_cpus(8)),
+                               layouts=mesh.LayoutMap(global_view.MEGATRON), batch_axes=("batch",), view="global")
+  with repl.context():
+    model, optimizer = global_view._transformer(), keras.optimizers.Adam(global_view.ADAM_LR)  # pylint: disable=protected-access
+    optimizer.build(model.trainable_variables)
+  step_fn = global_view._transformer_step(model, optimizer)  # pylint: disable=protected-access
+  cpu0, t0 = _cpu_seconds(), time.perf_counter()
+  loss = float(repl.run(step_fn, dataset))
+  return dict(seconds=time.perf_counter() - t0, cpu_seconds=_cpu_seconds() - cpu0, loss=loss)
+
+
+def _cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
+def _configure(kind: str, devices: int) -> None:
+  """This process's devices and threads for a process of ``kind`` (before TensorFlow starts)."""
+  import tensorflow as tf
+  if kind == "library":
+    import replicator
+    replicator.virtual_cpus(devices)
+  elif kind == "plain":
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
+  elif kind != "one":
+    raise ValueError(f"unknown process kind {kind!r}")
+
+
+def serve(kind: str, devices: int) -> None:
+  """A child: reads one JSON request a line on stdin, answers one JSON line on stdout."""
+  _configure(kind, devices)
+  import tensorflow as tf
+  out = sys.stdout
+  sys.stdout = sys.stderr  # what the library or Keras prints does not mix with the answers
+  calls = {}
+  for line in sys.stdin:
+    request = json.loads(line)
+    op, config = request["op"], request.get("config")
+    if op == "setup":
+      cpu0, t0 = _cpu_seconds(), time.perf_counter()
+      calls[config] = _setup(config, devices)
+      losses = [calls[config]() for _ in range(CHECK_STEPS)]
+      answer = dict(build_s=time.perf_counter() - t0, build_cpu_s=_cpu_seconds() - cpu0, losses=losses,
+                    intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads())
+    elif op == "run":
+      t0 = time.perf_counter()
+      calls[config]()
+      answer = dict(seconds=time.perf_counter() - t0)
+    elif op == "build":
+      cpu0 = _cpu_seconds()
+      answer = _build(config)
+      answer.setdefault("cpu_seconds", _cpu_seconds() - cpu0)
+    else:
+      break
+    out.write(json.dumps(answer) + "\n")
+    out.flush()
+
+
+# -- the parent ------------------------------------------------------------------------------------------------------
+
+
+class _Child:
+  """A child process of one kind, answering requests."""
+
+  def __init__(self, kind: str, devices: int):
+    self.kind = kind
+    self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.guard", "--serve", kind, "--devices",
+                                     str(devices)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True, bufsize=1)
+
+  def ask(self, **request) -> dict:
+    self.process.stdin.write(json.dumps(request) + "\n")
+    self.process.stdin.flush()
+    line = self.process.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the {self.kind} process ended while answering {request} (run it by hand: python -m "
+                         f"benchmarks.guard --serve {self.kind} and send that request)")
+    return json.loads(line)
+
+  def close(self) -> None:
+    try:
+      self.process.stdin.close()
+    except OSError:
+      pass
+    self.process.wait(timeout=60)
+
+
+def measure_steps(bench: StepBenchmark, rounds: int, log, budget_seconds: float = 10.0) -> dict:
+  """Times ``bench``'s configurations interleaved across their processes; returns its ratios and checks.
+
+  At least ``rounds`` rounds, and more (up to ``MAX_ROUNDS``) while the rounds
+  have taken less than ``budget_seconds``: fast steps get more rounds."""
+  import numpy as np
+
+  from benchmarks import _timing
+  children = {kind: _Child(kind, 4) for kind in sorted(set(bench.configs.values()))}
+  try:
+    setups = {}
+    for config, kind in bench.configs.items():
+      setups[config] = children[kind].ask(op="setup", config=config)
+      log(f"  {config:<34} ({kind}, {setups[config]['intra_op_threads'] or 'default'} intra-op threads): built in "
+          f"{setups[config]['build_s']:.1f} s; losses " + ", ".join(f"{v:.6f}" for v in setups[config]["losses"]))
+    reference = np.asarray(setups[bench.compare_losses[-1]]["losses"])
+    mismatch = {c: float(np.max(np.abs(np.asarray(setups[c]["losses"]) - reference) / np.abs(reference)))
+                for c in bench.compare_losses}
+    names = list(bench.configs)
+    order = np.random.default_rng(0)
+    for _ in range(2):  # warm-up rounds
+      for config in names:
+        children[bench.configs[config]].ask(op="run", config=config)
+    times = {config: [] for config in names}
+    start = time.perf_counter()
+    for r in range(MAX_ROUNDS):
+      if r >= rounds and time.perf_counter() - start > budget_seconds:
+        break
+      for i in order.permutation(len(names)):
+        config = names[i]
+        times[config].append(children[bench.configs[config]].ask(op="run", config=config)["seconds"])
+  finally:
+    for child in children.values():
+      child.close()
+  ratios = {r.name: _timing.paired_ratio(times[r.numerator], times[r.denominator]) for r in bench.ratios}
+  return dict(ratios=ratios, step_s={c: _timing.summary(t)["median"] for c, t in times.items()},
+              loss_mismatch=mismatch)
+
+
+def measure_build(name: str, log) -> dict:
+  devices = BUILDS[name][0]
+  child = _Child("library", devices)
+  try:
+    t0 = time.perf_counter()
+    record = child.ask(op="build", config=name)
+  finally:
+    child.close()
+  log(f"  {name}: {record['seconds']:.1f} s ({record['cpu_seconds']:.1f} s of CPU in the process; "
+      f"{time.perf_counter() - t0:.0f} s with its start)")
+  return record
+
+
+def _commit() -> str:
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "replicator", "rewrite", "mesh"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def _load() -> dict:
+  if not os.path.exists(RESULTS):
+    return {}
+  with open(RESULTS, encoding="utf-8") as f:
+    return json.load(f)["entries"]
+
+
+def regressed(new: dict, old: dict | None) -> bool:
+  """Whether ratio ``new`` is worse than the recorded ``old`` by more than either's interval."""
+  if old is None:
+    return False
+  if "seconds" in new:
+    return new["seconds"] > old["seconds"] * (1 + BUILD_TOLERANCE)
+  return new["median"] > old["ci_high"] and new["ci_low"] > old["median"]
+
+
+def _cell(entry: dict | None) -> str:
+  if entry is None:
+    return ""
+  if "seconds" in entry:
+    return f"{entry['seconds']:.1f} s"
+  return f"{entry['median']:.2f} [{entry['ci_low']:.2f}, {entry['ci_high']:.2f}]"
+
+
+def table(entries: dict, recorded: dict) -> str:
+  from benchmarks import _timing
+  targets = {r.name: r.target for b in STEPS for r in b.ratios}
+  targets.update({name: target for name, (_, _, target) in BUILDS.items()})
+  rows = []
+  for name, entry in entries.items():
+    old = recorded.get(name)
+    target = targets.get(name)
+    value = entry["seconds"] if "seconds" in entry else entry["median"]
+    met = "" if target is None else ("met" if value <= target else "NOT MET")
+    rows.append([name, _cell(entry), _cell(old), "" if old is None else old.get("commit", ""),
+                 "" if target is None else f"<= {target:g} ({met})",
+                 "REGRESSED" if regressed(entry, old) else "ok"])
+  return _timing.table(["benchmark", "now", "recorded", "recorded at", "target", "guard"], rows, "lrrlll")
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--record", action="store_true", help="write the new values to benchmarks/results/guard.json")
+  parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
+  parser.add_argument("--rounds", type=int, default=40)
+  parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.serve:
+    serve(args.serve, args.devices)
+    return {}
+  only = {n for n in args.only.split(",") if n}
+
+  def wanted(name: str) -> bool:
+    return not only or name in only or any(name.endswith(o) or name.startswith(o) for o in only)
+
+  def log(message: str) -> None:
+    print(message, flush=True)
+
+  commit = _commit()
+  date = datetime.date.today().isoformat()
+  entries, checks = {}, {}
+  start = time.perf_counter()
+  for bench in STEPS:
+    if not any(wanted(r.name) for r in bench.ratios):
+      continue
+    log(f"{bench.name}:")
+    result = measure_steps(bench, args.rounds, log)
+    checks[bench.name] = result["loss_mismatch"]
+    for r in bench.ratios:
+      p = result["ratios"][r.name]
+      entries[r.name] = dict(median=p["median"], ci_low=p["ci_low"], ci_high=p["ci_high"], n=p["n"], commit=commit,
+                             date=date, what=r.what,
+                             step_ms={c: round(s * 1e3, 3) for c, s in result["step_s"].items()
+                                      if c in (r.numerator, r.denominator)})
+  for name in BUILDS:
+    if wanted(name):
+      log(f"{name}:")
+      record = measure_build(name, log)
+      entries[name] = dict(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], commit=commit, date=date,
+                           what=BUILDS[name][1])
+  recorded = _load()
+  print()
+  print(table(entries, recorded))
+  bad = {b: m for b, c in checks.items() for m in c.values() if m > LOSS_TOLERANCE}
+  if bad:
+    print(f"\nLOSSES DISAGREE (relative difference above {LOSS_TOLERANCE}): {checks}")
+  print(f"\n{len(entries)} entries in {time.perf_counter() - start:.0f} s at {commit}; interleaved rounds: at least "
+        f"{args.rounds}.")
+  if args.record:
+    merged = dict(recorded)
+    merged.update(entries)
+    with open(RESULTS, "w", encoding="utf-8") as f:
+      json.dump(dict(about=__doc__.splitlines()[0], entries=merged), f, indent=1, sort_keys=True)
+      f.write("\n")
+    print(f"recorded in {os.path.relpath(RESULTS, ROOT)}")
+  return dict(entries=entries, checks=checks)
+
+
+if __name__ == "__main__":
+  main()
