@@ -273,11 +273,16 @@ class _Child:
     return json.loads(line)
 
   def close(self) -> None:
+    """Ends the process (killed if it does not exit: TF 2.21 can hang destroying autotuned tf.data iterators)."""
     try:
       self.process.stdin.close()
     except OSError:
       pass
-    self.process.wait(timeout=60)
+    try:
+      self.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      self.process.kill()
+      self.process.wait()
 
 
 def measure_steps(bench: StepBenchmark, rounds: int, log, budget_seconds: float = 10.0) -> dict:

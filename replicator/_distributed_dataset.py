@@ -234,6 +234,12 @@ class GlobalBatchInputs(_inputs.Source):
   def _split_flat(self, element):
     return [t for part in split(element, self._n) for t in tree.flatten(part)]
 
+  fetches_plainly = True
+
+  def fetch(self, flat_args):
+    with tf.device(self._host):
+      return self._split_flat(self._iterator.get_next())
+
   def fetch_optional(self, flat_args):
     host = self._host
     with tf.device(host):

@@ -86,6 +86,9 @@ class Source:
 
   key: Any = None
   stateful = False  # holds iterators: a new source means a new epoch
+  # fetch() takes a step's elements with plain get_next (the end of the input fails the call, which then
+  # ran nothing that stays: all or nothing); False: the elements exist only behind fetch_optional's check.
+  fetches_plainly = False
   arg_specs: tuple = ()  # arguments of the executing function
   element_specs: tuple = ()  # flat step inputs, all replicas
   counts: tuple = ()  # flat inputs per replica
@@ -243,6 +246,17 @@ class DatasetInputs(Source):
     # with an empty batch: such an epoch ends when the first dataset does.
     self.pads_with_empty_batches = not drop_remainder and all(
         spec.shape.rank and spec.shape[1:].is_fully_defined() for spec in tree.flatten(self.structures[0]))
+
+  @property
+  def fetches_plainly(self) -> bool:
+    return not self.pads_with_empty_batches  # an uneven end runs steps on empty batches: that needs the check
+
+  def fetch(self, flat_args):
+    values = []
+    for it, device in zip(self._iterators, self._devices):
+      with tf.device(device):
+        values.extend(tree.flatten(it.get_next()))
+    return values
 
   def end_note(self) -> str:
     if self.pads_with_empty_batches or self._drop_remainder or len(self._iterators) < 2:

@@ -119,8 +119,18 @@ class CompiledStep:
         self._executables.clear()  # they captured the old iterators
 
   def _single(self, steps: int, all_steps: bool) -> bool:
-    """Whether one unguarded step runs (no step count returned)."""
-    return steps == 1 and not all_steps and not self.source.stateful
+    """Whether one unguarded step runs (no step count returned).
+
+    An iterator's next elements are taken without a check that they exist
+    (one step, fewer ops: no ``tf.cond`` around the step) when the call is all
+    or nothing: the step's writes wait for its inputs (``_ordered_writes``),
+    so a call that finds the end of the input fails having written nothing.
+    Otherwise a plain ``get_next`` at the end would abort the call after the
+    writes that need no input (an optimizer's step counter) may have run.
+    """
+    if steps != 1 or all_steps:
+      return False
+    return not self.source.stateful or (self.snapshot is not None and self.source.fetches_plainly)
 
   def _build(self, steps: int, all_steps: bool, stop=None, atomic: bool = True, in_graph: bool = False):
     source = self.source
