@@ -514,7 +514,10 @@ class ReplicatedOptimizer(tf.Module):
     pending = any(o is not None and o.pending for o in owners)
     first_op = len(graph.get_operations()) if pending else 0  # the update's ops follow
     if any(grads[i] is not None for i in mine):
-      optimizer.apply([grads[i] for i in mine], [variables[i] for i in mine])
+      # The owner's new values are broadcast: the other copies will share their buffers, so update out of place.
+      shared_out = [_variables.underlying(variables[i]) for i in mine if owners[i] is not None and owners[i].axes]
+      with _variables.updated_out_of_place([v for v in shared_out if v is not None]):
+        optimizer.apply([grads[i] for i in mine], [variables[i] for i in mine])
     else:
       optimizer.iterations.assign_add(1)  # what apply() would have counted
     if pending:

@@ -161,6 +161,27 @@ def _is_creating() -> bool:
   return getattr(_creating, "active", False)
 
 
+_out_of_place = threading.local()
+
+
+@contextlib.contextmanager
+def updated_out_of_place(variables):
+  """Within: a replica's ``assign_add``/``assign_sub`` of these ``ReplicatedVariable`` s writes a new buffer.
+
+  For variables whose other copies share the replica's buffer (a sharded
+  update's owner broadcasts its new value: in one process the other devices'
+  copies take the same buffer). An update in place would first copy the
+  whole buffer (copy on write: 1.2 ms for a 50,000 x 128 table on this
+  machine); ``assign(value - delta)`` makes the new value in one pass.
+  """
+  previous = getattr(_out_of_place, "ids", frozenset())
+  _out_of_place.ids = previous | {id(v) for v in variables}
+  try:
+    yield
+  finally:
+    _out_of_place.ids = previous
+
+
 def _component_class() -> type:
   if not _plain_class:
     with tf.init_scope(), _creating_components():
@@ -596,7 +617,12 @@ class ReplicatedVariable(tf.Variable):
       return getattr(standin, method)(*args, **kwargs)
     if self._in_replica():
       args = (self._combined(method, args[0]),) + args[1:]
-      return getattr(self._current(), method)(*args, **kwargs)
+      component = self._current()
+      if method != "assign" and id(self) in getattr(_out_of_place, "ids", ()):
+        delta = tf.convert_to_tensor(args[0], self.dtype)
+        value = component.read_value()
+        return component.assign(value + delta if method == "assign_add" else value - delta, *args[1:], **kwargs)
+      return getattr(component, method)(*args, **kwargs)
     read_value = kwargs.pop("read_value", True)
     if self._sharding is not None:
       value = tf.convert_to_tensor(args[0], self.dtype)
