@@ -123,7 +123,7 @@ def _task(device: str) -> tuple:
 
 
 def classifier(plan, traced: Callable[[str], "tf.Operation | None"]) -> Callable:
-  """``fails(node)`` for the nodes of a rewritten step GraphDef.
+  """``fails(name, op_type)`` for the nodes of a rewritten step GraphDef.
 
   Args:
     plan: the rewrite's plan (its collectives' nodes are named by their index).
@@ -133,13 +133,18 @@ def classifier(plan, traced: Callable[[str], "tf.Operation | None"]) -> Callable
   """
   fallible = [collective_can_fail(c) for c in plan.collectives]
 
-  def fails(node) -> bool:
-    found = _COLLECTIVE.match(node.name)
-    if found is not None:
-      return fallible[int(found.group(1))]
-    if _EXTERNAL.match(node.name) or node.op in _NEVER_FAIL:
+  def fails(name: str, op_type: str) -> bool:
+    if op_type in _NEVER_FAIL:
       return False
-    op = traced(node.name)
+    if "replicator_rewrite" in name:
+      found = _COLLECTIVE.match(name)
+      if found is not None:
+        return fallible[int(found.group(1))]
+      if _EXTERNAL.match(name):
+        return False
+    if op_type not in _CANNOT_FAIL:
+      return True
+    op = traced(name)
     return True if op is None else can_fail(op)
 
   return fails
@@ -162,117 +167,41 @@ class Gates:
 
 
 def _ref(name: str) -> str:
-  return name[1:] if name.startswith("^") else name.split(":")[0]
+  return name[1:] if name[0] == "^" else name.partition(":")[0]
 
 
-def analyse(graph_def, written: Iterable[str], fails: Callable) -> Gates:
-  """Which writes of ``graph_def`` can wait for every op that can fail, and which written placeholders to keep.
+class _Parsed:
+  """A GraphDef's nodes by position: names, types, and who takes each node's outputs (data or control)."""
 
-  Args:
-    graph_def: the step after the rewrite (a nested function's call is one node).
-    written: the names of the placeholder nodes (handles) whose variables the step writes.
-    fails: ``fails(node)``: whether a node may fail at run time (:func:`classifier`).
-  """
-  nodes = {node.name: node for node in graph_def.node}
-  successors: dict[str, list[str]] = {name: [] for name in nodes}
-  for node in graph_def.node:
-    for ref in node.input:
-      source = _ref(ref)
-      if source in successors:
-        successors[source].append(node.name)
-  failing = {name for name, node in nodes.items() if fails(node)}
-  # before_failure[n]: an op that can fail depends on n (a depth-first pass, each node once).
-  before_failure: dict[str, bool] = {}
-  for root in nodes:
-    if root in before_failure:
-      continue
-    before_failure[root] = False
-    stack = [(root, iter(successors[root]))]
-    while stack:
-      name, children = stack[-1]
-      child = next((c for c in children if c not in before_failure), None)
-      if child is not None:
-        before_failure[child] = False
-        stack.append((child, iter(successors[child])))
-        continue
-      stack.pop()
-      before_failure[name] = any(c in failing or before_failure[c] for c in successors[name])
+  def __init__(self, graph_def):
+    self.nodes = list(graph_def.node)
+    self.names = [node.name for node in self.nodes]
+    self.types = [node.op for node in self.nodes]
+    self.index = {name: i for i, name in enumerate(self.names)}
+    self.successors: list[list[int]] = [[] for _ in self.nodes]
+    index = self.index
+    for i, node in enumerate(self.nodes):
+      for ref in node.input:
+        j = index.get(_ref(ref))
+        if j is not None:
+          self.successors[j].append(i)
 
-  gated: dict[str, list[str]] = {}
-  kept: set[str] = set()
-  for placeholder in written:
-    for writer in _writers(nodes, successors, placeholder):
-      if writer in failing or before_failure[writer]:
-        kept.add(placeholder)
-      else:
-        gated.setdefault(nodes[writer].device, []).append(writer)
-  waits: dict[str, list[str]] = {}
-  for name in sorted(failing):
-    waits.setdefault(nodes[name].device, []).append(name)
-  return Gates(waits=waits, gated={d: sorted(set(names)) for d, names in gated.items()}, kept=kept)
+  def uses(self, placeholder: str) -> list[int]:
+    """The nodes that take ``placeholder``'s handle, through identities (by position)."""
+    start = self.index.get(placeholder)
+    if start is None:
+      return []
+    found, frontier, seen = [], [start], {start}
+    while frontier:
+      for consumer in self.successors[frontier.pop()]:
+        if consumer not in seen:
+          seen.add(consumer)
+          (frontier if self.types[consumer] in _FORWARDS else found).append(consumer)
+    return found
 
 
-def _writers(nodes: dict, successors: dict[str, list[str]], placeholder: str) -> list[str]:
-  """The nodes that take ``placeholder``'s handle (through identities) and do not only read it."""
-  found, frontier, seen = [], [placeholder], {placeholder}
-  while frontier:
-    for consumer in successors.get(frontier.pop(), ()):
-      if consumer in seen:
-        continue
-      seen.add(consumer)
-      if nodes[consumer].op in _FORWARDS:
-        frontier.append(consumer)
-      elif nodes[consumer].op not in _READS:
-        found.append(consumer)
-  return found
-
-
-def apply(graph_def, gates: Gates, inputs: Iterable[tuple[str, str]] = ()):
-  """``graph_def`` with every gated write waiting for every op that can fail (a few ``NoOp`` s, control edges).
-
-  ``inputs``: ``(tensor name, device)`` of the step's inputs: values computed
-  in the function that imports the step (taken from an iterator, split), where
-  the failures of their ops are not the step's; a write waits for them too
-  (through a ``Shape`` of each, on its device: an input mapped in at import is
-  a tensor, and a control edge to its placeholder would not follow it). Ops no
-  longer in ``graph_def`` (pruned after the trace) are left out.
-  """
-  present = {node.name: node for node in graph_def.node}
-  waits = {d: [n for n in names if n in present] for d, names in gates.waits.items()}
-  waits = {d: names for d, names in waits.items() if names}
-  gated = {d: [n for n in names if n in present] for d, names in gates.gated.items()}
-  gated = {d: names for d, names in gated.items() if names}
-  inputs = [(tensor, device) for tensor, device in inputs if tensor.split(":")[0] in present]
-  if not gated or not (waits or inputs):
-    return graph_def
-  result = type(graph_def)()
-  result.CopyFrom(graph_def)
-  for k, (tensor, device) in enumerate(inputs):
-    node = result.node.add(name=f"{GATE_SCOPE}/input_{k}", op="Shape", input=[tensor], device=device)
-    node.attr["T"].CopyFrom(present[tensor.split(":")[0]].attr["dtype"])
-    node.attr["out_type"].type = tf.int32.as_datatype_enum
-    waits.setdefault(device, []).append(node.name)
-
-  def no_op(name: str, device: str, after: list[str]) -> str:
-    node = result.node.add(name=f"{GATE_SCOPE}/{name}", op="NoOp", device=device)
-    node.input.extend(f"^{n}" for n in after)
-    return node.name
-
-  # One wait per device for its ops that can fail, one join of those, and one gate per device that writes:
-  # the edges between devices are (devices that can fail - 1) + (devices that write), not one per op.
-  local = [no_op(f"can_fail_{i}", device, names) for i, (device, names) in enumerate(sorted(waits.items()))]
-  join_device = sorted(waits)[0]
-  join = local[0] if len(local) == 1 else no_op("all_can_fail", join_device, local)
-  nodes = {node.name: node for node in result.node}
-  for i, (device, names) in enumerate(sorted(gated.items())):
-    gate = join if device == join_device else no_op(f"writes_{i}", device, [join])
-    for name in names:
-      nodes[name].input.append(f"^{gate}")
-  return result
-
-
-def in_program_order(graph_def, written: Iterable[str]):
-  """``graph_def`` with the uses of each written variable ordered by control edges, as they come in the GraphDef.
+def in_program_order(parsed: _Parsed, written: Iterable[str]) -> None:
+  """Orders the uses of each written variable by control edges, as they come in the GraphDef (in place).
 
   The function that imports the step orders the uses of each resource in the
   order it makes the ops (automatic control dependencies), and the importer
@@ -282,47 +211,124 @@ def in_program_order(graph_def, written: Iterable[str]):
   write before it, and each write for the reads and the write before it (as
   automatic control dependencies do), in the GraphDef's order (the step's).
   """
-  written = set(written)
-  if not written:
-    return graph_def
-  result = type(graph_def)()
-  result.CopyFrom(graph_def)
-  nodes = {node.name: node for node in result.node}
-  successors: dict[str, list[str]] = {}
-  for node in result.node:
-    for ref in node.input:
-      successors.setdefault(_ref(ref), []).append(node.name)
-  position = {node.name: i for i, node in enumerate(result.node)}
   for placeholder in written:
-    uses, frontier, seen = [], [placeholder], {placeholder}
-    while frontier:
-      for consumer in successors.get(frontier.pop(), ()):
-        if consumer not in seen:
-          seen.add(consumer)
-          (frontier if nodes[consumer].op in _FORWARDS else uses).append(consumer)
     last_write, reads = None, []
-    for name in sorted(uses, key=position.__getitem__):
-      node = nodes[name]
-      after = ([last_write] if last_write else []) + (reads if node.op not in _READS else [])
-      have = {_ref(ref) for ref in node.input}
-      node.input.extend(f"^{a}" for a in after if a not in have and a != name)
-      if node.op in _READS:
-        reads.append(name)
+    for i in sorted(parsed.uses(placeholder)):
+      read = parsed.types[i] in _READS
+      after = ([last_write] if last_write is not None else []) + ([] if read else reads)
+      if after:
+        node = parsed.nodes[i]
+        have = {_ref(ref) for ref in node.input}
+        for a in after:
+          if parsed.names[a] not in have:
+            node.input.append("^" + parsed.names[a])
+            parsed.successors[a].append(i)
+      if read:
+        reads.append(i)
       else:
-        last_write, reads = name, []
-  return result
+        last_write, reads = i, []
 
 
-def order(graph_def, written: Iterable[str], fails: Callable, inputs: Iterable[tuple[str, str]]):
-  """``graph_def`` with its writes ordered after every op that can fail; and the placeholders still to keep.
+def analyse(parsed: _Parsed, written: Iterable[str], fails: Callable) -> Gates:
+  """Which writes can wait for every op that can fail, and which written placeholders to keep.
 
   Args:
-    graph_def: the step's GraphDef after the rewrite (``rewrite.apply``).
+    parsed: the step after the rewrite (a nested function's call is one node).
+    written: the names of the placeholder nodes (handles) whose variables the step writes.
+    fails: ``fails(name, op_type)``: whether a node may fail at run time (:func:`classifier`).
+  """
+  n = len(parsed.nodes)
+  failing = [fails(name, op) for name, op in zip(parsed.names, parsed.types)]
+  successors = parsed.successors
+  # before[i]: an op that can fail depends on node i. Each node once, children first (iterative).
+  before = [False] * n
+  done = [False] * n
+  for root in range(n):
+    if done[root]:
+      continue
+    stack = [(root, 0)]
+    while stack:
+      i, k = stack[-1]
+      children = successors[i]
+      while k < len(children) and done[children[k]]:
+        k += 1
+      if k < len(children):
+        stack[-1] = (i, k + 1)
+        child = children[k]
+        done[child] = True  # entered (a DAG: no cycle brings it back before it is finished)
+        stack.append((child, 0))
+        continue
+      stack.pop()
+      done[i] = True
+      before[i] = any(failing[c] or before[c] for c in children)
+
+  gated: dict[str, list[str]] = {}
+  kept: set[str] = set()
+  for placeholder in written:
+    for i in parsed.uses(placeholder):
+      if parsed.types[i] in _READS:
+        continue
+      if failing[i] or before[i]:
+        kept.add(placeholder)
+      else:
+        gated.setdefault(parsed.nodes[i].device, []).append(parsed.names[i])
+  waits: dict[str, list[str]] = {}
+  for i in range(n):
+    if failing[i]:
+      waits.setdefault(parsed.nodes[i].device, []).append(parsed.names[i])
+  return Gates(waits=waits, gated={d: sorted(set(names)) for d, names in gated.items()}, kept=kept)
+
+
+def apply(graph_def, gates: Gates, inputs: Iterable[tuple[str, str]] = ()) -> None:
+  """Makes every gated write of ``graph_def`` wait for every op that can fail (in place: a few ``NoOp`` s).
+
+  ``inputs``: ``(tensor name, device)`` of the step's inputs: values computed
+  in the function that imports the step (taken from an iterator, split), where
+  the failures of their ops are not the step's; a write waits for them too
+  (through a ``Shape`` of each, on its device: an input mapped in at import is
+  a tensor, and a control edge to its placeholder would not follow it).
+  """
+  present = {node.name: node for node in graph_def.node}
+  waits = {d: names for d, names in gates.waits.items() if names}
+  gated = {d: names for d, names in gates.gated.items() if names}
+  inputs = [(tensor, device) for tensor, device in inputs if tensor.split(":")[0] in present]
+  if not gated or not (waits or inputs):
+    return
+  waits = {d: list(names) for d, names in waits.items()}
+  for k, (tensor, device) in enumerate(inputs):
+    node = graph_def.node.add(name=f"{GATE_SCOPE}/input_{k}", op="Shape", input=[tensor], device=device)
+    node.attr["T"].CopyFrom(present[tensor.split(":")[0]].attr["dtype"])
+    node.attr["out_type"].type = tf.int32.as_datatype_enum
+    waits.setdefault(device, []).append(node.name)
+
+  def no_op(name: str, device: str, after: list[str]) -> str:
+    node = graph_def.node.add(name=f"{GATE_SCOPE}/{name}", op="NoOp", device=device)
+    node.input.extend(f"^{n}" for n in after)
+    return node.name
+
+  # One wait per device for its ops that can fail, one join of those, and one gate per device that writes:
+  # the edges between devices are (devices that can fail - 1) + (devices that write), not one per op.
+  local = [no_op(f"can_fail_{i}", device, names) for i, (device, names) in enumerate(sorted(waits.items()))]
+  join_device = sorted(waits)[0]
+  join = local[0] if len(local) == 1 else no_op("all_can_fail", join_device, local)
+  for i, (device, names) in enumerate(sorted(gated.items())):
+    gate = join if device == join_device else no_op(f"writes_{i}", device, [join])
+    for name in names:
+      present[name].input.append(f"^{gate}")
+
+
+def order(graph_def, written: Iterable[str], fails: Callable, inputs: Iterable[tuple[str, str]]) -> set[str]:
+  """Orders ``graph_def``'s writes after every op that can fail (in place); returns the placeholders to keep.
+
+  Args:
+    graph_def: the step's GraphDef after the rewrite (``rewrite.apply``), changed in place.
     written: the placeholders (node names) of the handles the step writes.
-    fails: ``fails(node)`` (:func:`classifier`).
+    fails: ``fails(name, op_type)`` (:func:`classifier`).
     inputs: ``(tensor name, device)`` of the step's inputs (see :func:`apply`).
   """
-  written = set(written)
-  graph_def = in_program_order(graph_def, written)
-  gates = analyse(graph_def, written, fails)
-  return apply(graph_def, gates, inputs), gates.kept
+  written = sorted(set(written))
+  parsed = _Parsed(graph_def)
+  in_program_order(parsed, written)
+  gates = analyse(parsed, written, fails)
+  apply(graph_def, gates, inputs)
+  return gates.kept
