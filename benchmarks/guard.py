@@ -82,36 +82,29 @@ class StepBenchmark:
 BEST_MS = "MirroredStrategy best"  # a ratio's denominator: the faster (by median) of the MirroredStrategy configurations
 
 # The step benchmarks. Configuration names are "<benchmark>/<configuration>"; their code is in _setup.
+def _benchmark(name: str, baseline: str, target: float | None, what: str) -> StepBenchmark:
+  """Ours, ours with ``atomic=False``, and the baseline: ``"mirrored"`` (its two configurations) or ``"one"``."""
+  configs = {f"{name}/ours": "library", f"{name}/ours atomic=False": "library"}
+  if baseline == "mirrored":
+    configs.update({f"{name}/MirroredStrategy": "plain", f"{name}/MirroredStrategy R2OD": "plain"})
+    denominator, compared = BEST_MS, f"{name}/MirroredStrategy"
+  else:
+    configs[f"{name}/one device"] = "one"
+    denominator = compared = f"{name}/one device"
+  return StepBenchmark(name, configs,
+                       (Ratio(name, f"{name}/ours", denominator, target, what),
+                        Ratio(f"atomic {name}", f"{name}/ours", f"{name}/ours atomic=False", 1.03,
+                              "all-or-nothing's cost: atomic=True / atomic=False")),
+                       (f"{name}/ours", compared))
+
+
 STEPS = (
-    StepBenchmark("mlp_deep", {"mlp_deep/ours": "library", "mlp_deep/ours atomic=False": "library",
-                               "mlp_deep/MirroredStrategy": "plain", "mlp_deep/MirroredStrategy R2OD": "plain"},
-                  (Ratio("mlp_deep", "mlp_deep/ours", BEST_MS, 0.40,
-                         "16 Dense(128), batch 64, Adam, 4 devices: ours / MirroredStrategy (the faster of its "
-                         "default cross-device ops and ReductionToOneDevice)"),
-                   Ratio("atomic mlp_deep", "mlp_deep/ours", "mlp_deep/ours atomic=False", 1.03,
-                         "all-or-nothing's cost: atomic=True / atomic=False")),
-                  ("mlp_deep/ours", "mlp_deep/MirroredStrategy")),
-    StepBenchmark("mlp_wide", {"mlp_wide/ours": "library", "mlp_wide/ours atomic=False": "library",
-                               "mlp_wide/MirroredStrategy": "plain", "mlp_wide/MirroredStrategy R2OD": "plain"},
-                  (Ratio("mlp_wide", "mlp_wide/ours", BEST_MS, 0.65,
-                         "256-4096-256, batch 512, Adam, 4 devices: ours / MirroredStrategy (the faster)"),
-                   Ratio("atomic mlp_wide", "mlp_wide/ours", "mlp_wide/ours atomic=False", 1.03,
-                         "all-or-nothing's cost")),
-                  ("mlp_wide/ours", "mlp_wide/MirroredStrategy")),
-    StepBenchmark("embedding", {"embedding/ours": "library", "embedding/ours atomic=False": "library",
-                                "embedding/one device": "one"},
-                  (Ratio("embedding", "embedding/ours", "embedding/one device", 1.10,
-                         "Embedding(50000, 128) + Adam, batch 64, 4 devices: ours / one device"),
-                   Ratio("atomic embedding", "embedding/ours", "embedding/ours atomic=False", 1.03,
-                         "all-or-nothing's cost")),
-                  ("embedding/ours", "embedding/one device")),
-    StepBenchmark("global_2x2", {"global_2x2/ours": "library", "global_2x2/ours atomic=False": "library",
-                                 "global_2x2/one device": "one"},
-                  (Ratio("global_2x2", "global_2x2/ours", "global_2x2/one device", None,
-                         "global view, 784-4096-10 split over 'model' on 2x2, SGD: ours / one device"),
-                   Ratio("atomic global_2x2", "global_2x2/ours", "global_2x2/ours atomic=False", 1.03,
-                         "all-or-nothing's cost")),
-                  ("global_2x2/ours", "global_2x2/one device")),
+    _benchmark("mlp_deep", "mirrored", 0.40, "16 Dense(128), batch 64, Adam, 4 devices: ours / MirroredStrategy (the "
+               "faster of its default cross-device ops and ReductionToOneDevice)"),
+    _benchmark("mlp_wide", "mirrored", 0.65, "256-4096-256, batch 512, Adam, 4 devices: ours / MirroredStrategy (the "
+               "faster)"),
+    _benchmark("embedding", "one", 1.10, "Embedding(50000, 128) + Adam, batch 64, 4 devices: ours / one device"),
+    _benchmark("global_2x2", "one", None, "global view, 784-4096-10 split over 'model' on 2x2, SGD: ours / one device"),
 )
 
 # The builds: name -> (devices, what, target seconds). The targets are 194c59a's builds on this machine (2 cores,
