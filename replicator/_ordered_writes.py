@@ -103,6 +103,8 @@ def can_fail(op: tf.Operation) -> bool:
     return True
   if op.type in _FLOATS_ONLY and not (op.inputs[0].dtype.is_floating or op.inputs[0].dtype.is_complex):
     return True
+  if op.type in ("ArgMax", "ArgMin") and op.inputs[0].shape.num_elements() == 0:
+    return True  # "Reduction axis is empty"
   return op.type in _CONSTANT_OPERANDS and any(t.op.type != "Const" for t in op.inputs[1:])
 
 

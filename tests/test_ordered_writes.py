@@ -31,6 +31,8 @@ def _op(fn, *specs):
     (lambda a, i: a[i], [tf.TensorSpec([5]), tf.TensorSpec([], tf.int32)], True),  # a computed bound
     (lambda a: a[1:3], [tf.TensorSpec([5])], False),
     (lambda a: tf.reduce_mean(tf.nn.relu(a), axis=0), [tf.TensorSpec([4, 3])], False),
+    (lambda a: tf.argmax(a, axis=0), [tf.TensorSpec([4, 3])], False),
+    (lambda a: tf.argmax(a, axis=0), [tf.TensorSpec([0, 3])], True),  # an empty axis
 ])
 def test_which_ops_can_fail(fn, specs, fails):
   assert _ordered_writes.can_fail(_op(fn, *specs)) is fails
