@@ -7,11 +7,12 @@ def _ratio(median, low, high):
   return dict(median=median, ci_low=low, ci_high=high)
 
 
-def test_a_ratio_regresses_only_when_worse_beyond_both_intervals():
+def test_a_ratio_regresses_only_when_worse_beyond_both_intervals_and_the_drift_between_runs():
   recorded = _ratio(0.41, 0.40, 0.42)
   assert not guard.regressed(_ratio(0.42, 0.41, 0.43), recorded)  # inside the recorded interval
-  assert not guard.regressed(_ratio(0.43, 0.40, 0.46), recorded)  # its own interval reaches the recorded median
+  assert not guard.regressed(_ratio(0.45, 0.43, 0.46), recorded)  # above it, but within the drift (3%)
   assert guard.regressed(_ratio(0.50, 0.49, 0.50), recorded)
+  assert guard.regressed(_ratio(0.45, 0.44, 0.46), recorded)
   assert not guard.regressed(_ratio(0.30, 0.29, 0.31), recorded)  # better
   assert not guard.regressed(_ratio(0.9, 0.8, 1.0), None)  # nothing recorded yet
 
