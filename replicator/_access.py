@@ -21,7 +21,7 @@ import tensorflow as tf
 _ROW_WRITES = ("ResourceScatter", "ResourceSparseApply")
 # Ops that take a variable's handle without writing it; all but the last two read by rows.
 _ROW_READS = frozenset({"ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp"})
-_READS = _ROW_READS | {"ReadVariableOp"}
+READS = _ROW_READS | {"ReadVariableOp"}  # every op that only reads through a handle
 
 
 def _uses(graph: tf.Graph, ops: Sequence[tf.Operation], variable: tf.Variable) -> list[str]:
@@ -44,7 +44,7 @@ def writes_rows_only(graph: tf.Graph, ops: Sequence[tf.Operation], variable: tf.
     ops: the operations to look at (an update's).
     variable: an ordinary resource variable (a replica's component).
   """
-  writes = [k for k in _uses(graph, ops, variable) if k not in _READS]
+  writes = [k for k in _uses(graph, ops, variable) if k not in READS]
   return bool(writes) and all(k.startswith(_ROW_WRITES) for k in writes)
 
 

@@ -385,8 +385,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
   graph_def, snapshot = rewritten.graph_def, None
   if replicator._atomic:  # pylint: disable=protected-access
     traced = _ordered_writes.classifier(plan, _traced_ops(graph, expansion_graph))
-    placed = [(t.name, next((c.device for c in t.consumers() if c.device), "")) for t in inputs]
-    kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles}, traced, placed)
+    kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles}, traced,
+                                 _ordered_writes.placed(inputs))
     snapshot = _atomic.AllOrNothing(written_handles, kept)
   captures = _captures.Captures(fed + list(rewritten.external_inputs.items()))
   return GlobalStep(

@@ -41,6 +41,8 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from replicator import _access
+
 # Ops that cannot fail when every non-resource tensor they take and give has a fully defined shape.
 _CANNOT_FAIL = frozenset({
     # elementwise
@@ -86,8 +88,7 @@ _FLOATS_ONLY = frozenset({"Div", "FloorDiv", "FloorMod", "Mod", "TruncateDiv", "
 _CONSTANT_OPERANDS = frozenset({"Slice", "StridedSlice", "StridedSliceGrad", "OneHot"})
 # Ops through which a resource handle passes unchanged.
 _FORWARDS = frozenset({"Identity", "IdentityN"})
-# Ops that only read a variable through its handle.
-_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp"})
+_READS = _access.READS  # ops that only read a variable through its handle
 
 GATE_SCOPE = "replicator_ordered_writes"
 
@@ -202,7 +203,7 @@ class _Parsed:
     return found
 
 
-def in_program_order(parsed: _Parsed, written: Iterable[str]) -> None:
+def in_program_order(parsed: _Parsed, uses: dict[str, list[int]]) -> None:
   """Orders the uses of each written variable by control edges, as they come in the GraphDef (in place).
 
   The function that imports the step orders the uses of each resource in the
@@ -212,10 +213,11 @@ def in_program_order(parsed: _Parsed, written: Iterable[str]) -> None:
   an edge from it, would be ordered before it. So each read waits for the
   write before it, and each write for the reads and the write before it (as
   automatic control dependencies do), in the GraphDef's order (the step's).
+  ``uses``: each written placeholder's :meth:`_Parsed.uses`.
   """
-  for placeholder in written:
+  for users in uses.values():
     last_write, reads = None, []
-    for i in sorted(parsed.uses(placeholder)):
+    for i in sorted(users):
       read = parsed.types[i] in _READS
       after = ([last_write] if last_write is not None else []) + ([] if read else reads)
       if after:
@@ -231,12 +233,12 @@ def in_program_order(parsed: _Parsed, written: Iterable[str]) -> None:
         last_write, reads = i, []
 
 
-def analyse(parsed: _Parsed, written: Iterable[str], fails: Callable) -> Gates:
+def analyse(parsed: _Parsed, uses: dict[str, list[int]], fails: Callable) -> Gates:
   """Which writes can wait for every op that can fail, and which written placeholders to keep.
 
   Args:
     parsed: the step after the rewrite (a nested function's call is one node).
-    written: the names of the placeholder nodes (handles) whose variables the step writes.
+    uses: the placeholder nodes (handles) whose variables the step writes -> their :meth:`_Parsed.uses`.
     fails: ``fails(name, op_type)``: whether a node may fail at run time (:func:`classifier`).
   """
   n = len(parsed.nodes)
@@ -266,8 +268,8 @@ def analyse(parsed: _Parsed, written: Iterable[str], fails: Callable) -> Gates:
 
   gated: dict[str, list[str]] = {}
   kept: set[str] = set()
-  for placeholder in written:
-    for i in parsed.uses(placeholder):
+  for placeholder, users in uses.items():
+    for i in users:
       if parsed.types[i] in _READS:
         continue
       if failing[i] or before[i]:
@@ -281,8 +283,8 @@ def analyse(parsed: _Parsed, written: Iterable[str], fails: Callable) -> Gates:
   return Gates(waits=waits, gated={d: sorted(set(names)) for d, names in gated.items()}, kept=kept)
 
 
-def apply(graph_def, gates: Gates, inputs: Iterable[tuple[str, str]] = ()) -> None:
-  """Makes every gated write of ``graph_def`` wait for every op that can fail (in place: a few ``NoOp`` s).
+def apply(graph_def, parsed: _Parsed, gates: Gates, inputs: Iterable[tuple[str, str]] = ()) -> None:
+  """Makes every gated write of ``graph_def`` (``parsed``) wait for every op that can fail (in place: ``NoOp`` s).
 
   ``inputs``: ``(tensor name, device)`` of the step's inputs: values computed
   in the function that imports the step (taken from an iterator, split), where
@@ -290,16 +292,13 @@ def apply(graph_def, gates: Gates, inputs: Iterable[tuple[str, str]] = ()) -> No
   (through a ``Shape`` of each, on its device: an input mapped in at import is
   a tensor, and a control edge to its placeholder would not follow it).
   """
-  present = {node.name: node for node in graph_def.node}
-  waits = {d: names for d, names in gates.waits.items() if names}
-  gated = {d: names for d, names in gates.gated.items() if names}
-  inputs = [(tensor, device) for tensor, device in inputs if tensor.split(":")[0] in present]
-  if not gated or not (waits or inputs):
+  inputs = [(tensor, device) for tensor, device in inputs if tensor.split(":")[0] in parsed.index]
+  if not gates.gated or not (gates.waits or inputs):
     return
-  waits = {d: list(names) for d, names in waits.items()}
+  waits = {d: list(names) for d, names in gates.waits.items()}
   for k, (tensor, device) in enumerate(inputs):
     node = graph_def.node.add(name=f"{GATE_SCOPE}/input_{k}", op="Shape", input=[tensor], device=device)
-    node.attr["T"].CopyFrom(present[tensor.split(":")[0]].attr["dtype"])
+    node.attr["T"].CopyFrom(parsed.nodes[parsed.index[tensor.split(":")[0]]].attr["dtype"])
     node.attr["out_type"].type = tf.int32.as_datatype_enum
     waits.setdefault(device, []).append(node.name)
 
@@ -313,10 +312,10 @@ def apply(graph_def, gates: Gates, inputs: Iterable[tuple[str, str]] = ()) -> No
   local = [no_op(f"can_fail_{i}", device, names) for i, (device, names) in enumerate(sorted(waits.items()))]
   join_device = sorted(waits)[0]
   join = local[0] if len(local) == 1 else no_op("all_can_fail", join_device, local)
-  for i, (device, names) in enumerate(sorted(gated.items())):
+  for i, (device, names) in enumerate(sorted(gates.gated.items())):
     gate = join if device == join_device else no_op(f"writes_{i}", device, [join])
     for name in names:
-      present[name].input.append(f"^{gate}")
+      parsed.nodes[parsed.index[name]].input.append(f"^{gate}")
 
 
 def order(graph_def, written: Iterable[str], fails: Callable, inputs: Iterable[tuple[str, str]]) -> set[str]:
@@ -328,9 +327,14 @@ def order(graph_def, written: Iterable[str], fails: Callable, inputs: Iterable[t
     fails: ``fails(name, op_type)`` (:func:`classifier`).
     inputs: ``(tensor name, device)`` of the step's inputs (see :func:`apply`).
   """
-  written = sorted(set(written))
   parsed = _Parsed(graph_def)
-  in_program_order(parsed, written)
-  gates = analyse(parsed, written, fails)
-  apply(graph_def, gates, inputs)
+  uses = {placeholder: parsed.uses(placeholder) for placeholder in sorted(set(written))}
+  in_program_order(parsed, uses)  # its edges run from use to use: the uses stay the same
+  gates = analyse(parsed, uses, fails)
+  apply(graph_def, parsed, gates, inputs)
   return gates.kept
+
+
+def placed(inputs: Iterable[tf.Tensor]) -> list[tuple[str, str]]:
+  """``(name, device)`` of the step's input placeholders, each on the device of its first placed user."""
+  return [(t.name, next((c.device for c in t.consumers() if c.device), "")) for t in inputs]

@@ -341,9 +341,8 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   graph_def, snapshot = rewritten.graph_def, None
   if replicator._atomic:  # pylint: disable=protected-access
     ops = {op.name: op for op in graph.get_operations()}
-    inputs = [(t.name, next((c.device for c in t.consumers() if c.device), ""))
-              for t in graph.inputs[:len(source.element_specs)]]
-    kept = _ordered_writes.order(graph_def, written, _ordered_writes.classifier(plan, ops.get), inputs)
+    kept = _ordered_writes.order(graph_def, written, _ordered_writes.classifier(plan, ops.get),
+                                 _ordered_writes.placed(graph.inputs[:len(source.element_specs)]))
     snapshot = _atomic.AllOrNothing([(internal.name, external) for external, internal in graph.captures
                                      if internal.op.name in written], kept)
   flat0 = tree.flatten(outputs[0])
