@@ -103,7 +103,8 @@ def test_reads_of_stacked_handles_keep_their_variables_shapes_in_the_global_view
   # A handle taken out of a stack carries no shape in the function's graph, so its reads and every op after them were
   # of unknown shape, which Grappler does not rewrite: a KerasHub Qwen step on 2x2 kept `Pow(x, 1)` in its layer
   # norms' gradients (3,018 of 7,095 ops unshaped; 1.60 of one device's step time, 1.39 with the shapes). The local
-  # view's steps did not run faster with the shapes (deep MLP, transformer, ResNet) and leave them out.
+  # view's steps did not run faster with the shapes (deep MLP, transformer, ResNet) and leave them out. Only the
+  # trainable variables' reads are checked: the slots' checks cost build time and no step time.
   repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)), view="global",
                                layouts={"d0/kernel": (None, "model"), "d1/kernel": ("model", None)})
   with repl.context():
@@ -124,13 +125,27 @@ def test_reads_of_stacked_handles_keep_their_variables_shapes_in_the_global_view
   graph = function.graph
   reads = [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
   assert len(reads) > 16
+  # The model's forward and backward pass are shaped; the optimizer's reads of its slots and counter are not
+  # checked (elementwise updates, rewritten alike with shapes or without).
+  unchecked = [op for op in reads if not any(use.type == "EnsureShape" for use in op.outputs[0].consumers())]
+  after_unchecked, stack = set(), list(unchecked)
+  while stack:
+    for t in stack.pop().outputs:
+      for use in t.consumers():
+        if use not in after_unchecked:
+          after_unchecked.add(use)
+          stack.append(use)
+  assert unchecked and not [op.name for op in after_unchecked if "/sequential" in op.name]
   unshaped = [op.name for op in graph.get_operations() if op.name.startswith("step/") and op.type != "ReadVariableOp"
+              and op not in after_unchecked
               for t in op.outputs if t.dtype != tf.resource and not t.shape.is_fully_defined()]  # a read's check is
   assert not unshaped, unshaped[:5]
-  shapes = {tuple(use.outputs[0].shape.as_list()) for op in reads for use in op.outputs[0].consumers()}
-  assert {(5, 2), (4,), (2, 3), (3,)} <= shapes  # the kernels' pieces and the biases, slots alike
+  assert any("/sequential" in op.name for op in graph.get_operations() if op.type == "MatMul")
+  shapes = {tuple(use.outputs[0].shape.as_list()) for op in reads for use in op.outputs[0].consumers()
+            if use.type == "EnsureShape"}
+  assert shapes == {(5, 2), (4,), (2, 3), (3,)}  # the kernels' pieces and the biases
   checks = [op for op in graph.get_operations() if op.type == "EnsureShape" and op.name.startswith("step/")]
-  assert len(checks) > 16
+  assert len(checks) >= 8
   # Each check runs where its read does: an unplaced check went to the default device, and every read of
   # another device's variable crossed devices twice (0.71 of MirroredStrategy's deep-MLP step, 0.54 after).
   for check in checks:
