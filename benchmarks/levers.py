@@ -10,11 +10,12 @@ device; the table gives medians and each variant's ratio to the single device
 and to the library's defaults. Variants (``wrap_optimizer`` arguments):
 
 * ``defaults``: the library's defaults (``update="auto"``, i.e. sharded here;
-  256 KB gradient buckets);
+  1 MB gradient buckets, one owner's gradients each);
 * ``update=replicated``: every replica applies every update (the behaviour
   before the sharded update);
 * ``no buckets``: one all-reduce per gradient (the default before 256 KB
   buckets);
+* ``bucket 256 KB``: the default before 1 MB buckets;
 * ``bucket 4 MB``: gradients fused into 4 MB buckets;
 * ``no overlap``: the defaults, but every gradient waits for the whole
   backward pass before its all-reduce (what the defaults gain by overlapping
@@ -40,6 +41,7 @@ VARIANTS = {
     "defaults": dict(),
     "update=replicated": dict(update="replicated"),
     "no buckets": dict(bucket_bytes=None),
+    "bucket 256 KB": dict(bucket_bytes=256 << 10),
     "bucket 4 MB": dict(bucket_bytes=4 << 20),
     "no overlap (all-reduces after the whole backward)": dict(barrier=True),
     "handles one by one": dict(unstacked=True),

@@ -168,9 +168,8 @@ class MultiWorkerReplicator(Replicator):
 
     Each cross-worker collective pays a network round trip; on 2 workers x 2
     devices (loopback) fusing a 16-layer MLP's 32 gradients into one bucket
-    cut its step from 49-58 ms to 17-20 ms (benchmarks/README.md). (Within one process one bucket for
-    everything waits for the whole backward pass, so plain Replicators fuse
-    only into 256 KB buckets.)
+    cut its step from 49-58 ms to 17-20 ms (benchmarks/README.md). (Plain Replicators fuse into
+    1 MB buckets: within one process, larger ones gained nothing measurable.)
     """
     return super().wrap_optimizer(optimizer, reduction, accumulation_steps, bucket_bytes, update, densify_above)
 

@@ -262,6 +262,10 @@ class ReplicatedOptimizer(tf.Module):
     its rows and indices are gathered from every replica (see
     :func:`stays_sparse`).
     """
+    return self._reduce(grads, variables)
+
+  def _reduce(self, grads: list[Any], variables: list[Any] | None, owners: list[Owner | None] | None = None):
+    """:meth:`reduce_gradients`; a dense gradient with an ``owners`` entry is reduced for its owner alone."""
     repl = self._replicator
     if _in_global_trace(repl):  # the global view: the step's gradients are the global batch's already
       return list(grads)
@@ -283,14 +287,18 @@ class ReplicatedOptimizer(tf.Module):
     for i, (g, (axes, _)) in enumerate(zip(grads, plans)):
       if g is None:
         continue
-      if isinstance(g, tf.IndexedSlices) and stays_sparse(g, mesh.axis_size(axes), self.densify_above):
+      if self._stays_sparse(g, axes):
         sparse_by_axes.setdefault(axes, []).append(i)
       else:
         dense_by_axes.setdefault(axes, []).append(i)
     for axes, indices in dense_by_axes.items():
       values = [tf.convert_to_tensor(grads[i]) for i in indices]
       if axes:
-        values = fused_all_reduce(repl, values, self._reduction, axes, self.bucket_bytes)
+        members = None
+        if owners is not None:  # only the owner applies the gradient: reduce it there
+          members = [o.position if o is not None and not o.pending and o.axes == axes else None
+                     for o in (owners[i] for i in indices)]
+        values = fused_all_reduce(repl, values, self._reduction, axes, self.bucket_bytes, members)
       for i, value in zip(indices, values):
         divisor = plans[i][1]
         reduced[i] = value if divisor == 1 else value / tf.cast(divisor, value.dtype)
@@ -308,6 +316,21 @@ class ReplicatedOptimizer(tf.Module):
           reduced[i] = g if scale == 1.0 else tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
                                                                 g.indices, g.dense_shape)
     return reduced
+
+  def _stays_sparse(self, g, axes: tuple[str, ...]) -> bool:
+    """Whether gradient ``g``, reduced over ``axes``, stays a ``tf.IndexedSlices``."""
+    return isinstance(g, tf.IndexedSlices) and stays_sparse(g, self._replicator.mesh.axis_size(axes),
+                                                            self.densify_above)
+
+  def _sharded_owners(self, grads, variables) -> list[Owner | None] | None:
+    """The owners of ``variables`` under this step's sharded update, before their gradients are reduced."""
+    mesh = self._replicator.mesh
+    if len(grads) != len(variables) or all(g is None for g in grads):
+      return None  # _reduce names the mismatch, _apply_sharded the missing gradients
+    self._build_slots(variables)  # an owner is given the slots of the variables it owns
+    return self.owners(variables, [
+        g is not None and self._stays_sparse(g, _replication(mesh, _variables.layout_of(v))[0])
+        for g, v in zip(grads, variables)])
 
   def build(self, variables, *args, **kwargs):
     """Creates the optimizer's slot variables now, replicated like the model's."""
@@ -372,10 +395,11 @@ class ReplicatedOptimizer(tf.Module):
     if grads is None:
       return None
     gathered_bytes = self._gathered_bytes(grads, variables)
-    grads = self.reduce_gradients(grads, variables)
     if self._sharding_now(args, kwargs):
+      grads = self._reduce(grads, variables, self._sharded_owners(grads, variables))
       self._apply_sharded(grads, variables, gathered_bytes)
       return self._optimizer.iterations
+    grads = self.reduce_gradients(grads, variables)
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
 
   def apply(self, grads, variables=None, *args, **kwargs):
@@ -397,9 +421,11 @@ class ReplicatedOptimizer(tf.Module):
     if self._sharding_now(args, kwargs) and variables is None:
       variables = list(self._optimizer._trainable_variables)  # pylint: disable=protected-access
     gathered_bytes = None if variables is None else self._gathered_bytes(grads, list(variables))
-    grads = self.reduce_gradients(grads, None if variables is None else list(variables))
     if self._sharding_now(args, kwargs):
-      return self._apply_sharded(grads, list(variables), gathered_bytes)
+      variables = list(variables)
+      grads = self._reduce(grads, variables, self._sharded_owners(grads, variables))
+      return self._apply_sharded(grads, variables, gathered_bytes)
+    grads = self.reduce_gradients(grads, None if variables is None else list(variables))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
     return self._optimizer.apply(grads, variables, *args, **kwargs)
@@ -497,16 +523,21 @@ class ReplicatedOptimizer(tf.Module):
       result.append(values.shape.num_elements() * values.dtype.size * mesh.axis_size(axes))
     return result
 
+  def _build_slots(self, variables) -> None:
+    """Builds the optimizer (every slot, whichever replica traces first), named as ``apply()`` would."""
+    optimizer = self._optimizer
+    if not optimizer.built:
+      import keras  # pylint: disable=import-outside-toplevel  (only Keras optimizers get here)
+      with keras.name_scope(optimizer.name, caller=optimizer):
+        optimizer.build(variables)
+
   def _apply_sharded(self, grads, variables, gathered_bytes):
     """This replica applies the updates it owns, then owners broadcast the new values."""
     ctx = _context.current_context()
     optimizer = self._optimizer
     if all(g is None for g in grads):
       return optimizer.apply(grads, variables)  # Keras's own error
-    if not optimizer.built:  # every slot, whichever replica traces first; named as apply() would
-      import keras  # pylint: disable=import-outside-toplevel  (only Keras optimizers get here)
-      with keras.name_scope(optimizer.name, caller=optimizer):
-        optimizer.build(variables)
+    self._build_slots(variables)
     owners = self.owners(variables, [isinstance(g, tf.IndexedSlices) for g in grads])
     mesh = self._replicator.mesh
     mine = [i for i, o in enumerate(owners) if o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position]
@@ -529,7 +560,7 @@ class ReplicatedOptimizer(tf.Module):
     location = "wrap_optimizer (sharded update)"
     for owner, indices in shared.items():
       values = [tf.convert_to_tensor(variables[i]) for i in indices]
-      received = _primitives.broadcast(ctx, values, owner.position, owner.axes, location)
+      received = fused_broadcast(ctx, values, owner.position, owner.axes, location, self.bucket_bytes)
       if mesh.axis_index(ctx.replica_id, owner.axes) != owner.position:
         for i, value in zip(indices, received):
           _variables.underlying(variables[i]).assign(value)  # the local piece (Keras checks global shapes)
@@ -702,11 +733,11 @@ def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:
 # and 1.00 on the others, never significantly slower. One bucket for
 # everything (4 MB) was slower on the deep MLP (1.11-1.21x): it waits for the
 # whole backward pass. See benchmarks/README.md, "Levers".
-DEFAULT_BUCKET_BYTES = 256 << 10
+DEFAULT_BUCKET_BYTES = 1 << 20
 
 
 def fused_all_reduce(repl, values: list[tf.Tensor], op: str, axes: tuple[str, ...],
-                     bucket_bytes: int | None) -> list[tf.Tensor]:
+                     bucket_bytes: int | None, members: list[int | None] | None = None) -> list[tf.Tensor]:
   """``repl.all_reduce(values, op, axis=axes)``, fusing small tensors into buckets.
 
   Tensors of one dtype and static shape are flattened and concatenated into
@@ -714,26 +745,67 @@ def fused_all_reduce(repl, values: list[tf.Tensor], op: str, axes: tuple[str, ..
   of its own), each bucket is reduced as one tensor, and the results are
   split back. Fewer, larger collectives pay the per-collective cost (a
   network round trip across workers) once per bucket. None or 0: no fusion.
+
+  ``members[i]``, when given and not None, is the one group member that uses
+  ``values[i]``'s result: buckets then hold one member's tensors, reduced for
+  that member (:func:`_primitives.reduce_for`).
   """
-  if not bucket_bytes:
-    return repl.all_reduce(values, op=op, axis=axes)
+  members = [None] * len(values) if members is None else members
+  buckets = _buckets(values, bucket_bytes, members)
+  fused = _fuse(values, buckets)
+  reduced: list[tf.Tensor] = [None] * len(buckets)
+  by_member: dict[int | None, list[int]] = {}
+  for k, bucket in enumerate(buckets):
+    by_member.setdefault(members[bucket[0]], []).append(k)
+  for member, ks in by_member.items():
+    if member is None:
+      out = repl.all_reduce([fused[k] for k in ks], op=op, axis=axes)
+    else:
+      ctx = _primitives.require_context(repl, "wrap_optimizer")
+      out = _primitives.reduce_for(ctx, [fused[k] for k in ks], op, axes, member, _primitives.user_location())
+    for k, r in zip(ks, out):
+      reduced[k] = r
+  return _unfuse(values, buckets, reduced)
+
+
+def fused_broadcast(ctx, values: list[tf.Tensor], source: int, axes: tuple[str, ...], location: str,
+                    bucket_bytes: int | None) -> list[tf.Tensor]:
+  """:func:`_primitives.broadcast` of ``values``, fused into buckets as :func:`fused_all_reduce` does."""
+  buckets = _buckets(values, bucket_bytes, [None] * len(values))
+  received = _primitives.broadcast(ctx, _fuse(values, buckets), source, axes, location)
+  return _unfuse(values, buckets, received)
+
+
+def _buckets(values: list[tf.Tensor], bucket_bytes: int | None, keys: list[Any]) -> list[list[int]]:
+  """Indices of ``values`` in buckets of at most ``bucket_bytes``, one dtype and one key each.
+
+  A tensor without a static shape, or larger than ``bucket_bytes``, is a
+  bucket of its own; None or 0: every tensor is.
+  """
   buckets: list[list[int]] = []
-  open_bucket: dict[tf.DType, tuple[list[int], int]] = {}
+  open_bucket: dict[tuple[tf.DType, Any], tuple[list[int], int]] = {}
   for i, v in enumerate(values):
-    if not v.shape.is_fully_defined():
+    if not bucket_bytes or not v.shape.is_fully_defined():
       buckets.append([i])
       continue
     nbytes = v.shape.num_elements() * v.dtype.size
-    members, size = open_bucket.get(v.dtype, (None, 0))
-    if members is None or size + nbytes > bucket_bytes:
-      members, size = [], 0
-      buckets.append(members)
-    members.append(i)
-    open_bucket[v.dtype] = (members, size + nbytes)
-  fused = [values[b[0]] if len(b) == 1 else tf.concat([tf.reshape(values[i], [-1]) for i in b], 0) for b in buckets]
-  reduced = repl.all_reduce(fused, op=op, axis=axes)
+    key = (v.dtype, keys[i])
+    bucket, size = open_bucket.get(key, (None, 0))
+    if bucket is None or size + nbytes > bucket_bytes:
+      bucket, size = [], 0
+      buckets.append(bucket)
+    bucket.append(i)
+    open_bucket[key] = (bucket, size + nbytes)
+  return buckets
+
+
+def _fuse(values: list[tf.Tensor], buckets: list[list[int]]) -> list[tf.Tensor]:
+  return [values[b[0]] if len(b) == 1 else tf.concat([tf.reshape(values[i], [-1]) for i in b], 0) for b in buckets]
+
+
+def _unfuse(values: list[tf.Tensor], buckets: list[list[int]], fused: list[tf.Tensor]) -> list[tf.Tensor]:
   results: list[tf.Tensor] = [None] * len(values)
-  for bucket, r in zip(buckets, reduced):
+  for bucket, r in zip(buckets, fused):
     if len(bucket) == 1:
       results[bucket[0]] = r
       continue

@@ -269,6 +269,23 @@ def _reduce_leaf(ctx, t, op, axes, location, call):
   return _emit(ctx, "all_reduce", t, {"op": op}, axes, t.shape, location, call)
 
 
+def reduce_for(ctx, tensors: list[tf.Tensor], op: str, axes: tuple[str, ...], member: int,
+               location: str) -> list[tf.Tensor]:
+  """All-reduces dense ``tensors`` whose result only group member ``member`` uses.
+
+  Every member still gets the result (the collective is an all-reduce), but
+  the lowering within one process reduces on ``member``'s device, so the
+  copies the others do not read are pruned. For the sharded update's
+  gradients, which only their owner applies. Not differentiable.
+  """
+  _check_graph(ctx, "all_reduce", location)
+  ctx.calls += 1
+  call = f"call {ctx.calls - 1}"
+  return [_emit(ctx, "all_reduce", t, {"op": op, "root": member}, axes, t.shape, location,
+                call if len(tensors) == 1 else f"{call}, tensor {i} of {len(tensors)}")
+          for i, t in enumerate(tensors)]
+
+
 def _reduce_with_grad(ctx, t, op, axes, location, call):
   y = _reduce_leaf(ctx, t, op, axes, location, call)
 

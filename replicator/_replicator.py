@@ -669,8 +669,9 @@ class Replicator(_collective_methods.CollectiveMethods):
         the applying one); run one step per call.
       bucket_bytes: fuse gradients of one dtype into buckets of at most this
         many bytes, one all-reduce per bucket; a larger gradient keeps its
-        own (default 256 KB: fuses biases and small kernels; None or 0: one
-        all-reduce per gradient).
+        own (default 1 MB: fuses biases and small kernels; None or 0: one
+        all-reduce per gradient). Under the sharded update a bucket holds
+        one owner's gradients and is reduced on the owner.
       update: ``"sharded"``: each variable is updated by one owner device and
         broadcast to the others, so the optimizer's work is done once, not
         once per replica (Keras 3 optimizers without ``global_clipnorm``,

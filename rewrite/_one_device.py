@@ -100,14 +100,15 @@ class OneDevice(_lowering.Lowering):
           else:
             outputs.append(tf.concat(received, axis=params["concat_dimension"]))
       return outputs
-    with tf.device(devices[0]):
+    root = params.get("root", 0)  # an all-reduce whose result one member uses: made there
+    with tf.device(devices[root]):
       if collective.kind == "all_reduce":
         result = reduce_values(params["op"], inputs)
       elif collective.kind == "all_gather":
         result = tf.concat(list(inputs), axis=params["concat_dimension"])
       else:
         raise _errors.UnsupportedError(f"{self.name} cannot lower {collective.kind}.")
-    return [result] + [_copy(result, d) for d in devices[1:]]  # made on the first device
+    return [result if i == root else _copy(result, d) for i, d in enumerate(devices)]
 
 
 def _copy(x: tf.Tensor, device: str) -> tf.Tensor:

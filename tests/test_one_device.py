@@ -36,3 +36,28 @@ def test_large_all_reduce_matches_numpy(op):
   want = np.sum(values, axis=0) / (4 if op == "mean" else 1)
   for o in out:
     np.testing.assert_allclose(o.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("root", [None, 2])
+def test_an_all_reduce_is_made_on_its_root_member(root):
+  # The sharded update reduces each gradient for its owner (params "root"): made on the owner's device, the
+  # others' copies are then unread and pruned. Without a root, the first device makes it.
+  from rewrite._plan import Collective  # pylint: disable=import-outside-toplevel
+  devices = cpus(4)
+  params = (("op", "sum"),) if root is None else (("op", "sum"), ("root", root))
+  collective = Collective(index=0, kind="all_reduce", params=params, axes=("x",), dtype=tf.float32,
+                          shape=tf.TensorShape([3]), members=(), groups=((0, 1, 2, 3),), implementation="one_device")
+  graph = tf.Graph()
+  with graph.as_default():
+    inputs = []
+    for i, d in enumerate(devices):
+      with tf.device(d):
+        inputs.append(tf.constant([1.0, 2.0, 3.0]) * (i + 1))
+    outputs = _one_device.OneDevice().lower_group(collective, inputs, devices, None)
+    (total,) = [op for op in graph.get_operations() if op.type == "AddN"]
+    assert total.device == tf.DeviceSpec.from_string(devices[root or 0]).to_string()
+    assert outputs[root or 0] is total.outputs[0]
+    assert [o.device for o in outputs] == [tf.DeviceSpec.from_string(d).to_string() for d in devices]
+    with tf.compat.v1.Session(graph=graph) as session:
+      for value in session.run(outputs):
+        np.testing.assert_array_equal(value, [10.0, 20.0, 30.0])

@@ -14,11 +14,12 @@ from replicator import _variables
 
 
 def _train(bucket_bytes, n=4):
+  # A replicated update: the buckets' sizes alone (under the sharded update a bucket holds one owner's gradients).
   repl = replicator.Replicator(cpus(n))
   with repl.context():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,))] + [keras.layers.Dense(w, activation="tanh") for w in (16, 16, 3)])
-    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.05), bucket_bytes=bucket_bytes)
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.05), bucket_bytes=bucket_bytes, update="replicated")
   x = np.random.RandomState(0).randn(4 * n, 6).astype(np.float32)
 
   def step(x):
@@ -51,24 +52,26 @@ def test_fused_gradients_equal_unfused(bucket_bytes):
 
 
 def test_default_buckets_fuse_small_gradients_only():
-  # wrap_optimizer's default (256 KB): a 360 KB kernel keeps its own
-  # all-reduce; the bias and the small layer after it share one.
+  # wrap_optimizer's default (1 MB): a 1.4 MB kernel keeps its own all-reduce; the bias and the small layer
+  # after it share one. Under the sharded update a bucket holds one owner's gradients and is reduced for it.
   repl = replicator.Replicator(cpus(2))
   with repl.context():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((300,)), keras.layers.Dense(300), keras.layers.Dense(3)])
+    model = keras.Sequential([keras.Input((600,)), keras.layers.Dense(600), keras.layers.Dense(3)])
     optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.1))
-  assert optimizer.bucket_bytes == 256 * 1024
+  assert optimizer.bucket_bytes == 1 << 20 and optimizer.update == "sharded"
 
   def step(x):
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(model(x) ** 2)
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
-  inputs = replicator.PerReplica(np.split(np.ones((4, 300), np.float32), 2))
+  inputs = replicator.PerReplica(np.split(np.ones((4, 600), np.float32), 2))
   plan = repl.explain(step, inputs=inputs)
-  sizes = [c.shape.num_elements() for c in plan.collectives if c.kind == "all_reduce"]
-  assert sizes == [300 * 300, 300 + 300 * 3 + 3]
+  reductions = [c for c in plan.collectives if c.kind == "all_reduce"]
+  # The kernel (largest) goes to replica 0, the rest to the one with fewer bytes, replica 1.
+  assert [(c.shape.num_elements(), c.param_dict["root"]) for c in reductions] == [(600 * 600, 0),
+                                                                                  (600 + 600 * 3 + 3, 1)]
 
 
 def test_bucket_bytes_is_checked():
@@ -129,8 +132,12 @@ def test_sharded_update_equals_one_device(n):
   assert [int(c.numpy()) for c in _variables.underlying(wrapped.iterations).components] == [3] * n
   plan = repl.explain(step, inputs=replicator.PerReplica([np.zeros([2, 6], np.float32)] * n))
   kinds = [c.kind for c in plan.collectives]
-  # The 6 small gradients share one all-reduce (default buckets); one broadcast per weight.
-  assert kinds.count("all_reduce") == 1 and kinds.count("broadcast") == 6
+  # Each owner's small gradients share one all-reduce, reduced on the owner, and its new weights one broadcast.
+  owners = {o.position for o in wrapped.owners(wrapped.optimizer._trainable_variables)}  # pylint: disable=protected-access
+  assert len(owners) == min(n, 6)
+  assert kinds.count("all_reduce") == len(owners) and kinds.count("broadcast") == len(owners)
+  roots = sorted(c.param_dict["root"] for c in plan.collectives if c.kind == "all_reduce")
+  assert roots == sorted(owners)
 
 
 def test_an_owner_updates_the_weights_it_broadcasts_out_of_place():
