@@ -21,12 +21,12 @@ the step is partitioned with them.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import re
 
 import mesh as mesh_lib
 from replicator import _calibration
 from replicator import _errors
+from replicator import _gc
 from replicator import _variables
 from rewrite import _cost
 from rewrite import _partition
@@ -136,16 +136,12 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
     raise _errors.ArgumentError(
         f"Replicator(layouts='auto', memory_per_device={budget:,}): the variables that stay replicated (small "
         f"ones, metrics, counters) alone take {fixed_bytes:,} bytes a device. Fix: raise memory_per_device.")
-  collecting = gc.isenabled()
-  gc.disable()  # (the remembered decisions are millions of small tuples: collections would scan them, a third of the time)
   try:
-    result = _search.search(searched, mesh.shape, evaluate, batch_axes=axes, memory_per_device=budget,
-                            held_besides=fixed_bytes)
+    with _gc.paused():  # the remembered decisions are millions of small tuples: collections took a third of the time
+      result = _search.search(searched, mesh.shape, evaluate, batch_axes=axes, memory_per_device=budget,
+                              held_besides=fixed_bytes)
   except _search.BudgetError as e:
     raise _errors.ArgumentError(f"Replicator(layouts='auto', memory_per_device={budget:,}): {e}") from None
-  finally:
-    if collecting:
-      gc.enable()
   chosen, relaid = {}, {}
   for name, layout in result.layouts.items():
     v = variables[name]

@@ -22,6 +22,7 @@ from replicator import _consistency
 from replicator import _context
 from replicator import _distributed_dataset
 from replicator import _errors
+from replicator import _gc
 from replicator import _global_run
 from replicator import _global_view
 from replicator import _in_function
@@ -431,7 +432,7 @@ class Replicator(_collective_methods.CollectiveMethods):
       with self._running:
         return _in_function.run(self, step_fn, input_fn, inputs, steps, all_steps,
                                 self._view if view is None else _check_view(view))
-    with self._running:
+    with self._running, _gc.paused():  # a first call builds the step: collections would scan every object
       return self._run(step_fn, input_fn, inputs, steps, all_steps, view)
 
   def _run(self, step_fn, input_fn, inputs, steps, all_steps, view):
