@@ -724,15 +724,15 @@ def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:
   return add_variable_from_reference.record
 
 
-# Gradient buckets for a Replicator in one process: tensors under 256 KB are
-# fused into buckets of at most 256 KB, larger ones keep their own all-reduce
-# (and overlap the backward pass). Against no fusion, round by round over 60
-# rounds on 4 logical CPUs of 2 cores (median [95% interval]): deep MLP 0.95
-# [0.93, 0.96], ResNet 0.96 [0.92, 0.99], transformer 0.98 [0.95, 0.99],
-# MLP 256-4096-256 0.99 [0.97, 1.01]; in later runs 0.88-1.02 on the deep MLP
-# and 1.00 on the others, never significantly slower. One bucket for
-# everything (4 MB) was slower on the deep MLP (1.11-1.21x): it waits for the
-# whole backward pass. See benchmarks/README.md, "Levers".
+# Gradient buckets for a Replicator in one process: tensors under 1 MB are
+# fused into buckets of at most 1 MB (under the sharded update, one owner's
+# gradients a bucket, reduced on the owner), larger ones keep their own
+# all-reduce. benchmarks.levers, 60 rounds on 4 logical CPUs of 2 cores, each
+# variant against 1 MB per round: 256 KB 1.09 [1.06, 1.16] on the deep MLP,
+# 4 MB 1.03 [0.99, 1.08], no buckets 1.18 [1.08, 1.22]; ResNet, transformer
+# and the wide MLP 0.98-1.01 under every variant. (Before the buckets were
+# reduced on their owner, 256 KB was the best: one 4 MB bucket waited for the
+# whole backward pass, 1.11-1.21x.) See benchmarks/README.md, "Levers".
 DEFAULT_BUCKET_BYTES = 1 << 20
 
 
