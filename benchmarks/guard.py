@@ -6,6 +6,13 @@ Run before every stop that touches ``replicator/``, ``rewrite/`` or ``mesh/``
   python -m benchmarks.guard                 # measure, compare with benchmarks/results/guard.json
   python -m benchmarks.guard --record        # ... and record the new values (an intended change)
   python -m benchmarks.guard --only mlp_deep,atomic   # some entries (names as in the table)
+  python -m benchmarks.guard --only build --against 194c59a   # builds, alternating with another commit's
+
+A build's time follows the machine's speed, which drifted by 15-20% over one
+day here: ``--against COMMIT`` builds each entry at that commit too (a
+temporary git worktree running this file), the two alternating in fresh
+processes, and flags the head when the median of its builds exceeds the
+reference's by more than 10%.
 
 Every configuration runs in a process of its own kind, so that no baseline
 runs under settings the library chose for itself:
@@ -261,13 +268,14 @@ def serve(kind: str, devices: int) -> None:
 
 
 class _Child:
-  """A child process of one kind, answering requests."""
+  """A child process of one kind, answering requests (``root``: the tree whose library it imports)."""
 
-  def __init__(self, kind: str, devices: int):
+  def __init__(self, kind: str, devices: int, root: str = ROOT):
     self.kind = kind
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.guard", "--serve", kind, "--devices",
-                                     str(devices)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                                     str(devices)], cwd=root, env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
 
   def ask(self, **request) -> dict:
     self.process.stdin.write(json.dumps(request) + "\n")
@@ -337,17 +345,50 @@ def measure_steps(bench: StepBenchmark, rounds: int, log, budget_seconds: float 
               denominators={r.name: denominator(r) for r in bench.ratios})
 
 
-def measure_build(name: str, log) -> dict:
+def measure_build(name: str, log, root: str = ROOT, label: str = "") -> dict:
   devices = BUILDS[name][0]
-  child = _Child("library", devices)
+  child = _Child("library", devices, root)
   try:
     t0 = time.perf_counter()
     record = child.ask(op="build", config=name)
   finally:
     child.close()
-  log(f"  {name}: {record['seconds']:.1f} s ({record['cpu_seconds']:.1f} s of CPU in the process; "
+  log(f"  {name}{label}: {record['seconds']:.1f} s ({record['cpu_seconds']:.1f} s of CPU in the process; "
       f"{time.perf_counter() - t0:.0f} s with its start)")
   return record
+
+
+BUILD_PAIRS = 2  # --against: builds of each tree, alternating
+
+
+def _reference_tree(commit: str) -> str:
+  """A temporary worktree of ``commit`` with this file as its ``benchmarks/guard.py`` (older trees lack it)."""
+  import shutil
+  import tempfile
+  path = os.path.join(tempfile.mkdtemp(prefix="guard-reference-"), "tree")
+  subprocess.run(["git", "worktree", "add", "--detach", "--quiet", path, commit], cwd=ROOT, check=True)
+  shutil.copyfile(os.path.abspath(__file__), os.path.join(path, "benchmarks", "guard.py"))
+  return path
+
+
+def _remove_tree(path: str) -> None:
+  subprocess.run(["git", "worktree", "remove", "--force", path], cwd=ROOT, check=False)
+
+
+def build_verdict(head: list[float], reference: list[float]) -> dict:
+  """The head's builds against the reference's, measured alternating: medians, their ratio, and the flag."""
+  import numpy as np
+  ratio = float(np.median(head) / np.median(reference))
+  return dict(head_s=[round(x, 2) for x in head], reference_s=[round(x, 2) for x in reference],
+              ratio=ratio, regressed=ratio > 1 + BUILD_TOLERANCE)
+
+
+def measure_builds_against(name: str, commit: str, tree: str, log) -> dict:
+  head, reference = [], []
+  for _ in range(BUILD_PAIRS):
+    reference.append(measure_build(name, log, tree, f" at {commit}")["seconds"])
+    head.append(measure_build(name, log)["seconds"])
+  return build_verdict(head, reference)
 
 
 def _commit() -> str:
@@ -406,6 +447,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--record", action="store_true", help="write the new values to benchmarks/results/guard.json")
   parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
   parser.add_argument("--rounds", type=int, default=40)
+  parser.add_argument("--against", default=None,
+                      help="a commit whose builds to time too, alternating with the head's (e.g. 194c59a)")
   parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -437,15 +480,28 @@ def main(argv=None) -> dict:
                              denominator=result["denominators"][r.name],
                              step_ms={c: round(s * 1e3, 3) for c, s in result["step_s"].items()
                                       if c in (r.numerator, result["denominators"][r.name])})
-  for name in BUILDS:
-    if wanted(name):
-      log(f"{name}:")
-      record = measure_build(name, log)
-      entries[name] = dict(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], commit=commit, date=date,
-                           what=BUILDS[name][1])
+  against = {}
+  tree = _reference_tree(args.against) if args.against and any(wanted(n) for n in BUILDS) else None
+  try:
+    for name in BUILDS:
+      if wanted(name):
+        log(f"{name}:")
+        record = measure_build(name, log)
+        entries[name] = dict(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], commit=commit,
+                             date=date, what=BUILDS[name][1])
+        if tree is not None:
+          against[name] = measure_builds_against(name, args.against, tree, log)
+  finally:
+    if tree is not None:
+      _remove_tree(tree)
   recorded = _load()
   print()
   print(table(entries, recorded))
+  if against:
+    print(f"\nBuilds alternating with {args.against}'s in fresh processes ({BUILD_PAIRS} of each after the one above):")
+    for name, v in against.items():
+      print(f"  {name}: head {v['head_s']} s, {args.against} {v['reference_s']} s, ratio of medians "
+            f"{v['ratio']:.2f}{' REGRESSED' if v['regressed'] else ''}")
   bad = {b: m for b, c in checks.items() for m in c.values() if m > LOSS_TOLERANCE}
   if bad:
     print(f"\nLOSSES DISAGREE (relative difference above {LOSS_TOLERANCE}): {checks}")
@@ -458,7 +514,7 @@ def main(argv=None) -> dict:
       json.dump(dict(about=__doc__.splitlines()[0], entries=merged), f, indent=1, sort_keys=True)
       f.write("\n")
     print(f"recorded in {os.path.relpath(RESULTS, ROOT)}")
-  return dict(entries=entries, checks=checks)
+  return dict(entries=entries, checks=checks, against=against)
 
 
 if __name__ == "__main__":

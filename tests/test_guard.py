@@ -28,3 +28,10 @@ def test_the_table_names_targets_and_regressions():
   text = guard.table(entries, recorded)
   assert "| mlp_deep | 0.50 [0.49, 0.50] | 0.41 [0.40, 0.42] | abc1234 | <= 0.4 (NOT MET) | REGRESSED |" in text
   assert "| build mobilenet_v2 local | 25.9 s |  |  | <= 27.3 (met) | ok |" in text
+
+
+def test_a_build_against_another_commit_compares_medians_measured_alternating():
+  v = guard.build_verdict([3.1, 3.3], [3.0, 3.2])
+  assert abs(v["ratio"] - 3.2 / 3.1) < 1e-9 and not v["regressed"]
+  assert guard.build_verdict([3.6, 3.8], [3.1, 3.3])["regressed"]  # 3.7 / 3.2 = 1.16
+  assert not guard.build_verdict([2.5, 2.7], [3.1, 3.3])["regressed"]  # faster
