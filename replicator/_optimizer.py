@@ -396,8 +396,8 @@ class ReplicatedOptimizer(tf.Module):
       return None
     gathered_bytes = self._gathered_bytes(grads, variables)
     if self._sharding_now(args, kwargs):
-      grads = self._reduce(grads, variables, self._sharded_owners(grads, variables))
-      self._apply_sharded(grads, variables, gathered_bytes)
+      owners = self._sharded_owners(grads, variables)
+      self._apply_sharded(self._reduce(grads, variables, owners), variables, gathered_bytes, owners)
       return self._optimizer.iterations
     grads = self.reduce_gradients(grads, variables)
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
@@ -423,8 +423,8 @@ class ReplicatedOptimizer(tf.Module):
     gathered_bytes = None if variables is None else self._gathered_bytes(grads, list(variables))
     if self._sharding_now(args, kwargs):
       variables = list(variables)
-      grads = self._reduce(grads, variables, self._sharded_owners(grads, variables))
-      return self._apply_sharded(grads, variables, gathered_bytes)
+      owners = self._sharded_owners(grads, variables)
+      return self._apply_sharded(self._reduce(grads, variables, owners), variables, gathered_bytes, owners)
     grads = self.reduce_gradients(grads, None if variables is None else list(variables))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
@@ -531,14 +531,15 @@ class ReplicatedOptimizer(tf.Module):
       with keras.name_scope(optimizer.name, caller=optimizer):
         optimizer.build(variables)
 
-  def _apply_sharded(self, grads, variables, gathered_bytes):
-    """This replica applies the updates it owns, then owners broadcast the new values."""
+  def _apply_sharded(self, grads, variables, gathered_bytes, owners: list[Owner | None] | None):
+    """This replica applies the updates it owns, then owners broadcast the new values.
+
+    ``owners``: :meth:`_sharded_owners`, decided before the gradients were reduced (None: no gradient).
+    """
     ctx = _context.current_context()
     optimizer = self._optimizer
     if all(g is None for g in grads):
       return optimizer.apply(grads, variables)  # Keras's own error
-    self._build_slots(variables)
-    owners = self.owners(variables, [isinstance(g, tf.IndexedSlices) for g in grads])
     mesh = self._replicator.mesh
     mine = [i for i, o in enumerate(owners) if o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position]
     graph = tf.compat.v1.get_default_graph()

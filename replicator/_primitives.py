@@ -278,12 +278,8 @@ def reduce_for(ctx, tensors: list[tf.Tensor], op: str, axes: tuple[str, ...], me
   copies the others do not read are pruned. For the sharded update's
   gradients, which only their owner applies. Not differentiable.
   """
-  _check_graph(ctx, "all_reduce", location)
-  ctx.calls += 1
-  call = f"call {ctx.calls - 1}"
-  return [_emit(ctx, "all_reduce", t, {"op": op, "root": member}, axes, t.shape, location,
-                call if len(tensors) == 1 else f"{call}, tensor {i} of {len(tensors)}")
-          for i, t in enumerate(tensors)]
+  return _call(ctx, "all_reduce", location, list(tensors),
+               lambda t, call: _emit(ctx, "all_reduce", t, {"op": op, "root": member}, axes, t.shape, location, call))
 
 
 def _reduce_with_grad(ctx, t, op, axes, location, call):
