@@ -384,6 +384,7 @@ def build_verdict(head: list[float], reference: list[float]) -> dict:
 
 
 def measure_builds_against(name: str, commit: str, tree: str, log) -> dict:
+  """Builds ``name`` at ``commit`` (its worktree ``tree``) and at the head in turn; :func:`build_verdict` of them."""
   head, reference = [], []
   for _ in range(BUILD_PAIRS):
     reference.append(measure_build(name, log, tree, f" at {commit}")["seconds"])
