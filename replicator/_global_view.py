@@ -388,11 +388,13 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles}, traced,
                                  _ordered_writes.placed(inputs))
     snapshot = _atomic.AllOrNothing(written_handles, kept)
+  merged = rewrite.merge_reads(graph_def)  # after the ordering: it may give reads control inputs
   captures = _captures.Captures(fed + list(rewritten.external_inputs.items()))
   return GlobalStep(
       partition=partition, plan=plan, report=report, graph_def=captures.with_read_shapes(graph_def),
       ownership=ownership, input_names=[t.name for t in inputs], captures=captures,
-      output_names=[rewritten.output_name(per_device[0]) for per_device in expansion.outputs],  # all whole
+      output_names=[rewrite.renamed_tensor(rewritten.output_name(per_device[0]), merged)
+                    for per_device in expansion.outputs],  # all whole
       structure=structure["value"], accumulating=tuple(trace.accumulating), snapshot=snapshot,
       written=_consistency.Written([h for _, h in written_handles]),
       locate=_failures.locator(graph, strip_replica=True, plan=plan))

@@ -345,6 +345,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
                                  _ordered_writes.placed(graph.inputs[:len(source.element_specs)]))
     snapshot = _atomic.AllOrNothing([(internal.name, external) for external, internal in graph.captures
                                      if internal.op.name in written], kept)
+  merged = rewrite.merge_reads(graph_def)  # after the ordering: it may give reads control inputs
   flat0 = tree.flatten(outputs[0])
   captures = _captures.Captures([(internal.name, external) for external, internal in graph.captures]
                                 + list(rewritten.external_inputs.items()))
@@ -354,7 +355,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
       # without) and built slower (MobileNetV2: 2,790 more nodes).
       plan=plan, graph_def=graph_def,
       input_names=[t.name for t in graph.inputs[:len(source.element_specs)]], captures=captures,
-      output_names=[rewritten.output_name(t.name) for t in scratch.outputs],
+      output_names=[rewrite.renamed_tensor(rewritten.output_name(t.name), merged) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs], output_shapes=[t.shape for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
       accumulating=tuple(sorted(accumulating, key=id)), written=written_state, snapshot=snapshot,

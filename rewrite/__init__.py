@@ -9,6 +9,8 @@ The pass has two separately testable halves:
 
 :class:`PartitionReport` says what a partition of a global graph does (the
 global view's ``repl.explain``): layouts, collectives by op, relayouts, fallbacks.
+:func:`merge_reads` merges a rewritten step's reads that no execution could
+tell apart, so that Grappler can fold what follows them.
 
 This package knows nothing about Keras or about how a step was traced.
 """
@@ -34,6 +36,8 @@ from rewrite._placeholders import emit
 from rewrite._plan import Collective
 from rewrite._plan import Plan
 from rewrite._plan import plan
+from rewrite._reads import merge_reads
+from rewrite._reads import renamed_tensor
 
 for _error in (CollectiveMismatchError, RewriteError):  # printed as rewrite.RewriteError, not rewrite._errors...
   _error.__module__ = __name__
@@ -63,7 +67,9 @@ __all__ = (
     "emit",
     "get_lowering",
     "lowering_names",
+    "merge_reads",
     "plan",
     "register_lowering",
+    "renamed_tensor",
     "task_of",
 )
