@@ -10,7 +10,6 @@ Examples:
 from mesh import virtual_cpus
 from replicator import testing
 from replicator._batch_norm import CrossReplicaBatchNorm
-from replicator._calibration import calibrate
 from replicator._context import current
 from replicator._errors import ArgumentError
 from replicator._errors import ArgumentTypeError
@@ -33,6 +32,7 @@ from replicator._errors import WorkerUnavailableError
 from replicator._inputs import InputContext
 from replicator._keras_hooks import distribution_replicator
 from replicator._keras_hooks import enable_keras_distribution
+from replicator._machine import calibrate
 from replicator._multiworker import MultiWorkerReplicator
 from replicator._optimizer import ReplicatedOptimizer
 from replicator._replicator import Replicator

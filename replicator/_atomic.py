@@ -47,8 +47,8 @@ class _Group:
   def __init__(self, device: str, dtype: tf.DType):
     self.device, self.dtype = device, dtype
     self.members: list[tuple[str, tf.Variable]] = []  # (step graph name of the handle, component)
-    with tf.init_scope(), tf.device(device), _variables._creating_components():  # pylint: disable=protected-access
-      self.shadow = _variables._new_component(initial_value=_empty_list(dtype), trainable=False,  # pylint: disable=protected-access
+    with tf.init_scope(), tf.device(device), _variables.creating_components():
+      self.shadow = _variables.new_component(initial_value=_empty_list(dtype), trainable=False,
                                               name="kept_before_step")
 
 

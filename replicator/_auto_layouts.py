@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 import mesh as mesh_lib
-from replicator import _calibration
 from replicator import _errors
 from replicator import _gc
 from replicator import _variables
@@ -40,6 +40,7 @@ class Auto:
   """The state of a Replicator whose layouts are chosen automatically."""
 
   memory_per_device: int | None
+  machine: Callable  # devices -> rewrite._cost.Machine (the Replicator's calibration)
   result: _search.Result | None = None
 
 
@@ -99,7 +100,7 @@ def _following(companions: dict, layouts: dict) -> dict:
 def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes, variables: dict) -> None:
   """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner."""
   auto = replicator._auto  # pylint: disable=protected-access
-  machine = _calibration.calibrate(list(mesh.devices))
+  machine = auto.machine(list(mesh.devices))
   slots: dict[int, int] = {}
   for v in variables.values():
     reference = v._reference  # pylint: disable=protected-access

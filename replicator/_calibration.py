@@ -1,6 +1,6 @@
 """Measuring the machine for the global view's cost model (``rewrite._cost.Machine``), cached.
 
-:func:`calibrate` times, on the devices it is given: a chain of matrix
+:func:`measure` (the public ``replicator.calibrate``, ``_machine``) times, on the devices it is given: a chain of matrix
 products on one device (flops a second), a chain of elementwise ops on a
 large vector (bytes a second), a chain of scalar ops (the fixed cost of an
 op), the product chain on every device at once (how many run at the same
@@ -23,6 +23,7 @@ import time
 
 import tensorflow as tf
 
+import mesh
 from rewrite import _cost
 
 _VERSION = 2  # of the measurements: a new one ignores older files (2: each kind of collective)
@@ -101,12 +102,9 @@ _KINDS = {
 }
 
 
-def _collective_seconds(devices, elements: int, kind: str = "all_reduce") -> float:
+def _collective_seconds(devices, elements: int, kind: str, replicator_type) -> float:
   """One collective of ``kind`` on ``elements`` floats a device over ``devices``, less a step that only reads them."""
-  import mesh  # pylint: disable=import-outside-toplevel
-  from replicator import _replicator  # pylint: disable=import-outside-toplevel  (a cycle: the package imports us)
-
-  repl = _replicator.Replicator(mesh=mesh.Mesh({"all": len(devices)}, devices=devices))
+  repl = replicator_type(mesh=mesh.Mesh({"all": len(devices)}, devices=devices))
   with repl.context():
     v = tf.Variable(tf.ones([max(2 * len(devices), elements // 64), 64]))
   calls = 8
@@ -128,15 +126,12 @@ def _collective_seconds(devices, elements: int, kind: str = "all_reduce") -> flo
   return max(0.0, with_collectives - without) / calls
 
 
-def calibrate(devices=None, cache: bool = True) -> _cost.Machine:
-  """The machine's rates for the global view's cost model, measured on ``devices`` (default: every CPU).
+def measure(devices, cache: bool, replicator_type) -> _cost.Machine:
+  """The machine's rates on ``devices`` (default: every CPU): see ``replicator.calibrate``.
 
-  Args:
-    devices: device names (the logical CPUs of ``replicator.virtual_cpus``, say).
-    cache: read a previous measurement of the same machine and devices, and keep this one.
-
-  Returns:
-    A ``rewrite._cost.Machine``, for ``PartitionReport.estimate``.
+  ``replicator_type``: the ``Replicator`` class, whose collectives are timed
+  (it is above this module: the replicator gives it, so that this module does
+  not import it).
   """
   if devices is None:
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -162,8 +157,8 @@ def calibrate(devices=None, cache: bool = True) -> _cost.Machine:
     k, large_elements = len(devices), 1 << 18
     small_elements = 2 * k * 64
     for kind in _KINDS:  # a fixed cost and a rate for each, from a small and a 1 MB one
-      small = _collective_seconds(devices, small_elements, kind)
-      large = _collective_seconds(devices, large_elements, kind)
+      small = _collective_seconds(devices, small_elements, kind, replicator_type)
+      large = _collective_seconds(devices, large_elements, kind, replicator_type)
       per_device = 4 * (large_elements - small_elements) // (k if kind == "all_gather" else 1)  # (a k-th gathered)
       sent = _cost.CollectiveWork(kind, k, per_device, "").sent
       kinds[kind] = (small, sent / max(1e-9, large - small))

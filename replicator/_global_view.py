@@ -432,7 +432,7 @@ def sharded_update(replicator) -> bool:
   update = replicator._update  # pylint: disable=protected-access
   if update == "auto":
     # As wrap_optimizer's "auto": on CPUs of one process a broadcast is a hand-over, cheaper than the repeats.
-    return len(replicator.devices) > 1 and _optimizer._one_cpu_process(replicator.devices)  # pylint: disable=protected-access
+    return len(replicator.devices) > 1 and _optimizer.one_cpu_process(replicator.devices)
   return update == "sharded"
 
 

@@ -36,8 +36,8 @@ class StopFlag:
   """A host variable the steps loop reads before each step: True stops it."""
 
   def __init__(self):
-    with tf.init_scope(), tf.device("CPU:0"), _variables._creating_components():  # pylint: disable=protected-access
-      self._variable = _variables._new_component(initial_value=False, trainable=False, name="stop_requested")  # pylint: disable=protected-access
+    with tf.init_scope(), tf.device("CPU:0"), _variables.creating_components():
+      self._variable = _variables.new_component(initial_value=False, trainable=False, name="stop_requested")
 
   def keep_going(self) -> tf.Tensor:
     """In the loop's condition: whether no stop was asked for."""

@@ -117,7 +117,7 @@ def stays_sparse(gradient: tf.IndexedSlices, group_size: int, densify_above: flo
   return rows * group_size < densify_above * int(dense_shape[0])
 
 
-def _one_cpu_process(devices) -> bool:
+def one_cpu_process(devices) -> bool:
   """Whether every device is a CPU of one process (copies between them are hand-overs)."""
   return (all((tf.DeviceSpec.from_string(d).device_type or "CPU").upper() == "CPU" for d in devices)
           and len({rewrite.task_of(d) for d in devices}) == 1)
@@ -211,7 +211,7 @@ class ReplicatedOptimizer(tf.Module):
       raise _errors.ArgumentError(SHARDED_UPDATE_UNSUPPORTED.format(optimizer=type(optimizer).__name__, reason=unsupported))
     if update == "auto":
       update = "sharded" if (unsupported is None and len(replicator.devices) > 1
-                             and _one_cpu_process(replicator.devices)) else "replicated"
+                             and one_cpu_process(replicator.devices)) else "replicated"
     object.__setattr__(self, "update", update)
     # Per wrapped optimizer, shared by every wrapper of it (slots live on their owner):
     # slots by variable, id(ReplicatedVariable) -> (variable, Owner), bytes owned per device.

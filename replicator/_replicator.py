@@ -16,6 +16,7 @@ import tree
 import mesh as mesh_lib
 import rewrite
 from replicator import _auto_layouts
+from replicator import _calibration
 from replicator import _callables
 from replicator import _collective_methods
 from replicator import _consistency
@@ -222,7 +223,7 @@ class Replicator(_collective_methods.CollectiveMethods):
             f"Replicator(layouts='auto', view={self._view!r}): automatic layouts are chosen by partitioning the "
             "single-device step, in the global view. Fix: pass view='global', or give the layouts (a "
             "mesh.LayoutMap).")
-      self._auto = _auto_layouts.Auto(memory_per_device)
+      self._auto = _auto_layouts.Auto(memory_per_device, machine=_machine)
       layouts = None
     elif memory_per_device is not None:
       raise _errors.ArgumentError(
@@ -756,3 +757,8 @@ class Replicator(_collective_methods.CollectiveMethods):
 
   def __repr__(self):
     return f"Replicator(num_replicas={self.num_replicas}, mesh={self._mesh!r})"
+
+
+def _machine(devices):
+  """The machine's rates on ``devices`` for the layout search (``replicator.calibrate``'s, cached)."""
+  return _calibration.measure(devices, True, Replicator)

@@ -149,7 +149,7 @@ def layout_of(variable) -> mesh_lib.Layout | None:
 
 
 @contextlib.contextmanager
-def _creating_components():
+def creating_components():
   _creating.active = True
   try:
     yield
@@ -184,12 +184,12 @@ def updated_out_of_place(variables):
 
 def _component_class() -> type:
   if not _plain_class:
-    with tf.init_scope(), _creating_components():
+    with tf.init_scope(), creating_components():
       _plain_class.append(type(tf.Variable(0.0)))
   return _plain_class[0]
 
 
-def _new_component(**kwargs) -> tf.Variable:
+def new_component(**kwargs) -> tf.Variable:
   """An ordinary eager resource variable, created without any variable creator.
 
   Components are created while a step is traced (optimizer slots). Going
@@ -315,7 +315,7 @@ class ReplicatedVariable(tf.Variable):
       components = []
       for piece, device in zip(pieces, devices):
         with tf.device(device):
-          components.append(_new_component(initial_value=piece, trainable=self.trainable,
+          components.append(new_component(initial_value=piece, trainable=self.trainable,
                                            name=self.name.split(":")[0], dtype=self.dtype,
                                            synchronization=self.synchronization, aggregation=self.aggregation))
     for component in self._components:
@@ -927,7 +927,7 @@ def _initialize_in_graph(variable, value: tf.Tensor, sum_on_read: bool) -> None:
   """
   components = variable.components
   with tf.init_scope(), tf.device(components[0].device):
-    flag = _new_component(initial_value=False, trainable=False, name="initialized")
+    flag = new_component(initial_value=False, trainable=False, name="initialized")
   variable._initialized = flag  # pylint: disable=protected-access  (kept alive with the variable)
   _OWNERS[id(flag.handle)] = variable
   if variable.sharding is not None:
@@ -1176,7 +1176,7 @@ def make_creator(replicator):
             initial = tf.zeros_like(value)
           if offsets is not None:
             initial = initial + offsets[i]
-          components.append(_new_component(initial_value=initial, **kwargs))
+          components.append(new_component(initial_value=initial, **kwargs))
     variable = ReplicatedVariable(components, replicator, offsets, layout)
     variable._chosen_by = _chosen_by(replicator, path, reference)  # pylint: disable=protected-access
     variable._reference = None if reference is None else underlying(reference)  # pylint: disable=protected-access

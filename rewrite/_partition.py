@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from rewrite import _errors
+from rewrite import _op_kinds
 from rewrite import _partition_owners
 from rewrite import _placeholders
 from rewrite import _relayout
@@ -219,7 +220,7 @@ def _dead(graph) -> set:
   # Roots: effects. A read, or a random draw nobody reads (its own generator's state aside: a lazily built
   # module's initializer, lifted out of the step), has none.
   stack += [op.name for op in ops if op.type in _SOURCES
-            or (op.op_def.is_stateful and op.type != "ReadVariableOp" and op.type not in _rules_random.STATEFUL)]
+            or (op.op_def.is_stateful and op.type != "ReadVariableOp" and op.type not in _op_kinds.STATEFUL_RANDOM)]
   live: set = set()
   while stack:
     name = stack.pop()
@@ -361,7 +362,7 @@ def _key(layouts) -> tuple:
 def _decide_anew(op, context, ins, wants) -> _rules.Decision:
   rule = _rules.get(op.type)
   view = _rules.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
-                       context.value, context.summed)
+                       context.value, context.summed, bodies=_BODIES)
   if rule is None:
     return _rules.fallback(view, ins)
   decision = _apply(rule, view, ins)
@@ -1150,3 +1151,6 @@ def expand_on_device(graph: tf.Graph, mesh, partition: Partition, r: int, *input
   imported = tf.graph_util.import_graph_def(expansion.graph_def, input_map=input_map, return_elements=names or None,
                                             name="body")
   return list(imported or [])
+
+
+_BODIES = _rules.Bodies(propagate=propagate, expand_on_device=expand_on_device)  # what the rules for If use

@@ -67,11 +67,11 @@ class Placeholder:
     """A one-line human description: kind, params, dtype, shape, location."""
     params = ", ".join(f"{k}={v!r}" for k, v in self.params)
     axes = f", axis={self.axes if len(self.axes) != 1 else self.axes[0]!r}"
-    return (f"{self.kind}({params}{axes}) of {self.dtype.name}{_shape_str(self.input_shape)}"
+    return (f"{self.kind}({params}{axes}) of {self.dtype.name}{shape_str(self.input_shape)}"
             f" [{self.call}] at {self.location}")
 
 
-def _shape_str(shape: tf.TensorShape) -> str:
+def shape_str(shape: tf.TensorShape) -> str:
   if shape.rank is None:
     return "[<unknown rank>]"
   return "[" + ",".join("?" if d is None else str(d) for d in shape.as_list()) + "]"

@@ -12,7 +12,7 @@ import tensorflow as tf
 import mesh as mesh_lib
 from rewrite import _errors
 from rewrite._placeholders import Placeholder
-from rewrite._placeholders import _shape_str
+from rewrite._placeholders import shape_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ class Plan:
   def summary(self) -> list[dict[str, Any]]:
     """One dict per collective (for programs and JSON)."""
     return [dict(index=c.index, kind=c.kind, params=dict(c.params), axes=c.axes,
-                 dtype=c.dtype.name, shape=_shape_str(c.shape), group_size=c.group_size,
+                 dtype=c.dtype.name, shape=shape_str(c.shape), group_size=c.group_size,
                  bytes_per_replica=c.nbytes, implementation=c.implementation,
                  location=c.location) for c in self.collectives]
 
@@ -114,7 +114,7 @@ class Plan:
     rows = [header]
     for c in self.collectives:
       rows.append((str(c.index), c.describe(), ",".join(c.axes), c.dtype.name,
-                   _shape_str(c.shape), c.bytes_str(),
+                   shape_str(c.shape), c.bytes_str(),
                    c.implementation, c.location))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [f"Rewrite plan: {len(self.collectives)} collective(s) over "

@@ -21,6 +21,8 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from rewrite import _op_kinds
+
 TensorLayout = tuple  # tuple[tuple[str, ...], ...]: mesh axes per dimension
 
 
@@ -130,6 +132,19 @@ def scatter_partials(view, out: tuple, summed: tuple, index: int = 0) -> tuple[t
   return tuple(out), tuple(scatter)
 
 
+@dataclasses.dataclass(frozen=True)
+class Bodies:
+  """How a rule partitions the body of a function its op calls (an ``If``'s branches) and expands it per device.
+
+  The partitioner's own ``propagate`` and ``expand_on_device``, handed to the
+  rules with each op (:attr:`OpView.bodies`): the partitioner imports the
+  rules, so the rules do not import it.
+  """
+
+  propagate: Callable
+  expand_on_device: Callable
+
+
 @dataclasses.dataclass
 class OpView:
   """One op of the global graph, as a rule sees it."""
@@ -140,6 +155,7 @@ class OpView:
   handle_shapes: dict = dataclasses.field(default_factory=dict)  # resource tensor name -> its variable's shape
   values: Callable = tf.get_static_value  # a tensor's constant value (shape arithmetic folded), or None
   summed: frozenset = frozenset()  # resource tensor names of variables whose value is the sum of their copies
+  bodies: Bodies | None = None  # for rules of ops that call functions
 
   def want(self, index: int = 0):
     """The layout all consumers of output ``index`` require (None: no common wish)."""
@@ -240,10 +256,10 @@ class Contents(tuple):
   """
 
 
-def _holds_split(contents) -> bool:
+def holds_split(contents) -> bool:
   for layout in contents:
     if isinstance(layout, Contents):
-      if _holds_split(layout):
+      if holds_split(layout):
         return True
     elif layout is not None and any(layout):
       return True
@@ -268,7 +284,7 @@ def fallback(view: OpView, layouts: list) -> Decision:
   if any(t.dtype == tf.resource and layout is not None and any(layout) for t, layout in zip(op.inputs, layouts)):
     # A whole value cannot be gathered for a variable's handle: each device holds its piece.
     unsupported = "it takes the handle of a sharded variable, and no rule says how to use its pieces"
-  elif any(isinstance(layout, Contents) and _holds_split(layout) for layout in layouts):
+  elif any(isinstance(layout, Contents) and holds_split(layout) for layout in layouts):
     # Nor for a variant holding pieces (a tf.cond's intermediates, kept for its gradient).
     unsupported = "it takes a variant (an optional) holding split values, and no rule says how to use them"
   elif any(t.dtype == tf.resource and t.name in view.summed for t in op.inputs):
@@ -294,13 +310,11 @@ def _copied_whole(view: OpView) -> tuple[bool, str]:
   random draws, which every device's copy would make differently.
   """
   from rewrite import _functions  # pylint: disable=import-outside-toplevel  (private TF, isolated there)
-  from rewrite import _rules_effects  # pylint: disable=import-outside-toplevel  (they import this module)
-  from rewrite import _rules_random  # pylint: disable=import-outside-toplevel
   nodes = _functions.nested_nodes(view.op)
-  if any(n.op in _rules_random.STATEFUL and not n.attr["seed"].i and not n.attr["seed2"].i for n in nodes):
+  if any(n.op in _op_kinds.STATEFUL_RANDOM and not n.attr["seed"].i and not n.attr["seed2"].i for n in nodes):
     return False, ("its functions draw random numbers without a seed, and every device's copy would draw its own "
                    "(seed them: tf.random.set_seed(...) before the step is built, or seed=... on the op)")
-  if any(n.op in _rules_effects.ONCE for n in nodes):
+  if any(n.op in _op_kinds.EFFECTS for n in nodes):
     if any(_used(t) for t in view.op.outputs):
       return False, ("its functions write summaries or print, and its outputs are used: every device's copy would "
                      "write them (move the tf.summary or tf.print out of it)")

@@ -78,7 +78,6 @@ def _partitioned_branches(view, layouts):
 
 def _try_branches(view, layouts):
   """``(branches or None, why not, the split tensor arguments whose gathering before the If would help)``."""
-  from rewrite import _partition  # pylint: disable=import-outside-toplevel  (it imports the rules)
   op = view.op
   args = list(op.inputs[1:])
   parts = []
@@ -88,7 +87,7 @@ def _try_branches(view, layouts):
     handle_shapes = {x.name: view.handle_shapes[t.name] for x, t in zip(body.inputs, args)
                      if t.name in view.handle_shapes}
     summed = {x.name for x, t in zip(body.inputs, args) if t.name in view.summed}
-    partition = _partition.propagate(body, view.mesh, given, handle_shapes, summed)
+    partition = view.bodies.propagate(body, view.mesh, given, handle_shapes, summed)
     for o in body.get_operations():
       d = partition.decisions.get(o.name)
       if d is None:
@@ -130,7 +129,7 @@ def _split_arguments(body, tensors, layouts) -> list[int]:
       continue
     layout = layouts[1 + k]
     if isinstance(layout, _rules.Contents):
-      if _rules._holds_split(layout):  # pylint: disable=protected-access
+      if _rules.holds_split(layout):
         return []
     elif layout is not None and any(layout):
       if t.dtype in (tf.resource, tf.variant):
@@ -213,7 +212,6 @@ def if_(view, layouts):
     if decision.unsupported:
       decision.unsupported = f"{decision.unsupported} ({why})"
     return decision
-  from rewrite import _partition  # pylint: disable=import-outside-toplevel
   parts, out_layouts, in_layouts = branches
   (then_body, then_part), (else_body, else_part) = parts
   mesh = view.mesh
@@ -222,7 +220,7 @@ def if_(view, layouts):
   def lower(r, inputs):
     pred, args = inputs[0], list(inputs[1:])
     specs = [tf.TensorSpec(x.shape, x.dtype) for x in args]
-    branches = [tf.function(functools.partial(_partition.expand_on_device, body, mesh, part, r, outputs=out_layouts),
+    branches = [tf.function(functools.partial(view.bodies.expand_on_device, body, mesh, part, r, outputs=out_layouts),
                             autograph=False).get_concrete_function(*specs)
                 for body, part in ((then_body, then_part), (else_body, else_part))]
     for branch in branches:

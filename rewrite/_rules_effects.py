@@ -9,14 +9,11 @@ first: the histogram one device would write).
 
 from __future__ import annotations
 
+from rewrite import _op_kinds
 from rewrite import _rules
 
-# TF 2.21's summary_ops.cc and logging_ops.cc: ops without outputs whose effect is outside the graph.
-ONCE = ("WriteSummary", "WriteScalarSummary", "WriteHistogramSummary", "WriteImageSummary", "WriteAudioSummary",
-        "WriteRawProtoSummary", "WriteGraphSummary", "PrintV2")
 
-
-@_rules.register(*ONCE)
+@_rules.register(*_op_kinds.EFFECTS)
 def once(view, layouts):
   return _rules.Decision(inputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.inputs], outputs=[],
                          once=True)

@@ -28,6 +28,7 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+from rewrite import _op_kinds
 from rewrite import _rules
 
 PHILOX = (1, 3)  # RNG_ALG_PHILOX and RNG_ALG_AUTO_SELECT (Philox on CPUs and GPUs)
@@ -69,13 +70,10 @@ def stateless_random(view, layouts):
   return _rules.Decision(inputs=[None] * 4, outputs=[(axes,) + ((),) * (out_rank - 1)], lower=lower)
 
 
-# TF 2.21's random_ops.cc, stateful (a generator per op, seeded by the attributes seed and seed2).
-STATEFUL = ("RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt", "RandomGamma",
-            "RandomPoissonV2", "Multinomial", "RandomShuffle", "ParameterizedTruncatedNormal")
 _SALTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # traced graph -> its seed (one per trace)
 
 
-@_rules.register(*STATEFUL)
+@_rules.register(*_op_kinds.STATEFUL_RANDOM)
 def stateful_random(view, layouts):
   """One draw, whole on every device: an unseeded op gets a seed pair, the same on every device."""
   attrs = {}

@@ -17,6 +17,7 @@ from conftest import keras_step
 import mesh
 import replicator
 from replicator import _auto_layouts
+from replicator import _calibration
 from replicator import _variables
 from rewrite import _cost
 
@@ -31,7 +32,7 @@ MACHINE = _cost.Machine(flops_per_second=2e9, bytes_per_second=2e10, op_seconds=
 
 @pytest.fixture(autouse=True)
 def _machine(monkeypatch):
-  monkeypatch.setattr(_auto_layouts._calibration, "calibrate", lambda devices: MACHINE)  # pylint: disable=protected-access
+  monkeypatch.setattr(_calibration, "measure", lambda devices, cache, replicator_type: MACHINE)
 
 
 def _model():

@@ -199,9 +199,9 @@ def test_auto_update_choice():
   with one.context():
     assert one.wrap_optimizer(keras.optimizers.Adam()).update == "replicated"
   from replicator import _optimizer  # pylint: disable=import-outside-toplevel
-  assert _optimizer._one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:1"])  # pylint: disable=protected-access
-  assert not _optimizer._one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"])  # pylint: disable=protected-access
-  assert not _optimizer._one_cpu_process(["/device:GPU:0", "/device:GPU:1"])  # pylint: disable=protected-access
+  assert _optimizer.one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:1"])
+  assert not _optimizer.one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"])
+  assert not _optimizer.one_cpu_process(["/device:GPU:0", "/device:GPU:1"])
 
 
 def test_sharded_update_errors():
