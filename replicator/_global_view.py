@@ -388,7 +388,8 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles}, traced,
                                  _ordered_writes.placed(inputs))
     snapshot = _atomic.AllOrNothing(written_handles, kept)
-  merged = rewrite.merge_reads(graph_def)  # after the ordering: it may give reads control inputs
+  # After the ordering (which gives reads control inputs): reads of small values only (rewrite.merge_reads).
+  merged = rewrite.merge_reads(graph_def, rewrite.small_reads(_traced_ops(graph, expansion_graph)))
   captures = _captures.Captures(fed + list(rewritten.external_inputs.items()))
   return GlobalStep(
       partition=partition, plan=plan, report=report, graph_def=captures.with_read_shapes(graph_def),

@@ -339,13 +339,13 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
   graph = scratch.graph
   graph_def, snapshot = rewritten.graph_def, None
+  ops = {op.name: op for op in graph.get_operations()}
   if replicator._atomic:  # pylint: disable=protected-access
-    ops = {op.name: op for op in graph.get_operations()}
     kept = _ordered_writes.order(graph_def, written, _ordered_writes.classifier(plan, ops.get),
                                  _ordered_writes.placed(graph.inputs[:len(source.element_specs)]))
     snapshot = _atomic.AllOrNothing([(internal.name, external) for external, internal in graph.captures
                                      if internal.op.name in written], kept)
-  merged = rewrite.merge_reads(graph_def)  # after the ordering: it may give reads control inputs
+  merged = rewrite.merge_reads(graph_def, rewrite.small_reads(ops.get))  # after the ordering (control inputs)
   flat0 = tree.flatten(outputs[0])
   captures = _captures.Captures([(internal.name, external) for external, internal in graph.captures]
                                 + list(rewritten.external_inputs.items()))

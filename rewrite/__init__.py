@@ -38,6 +38,7 @@ from rewrite._plan import Plan
 from rewrite._plan import plan
 from rewrite._reads import merge_reads
 from rewrite._reads import renamed_tensor
+from rewrite._reads import small_reads
 
 for _error in (CollectiveMismatchError, RewriteError):  # printed as rewrite.RewriteError, not rewrite._errors...
   _error.__module__ = __name__
@@ -71,5 +72,6 @@ __all__ = (
     "plan",
     "register_lowering",
     "renamed_tensor",
+    "small_reads",
     "task_of",
 )
