@@ -30,7 +30,7 @@ STEPS_NOT_STATIC = (
 )
 
 
-def run(replicator, step_fn, dataset, inputs, steps: int, all_steps: bool):
+def run(replicator, config, step_fn, dataset, inputs, steps: int, all_steps: bool):
   """``steps`` steps of ``step_fn`` in the global view on the next global batches of ``dataset``."""
   # pylint: disable=protected-access  (the Replicator's own state, run on its behalf)
   if isinstance(dataset, _distributed_dataset.DistributedDataset):
@@ -43,7 +43,7 @@ def run(replicator, step_fn, dataset, inputs, steps: int, all_steps: bool):
     element, iterator = global_batch(replicator, inputs), None
   else:
     element, iterator = _next_batch(replicator, dataset, inputs, steps)
-  step = step_for(replicator, step_fn, element)
+  step = step_for(replicator, config, step_fn, element)
   if steps > 1 and step.accumulating:
     raise _errors.ArgumentError(_errors.ACCUMULATING_STEPS.format(steps=steps))
   replicator._check_replicas_agree()
@@ -102,7 +102,7 @@ def global_batch(replicator, inputs):
   return tree.map_structure(lambda *leaves: tf.concat([tf.convert_to_tensor(x) for x in leaves], axis=0), *ordered)
 
 
-def step_for(replicator, step_fn, element) -> _global_view.GlobalStep:
+def step_for(replicator, config, step_fn, element) -> _global_view.GlobalStep:
   """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).
 
   Traced at static global shapes: the element's own (a partial last batch is
@@ -112,4 +112,5 @@ def step_for(replicator, step_fn, element) -> _global_view.GlobalStep:
   # pylint: disable=protected-access
   specs = tree.map_structure(lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), element)
   variants = replicator._global_steps.setdefault(step_fn, {}).setdefault(str(specs), {})
-  return replicator._variant(variants, lambda: _global_view.build(replicator, step_fn, specs, replicator._choose))
+  return replicator._variant(variants, lambda: _global_view.build(replicator, config, step_fn, specs,
+                                                                            replicator._choose))

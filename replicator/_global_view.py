@@ -228,7 +228,7 @@ def _batch_layout(spec: tf.TensorSpec, axes: tuple[str, ...]) -> tuple:
   return (axes,) + ((),) * (spec.shape.rank - 1) if spec.shape.rank else ()
 
 
-def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> GlobalStep:
+def build(replicator, config, step_fn: Callable, element_spec, choose: Callable) -> GlobalStep:
   """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it."""
   mesh = replicator.mesh
   axes = tuple(a for a in replicator.batch_axes if mesh.shape[a] > 1)
@@ -284,7 +284,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
       created.append((kwargs.get("name"), variable))
     return variable
 
-  fn = replicator._convert(step_fn)  # AutoGraph, as tf.function on one device  # pylint: disable=protected-access
+  fn = _step.convert(step_fn, config.autograph)  # AutoGraph, as tf.function on one device
 
   def traced(*flat):
     given = iter(flat)
@@ -342,10 +342,10 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED
     raise _errors.UnsupportedError(UNSUPPORTED.format(type=op.type, name=name, why=why, fix=fix,
                                                       location=_primitives.location_of(op)))
-  _check_fallbacks(graph, partition, replicator._strict)  # pylint: disable=protected-access
+  _check_fallbacks(graph, partition, config.strict)
   variables = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
                if id(external) in trace.owners}
-  ownership = _ownership(replicator, graph, partition, axes, variables, whole=bool(whole))
+  ownership = _ownership(replicator, config, graph, partition, axes, variables, whole=bool(whole))
 
   # The expansion is one GraphDef (rewrite._partition.expand), with the step's inputs and the variables'
   # handles as placeholders of a plain graph: GlobalStep.concrete imports it once, into the step's function.
@@ -374,7 +374,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
     expansion = _partition.expand(graph, mesh, partition, local, graph.outputs, locate=_primitives.location_of,
                                   ownership=ownership)
   plan = rewrite.plan(expansion.records, mesh, choose)
-  rewritten = rewrite.apply(expansion.graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
+  rewritten = rewrite.apply(expansion.graph_def, plan, config.lowerings)
   # A captured value the expansion never reads has no node (a Feed is made where it is used): nothing to feed.
   present = {node.name for node in rewritten.graph_def.node}
   fed = [(name, value) for name, value in fed if name.split(":")[0] in present]
@@ -383,7 +383,7 @@ def build(replicator, step_fn: Callable, element_spec, choose: Callable) -> Glob
                      if internal.name in handles and internal.op.name in written
                      for r, h in enumerate(handles[internal.name])]
   graph_def, snapshot = rewritten.graph_def, None
-  if replicator._atomic:  # pylint: disable=protected-access
+  if config.atomic:
     traced = _ordered_writes.classifier(plan, _traced_ops(graph, expansion_graph))
     kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles}, traced,
                                  _ordered_writes.placed(inputs))
@@ -428,16 +428,17 @@ STALE_OWNER = (
 )
 
 
-def sharded_update(replicator) -> bool:
+def sharded_update(config) -> bool:
   """Whether the global view gives each optimizer update one owner per batch group (``Replicator(update=)``)."""
-  update = replicator._update  # pylint: disable=protected-access
-  if update == "auto":
+  if config.update == "auto":
     # As wrap_optimizer's "auto": on CPUs of one process a broadcast is a hand-over, cheaper than the repeats.
-    return len(replicator.devices) > 1 and _optimizer.one_cpu_process(replicator.devices)
-  return update == "sharded"
+    devices = config.mesh.devices
+    return len(devices) > 1 and _optimizer.one_cpu_process(devices)
+  return config.update == "sharded"
 
 
-def _ownership(replicator, graph, partition, axes, variables, whole: bool = False) -> _partition_owners.Ownership:
+def _ownership(replicator, config, graph, partition, axes, variables,
+               whole: bool = False) -> _partition_owners.Ownership:
   """The sharded update's owners (none if the update is replicated); marks the variables they own.
 
   ``whole``: some input is taken whole by every device (a batch of unknown or
@@ -447,7 +448,7 @@ def _ownership(replicator, graph, partition, axes, variables, whole: bool = Fals
   earlier step made owned (optimizer slots), and updates the rest everywhere.
   """
   ownership = _partition_owners.Ownership()
-  if sharded_update(replicator):
+  if sharded_update(config):
     fixed = {}
     for name, variable in variables.items():
       if variable.owner is not None and variable.owner[1] == axes:

@@ -59,7 +59,7 @@ NOT_STATIC = (
 )
 
 
-def run(replicator, step_fn, input_fn, inputs, steps, all_steps, view: str):
+def run(replicator, config, step_fn, input_fn, inputs, steps, all_steps, view: str):
   """One step of ``step_fn`` called from the function being traced; returns its outputs there."""
   # pylint: disable=protected-access  (the Replicator's own state, run on its behalf)
   if input_fn is not None:
@@ -67,7 +67,7 @@ def run(replicator, step_fn, input_fn, inputs, steps, all_steps, view: str):
   if steps != 1 or all_steps:
     raise _errors.ArgumentError(STEPS.format(steps=steps, all_steps=", all_steps=True" if all_steps else ""))
   if view == "global":
-    return _run_global(replicator, step_fn, inputs)
+    return _run_global(replicator, config, step_fn, inputs)
   step, source = replicator._compiled(step_fn, None, inputs)  # its own graph (tf.init_scope would stop tapes)
   if step.accumulating:
     raise _errors.UnsupportedError(ACCUMULATING)
@@ -75,13 +75,13 @@ def run(replicator, step_fn, input_fn, inputs, steps, all_steps, view: str):
   return _values.combine(step.call_in_graph(source.call_args()))
 
 
-def _run_global(replicator, step_fn, inputs):
+def _run_global(replicator, config, step_fn, inputs):
   element = _global_run.global_batch(replicator, inputs)
   flat = tree.flatten(element)
   if not all(t.shape.is_fully_defined() for t in flat):
     raise _errors.ArgumentError(NOT_STATIC.format(
         spec=tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)))
-  step = _global_run.step_for(replicator, step_fn, element)
+  step = _global_run.step_for(replicator, config, step_fn, element)
   if step.accumulating:
     raise _errors.UnsupportedError(ACCUMULATING)
   replicator._check_replicas_agree()

@@ -140,7 +140,7 @@ def _extended_class():
       # repl.run steps (outside this strategy's scope). The Replicator's variable creator places
       # every component on its own device, so no colocation is needed. In the global view the
       # optimizer is a plain one: its slots take their variable's layout here.
-      if self.replicator._view == "global":  # pylint: disable=protected-access
+      if self.replicator._config.view == "global":  # pylint: disable=protected-access
         return _variables.reference_scope(colocate_with_variable)
       return contextlib.nullcontext()
 
@@ -236,7 +236,7 @@ def _wrap_function(replicator, model, fn) -> None:
   function = getattr(model, name, None) if name is not None else None
   if function is None or getattr(function, "_replicator_wraps", False):
     return
-  atomic = replicator._atomic  # pylint: disable=protected-access
+  atomic = replicator._config.atomic  # pylint: disable=protected-access
 
   @functools.wraps(function)
   def wrapped(iterator, *args, **kwargs):

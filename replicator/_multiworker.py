@@ -9,6 +9,7 @@ one distributed graph call. The workers only run a server
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -153,8 +154,9 @@ class MultiWorkerReplicator(Replicator):
     kwargs.setdefault("batch_axes", ("worker", "device"))
     super().__init__(mesh=m, **kwargs)
     self.collective_timeout = collective_timeout
-    self._lowerings = {"collective_ops": rewrite.CollectiveOps(collective_timeout),
-                       "hierarchical": rewrite.Hierarchical(collective_timeout)}
+    self._config = dataclasses.replace(self._config, lowerings={  # theirs, with this Replicator's timeout
+        "collective_ops": rewrite.CollectiveOps(collective_timeout),
+        "hierarchical": rewrite.Hierarchical(collective_timeout)})
 
   @classmethod
   def from_tf_config(cls, tf_config: str | None = None, **kwargs) -> "MultiWorkerReplicator":

@@ -19,6 +19,7 @@ from replicator import _auto_layouts
 from replicator import _calibration
 from replicator import _callables
 from replicator import _collective_methods
+from replicator import _config
 from replicator import _consistency
 from replicator import _context
 from replicator import _distributed_dataset
@@ -67,16 +68,6 @@ NO_BATCH_AXES = (
     "naming the axes to split the batch over (one of {names}), or batch_axes=() to give "
     "every device the same input."
 )
-
-
-def _autograph(fn: Callable) -> Callable:
-  """``fn`` converted with AutoGraph (its source map kept for error locations), or ``fn`` if it cannot be."""
-  try:
-    converted = tf.autograph.to_graph(fn)
-  except Exception:  # pylint: disable=broad-except  # not convertible: run as written
-    return fn
-  _primitives.register_source_map(converted)
-  return converted
 
 
 def _check_view(view: str) -> str:
@@ -200,27 +191,24 @@ class Replicator(_collective_methods.CollectiveMethods):
     if _keras_distribution.is_device_mesh(mesh):  # code written for Keras's distribution API
       mesh = _keras_distribution.as_mesh(mesh)
     self._mesh = mesh if mesh is not None else mesh_lib.Mesh.from_devices(devices)
-    self._view = _check_view(view)
-    self._strict = bool(strict)
+    view = _check_view(view)
     if not isinstance(atomic, bool):
       raise _errors.ArgumentTypeError(
           f"Replicator(atomic={atomic!r}): expected True (a step that fails writes no variable; the default) or "
           f"False (no copy kept; a failed step may leave some devices' variables written), a bool. "
           f"Fix: atomic=True, or atomic=False.")
-    self._atomic = atomic
     if update not in _global_view.UPDATES:
       raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")
-    self._update = update
     self._global_owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (global view)
     self._global_steps = _weak.CallableMap()  # step_fn -> {element spec: {phases: _global_view.GlobalStep}}
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
-    self._batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
+    batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
     self._auto = None  # layouts="auto": the search's state (_auto_layouts.Auto)
     if isinstance(layouts, str) and layouts == "auto":
-      if self._view != "global":
+      if view != "global":
         raise _errors.ArgumentError(
-            f"Replicator(layouts='auto', view={self._view!r}): automatic layouts are chosen by partitioning the "
+            f"Replicator(layouts='auto', view={view!r}): automatic layouts are chosen by partitioning the "
             "single-device step, in the global view. Fix: pass view='global', or give the layouts (a "
             "mesh.LayoutMap).")
       self._auto = _auto_layouts.Auto(memory_per_device, machine=_machine)
@@ -236,8 +224,6 @@ class Replicator(_collective_methods.CollectiveMethods):
     self._layout_error: mesh_lib.LayoutError | None = None  # strict: a key that matches no variable
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
-    self._implementation = implementation
-    self._autograph = autograph
     self._creator = _variables.make_creator(self)
     # Built steps by step_fn, released when the caller drops the step_fn: {source key: {phases: step}}.
     self._steps = _weak.CallableMap()
@@ -248,7 +234,6 @@ class Replicator(_collective_methods.CollectiveMethods):
     self._sources = _weak.CallableMap()
     self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
-    self._lowerings: dict[str, rewrite.Lowering] = {}  # per-Replicator instances by name
     if prefetch_to_device is not None and (not isinstance(prefetch_to_device, int)
                                            or isinstance(prefetch_to_device, bool) or prefetch_to_device < 0):
       raise _errors.ArgumentTypeError(
@@ -258,8 +243,10 @@ class Replicator(_collective_methods.CollectiveMethods):
     if prefetch_to_device is None:
       on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self.devices)
       prefetch_to_device = 0 if on_cpu else 2
-    self._prefetch_to_device = prefetch_to_device
-    self._drop_remainder = bool(drop_remainder)
+    self._config = _config.Config(
+        mesh=self._mesh, view=view, strict=bool(strict), atomic=atomic, update=update, batch_axes=batch_axes,
+        autograph=autograph, implementation=implementation, prefetch_to_device=prefetch_to_device,
+        drop_remainder=bool(drop_remainder))
     self.trace_count = 0
     self.steps_run = 0
     self._diverged = None  # (what a failed step wrote, its error) while the replicas' copies differ
@@ -288,9 +275,9 @@ class Replicator(_collective_methods.CollectiveMethods):
   @property
   def batch_axes(self) -> tuple[str, ...]:
     """Mesh axes the input batch is split over (see the constructor)."""
-    if self._batch_axes is None:
+    if self._config.batch_axes is None:
       raise _errors.ArgumentError(NO_BATCH_AXES.format(shape=self._mesh.shape, names=self._mesh.axis_names))
-    return self._batch_axes
+    return self._config.batch_axes
 
   @property
   def num_input_pipelines(self) -> int:
@@ -381,7 +368,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     if self._layout_error is not None:
       raise self._layout_error
     try:
-      _layout_check.check(self._layouts, list(self._chosen_by), self._reported_layout_keys, self._strict)
+      _layout_check.check(self._layouts, list(self._chosen_by), self._reported_layout_keys, self._config.strict)
     except mesh_lib.LayoutError as e:
       self._layout_error = e
       raise
@@ -431,8 +418,8 @@ class Replicator(_collective_methods.CollectiveMethods):
     """
     if not tf.executing_eagerly() and self._check_not_in_step("run"):  # in a tf.function being traced
       with self._running:
-        return _in_function.run(self, step_fn, input_fn, inputs, steps, all_steps,
-                                self._view if view is None else _check_view(view))
+        return _in_function.run(self, self._config, step_fn, input_fn, inputs, steps, all_steps,
+                                self._config.view if view is None else _check_view(view))
     with self._running, _gc.paused():  # a first call builds the step: collections would scan every object
       return self._run(step_fn, input_fn, inputs, steps, all_steps, view)
 
@@ -444,8 +431,8 @@ class Replicator(_collective_methods.CollectiveMethods):
       raise _errors.ArgumentTypeError(
           f"repl.run(all_steps={all_steps!r}): expected True (every step's results, stacked) or False (the "
           f"last step's), a bool. Fix: all_steps=True.")
-    if (self._view if view is None else _check_view(view)) == "global":
-      return _global_run.run(self, step_fn, input_fn, inputs, steps, all_steps)
+    if (self._config.view if view is None else _check_view(view)) == "global":
+      return _global_run.run(self, self._config, step_fn, input_fn, inputs, steps, all_steps)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self._compiled(step_fn, input_fn, inputs)
@@ -479,7 +466,7 @@ class Replicator(_collective_methods.CollectiveMethods):
 
   def _global_step(self, step_fn, element) -> _global_view.GlobalStep:
     """The global-view step of ``step_fn`` for global batches shaped like ``element`` (``_global_run``)."""
-    return _global_run.step_for(self, step_fn, element)
+    return _global_run.step_for(self, self._config, step_fn, element)
 
   def _variant(self, variants: dict, build: Callable):
     """The step in ``variants`` (accumulation phases -> step) for the next phases, built by ``build()`` if new.
@@ -574,7 +561,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     ``bytes_per_step`` and ``devices`` are the plan's (``.plan``).
     """
     self._check_called_from_python("explain")
-    if self._view == "global":
+    if self._config.view == "global":
       if not isinstance(input_fn, tf.data.Dataset):
         raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=type(input_fn).__name__,
                                                                     axes=self.batch_axes))
@@ -611,7 +598,7 @@ class Replicator(_collective_methods.CollectiveMethods):
       if source is None:
         pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
         source = _inputs.DatasetInputs(input_fn, self.devices, self._input_hosts(pipelines),
-                                       self._prefetch_to_device, pipelines, self._drop_remainder)
+                                       self._config.prefetch_to_device, pipelines, self._config.drop_remainder)
         self._sources.set(input_fn, source)
     elif inputs is not None:
       source = _inputs.ExplicitInputs(inputs, self.num_replicas)
@@ -624,7 +611,8 @@ class Replicator(_collective_methods.CollectiveMethods):
       by_source = {}
       self._steps.set(step_fn, by_source)
       self._count_step_object(step_fn)
-    step = self._variant(by_source.setdefault(source.key, {}), lambda: _step.build(self, step_fn, source, self._choose))
+    step = self._variant(by_source.setdefault(source.key, {}),
+                         lambda: _step.build(self, self._config, step_fn, source, self._choose))
     step.use_source(source)  # a step built before may have run on another source (its last epoch's)
     return step, source
 
@@ -634,7 +622,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     Not cached here (a converted function holds ``fn``, and steps must not
     keep their step_fn alive); AutoGraph caches conversions by code.
     """
-    return _step.explaining_foreign_strategies(_callables.to_trace(fn, self._autograph, _autograph))
+    return _step.convert(fn, self._config.autograph)
 
   def _count_step_object(self, step_fn: Callable) -> None:
     """Warns (once) when many objects of one step function were built: a new lambda per call."""
@@ -649,8 +637,8 @@ class Replicator(_collective_methods.CollectiveMethods):
                     stacklevel=_primitives.user_stacklevel())
 
   def _choose(self, collective: rewrite.Collective) -> str:
-    if self._implementation != "auto":
-      return self._implementation
+    if self._config.implementation != "auto":
+      return self._config.implementation
     return rewrite.auto_lowering(collective)
 
   # -- optimizers ------------------------------------------------------------------
@@ -743,7 +731,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     def leaf(value):
       if value is None:
         return None
-      if self._view == "global" and isinstance(value, tf.Tensor):
+      if self._config.view == "global" and isinstance(value, tf.Tensor):
         return value  # a global-view output: already the global value
       if not isinstance(value, PerReplica):
         raise _errors.ArgumentTypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a nest of "

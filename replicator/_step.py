@@ -28,6 +28,7 @@ from replicator import _access
 from replicator import _atomic
 from replicator import _callables
 from replicator import _captures
+from replicator import _config
 from replicator import _consistency
 from replicator import _context
 from replicator import _errors
@@ -263,9 +264,31 @@ def step_outputs(result):
   return tree.map_structure_with_path(convert, result)
 
 
-def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callable,
+def convert(fn: Callable, autograph: bool) -> Callable:
+  """The callable to trace for step ``fn`` (``_callables.to_trace``; with ``autograph``, converted).
+
+  Not cached here (a converted function holds ``fn``, and steps must not
+  keep their step_fn alive); AutoGraph caches conversions by code.
+  """
+  return explaining_foreign_strategies(_callables.to_trace(fn, autograph, _autograph))
+
+
+def _autograph(fn: Callable) -> Callable:
+  """``fn`` converted with AutoGraph (its source map kept for error locations), or ``fn`` if it cannot be."""
+  try:
+    converted = tf.autograph.to_graph(fn)
+  except Exception:  # pylint: disable=broad-except  # not convertible: run as written
+    return fn
+  _primitives.register_source_map(converted)
+  return converted
+
+
+def build(replicator, config: _config.Config, step_fn: Callable, source: _inputs.Source, choose: Callable,
           wrap: Callable[[Callable], Callable] | None = None) -> CompiledStep:
-  """Traces ``step_fn`` (converted, then ``wrap``-ped if given) on every replica, plans and rewrites it."""
+  """Traces ``step_fn`` (converted, then ``wrap``-ped if given) on every replica, plans and rewrites it.
+
+  ``replicator``: the Replicator whose step it is (what the step's code calls: ``repl.all_reduce``, its variables).
+  """
   devices = replicator.devices
   creator = _variables.make_creator(replicator)
   placeholders = [[] for _ in devices]
@@ -274,7 +297,7 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   created = []
   lifted = set()
   outputs = [None] * len(devices)
-  fn = replicator._convert(step_fn)  # pylint: disable=protected-access
+  fn = convert(step_fn, config.autograph)
   if wrap is not None:
     fn = wrap(fn)
 
@@ -336,11 +359,11 @@ def build(replicator, step_fn: Callable, source: _inputs.Source, choose: Callabl
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
   graph_def = _independent_replicas(graph_def)
   graph_def = _summaries.single_series(graph_def)
-  rewritten = rewrite.apply(graph_def, plan, replicator._lowerings)  # pylint: disable=protected-access
+  rewritten = rewrite.apply(graph_def, plan, config.lowerings)
   graph = scratch.graph
   graph_def, snapshot = rewritten.graph_def, None
   ops = {op.name: op for op in graph.get_operations()}
-  if replicator._atomic:  # pylint: disable=protected-access
+  if config.atomic:
     kept = _ordered_writes.order(graph_def, written, _ordered_writes.classifier(plan, ops.get),
                                  _ordered_writes.placed(graph.inputs[:len(source.element_specs)]))
     snapshot = _atomic.AllOrNothing([(internal.name, external) for external, internal in graph.captures

@@ -94,7 +94,7 @@ def one_device_context():
 
 def batch_replicas(replicator) -> tuple[int, tuple[str, ...]]:
   """``tf.distribute``'s replicas of a Replicator: how many, and the mesh axes (of size > 1) they lie along."""
-  axes = tuple(a for a in (replicator._batch_axes or ()) if replicator.mesh.shape[a] > 1)  # pylint: disable=protected-access
+  axes = tuple(a for a in (replicator._config.batch_axes or ()) if replicator.mesh.shape[a] > 1)  # pylint: disable=protected-access
   return (replicator.mesh.axis_size(axes) if axes else 1), axes
 
 

@@ -1164,7 +1164,7 @@ def make_creator(replicator):
                                                                          shape=tf.TensorShape(kwargs["shape"])))
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
       # The global view runs one program: one random stream, drawn at global shapes and sliced.
-      offsets = None if replicator._view == "global" else seed_offsets(name, value, len(devices))  # pylint: disable=protected-access
+      offsets = None if replicator._config.view == "global" else seed_offsets(name, value, len(devices))  # pylint: disable=protected-access
       if layout is not None:
         with tf.device(devices[0]):  # slice where the value is; copy only the pieces
           pieces = mesh_lib.split(value, layout)

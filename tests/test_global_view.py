@@ -143,7 +143,7 @@ def test_batch_only_sums_gradients_over_batch_without_gathers():
 
 
 def test_local_view_is_the_default():
-  assert replicator.Replicator(devices=cpus(2))._view == "local"  # pylint: disable=protected-access
+  assert replicator.Replicator(devices=cpus(2))._config.view == "local"  # pylint: disable=protected-access
   with pytest.raises(replicator.ArgumentError, match=r"view='both': expected \"local\""):
     replicator.Replicator(devices=cpus(2), view="both")
 

@@ -56,7 +56,7 @@ def _one_device(batches):
 def _replicated(repl):
   with repl.context():
     model, opt = _model()
-    if repl._view == "local":  # pylint: disable=protected-access
+    if repl._config.view == "local":  # pylint: disable=protected-access
       opt = repl.wrap_optimizer(opt)
   return model, opt
 

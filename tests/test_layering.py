@@ -28,11 +28,10 @@ KNOWN_PRIVATE_ACCESSES = {
     "replicator._consistency": 4,
     "replicator._export": 6,
     "replicator._global_run": 7,
-    "replicator._global_view": 9,
+    "replicator._global_view": 4,
     "replicator._in_function": 3,
     "replicator._keras": 5,
     "replicator._optimizer": 2,
-    "replicator._step": 3,
     "replicator._tf_distribute": 1,
     "replicator._variables": 3,
 }

@@ -1,0 +1,44 @@
+"""A Replicator's configuration: one immutable object, made once and passed to what builds and runs steps.
+
+The Replicator checks its arguments and makes a :class:`Config`; the modules
+below it (a view's step building, the step's lowering, all or nothing) take
+the parts they need from it, never from the Replicator's attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """How a Replicator builds and runs its steps (see ``Replicator``'s arguments).
+
+  Attributes:
+    mesh: the devices and their named axes.
+    view: ``"local"`` or ``"global"``.
+    strict: refuse fallbacks (global view) and layout keys that match nothing.
+    atomic: a failed call writes no variable.
+    update: the global view's optimizer update (``"auto"``, ``"sharded"``, ``"replicated"``).
+    batch_axes: the mesh axes the batch is split over, or None (none given, and no axis named so).
+    autograph: convert steps with AutoGraph.
+    implementation: the collectives' lowering by name, or ``"auto"``.
+    prefetch_to_device: input elements prefetched onto each device.
+    drop_remainder: drop a last batch that does not divide over the replicas.
+    lowerings: this Replicator's own lowering instances by name (a multi-worker
+      Replicator's carry its collective timeout); others come from the registry.
+  """
+
+  mesh: Any
+  view: str
+  strict: bool
+  atomic: bool
+  update: str
+  batch_axes: tuple[str, ...] | None
+  autograph: bool
+  implementation: str
+  prefetch_to_device: int
+  drop_remainder: bool
+  lowerings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
