@@ -383,13 +383,13 @@ def build(replicator, config, step_fn: Callable, element_spec, choose: Callable)
                      if internal.name in handles and internal.op.name in written
                      for r, h in enumerate(handles[internal.name])]
   graph_def, snapshot = rewritten.graph_def, None
+  traced = _traced_ops(graph, expansion_graph)
   if config.atomic:
-    traced = _ordered_writes.classifier(plan, _traced_ops(graph, expansion_graph))
-    kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles}, traced,
-                                 _ordered_writes.placed(inputs))
+    kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles},
+                                 _ordered_writes.classifier(plan, traced), _ordered_writes.placed(inputs))
     snapshot = _atomic.AllOrNothing(written_handles, kept)
   # After the ordering (which gives reads control inputs): reads of small values only (rewrite.merge_reads).
-  merged = rewrite.merge_reads(graph_def, rewrite.small_reads(_traced_ops(graph, expansion_graph)))
+  merged = rewrite.merge_reads(graph_def, rewrite.small_reads(traced))
   captures = _captures.Captures(fed + list(rewritten.external_inputs.items()))
   return GlobalStep(
       partition=partition, plan=plan, report=report, graph_def=captures.with_read_shapes(graph_def),
@@ -432,8 +432,7 @@ def sharded_update(config) -> bool:
   """Whether the global view gives each optimizer update one owner per batch group (``Replicator(update=)``)."""
   if config.update == "auto":
     # As wrap_optimizer's "auto": on CPUs of one process a broadcast is a hand-over, cheaper than the repeats.
-    devices = config.mesh.devices
-    return len(devices) > 1 and _optimizer.one_cpu_process(devices)
+    return _optimizer.sharded_by_default(config.mesh.devices)
   return config.update == "sharded"
 
 

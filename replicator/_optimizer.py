@@ -123,6 +123,11 @@ def one_cpu_process(devices) -> bool:
           and len({rewrite.task_of(d) for d in devices}) == 1)
 
 
+def sharded_by_default(devices) -> bool:
+  """``update="auto"``'s choice (both views): sharded on more than one CPU of one process."""
+  return len(devices) > 1 and one_cpu_process(devices)
+
+
 def _replication(mesh, layout) -> tuple[tuple[str, ...], int]:
   """A variable's mesh axes it is replicated on (size-1 axes left out) and its number of pieces."""
   if layout is None:
@@ -210,8 +215,7 @@ class ReplicatedOptimizer(tf.Module):
     if update == "sharded" and unsupported:
       raise _errors.ArgumentError(SHARDED_UPDATE_UNSUPPORTED.format(optimizer=type(optimizer).__name__, reason=unsupported))
     if update == "auto":
-      update = "sharded" if (unsupported is None and len(replicator.devices) > 1
-                             and one_cpu_process(replicator.devices)) else "replicated"
+      update = "sharded" if unsupported is None and sharded_by_default(replicator.devices) else "replicated"
     object.__setattr__(self, "update", update)
     # Per wrapped optimizer, shared by every wrapper of it (slots live on their owner):
     # slots by variable, id(ReplicatedVariable) -> (variable, Owner), bytes owned per device.

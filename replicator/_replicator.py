@@ -616,14 +616,6 @@ class Replicator(_collective_methods.CollectiveMethods):
     step.use_source(source)  # a step built before may have run on another source (its last epoch's)
     return step, source
 
-  def _convert(self, fn: Callable) -> Callable:
-    """The callable to trace for step ``fn`` (see ``_callables.to_trace``).
-
-    Not cached here (a converted function holds ``fn``, and steps must not
-    keep their step_fn alive); AutoGraph caches conversions by code.
-    """
-    return _step.convert(fn, self._config.autograph)
-
   def _count_step_object(self, step_fn: Callable) -> None:
     """Warns (once) when many objects of one step function were built: a new lambda per call."""
     code = _callables.code_of(step_fn)

@@ -82,7 +82,7 @@ def merge_reads(graph_def: tf.compat.v1.GraphDef, mergeable: Callable[[str], boo
       continue
     inputs, controls = [], set()
     for ref in node.input:
-      ref = _renamed(ref, merged)
+      ref = renamed_tensor(ref, merged)
       if ref.startswith("^"):
         if ref in controls:
           continue
@@ -95,16 +95,12 @@ def merge_reads(graph_def: tf.compat.v1.GraphDef, mergeable: Callable[[str], boo
   return merged
 
 
-def renamed_tensor(name: str, merged: dict[str, str]) -> str:
-  """Tensor ``name`` ('op:port') after :func:`merge_reads` returned ``merged``."""
-  return _renamed(name, merged)
-
-
 def _name(ref: str) -> str:
   return ref.lstrip("^").partition(":")[0]
 
 
-def _renamed(ref: str, merged: dict[str, str]) -> str:
+def renamed_tensor(ref: str, merged: dict[str, str]) -> str:
+  """Tensor ``ref`` ('op:port', or '^op' for a control input) after :func:`merge_reads` returned ``merged``."""
   control = ref.startswith("^")
   name, colon, port = ref.lstrip("^").partition(":")
   if name not in merged:
