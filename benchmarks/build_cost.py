@@ -9,7 +9,7 @@ MirroredStrategy ``iter(experimental_distribute_dataset(dataset))`` plus the
 first call of the ``tf.function`` step (trace, run).
 
 Graph size: there is no public accessor for the rewritten graph, so it is read
-from ``repl._steps`` (the cached :class:`replicator._step.CompiledStep`): its
+from ``repl._views["local"].steps`` (the cached :class:`replicator._step.CompiledStep`): its
 ``graph_def`` (the rewritten step) and the concrete function that runs it.
 Nodes count those of the graph plus those of its function library.
 """
@@ -38,7 +38,7 @@ def graph_nodes(graph_def) -> int:
 
 def _our_graph(repl) -> dict:
   # Internals (no public accessor): the one compiled step and its executable.
-  (by_source,) = repl._steps.values()  # pylint: disable=protected-access
+  (by_source,) = repl._views["local"].steps.values()  # pylint: disable=protected-access
   (variants,) = by_source.values()
   (step,) = variants.values()
   (function,) = step._executables.values()  # pylint: disable=protected-access

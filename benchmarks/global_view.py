@@ -487,7 +487,7 @@ def _megatron_local(weights: dict, dataset):
 
 def _step_graph_nodes(repl) -> int:
   """Nodes of the step graph ``repl`` built (its one step); private, as in ``child_build`` (no public accessor)."""
-  steps = repl._global_steps if repl._global_steps.values() else repl._steps  # pylint: disable=protected-access
+  steps = repl._views["global"].steps if repl._views["global"].steps.values() else repl._views["local"].steps  # pylint: disable=protected-access
   graphs = []
   for by_key in steps.values():
     for step in by_key.values():
@@ -718,11 +718,11 @@ def child_build(config: str) -> dict:
   if view == ONE:
     graph_def = fn.get_concrete_function(iterator).graph.as_graph_def()
   elif view == GLOBAL:
-    (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access  (no public accessor)
+    (by_spec,) = repl._views["global"].steps.values()  # pylint: disable=protected-access  (no public accessor)
     ((step,),) = [variants.values() for variants in by_spec.values()]
     graph_def = step.graph_def
   else:
-    (by_source,) = repl._steps.values()  # pylint: disable=protected-access
+    (by_source,) = repl._views["local"].steps.values()  # pylint: disable=protected-access
     (variants,) = by_source.values()
     (step,) = variants.values()
     graph_def = step.graph_def

@@ -97,13 +97,18 @@ def _following(companions: dict, layouts: dict) -> dict:
   return {name: layouts[leader][-rank:] for name, (leader, rank) in companions.items() if leader in layouts}
 
 
-def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes, variables: dict) -> None:
-  """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner."""
-  auto = replicator._auto  # pylint: disable=protected-access
+def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes,
+           variables: dict) -> None:
+  """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner.
+
+  ``layouts``: the Replicator's ``_layout_state.LayoutState`` (its ``auto`` the search's state); it records
+  the chosen map.
+  """
+  auto = layouts.auto
   machine = auto.machine(list(mesh.devices))
   slots: dict[int, int] = {}
   for v in variables.values():
-    reference = v._reference  # pylint: disable=protected-access
+    reference = _variables.slot_reference(v)
     if reference is not None:
       slots[id(reference)] = slots.get(id(reference), 0) + 1
   sizes = {name: v.shape.num_elements() * v.dtype.size for name, v in variables.items()
@@ -111,13 +116,13 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
   largest = max(sizes.values(), default=0)
   searched, fixed_bytes, small = {}, 0, {}
   for name, v in variables.items():
-    if v._reference is not None:  # pylint: disable=protected-access  (a slot: follows its variable)
+    if _variables.slot_reference(v) is not None:  # a slot: follows its variable
       continue
     nbytes = sizes.get(name, 0) * (1 + slots.get(id(v), 0))
-    if (v._on_read or v._offsets is not None or v.shape.rank == 0 or not v.dtype.is_floating  # pylint: disable=protected-access
+    if (_variables.per_replica_by_design(v) or v.shape.rank == 0 or not v.dtype.is_floating
         or name not in sizes or sizes[name] < SMALL * largest):
       fixed_bytes += nbytes
-      if name in sizes and v.shape.rank and v.dtype.is_floating and not v._on_read and v._offsets is None:  # pylint: disable=protected-access
+      if name in sizes and v.shape.rank and v.dtype.is_floating and not _variables.per_replica_by_design(v):
         small[name] = v
       continue
     path = _path(v)
@@ -160,10 +165,10 @@ def choose(replicator, graph, mesh, given: dict, handle_shapes: dict, summed, da
       relaid[id(v)] = v
       chosen[key_of(_path(v))] = layout.spec
   for v in _variables.variables_of(replicator):  # the slots take their variable's layout
-    reference = v._reference  # pylint: disable=protected-access
+    reference = _variables.slot_reference(v)
     if reference is not None and id(reference) in relaid and v.shape == reference.shape:
       v.relayout(reference.sharding, chosen_by=f"as {reference.name.split(':')[0]} (a slot)")
-  replicator._layouts = mesh_lib.LayoutMap(chosen) if chosen else None  # pylint: disable=protected-access
+  layouts.chosen(mesh_lib.LayoutMap(chosen) if chosen else None)
   followed = {name: _search.Variable(tuple(variables[name].shape.as_list()), sizes[name], "",
                                      copies=1 + slots.get(id(variables[name]), 0)) for name in companions}
   split_off = (_search.bytes_per_device(followed, {}, mesh.shape)  # (counted whole in fixed_bytes)

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import rewrite
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -27,8 +29,12 @@ class Config:
     implementation: the collectives' lowering by name, or ``"auto"``.
     prefetch_to_device: input elements prefetched onto each device.
     drop_remainder: drop a last batch that does not divide over the replicas.
+    host: the host's CPU: input pipelines are built and results combined there.
     lowerings: this Replicator's own lowering instances by name (a multi-worker
       Replicator's carry its collective timeout); others come from the registry.
+    input_hosts: the device each input pipeline's dataset is built and
+      iterated on, by pipeline (a multi-worker Replicator's: each pipeline's
+      worker's CPU); empty: ``host`` for every pipeline.
   """
 
   mesh: Any
@@ -41,4 +47,12 @@ class Config:
   implementation: str
   prefetch_to_device: int
   drop_remainder: bool
+  host: str = "/device:CPU:0"
   lowerings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  input_hosts: tuple[str, ...] = ()
+
+  def lowering_for(self, collective) -> str:
+    """The lowering (by name) of one matched collective: the one asked for, or the rewrite's choice."""
+    if self.implementation != "auto":
+      return self.implementation
+    return rewrite.auto_lowering(collective)

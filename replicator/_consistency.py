@@ -40,7 +40,7 @@ class Written:
     by_variable: dict[int, tuple[weakref.ref, set[int]]] = {}
     for handle in handles:
       variable = _variables.owner_of(handle)
-      if variable is None or variable._on_read or variable._offsets is not None:  # pylint: disable=protected-access
+      if variable is None or _variables.per_replica_by_design(variable):
         continue  # each replica's own value by design
       for index, component in enumerate(variable.components):
         if component.handle is handle:
@@ -59,8 +59,7 @@ class Written:
     """``(name, replica a, replica b)`` for each written variable (or only ``only``) whose written copies differ."""
     found = []
     for variable, values in self._snapshot(only):
-      axes = variable._replicated_axes()  # pylint: disable=protected-access
-      for group in variable._replicator.mesh.groups(axes):  # pylint: disable=protected-access
+      for group in _variables.agreeing_groups(variable):
         members = [r for r in group if r in values]
         if len(members) < 2:
           continue

@@ -31,6 +31,7 @@ class ReplicaContext:
       of the step (left out of the rewritten graph).
     analysis: which mesh axes the trace's values vary along, shared by the
       replicas of one trace (``_invariance``).
+    batch_axes: the Replicator's batch axes (``Config.batch_axes``; None: none).
   """
 
   replicator: Any
@@ -45,6 +46,7 @@ class ReplicaContext:
   creations: int = 0
   lifted: set | None = None
   analysis: Any = None  # _invariance.Analysis of this trace (None: writes are not checked)
+  batch_axes: tuple[str, ...] | None = None
 
 
 _state = threading.local()

@@ -56,29 +56,39 @@ def combines_components(variable) -> bool:
           variable.aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN))
 
 
-def _home(variable) -> tf.Variable:
-  return variable.components[variable._home[0]]  # pylint: disable=protected-access
+class Serving:
+  """A variable's export state: its never-assigned handle of the global shape (made once, eagerly, when needed).
 
+  The variable keeps one and makes a new one when its components change
+  (a relayout); it hands it, and the component that exports it (its home),
+  to the functions below.
+  """
 
-def _serving_handle(variable) -> tf.Tensor:
-  """The variable's never-assigned handle of its global shape (made once, eagerly)."""
-  handle = variable._serving_handle  # pylint: disable=protected-access
-  if handle is None:
-    with tf.init_scope(), tf.device(_home(variable).device):
-      handle = tf.raw_ops.VarHandleOp(dtype=variable.dtype, shape=variable.shape,
-                                      shared_name=_SERVING_PREFIX + uuid.uuid4().hex)
-    variable._serving_handle = handle  # pylint: disable=protected-access
-  return handle
+  def __init__(self):
+    self._handle = None
+
+  @property
+  def handle(self) -> tf.Tensor | None:
+    """The serving handle, or None if no function has read the variable yet."""
+    return self._handle
+
+  def handle_for(self, variable, home: tf.Variable) -> tf.Tensor:
+    """The serving handle, made now (on ``home``'s device) if it is not yet."""
+    if self._handle is None:
+      with tf.init_scope(), tf.device(home.device):
+        self._handle = tf.raw_ops.VarHandleOp(dtype=variable.dtype, shape=variable.shape,
+                                              shared_name=_SERVING_PREFIX + uuid.uuid4().hex)
+    return self._handle
 
 
 def _unrecorded_read(component: tf.Variable) -> tf.Tensor:
   return tf.raw_ops.ReadVariableOp(resource=component.handle, dtype=component.dtype)
 
 
-def servable_read(variable, combine) -> tf.Tensor:
+def servable_read(variable, serving: Serving, home: tf.Variable, combine) -> tf.Tensor:
   """Inside a function, outside a step: ``combine(read)`` (the components' value), or, once exported, the
   exported variable's. See the module docstring."""
-  handle = _serving_handle(variable)
+  handle = serving.handle_for(variable, home)
   watch = getattr(tf.compat.v1.get_default_graph(), "watch_variable", None)
   if watch is not None:
     watch(variable)
@@ -97,7 +107,7 @@ def _saves_devices(options) -> bool:
   return policy == tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
 
 
-def export_to_graph(variable, object_map, tensor_map, options) -> list:
+def export_to_graph(variable, serving: Serving, home: tf.Variable, object_map, tensor_map, options) -> list:
   """``_export_to_saved_model_graph``: one variable of the global shape in the export graph.
 
   Maps every component's handle and the serving handle to it, except a
@@ -110,7 +120,6 @@ def export_to_graph(variable, object_map, tensor_map, options) -> list:
   """
   exported = object_map.get(variable)
   if exported is None:
-    home = _home(variable)
     shape, dtype = variable.shape, variable.dtype
     with tf.device(home.device) if _saves_devices(options) else contextlib.nullcontext():
       # The component's concrete class (a resource variable) called directly: no
@@ -122,8 +131,8 @@ def export_to_graph(variable, object_map, tensor_map, options) -> list:
           aggregation=variable.aggregation)
     object_map[variable] = exported
   captured = [component.handle for component in variable.components]
-  if variable._serving_handle is not None:  # pylint: disable=protected-access
-    captured.append(variable._serving_handle)  # pylint: disable=protected-access
+  if serving.handle is not None:
+    captured.append(serving.handle)
   mapped = []
   for handle in captured:
     if tensor_map.get(handle) is None:
@@ -133,7 +142,6 @@ def export_to_graph(variable, object_map, tensor_map, options) -> list:
   return mapped
 
 
-def write_object_proto(variable, proto, options) -> None:
-  """``_write_object_proto``: a variable of the global shape, otherwise as the component writes itself."""
-  _home(variable)._write_object_proto(proto, options)  # pylint: disable=protected-access
+def global_object_proto(variable, proto) -> None:
+  """``_write_object_proto``, after the home component wrote itself into ``proto``: the global shape."""
   proto.variable.shape.CopyFrom(variable.shape.as_proto())

@@ -1,22 +1,26 @@
-"""The global view's run path: ``repl.run(step_fn, dataset)`` with ``view="global"``.
+"""The global view: ``step_fn`` is the single-device step, seeing global values (``view="global"``).
 
-Takes the next global batch of the dataset (its iterator lives on the
-dataset, and goes with it), finds or builds the step for its shapes
-(``_global_view.build``, cached by step function, element shapes and
-accumulation phases), refuses to start while a failed step has left
-replicated copies different (``atomic=False``), and runs one step or a loop
-of them in one call (interruptible between steps: ``_interrupt``).
+:class:`GlobalView` is what ``Replicator.run`` hands a step in the global
+view. It takes the next global batch of the dataset (its iterator lives on
+the dataset, and goes with it), finds or builds the step for its shapes
+(``_global_view.build``: traced once at global shapes, partitioned by the
+layouts, lowered; cached by step function, element shapes and accumulation
+phases) and runs it through the Replicator's ``RunState``. The local view
+(``_local_view.LocalView``) has the same interface.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tensorflow as tf
 import tree
 
+import rewrite
 from replicator import _distributed_dataset
 from replicator import _errors
 from replicator import _global_view
-from replicator import _interrupt
+from replicator import _in_function
 from replicator import _values
 from replicator import _weak
 
@@ -30,38 +34,94 @@ STEPS_NOT_STATIC = (
 )
 
 
-def run(replicator, config, step_fn, dataset, inputs, steps: int, all_steps: bool):
-  """``steps`` steps of ``step_fn`` in the global view on the next global batches of ``dataset``."""
-  # pylint: disable=protected-access  (the Replicator's own state, run on its behalf)
-  if isinstance(dataset, _distributed_dataset.DistributedDataset):
-    dataset = dataset.dataset  # its global batches: the partitioner splits them
-  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-    raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
-  if inputs is not None and dataset is None:  # one global batch, given: one step
-    if steps > 1 or all_steps:
-      raise _errors.ArgumentError(ONE_BATCH.format(steps=steps))
-    element, iterator = global_batch(replicator, inputs), None
-  else:
-    element, iterator = _next_batch(replicator, dataset, inputs, steps)
-  step = step_for(replicator, config, step_fn, element)
-  if steps > 1 and step.accumulating:
-    raise _errors.ArgumentError(_errors.ACCUMULATING_STEPS.format(steps=steps))
-  replicator._check_replicas_agree()
-  try:
-    if steps == 1 and not all_steps:
-      results, replicator.steps_run = step(tree.flatten(element)), 1
+class GlobalView:
+  """Builds and runs a Replicator's steps in the global view; owns their cache and the owners' load.
+
+  The same interface as ``_local_view.LocalView`` (``run``, ``run_in_function``,
+  ``explain``), and ``step_for``: the built step for a global batch, which
+  Keras's trainer calls from its own function (``_keras``).
+
+  Args:
+    replicator: the Replicator whose steps these are.
+    config: its ``_config.Config``.
+    state: its ``_run_state.RunState``.
+    layouts: its ``_layout_state.LayoutState``.
+    creator: its variable creator (``_variables.make_creator``).
+  """
+
+  name = "global"
+
+  def __init__(self, replicator, config, state, layouts, creator: Callable):
+    self._replicator = replicator
+    self._config = config
+    self._state = state
+    self._layouts = layouts
+    self._creator = creator
+    # The built steps (what benchmarks and tests inspect): step_fn -> {element spec: {phases: GlobalStep}}.
+    self.steps = _weak.CallableMap()
+    self._owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (sharded update)
+
+  def run(self, step_fn: Callable, dataset, inputs, steps: int, all_steps: bool):
+    """``steps`` steps of ``step_fn`` on the next global batches of ``dataset`` (or on ``inputs``)."""
+    replicator = self._replicator
+    if isinstance(dataset, _distributed_dataset.DistributedDataset):
+      dataset = dataset.dataset  # its global batches: the partitioner splits them
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+      raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
+    if inputs is not None and dataset is None:  # one global batch, given: one step
+      if steps > 1 or all_steps:
+        raise _errors.ArgumentError(ONE_BATCH.format(steps=steps))
+      element, iterator = global_batch(replicator, inputs), None
     else:
-      results, replicator.steps_run = replicator._stop.run(
-          lambda: step.run_steps(iterator, element, steps, all_steps, replicator._stop))
-  except _interrupt.Interrupted as e:  # Ctrl-C: the steps run so far are kept and counted
-    replicator.steps_run = e.result[1]
-    raise
-  except _errors.ReplicasDivergedError as e:  # Replicator(atomic=False)
-    replicator._diverged = (step.written, str(e.__cause__ and _errors.root_cause(e.__cause__.message)))
-    raise
-  for optimizer in step.accumulating:
-    optimizer.advance(replicator.steps_run)
-  return results
+      element, iterator = _next_batch(replicator, dataset, inputs, steps)
+    step = self.step_for(step_fn, element)
+    if steps > 1 and step.accumulating:
+      raise _errors.ArgumentError(_errors.ACCUMULATING_STEPS.format(steps=steps))
+    if steps == 1 and not all_steps:
+      return self._state.execute(step, lambda stop: (step(tree.flatten(element)), 1), loop=False)
+    return self._state.execute(step, lambda stop: step.run_steps(iterator, element, steps, all_steps, stop),
+                               loop=True)
+
+  def run_in_function(self, step_fn: Callable, inputs):
+    """One step of ``step_fn`` called from the ``tf.function`` being traced (``_in_function``)."""
+    element = global_batch(self._replicator, inputs)
+    flat = tree.flatten(element)
+    if not all(t.shape.is_fully_defined() for t in flat):
+      raise _errors.ArgumentError(_in_function.NOT_STATIC.format(
+          spec=tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)))
+    step = self.step_for(step_fn, element)
+    if step.accumulating:
+      raise _errors.UnsupportedError(_in_function.ACCUMULATING)
+    self._state.check_replicas_agree()
+    return step(flat)
+
+  def explain(self, step_fn: Callable, dataset, inputs) -> rewrite.PartitionReport:
+    """The partition report of the step for the dataset's global batches (a fresh iterator: run's is untouched)."""
+    del inputs  # (the global view explains a dataset's step)
+    if not isinstance(dataset, tf.data.Dataset):
+      raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=type(dataset).__name__,
+                                                                  axes=self._replicator.batch_axes))
+    return self.step_for(step_fn, next(iter(dataset))).report
+
+  def step_for(self, step_fn: Callable, element) -> _global_view.GlobalStep:
+    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).
+
+    Traced at static global shapes: the element's own (a partial last batch is
+    a new trace); and, as in the local view, one variant per combination of
+    accumulation phases of the wrapped optimizers it uses.
+    """
+    specs = tree.map_structure(lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), element)
+    variants = self.steps.setdefault(step_fn, {}).setdefault(str(specs), {})
+    return self._state.variant(variants, lambda: _global_view.build(
+        self._replicator, self._config, self._layouts, self._creator, self._owner_load, step_fn, specs))
+
+  def restore_failed(self) -> None:
+    """Writes back the values every built step kept before its last call (a failure in a caller's function)."""
+    for by_spec in self.steps.values():
+      for variants in by_spec.values():
+        for variant in variants.values():
+          if variant.snapshot is not None:
+            variant.snapshot.restore()
 
 
 def _next_batch(replicator, dataset, inputs, steps: int):
@@ -100,17 +160,3 @@ def global_batch(replicator, inputs):
     first.setdefault(replicator.input_pipeline(replica), part)
   ordered = [first[p] for p in sorted(first)]
   return tree.map_structure(lambda *leaves: tf.concat([tf.convert_to_tensor(x) for x in leaves], axis=0), *ordered)
-
-
-def step_for(replicator, config, step_fn, element) -> _global_view.GlobalStep:
-  """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).
-
-  Traced at static global shapes: the element's own (a partial last batch is
-  a new trace); and, as in the local view, one variant per combination of
-  accumulation phases of the wrapped optimizers it uses.
-  """
-  # pylint: disable=protected-access
-  specs = tree.map_structure(lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), element)
-  variants = replicator._global_steps.setdefault(step_fn, {}).setdefault(str(specs), {})
-  return replicator._variant(variants, lambda: _global_view.build(replicator, config, step_fn, specs,
-                                                                            replicator._choose))

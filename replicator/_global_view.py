@@ -228,8 +228,14 @@ def _batch_layout(spec: tf.TensorSpec, axes: tuple[str, ...]) -> tuple:
   return (axes,) + ((),) * (spec.shape.rank - 1) if spec.shape.rank else ()
 
 
-def build(replicator, config, step_fn: Callable, element_spec, choose: Callable) -> GlobalStep:
-  """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it."""
+def build(replicator, config, layouts, creator: Callable, owner_load: dict, step_fn: Callable,
+          element_spec) -> GlobalStep:
+  """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it.
+
+  ``layouts``: the Replicator's ``_layout_state.LayoutState`` (with ``layouts="auto"``, chosen here by the
+  first build); ``creator``: its variable creator; ``owner_load``: the sharded update's bytes owned so far by
+  each position of the batch axes (by axes), which the next build's owners balance.
+  """
   mesh = replicator.mesh
   axes = tuple(a for a in replicator.batch_axes if mesh.shape[a] > 1)
   leaves = tree.flatten(element_spec)  # None: an absent part of the batch (Keras's sample weights)
@@ -250,7 +256,7 @@ def build(replicator, config, step_fn: Callable, element_spec, choose: Callable)
   structure = {}
   trace = _context.GlobalTrace(replicator)
 
-  replicated_creator = _variables.make_creator(replicator)
+  replicated_creator = creator
 
   created = []  # (name, variable) of each variable the first trace made
   again = []  # while tracing again: how many of them were asked for so far
@@ -327,12 +333,12 @@ def build(replicator, config, step_fn: Callable, element_spec, choose: Callable)
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
   data = frozenset(placeholder.name for placeholder in graph.inputs[:len(specs)])
-  auto = replicator._auto  # pylint: disable=protected-access
+  auto = layouts.auto
   if auto is not None and auto.result is None:  # layouts="auto": chosen now, from this step
     captured = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
                 if id(external) in trace.owners}
-    _auto_layouts.choose(replicator, graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes),
-                         captured)
+    _auto_layouts.choose(replicator, layouts, graph, mesh, given, handle_shapes, frozenset(summed), data,
+                         tuple(axes), captured)
     for name, variable in captured.items():  # laid out anew: new layouts, new components
       given[name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
       handles[name] = [c.handle for c in variable.components]
@@ -345,7 +351,7 @@ def build(replicator, config, step_fn: Callable, element_spec, choose: Callable)
   _check_fallbacks(graph, partition, config.strict)
   variables = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
                if id(external) in trace.owners}
-  ownership = _ownership(replicator, config, graph, partition, axes, variables, whole=bool(whole))
+  ownership = _ownership(replicator, config, owner_load, graph, partition, axes, variables, whole=bool(whole))
 
   # The expansion is one GraphDef (rewrite._partition.expand), with the step's inputs and the variables'
   # handles as placeholders of a plain graph: GlobalStep.concrete imports it once, into the step's function.
@@ -373,12 +379,12 @@ def build(replicator, config, step_fn: Callable, element_spec, choose: Callable)
         local[internal.name] = [feed(external, f"capture_{k}")] * n
     expansion = _partition.expand(graph, mesh, partition, local, graph.outputs, locate=_primitives.location_of,
                                   ownership=ownership)
-  plan = rewrite.plan(expansion.records, mesh, choose)
+  plan = rewrite.plan(expansion.records, mesh, config.lowering_for)
   rewritten = rewrite.apply(expansion.graph_def, plan, config.lowerings)
   # A captured value the expansion never reads has no node (a Feed is made where it is used): nothing to feed.
   present = {node.name for node in rewritten.graph_def.node}
   fed = [(name, value) for name, value in fed if name.split(":")[0] in present]
-  report = _report(graph, partition, plan, mesh, trace, element_spec, ownership)
+  report = _report(graph, partition, plan, mesh, trace, element_spec, layouts.auto, ownership)
   written_handles = [(f"handle_{k}_{r}:0", h) for k, (external, internal) in enumerate(graph.captures)
                      if internal.name in handles and internal.op.name in written
                      for r, h in enumerate(handles[internal.name])]
@@ -436,7 +442,7 @@ def sharded_update(config) -> bool:
   return config.update == "sharded"
 
 
-def _ownership(replicator, config, graph, partition, axes, variables,
+def _ownership(replicator, config, owner_load: dict, graph, partition, axes, variables,
                whole: bool = False) -> _partition_owners.Ownership:
   """The sharded update's owners (none if the update is replicated); marks the variables they own.
 
@@ -453,7 +459,7 @@ def _ownership(replicator, config, graph, partition, axes, variables,
       if variable.owner is not None and variable.owner[1] == axes:
         fixed[name] = variable.owner[0]
     handle_bytes = {name: v.shape.num_elements() * v.dtype.size for name, v in variables.items()}
-    load = replicator._global_owner_load.setdefault(axes, [0] * replicator.mesh.axis_size(axes) if axes else [])  # pylint: disable=protected-access
+    load = owner_load.setdefault(axes, [0] * replicator.mesh.axis_size(axes) if axes else [])
     ownership = _partition_owners.assign(graph, partition, replicator.mesh, axes, handle_bytes, fixed, load,
                                          may_own=set(fixed) if whole else None)
   for name, variable in variables.items():
@@ -481,7 +487,7 @@ def _check_fallbacks(graph, partition, strict: bool) -> None:
     raise _errors.UnsupportedError(STRICT_FALLBACK.format(count=len(rows), ops="\n".join(rows)))
 
 
-def _report(graph, partition, plan, mesh, trace, element_spec, ownership=None) -> rewrite.PartitionReport:
+def _report(graph, partition, plan, mesh, trace, element_spec, auto, ownership=None) -> rewrite.PartitionReport:
   """The partition's report, the step's inputs named by their place in the batch and variables by their names."""
   paths = [path for path, spec in tree.flatten_with_path(element_spec) if spec is not None]
   inputs = {t.name: "input" + "".join(f"[{p!r}]" for p in path)
@@ -491,12 +497,11 @@ def _report(graph, partition, plan, mesh, trace, element_spec, ownership=None) -
     variable = trace.owners.get(id(external))
     if variable is not None:
       variables[internal.name] = tf.TensorSpec(variable.shape, variable.dtype, name=variable.name.split(":")[0])
-      chosen_by[internal.name] = variable._chosen_by  # pylint: disable=protected-access
+      chosen_by[internal.name] = _variables.layout_chosen_by(variable)
   report = rewrite.PartitionReport.from_partition(graph, partition, plan, mesh.shape, inputs=inputs,
                                                   variables=variables, outputs=graph.outputs,
                                                   locate=_primitives.location_of, ownership=ownership,
                                                   chosen_by=chosen_by)
-  auto = trace.replicator._auto  # pylint: disable=protected-access
   report.layout_search = None if auto is None else auto.result
   return report
 

@@ -28,11 +28,8 @@ source, or ``steps=k``, loop in Python and are refused here.
 from __future__ import annotations
 
 import tensorflow as tf
-import tree
 
 from replicator import _errors
-from replicator import _global_run
-from replicator import _values
 
 INPUT_SOURCE = (
     "repl.run(step_fn, {what}) was called while a tf.function is being traced: inside a function the step takes "
@@ -59,33 +56,12 @@ NOT_STATIC = (
 )
 
 
-def run(replicator, config, step_fn, input_fn, inputs, steps, all_steps, view: str):
-  """One step of ``step_fn`` called from the function being traced; returns its outputs there."""
-  # pylint: disable=protected-access  (the Replicator's own state, run on its behalf)
+def check_call(input_fn, steps, all_steps) -> None:
+  """Refuses what a call from a function being traced cannot have: an input source, or a loop of steps."""
   if input_fn is not None:
     raise _errors.ArgumentError(INPUT_SOURCE.format(what=_describe(input_fn)))
   if steps != 1 or all_steps:
     raise _errors.ArgumentError(STEPS.format(steps=steps, all_steps=", all_steps=True" if all_steps else ""))
-  if view == "global":
-    return _run_global(replicator, config, step_fn, inputs)
-  step, source = replicator._compiled(step_fn, None, inputs)  # its own graph (tf.init_scope would stop tapes)
-  if step.accumulating:
-    raise _errors.UnsupportedError(ACCUMULATING)
-  replicator._check_replicas_agree()
-  return _values.combine(step.call_in_graph(source.call_args()))
-
-
-def _run_global(replicator, config, step_fn, inputs):
-  element = _global_run.global_batch(replicator, inputs)
-  flat = tree.flatten(element)
-  if not all(t.shape.is_fully_defined() for t in flat):
-    raise _errors.ArgumentError(NOT_STATIC.format(
-        spec=tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), element)))
-  step = _global_run.step_for(replicator, config, step_fn, element)
-  if step.accumulating:
-    raise _errors.UnsupportedError(ACCUMULATING)
-  replicator._check_replicas_agree()
-  return step(flat)
 
 
 def _describe(input_fn) -> str:

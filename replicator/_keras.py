@@ -109,13 +109,17 @@ def _extended_class():
   class Extended(base):  # pylint: disable=abstract-method
     """Cross-replica behaviour of :class:`KerasStrategy` (see the module docstring)."""
 
-    def __init__(self, container_strategy, replicator):
+    def __init__(self, container_strategy, config, creator, global_view):
       super().__init__(container_strategy)
-      self._replicator_ref = weakref.ref(replicator)
+      # Weak references: the Replicator owns them and keeps this strategy (no cycle through it).
+      self._creator_ref = weakref.ref(creator)
+      self._global_view_ref = weakref.ref(global_view)
+      self.replicator_config = config
 
     @property
-    def replicator(self):
-      return self._replicator_ref()
+    def global_view(self):
+      """The Replicator's ``_global_run.GlobalView``: Keras's steps run in the global view."""
+      return self._global_view_ref()
 
     def _scope(self, strategy):
       # A strategy's own scope (cross-replica mode, variables made by
@@ -125,7 +129,7 @@ def _extended_class():
     def _create_variable(self, next_creator, **kwargs):
       kwargs.pop("distribute_strategy", None)  # added by the strategy's scope (with use_resource)
       kwargs.pop("use_resource", None)
-      return self.replicator._creator(next_creator, **kwargs)  # pylint: disable=protected-access
+      return self._creator_ref()(next_creator, **kwargs)
 
     @property
     def _num_replicas_in_sync(self):
@@ -140,7 +144,7 @@ def _extended_class():
       # repl.run steps (outside this strategy's scope). The Replicator's variable creator places
       # every component on its own device, so no colocation is needed. In the global view the
       # optimizer is a plain one: its slots take their variable's layout here.
-      if self.replicator._config.view == "global":  # pylint: disable=protected-access
+      if self.replicator_config.view == "global":
         return _variables.reference_scope(colocate_with_variable)
       return contextlib.nullcontext()
 
@@ -181,14 +185,14 @@ _EXTENDED = None
 class KerasStrategy(tf.distribute.Strategy):
   """The ``tf.distribute.Strategy`` a Replicator presents to Keras's trainer (``repl.context()``)."""
 
-  def __init__(self, replicator):
+  def __init__(self, config, creator, global_view):
     global _EXTENDED
     if _EXTENDED is None:
       _EXTENDED = _extended_class()
-    super().__init__(_EXTENDED(self, replicator))
+    super().__init__(_EXTENDED(self, config, creator, global_view))
 
   def run(self, fn, args=(), kwargs=None, options=None):  # pylint: disable=unused-argument
-    replicator = self.extended.replicator
+    extended = self.extended
     if kwargs or len(args) != 1 or not _tf_distribute.called_by(KERAS_CALLERS):
       raise _errors.UnsupportedError(RUN_OUTSIDE_KERAS.format(name=getattr(fn, "__name__", "fn")))
     if tf.executing_eagerly():
@@ -206,14 +210,14 @@ class KerasStrategy(tf.distribute.Strategy):
       replicated = _variables.underlying(variable)
       if replicated is not None:
         _variables.single_stream(replicated)
-    _wrap_function(replicator, model, fn)
-    return run_global(replicator, fn, args[0])
+    _wrap_function(extended.global_view, extended.replicator_config.atomic, model, fn)
+    return run_global(extended.global_view, fn, args[0])
 
 
 _FUNCTIONS = {"train_step": "train_function", "test_step": "test_function"}  # predict writes no variable
 
 
-def _wrap_function(replicator, model, fn) -> None:
+def _wrap_function(global_view, atomic: bool, model, fn) -> None:
   """Wraps the Keras function that calls ``fn`` (``model.train_function``, ``test_function``), once.
 
   Keras calls its function through the model's attribute
@@ -236,7 +240,6 @@ def _wrap_function(replicator, model, fn) -> None:
   function = getattr(model, name, None) if name is not None else None
   if function is None or getattr(function, "_replicator_wraps", False):
     return
-  atomic = replicator._config.atomic  # pylint: disable=protected-access
 
   @functools.wraps(function)
   def wrapped(iterator, *args, **kwargs):
@@ -247,11 +250,7 @@ def _wrap_function(replicator, model, fn) -> None:
       return function(iterator, *args, **kwargs)
     except tf.errors.OpError as e:
       if atomic and not isinstance(e, tf.errors.OutOfRangeError):  # the end of the data: nothing ran
-        for step in replicator._global_steps.values():  # pylint: disable=protected-access
-          for variants in step.values():
-            for variant in variants.values():
-              if variant.snapshot is not None:
-                variant.snapshot.restore()
+        global_view.restore_failed()
       raise
 
   wrapped._replicator_wraps = True  # pylint: disable=protected-access
@@ -271,7 +270,7 @@ def _model_of(fn):
   return model
 
 
-def run_global(replicator, fn, data):
+def run_global(global_view, fn, data):
   """Keras's ``fn`` on one global batch in the global view: traced once at global shapes and partitioned.
 
   Its outputs are global values (metrics read in the step are combined
@@ -279,7 +278,7 @@ def run_global(replicator, fn, data):
   A batch dimension of unknown size is not split (``_global_view.build``).
   """
   leaves = tree.flatten(data)
-  step = replicator._global_step(fn, data)  # pylint: disable=protected-access
+  step = global_view.step_for(fn, data)
   if step.accumulating:
     raise _errors.UnsupportedError(ACCUMULATING)
   return step(leaves)

@@ -152,11 +152,19 @@ class MultiWorkerReplicator(Replicator):
     devices = [d for task_devices in per_task for d in task_devices[:devices_per_worker]]
     m = mesh_lib.Mesh({"worker": len(per_task), "device": devices_per_worker}, devices)
     kwargs.setdefault("batch_axes", ("worker", "device"))
-    super().__init__(mesh=m, **kwargs)
     self.collective_timeout = collective_timeout
-    self._config = dataclasses.replace(self._config, lowerings={  # theirs, with this Replicator's timeout
-        "collective_ops": rewrite.CollectiveOps(collective_timeout),
-        "hierarchical": rewrite.Hierarchical(collective_timeout)})
+    super().__init__(mesh=m, **kwargs)
+
+  def _configured(self, config):
+    """The base configuration with this Replicator's lowerings (their collective timeout) and input hosts."""
+    hosts = {}  # each input pipeline's dataset on the CPU of the worker of its first replica
+    if config.batch_axes is not None:
+      for replica in range(self.num_replicas):
+        pipeline = self.mesh.axis_index(replica, config.batch_axes) if config.batch_axes else 0
+        hosts.setdefault(pipeline, rewrite.task_of(self.devices[replica]) + "/device:CPU:0")
+    return dataclasses.replace(config, input_hosts=tuple(hosts[p] for p in range(len(hosts))), lowerings={
+        "collective_ops": rewrite.CollectiveOps(self.collective_timeout),
+        "hierarchical": rewrite.Hierarchical(self.collective_timeout)})
 
   @classmethod
   def from_tf_config(cls, tf_config: str | None = None, **kwargs) -> "MultiWorkerReplicator":
@@ -184,13 +192,6 @@ class MultiWorkerReplicator(Replicator):
   def num_workers(self) -> int:
     """Workers this replicator places replicas on."""
     return len(self._tasks)
-
-  def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
-    hosts = {}
-    for replica, pipeline in enumerate(pipelines):
-      if pipeline not in hosts:
-        hosts[pipeline] = rewrite.task_of(self.devices[replica]) + "/device:CPU:0"
-    return [hosts[p] for p in range(len(hosts))]
 
   def run(self, *args, **kwargs):
     """:meth:`Replicator.run`, reporting a lost worker as ``WorkerUnavailableError``."""

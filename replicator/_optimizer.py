@@ -279,7 +279,8 @@ class ReplicatedOptimizer(tf.Module):
       raise _errors.ArgumentError(f"reduce_gradients got {len(grads)} gradients for {len(variables)} variables.")
     # "sum": every device that differs only along non-batch axes computes the
     # same batch shard's loss; count it once.
-    batch_axes = repl._config.batch_axes if repl._config.batch_axes is not None else mesh.axis_names  # pylint: disable=protected-access
+    ctx = _context.current_context()  # (outside a step the reduction below refuses to run)
+    batch_axes = mesh.axis_names if ctx is None or ctx.batch_axes is None else ctx.batch_axes
     copies = mesh.axis_size(tuple(a for a in mesh.axis_names if a not in batch_axes))
     plans = []  # (replicated axes, divisor) per gradient
     for v in variables:

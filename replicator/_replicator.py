@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
-import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -17,10 +15,8 @@ import mesh as mesh_lib
 import rewrite
 from replicator import _auto_layouts
 from replicator import _calibration
-from replicator import _callables
 from replicator import _collective_methods
 from replicator import _config
-from replicator import _consistency
 from replicator import _context
 from replicator import _distributed_dataset
 from replicator import _errors
@@ -28,18 +24,15 @@ from replicator import _gc
 from replicator import _global_run
 from replicator import _global_view
 from replicator import _in_function
-from replicator import _inputs
-from replicator import _interrupt
 from replicator import _keras
 from replicator import _keras_distribution
-from replicator import _layout_check
+from replicator import _layout_state
+from replicator import _local_view
 from replicator import _optimizer
 from replicator import _primitives
 from replicator import _restore
-from replicator import _step
-from replicator import _values
+from replicator import _run_state
 from replicator import _variables
-from replicator import _weak
 from replicator._values import PerReplica
 
 NESTED_RUN = (
@@ -51,16 +44,6 @@ RUN_IN_FUNCTION = (
     "and returns what it found without running anything, from Python. Fix: call repl.{name}(...) outside the "
     "function (repl.run, not explain, may be called inside one)."
 )
-
-NEW_STEP_OBJECTS = (
-    "repl.run has built a step for {count} different objects of the same step function {name} "
-    "({where}): each new object (a lambda, a nested def or a functools.partial made anew for each call) "
-    "is a new step, traced on every replica, rewritten and compiled again, which costs far more than "
-    "running it. Fix: create the step function once, outside the loop, and pass the same object to "
-    "every repl.run call; pass values that change from call to call as inputs (input_fn, a dataset or "
-    "inputs=), not as closure variables."
-)
-NEW_STEP_WARNING_AFTER = 5  # new objects of one step function, as tf.function's retracing warning
 
 NO_BATCH_AXES = (
     "This Replicator's mesh {shape} has no 'batch' or 'replica' axis, so it cannot tell how "
@@ -199,40 +182,26 @@ class Replicator(_collective_methods.CollectiveMethods):
           f"Fix: atomic=True, or atomic=False.")
     if update not in _global_view.UPDATES:
       raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")
-    self._global_owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (global view)
-    self._global_steps = _weak.CallableMap()  # step_fn -> {element spec: {phases: _global_view.GlobalStep}}
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
-    self._auto = None  # layouts="auto": the search's state (_auto_layouts.Auto)
+    auto = None  # layouts="auto": the search's state (_auto_layouts.Auto)
     if isinstance(layouts, str) and layouts == "auto":
       if view != "global":
         raise _errors.ArgumentError(
             f"Replicator(layouts='auto', view={view!r}): automatic layouts are chosen by partitioning the "
             "single-device step, in the global view. Fix: pass view='global', or give the layouts (a "
             "mesh.LayoutMap).")
-      self._auto = _auto_layouts.Auto(memory_per_device, machine=_machine)
+      auto = _auto_layouts.Auto(memory_per_device, machine=_machine)
       layouts = None
     elif memory_per_device is not None:
       raise _errors.ArgumentError(
           f"Replicator(memory_per_device={memory_per_device!r}) bounds the layouts a search chooses, but layouts="
           f"{layouts!r} were given. Fix: pass layouts='auto', or leave memory_per_device out.")
-    self._layouts = _as_layout_map(layouts)
-    # Every variable path looked up in the layouts, in order (_layout_check) -> the key that matched it (None: none).
-    self._chosen_by: dict[str, str | None] = {}
-    self._reported_layout_keys: set = set()
-    self._layout_error: mesh_lib.LayoutError | None = None  # strict: a key that matches no variable
+    self._layouts = _layout_state.LayoutState(_as_layout_map(layouts), auto)
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
-    self._creator = _variables.make_creator(self)
-    # Built steps by step_fn, released when the caller drops the step_fn: {source key: {phases: step}}.
-    self._steps = _weak.CallableMap()
-    self._step_objects: dict[Any, int] = {}  # step function code -> objects built for it
-    self._warned_new_steps = False
     self._keras_strategy = None
-    # Input sources (their iterators) by input_fn, released when the caller drops the input_fn.
-    self._sources = _weak.CallableMap()
-    self._accumulating: "weakref.WeakSet[_optimizer.ReplicatedOptimizer]" = weakref.WeakSet()
     self._host = mesh_lib.canonical_name("CPU:0")
     if prefetch_to_device is not None and (not isinstance(prefetch_to_device, int)
                                            or isinstance(prefetch_to_device, bool) or prefetch_to_device < 0):
@@ -246,14 +215,29 @@ class Replicator(_collective_methods.CollectiveMethods):
     self._config = _config.Config(
         mesh=self._mesh, view=view, strict=bool(strict), atomic=atomic, update=update, batch_axes=batch_axes,
         autograph=autograph, implementation=implementation, prefetch_to_device=prefetch_to_device,
-        drop_remainder=bool(drop_remainder))
-    self.trace_count = 0
-    self.steps_run = 0
-    self._diverged = None  # (what a failed step wrote, its error) while the replicas' copies differ
-    self._last_distributed = None  # weakrefs to the last dataset run on and its DistributedDataset
+        drop_remainder=bool(drop_remainder), host=self._host)
+    self._config = self._configured(self._config)
+    # What the calls share (the state of runs), what makes variables, and the two views that build and run steps.
+    self._state = _run_state.RunState(self._layouts, self._config.strict)
+    self._creator = _variables.make_creator(self, self._config, self._layouts, self._state)
+    self._views = {"local": _local_view.LocalView(self, self._config, self._state, self._creator),
+                   "global": _global_run.GlobalView(self, self._config, self._state, self._layouts, self._creator)}
     # One call at a time: two calls of one step at once would pair their collectives across calls.
     self._running = threading.Lock()
-    self._stop_flag = None  # _interrupt.StopFlag, made by the first call of several steps
+
+  def _configured(self, config: _config.Config) -> _config.Config:
+    """The configuration this Replicator runs with: ``config``, as a subclass completes it (its lowerings)."""
+    return config
+
+  @property
+  def trace_count(self) -> int:
+    """How many steps this Replicator has built (traced, planned and rewritten) so far."""
+    return self._state.trace_count
+
+  @property
+  def steps_run(self) -> int:
+    """How many steps the last call of :meth:`run` ran (fewer than ``steps`` when the input ended)."""
+    return self._state.steps_run
 
   # -- placement ---------------------------------------------------------------
 
@@ -326,8 +310,7 @@ class Replicator(_collective_methods.CollectiveMethods):
         variable they belong to.
     """
     if layouts is not None:
-      self._layouts = _as_layout_map(layouts)
-      self._reported_layout_keys, self._layout_error = set(), None  # new keys: checked afresh
+      self._layouts.use(_as_layout_map(layouts))  # new keys: checked afresh
     # Keras models made here record the strategy, and their fit/evaluate/predict run on the replicas.
     with self.keras_strategy.scope(), tf.variable_creator_scope(self._creator):
       yield self
@@ -342,7 +325,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     only; custom loops call :meth:`run`.
     """
     if self._keras_strategy is None:
-      self._keras_strategy = _keras.KerasStrategy(self)
+      self._keras_strategy = _keras.KerasStrategy(self._config, self._creator, self._views["global"])
     return self._keras_strategy
 
   @property
@@ -352,26 +335,11 @@ class Replicator(_collective_methods.CollectiveMethods):
     A chosen map names each variable it splits by its exact path; print it,
     or pass it to another Replicator as a hand-written map.
     """
-    return self._layouts
+    return self._layouts.map
 
   def layout_spec(self, path: str):
     """The layout spec the LayoutMap gives the variable at ``path`` (None: replicated)."""
-    found = None if self._layouts is None else self._layouts.match(path)
-    self._chosen_by[path] = None if found is None else found[0]  # what explain says chose the layout
-    return None if found is None else found[1]
-
-  def _check_layouts(self) -> None:
-    """After a build: report the layouts' keys that match no variable made so far (``_layout_check``).
-
-    With ``strict=True`` the error is raised again by every later call, until the layouts change.
-    """
-    if self._layout_error is not None:
-      raise self._layout_error
-    try:
-      _layout_check.check(self._layouts, list(self._chosen_by), self._reported_layout_keys, self._config.strict)
-    except mesh_lib.LayoutError as e:
-      self._layout_error = e
-      raise
+    return self._layouts.spec(path)  # (remembers the key that matched, for explain)
 
   # -- running -------------------------------------------------------------------
 
@@ -418,89 +386,17 @@ class Replicator(_collective_methods.CollectiveMethods):
     """
     if not tf.executing_eagerly() and self._check_not_in_step("run"):  # in a tf.function being traced
       with self._running:
-        return _in_function.run(self, self._config, step_fn, input_fn, inputs, steps, all_steps,
-                                self._config.view if view is None else _check_view(view))
+        _in_function.check_call(input_fn, steps, all_steps)
+        return self._views[self._config.view if view is None else _check_view(view)].run_in_function(step_fn, inputs)
     with self._running, _gc.paused():  # a first call builds the step: collections would scan every object
-      return self._run(step_fn, input_fn, inputs, steps, all_steps, view)
-
-  def _run(self, step_fn, input_fn, inputs, steps, all_steps, view):
-    if self._layout_error is not None:
-      raise self._layout_error
-    _restore.release()  # a restore before this step is over: the values it kept to undo itself go
-    if not isinstance(all_steps, bool):
-      raise _errors.ArgumentTypeError(
-          f"repl.run(all_steps={all_steps!r}): expected True (every step's results, stacked) or False (the "
-          f"last step's), a bool. Fix: all_steps=True.")
-    if (self._config.view if view is None else _check_view(view)) == "global":
-      return _global_run.run(self, self._config, step_fn, input_fn, inputs, steps, all_steps)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-      raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
-    step, source = self._compiled(step_fn, input_fn, inputs)
-    if steps > 1 and step.accumulating:
-      raise _errors.ArgumentError(_errors.ACCUMULATING_STEPS.format(steps=steps))
-    self._check_replicas_agree()
-    try:
-      if steps == 1:
-        results, self.steps_run = step(source.call_args(), steps, all_steps)
-      else:  # interruptible between steps
-        results, self.steps_run = self._stop.run(lambda: step(source.call_args(), steps, all_steps, self._stop))
-    except _interrupt.Interrupted as e:  # Ctrl-C: the steps run so far are kept and counted
-      self.steps_run = e.result[1]
-      raise
-    except _errors.EndOfInput:
-      self._forget(source)  # the epoch is over: the next run starts a new one
-      raise
-    except _errors.ReplicasDivergedError as e:
-      self._diverged = (step.written, str(e.__cause__ and _errors.root_cause(e.__cause__.message)))
-      raise
-    for optimizer in step.accumulating:
-      optimizer.advance(self.steps_run)
-    return _values.combine(results)
-
-  @property
-  def _stop(self) -> _interrupt.StopFlag:
-    """What a loop of steps reads before each step: Ctrl-C stops it (``_interrupt``)."""
-    if self._stop_flag is None:
-      self._stop_flag = _interrupt.StopFlag()
-    return self._stop_flag
-
-  def _global_step(self, step_fn, element) -> _global_view.GlobalStep:
-    """The global-view step of ``step_fn`` for global batches shaped like ``element`` (``_global_run``)."""
-    return _global_run.step_for(self, self._config, step_fn, element)
-
-  def _variant(self, variants: dict, build: Callable):
-    """The step in ``variants`` (accumulation phases -> step) for the next phases, built by ``build()`` if new.
-
-    The phases are those of the wrapped optimizers with ``accumulation_steps``
-    that the step uses (before its first build: all of this Replicator's).
-    """
-    used = next(iter(variants.values())).accumulating if variants else tuple(self._accumulating)
-    for optimizer in used:
-      optimizer.prepare_trace()
-    step = variants.get(tuple(o.phase() for o in used)) if variants else None
-    if step is None:
-      step = build()
-      self.trace_count += 1
-      self._check_layouts()
-      variants[tuple(o.phase() for o in step.accumulating)] = step
-    return step
-
-  def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:
-    """This Replicator's distributed version of ``dataset``, made once and kept on the dataset itself.
-
-    Kept there (not in a map of this Replicator's) so that it goes with the
-    dataset: a map from the dataset to it would keep the dataset alive, since
-    the distributed dataset reads it.
-    """
-    last = self._last_distributed
-    if last is not None and last[0]() is dataset and last[1]() is not None:  # as the last call: no lookup
-      return last[1]()
-    per_replicator = _weak.attached(dataset, "_replicator_distributed")
-    distributed = per_replicator.get(self)
-    if distributed is None:
-      distributed = per_replicator[self] = self.distribute_dataset(dataset)
-    self._last_distributed = (weakref.ref(dataset), weakref.ref(distributed))
-    return distributed
+      self._layouts.raise_refused()
+      _restore.release()  # a restore before this step is over: the values it kept to undo itself go
+      if not isinstance(all_steps, bool):
+        raise _errors.ArgumentTypeError(
+            f"repl.run(all_steps={all_steps!r}): expected True (every step's results, stacked) or False (the "
+            f"last step's), a bool. Fix: all_steps=True.")
+      chosen = self._views[self._config.view if view is None else _check_view(view)]
+      return chosen.run(step_fn, input_fn, inputs, steps, all_steps)
 
   def _check_not_in_step(self, name: str) -> bool:
     """Refuses ``run``/``explain`` inside a step being built; whether a tf.function is being traced."""
@@ -516,17 +412,6 @@ class Replicator(_collective_methods.CollectiveMethods):
     if self._check_not_in_step(name):
       raise _errors.ReplicaContextError(RUN_IN_FUNCTION.format(
           name=name, graph=getattr(tf.compat.v1.get_default_graph(), "name", "?")))
-
-  def _check_replicas_agree(self) -> None:
-    """Refuses to run while a failed step has left the replicas' copies of some variable different."""
-    if self._diverged is None:
-      return
-    written, error = self._diverged
-    found = written.diverged()
-    if found:
-      raise _errors.ReplicasDivergedError(
-          _consistency.STILL_DIVERGED.format(error=error, **_consistency.describe(found)), found)
-    self._diverged = None  # restored: the copies agree again
 
   def distribute_dataset(self, dataset: tf.data.Dataset, prefetch: int = 2) -> _distributed_dataset.DistributedDataset:
     """Splits every global batch of ``dataset`` across the replicas.
@@ -561,77 +446,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     ``bytes_per_step`` and ``devices`` are the plan's (``.plan``).
     """
     self._check_called_from_python("explain")
-    if self._config.view == "global":
-      if not isinstance(input_fn, tf.data.Dataset):
-        raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=type(input_fn).__name__,
-                                                                    axes=self.batch_axes))
-      return self._global_step(step_fn, next(iter(input_fn))).report  # a fresh iterator: run's is untouched
-    return self._compiled(step_fn, input_fn, inputs)[0].plan  # the variant the next run uses
-
-  def _input_hosts(self, pipelines: Sequence[int]) -> list[str]:
-    """The device each input pipeline's dataset is built and iterated on."""
-    return [self._host] * (max(pipelines) + 1)
-
-  def _forget(self, source: _inputs.Source) -> None:
-    """Drops an exhausted input source (and its iterators)."""
-    self._sources.discard(source)
-    _weak.attached(source.distributed() if isinstance(source, _distributed_dataset.GlobalBatchInputs) else None,
-              "_replicator_sources").pop(self, None)
-
-  def _compiled(self, step_fn, input_fn, inputs):
-    if not callable(step_fn):
-      raise _errors.ArgumentTypeError(f"repl.run needs a callable step_fn, found {type(step_fn).__name__}.")
-    if input_fn is not None and inputs is not None:
-      raise _errors.ArgumentError("Pass either input_fn or inputs= to repl.run, not both.")
-    if isinstance(input_fn, tf.data.Dataset):  # global batches: split them across replicas
-      input_fn = self._distributed_for(input_fn)
-    if isinstance(input_fn, _distributed_dataset.DistributedDataset):
-      sources = _weak.attached(input_fn, "_replicator_sources")  # on the dataset: goes with it
-      source = sources.get(self)
-      if source is None:
-        source = sources[self] = _distributed_dataset.GlobalBatchInputs(input_fn)
-    elif input_fn is not None:
-      if not callable(input_fn):
-        raise _errors.ArgumentTypeError(f"input_fn must be callable (input_fn(ctx) -> tf.data.Dataset), found "
-                        f"{type(input_fn).__name__}. To pass per-replica values, use inputs=.")
-      source = self._sources.get(input_fn)
-      if source is None:
-        pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
-        source = _inputs.DatasetInputs(input_fn, self.devices, self._input_hosts(pipelines),
-                                       self._config.prefetch_to_device, pipelines, self._config.drop_remainder)
-        self._sources.set(input_fn, source)
-    elif inputs is not None:
-      source = _inputs.ExplicitInputs(inputs, self.num_replicas)
-    else:
-      source = _inputs.NoInputs()
-    # One traced variant per combination of accumulation phases of the
-    # optimizers the step uses (accumulate-only steps have no collectives).
-    by_source = self._steps.get(step_fn)
-    if by_source is None:
-      by_source = {}
-      self._steps.set(step_fn, by_source)
-      self._count_step_object(step_fn)
-    step = self._variant(by_source.setdefault(source.key, {}),
-                         lambda: _step.build(self, self._config, step_fn, source, self._choose))
-    step.use_source(source)  # a step built before may have run on another source (its last epoch's)
-    return step, source
-
-  def _count_step_object(self, step_fn: Callable) -> None:
-    """Warns (once) when many objects of one step function were built: a new lambda per call."""
-    code = _callables.code_of(step_fn)
-    if code is None:
-      return
-    count = self._step_objects[code] = self._step_objects.get(code, 0) + 1
-    if count >= NEW_STEP_WARNING_AFTER and not self._warned_new_steps:
-      self._warned_new_steps = True
-      warnings.warn(NEW_STEP_OBJECTS.format(count=count, name=code.co_name,
-                                            where=f"{code.co_filename}:{code.co_firstlineno}"),
-                    stacklevel=_primitives.user_stacklevel())
-
-  def _choose(self, collective: rewrite.Collective) -> str:
-    if self._config.implementation != "auto":
-      return self._config.implementation
-    return rewrite.auto_lowering(collective)
+    return self._views[self._config.view].explain(step_fn, input_fn, inputs)  # what the next run would call
 
   # -- optimizers ------------------------------------------------------------------
 
@@ -674,7 +489,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     wrapped = _optimizer.ReplicatedOptimizer(self, optimizer, reduction, accumulation_steps, bucket_bytes,
                                              update, densify_above)
     if accumulation_steps > 1:
-      self._accumulating.add(wrapped)
+      self._state.accumulating.add(wrapped)
     return wrapped
 
   # -- results (outside step_fn) --------------------------------------------------------

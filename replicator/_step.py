@@ -283,14 +283,14 @@ def _autograph(fn: Callable) -> Callable:
   return converted
 
 
-def build(replicator, config: _config.Config, step_fn: Callable, source: _inputs.Source, choose: Callable,
-          wrap: Callable[[Callable], Callable] | None = None) -> CompiledStep:
-  """Traces ``step_fn`` (converted, then ``wrap``-ped if given) on every replica, plans and rewrites it.
+def build(replicator, config: _config.Config, creator: Callable, step_fn: Callable,
+          source: _inputs.Source) -> CompiledStep:
+  """Traces ``step_fn`` (converted) on every replica, plans and rewrites it.
 
-  ``replicator``: the Replicator whose step it is (what the step's code calls: ``repl.all_reduce``, its variables).
+  ``replicator``: the Replicator whose step it is (what the step's code calls: ``repl.all_reduce``, its variables);
+  ``creator``: its variable creator.
   """
   devices = replicator.devices
-  creator = _variables.make_creator(replicator)
   placeholders = [[] for _ in devices]
   gradient_names = []
   accumulating = set()
@@ -298,8 +298,6 @@ def build(replicator, config: _config.Config, step_fn: Callable, source: _inputs
   lifted = set()
   outputs = [None] * len(devices)
   fn = convert(step_fn, config.autograph)
-  if wrap is not None:
-    fn = wrap(fn)
 
   retracing = []  # non-empty while tracing again after a trace that created variables
 
@@ -325,7 +323,7 @@ def build(replicator, config: _config.Config, step_fn: Callable, source: _inputs
         ctx = _context.ReplicaContext(replicator=replicator, replica_id=replica, device=device,
                                       graph=graph, placeholders=placeholders[replica],
                                       gradient_names=gradient_names, accumulating=accumulating, created=created,
-                                      lifted=lifted, analysis=analysis)
+                                      lifted=lifted, analysis=analysis, batch_axes=config.batch_axes)
         with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
               _tf_distribute.replica_context(ctx), _callables.inline_functions()):
           result = fn(*source.step_args(replica, flat_elements))
@@ -352,7 +350,7 @@ def build(replicator, config: _config.Config, step_fn: Callable, source: _inputs
     _gradient_registry.release(gradient_names)  # the backward functions ran during the trace
   written = _access.written_placeholders(scratch.graph)
   check_writes(scratch.graph, written)
-  plan = rewrite.plan(placeholders, replicator.mesh, choose)  # collective mismatches first:
+  plan = rewrite.plan(placeholders, replicator.mesh, config.lowering_for)  # collective mismatches first:
   _check_outputs(outputs)  # they are the usual cause of output mismatches
   written_state = _consistency.Written([external for external, internal in scratch.graph.captures
                                        if internal.op.name in written])

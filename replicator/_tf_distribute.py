@@ -92,10 +92,10 @@ def one_device_context():
     yield
 
 
-def batch_replicas(replicator) -> tuple[int, tuple[str, ...]]:
+def batch_replicas(mesh, batch_axes) -> tuple[int, tuple[str, ...]]:
   """``tf.distribute``'s replicas of a Replicator: how many, and the mesh axes (of size > 1) they lie along."""
-  axes = tuple(a for a in (replicator._config.batch_axes or ()) if replicator.mesh.shape[a] > 1)  # pylint: disable=protected-access
-  return (replicator.mesh.axis_size(axes) if axes else 1), axes
+  axes = tuple(a for a in (batch_axes or ()) if mesh.shape[a] > 1)
+  return (mesh.axis_size(axes) if axes else 1), axes
 
 
 def called_by(names: str | tuple[str, ...], depth: int = 4) -> bool:
@@ -132,7 +132,7 @@ class ReplicaContext(tf.distribute.ReplicaContext):
   def __init__(self, ctx: _context.ReplicaContext):
     replicator = ctx.replicator
     self._ctx = ctx
-    self._num, self._axes = batch_replicas(replicator)
+    self._num, self._axes = batch_replicas(replicator.mesh, ctx.batch_axes)
     self._id = replicator.mesh.axis_index(ctx.replica_id, self._axes) if self._axes else 0
     super().__init__(default_strategy(), replica_id_in_sync_group=self._id)
 

@@ -254,7 +254,8 @@ class ReplicatedVariable(tf.Variable):
     self._reference = None  # the variable it was made like (an optimizer's slot: its variable), if any
     # A never-assigned handle of the global shape, made by the first read inside a
     # function that combines components (see _export); None until then.
-    self._serving_handle = None
+    self._serving = _export.Serving()
+    self._run_state = None  # the Replicator's _run_state.RunState (set by its creator): saves check divergence
     for component in self._components:
       _OWNERS[id(component.handle)] = self
 
@@ -326,7 +327,7 @@ class ReplicatedVariable(tf.Variable):
         mesh_lib.global_shape(components[0].shape.as_list(), layout))
     self._home = tuple(range(len(components)))
     self._owner = None
-    self._serving_handle = None
+    self._serving = _export.Serving()
     if chosen_by:
       self._chosen_by = chosen_by
     for component in components:
@@ -339,6 +340,10 @@ class ReplicatedVariable(tf.Variable):
     ctx = _context.current_context()
     if ctx is not None and ctx.replicator is self._replicator:
       return self._components[ctx.replica_id]
+    return self._home_component()
+
+  def _home_component(self) -> tf.Variable:
+    """The component reads outside a step use, and exports copy: the first of the first owner's devices."""
     return self._components[self._home[0]]
 
   def _global_standin(self) -> tf.Variable | None:
@@ -453,7 +458,7 @@ class ReplicatedVariable(tf.Variable):
     variable instead (``_export.servable_read``).
     """
     if tf.inside_function() and _context.current_context() is None and _export.combines_components(self):
-      return _export.servable_read(self, self._combine_components)
+      return _export.servable_read(self, self._serving, self._home_component(), self._combine_components)
     return self._combine_components()
 
   def _combine_components(self, read=lambda component: component.read_value()) -> tf.Tensor:
@@ -746,10 +751,11 @@ class ReplicatedVariable(tf.Variable):
 
   def _export_to_saved_model_graph(self, object_map=None, tensor_map=None, options=None, **kwargs):
     del kwargs  # unused
-    return _export.export_to_graph(self, object_map, tensor_map, options)
+    return _export.export_to_graph(self, self._serving, self._home_component(), object_map, tensor_map, options)
 
   def _write_object_proto(self, proto, options):
-    _export.write_object_proto(self, proto, options)
+    self._home_component()._write_object_proto(proto, options)  # pylint: disable=protected-access  (Trackable's)
+    _export.global_object_proto(self, proto)  # a variable of the global shape
 
   def __repr__(self):
     value = ""
@@ -860,6 +866,26 @@ def single_stream(variable) -> None:
   variable._offsets = None  # pylint: disable=protected-access
 
 
+def slot_reference(variable):
+  """The variable ``variable`` was made like (an optimizer slot's variable), or None."""
+  return variable._reference  # pylint: disable=protected-access  (this module's class)
+
+
+def per_replica_by_design(variable) -> bool:
+  """Whether each replica's copy of ``variable`` is its own value by design: on-read, or seeded apart."""
+  return variable._on_read or variable._offsets is not None  # pylint: disable=protected-access
+
+
+def agreeing_groups(variable) -> list:
+  """The groups of replicas whose copies of ``variable`` must be equal (along its replicated axes)."""
+  return variable._replicator.mesh.groups(variable._replicated_axes())  # pylint: disable=protected-access
+
+
+def layout_chosen_by(variable) -> str:
+  """What chose ``variable``'s layout (a layouts key; its variable's, for a slot), as ``repl.explain`` says."""
+  return variable._chosen_by  # pylint: disable=protected-access
+
+
 def summed_on_read(variable) -> bool:
   """Whether ``variable``'s value is the sum of its components (on-read, ``SUM``): a metric's total or count."""
   return variable._on_read and variable.aggregation == tf.VariableAggregation.SUM  # pylint: disable=protected-access
@@ -954,34 +980,34 @@ def variable_path(name: str) -> str:
   return f"{scope}/{name}" if scope and not name.startswith(scope + "/") else name
 
 
-def _choose_layout(replicator, path: str, shape: tf.TensorShape, reference) -> mesh_lib.Layout | None:
+def _choose_layout(layouts, mesh, path: str, shape: tf.TensorShape, reference) -> mesh_lib.Layout | None:
   """The layout of a new variable: its reference's (optimizer slots), else the LayoutMap's."""
   reference = underlying(reference) if reference is not None else None
   if reference is not None:
     if reference.sharding is not None and shape == reference.shape:
       return reference.sharding
     return None
-  spec = replicator.layout_spec(path)
+  spec = layouts.spec(path)
   if spec is None:
     return None
-  spec = replicator._layouts.spec_for(tuple(spec), shape.rank)  # pylint: disable=protected-access  (pad=True maps)
+  spec = layouts.spec_for(tuple(spec), shape.rank)  # (pad=True maps)
   try:
-    layout = mesh_lib.Layout(spec, replicator.mesh)
+    layout = mesh_lib.Layout(spec, mesh)
   except mesh_lib.LayoutError as e:  # an unknown or repeated axis: say which variable's layout it is
     raise mesh_lib.LayoutError(f"The layout of variable {path!r} (shape {shape.as_list()}): {e}") from None
   layout.check(shape.as_list(), what=f"variable {path!r}")
   return None if layout.is_fully_replicated else layout
 
 
-def _chosen_by(replicator, path: str, reference) -> str:
+def _chosen_by(layouts, path: str, reference) -> str:
   """What chose a new variable's layout, as ``repl.explain`` shows it."""
   reference = underlying(reference) if reference is not None else None
   if reference is not None:
     return f"as {reference.name.split(':')[0]} (a slot)"
-  key = replicator._chosen_by.get(path)  # pylint: disable=protected-access
+  key = layouts.chosen_key(path)
   if key is not None:
     return f"key {key!r}"
-  return "no key matched" if replicator._layouts is not None else "no layouts"  # pylint: disable=protected-access
+  return "no key matched" if layouts.map is not None else "no layouts"
 
 
 def variables_of(replicator) -> list:
@@ -1039,7 +1065,8 @@ def _restoring() -> bool:
 
 def _refuse_diverged(variable) -> None:
   """Refuses to save ``variable`` while a failed step (``atomic=False``) has left its copies different."""
-  diverged = getattr(variable._replicator, "_diverged", None)  # pylint: disable=protected-access
+  state = variable._run_state  # pylint: disable=protected-access  (this module's class)
+  diverged = None if state is None else state.diverged
   if diverged is None or not tf.executing_eagerly() or _restoring():
     return
   written, error = diverged
@@ -1124,8 +1151,12 @@ def bytes_per_device(variables) -> dict[str, int]:
   return totals
 
 
-def make_creator(replicator):
-  """A ``tf.variable_creator_scope`` creator that replicates every new variable."""
+def make_creator(replicator, config, layouts, state=None):
+  """A ``tf.variable_creator_scope`` creator that replicates every new variable.
+
+  ``layouts`` (a ``_layout_state.LayoutState``) gives each new variable its layout; ``config`` its random streams;
+  ``state`` (the Replicator's ``_run_state.RunState``) says when a failed step left its copies different.
+  """
   _component_class()  # probe eagerly now, not later inside a trace
 
   def creator(next_creator, **kwargs):
@@ -1156,7 +1187,7 @@ def make_creator(replicator):
           value, _ = _initial_value(initial_value, kwargs.get("dtype"))
       kwargs["dtype"] = value.dtype
       on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
-      layout = _choose_layout(replicator, path, value.shape, reference)
+      layout = _choose_layout(layouts, replicator.mesh, path, value.shape, reference)
       if layout is not None and on_read:
         raise _errors.VariableCreationError(SHARDED_ON_READ.format(name=path, spec=layout.spec))
       if layout is not None and kwargs.get("shape") is not None and not tf.TensorShape(kwargs["shape"]).is_fully_defined():
@@ -1164,7 +1195,7 @@ def make_creator(replicator):
                                                                          shape=tf.TensorShape(kwargs["shape"])))
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
       # The global view runs one program: one random stream, drawn at global shapes and sliced.
-      offsets = None if replicator._config.view == "global" else seed_offsets(name, value, len(devices))  # pylint: disable=protected-access
+      offsets = None if config.view == "global" else seed_offsets(name, value, len(devices))
       if layout is not None:
         with tf.device(devices[0]):  # slice where the value is; copy only the pieces
           pieces = mesh_lib.split(value, layout)
@@ -1178,7 +1209,8 @@ def make_creator(replicator):
             initial = initial + offsets[i]
           components.append(new_component(initial_value=initial, **kwargs))
     variable = ReplicatedVariable(components, replicator, offsets, layout)
-    variable._chosen_by = _chosen_by(replicator, path, reference)  # pylint: disable=protected-access
+    variable._run_state = state  # pylint: disable=protected-access
+    variable._chosen_by = _chosen_by(layouts, path, reference)  # pylint: disable=protected-access
     variable._reference = None if reference is None else underlying(reference)  # pylint: disable=protected-access
     if deferred is not None:
       _initialize_in_graph(variable, deferred, sum_on_read)

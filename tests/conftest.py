@@ -131,7 +131,7 @@ def summary_events(logdir) -> list:
 
 def global_step_of(repl):
   """The one global-view step ``repl`` built (its partition, plan and graph)."""
-  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
+  (by_spec,) = repl._views["global"].steps.values()  # pylint: disable=protected-access
   (variants,) = by_spec.values()
   (step,) = variants.values()
   return step

@@ -74,7 +74,7 @@ def train_equivalence():
         break
     got = [v.numpy() for v in model.trainable_variables]
     plan = repl.explain(step, _input_fn)
-    hosts = [str(d) for d in repl._input_hosts([repl.input_pipeline(r) for r in range(4)])]  # pylint: disable=protected-access
+    hosts = [str(d) for d in repl._config.input_hosts]  # pylint: disable=protected-access
     return dict(max_abs_diff=max(float(np.abs(a - b).max()) for a, b in zip(got, expected)),
                 implementations=sorted({c.implementation for c in plan.collectives}),
                 devices=list(repl.devices), mesh=repl.mesh.shape, input_hosts=hosts,

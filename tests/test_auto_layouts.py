@@ -91,7 +91,7 @@ def test_automatic_layouts_split_the_hidden_layers_and_train_as_on_one_device():
     variable = _variables.underlying(slot)._reference  # pylint: disable=protected-access
     if variable is not None and variable.shape == slot.shape:
       assert _variables.underlying(slot).layout.spec == variable.layout.spec, slot.path
-  result = repl._auto.result  # pylint: disable=protected-access
+  result = repl._layouts.auto.result  # pylint: disable=protected-access
   assert result.tried[0].group == "start" and result.seconds < result.tried[0].seconds  # faster than replicated
   report = repl.explain(step, _data())
   assert report.layout_search is result and "Automatic layouts (" in str(report)
@@ -112,13 +112,13 @@ def test_a_memory_budget_below_replicated_variables_gets_layouts_that_fit_and_tr
   noise = _noise(one, one_opt)
   replicated = sum(v.numpy().nbytes for v in one.weights + one_opt.variables)
   unbounded, *_ = _auto()
-  start = unbounded._auto.result.tried[0]  # pylint: disable=protected-access  (every variable replicated)
+  start = unbounded._layouts.auto.result.tried[0]  # pylint: disable=protected-access  (every variable replicated)
   assert start.group == "start" and start.bytes_per_device > 1.5 * replicated  # its step's tensors too
   budget = replicated  # replicated variables fit, with the step's tensors they do not
   repl, model, optimizer, _, losses = _auto(memory_per_device=budget)
   held = replicator.bytes_per_device(model.weights + optimizer.variables)
   assert max(held.values()) < replicated // 2
-  result = repl._auto.result  # pylint: disable=protected-access
+  result = repl._layouts.auto.result  # pylint: disable=protected-access
   assert result.bytes_per_device - result.activation_bytes == max(held.values())
   assert 0 < result.activation_bytes and result.bytes_per_device <= budget  # the step's tensors counted too
   np.testing.assert_allclose(losses, expected, atol=10 * noise + 1e-7)

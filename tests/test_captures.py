@@ -84,7 +84,7 @@ def test_a_replicated_step_passes_one_handle_tensor_per_device():
 
   inputs = replicator.PerReplica([tf.constant(x[2 * r:2 * r + 2]) for r in range(4)])
   repl.run(step, inputs=inputs)
-  compiled, _ = repl._compiled(step, None, inputs)  # pylint: disable=protected-access
+  compiled, _ = repl._views["local"].step(step, None, inputs)  # pylint: disable=protected-access
   # 4 variables x 4 replicas (+ the optimizer's own state) captured, 4 passed.
   fed = compiled.captures
   assert len(fed.direct) + sum(len(names) for _, names, _ in fed.stacks) >= 16
@@ -118,7 +118,7 @@ def test_reads_of_stacked_handles_keep_their_variables_shapes_in_the_global_view
     return loss
 
   repl.run(step, tf.data.Dataset.from_tensors(tf.ones([4, 5])))
-  (built,) = [s for by_spec in repl._global_steps.values() for variants in by_spec.values()  # pylint: disable=protected-access
+  (built,) = [s for by_spec in repl._views["global"].steps.values() for variants in by_spec.values()  # pylint: disable=protected-access
               for s in variants.values()]
   assert built.captures.stacks
   (function,) = built.functions.values()

@@ -493,7 +493,7 @@ def test_keras_distribution_mesh_and_layout_map_carry_over():
   layout_map[r".*ff_in/kernel"] = (None, "model")  # matched as Keras matches: the whole path (re.fullmatch)
   layout_map[r".*ff_in/bias"] = keras.distribution.TensorLayout(("model",))
   layout_map[r".*ff_out/kernel"] = ("model",)  # shorter than the kernel's rank: padded with None, as Keras-JAX does
-  converted = replicator.Replicator(mesh=device_mesh, layouts=layout_map, view="global")._layouts
+  converted = replicator.Replicator(mesh=device_mesh, layouts=layout_map, view="global").layouts
   assert converted.lookup("sequential/ff_in/kernel") == (None, "model")
   assert converted.spec_for(converted.lookup("sequential/ff_out/kernel"), 2) == ("model", None)
   keras_style = keras.distribution.LayoutMap(device_mesh)

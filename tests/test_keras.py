@@ -357,7 +357,7 @@ def test_global_view_fit_of_batches_of_unknown_size_equals_one_device_dropout_in
     model = _compiled(_dropout)
   _check_history_equal(fit(model), ref_history)  # no warning either (warnings are errors)
   assert_every_copy(model.variables + model.optimizer.variables, ref.variables + ref.optimizer.variables, atol=1e-6)
-  (by_spec,) = repl._global_steps.values()  # pylint: disable=protected-access
+  (by_spec,) = repl._views["global"].steps.values()  # pylint: disable=protected-access
   assert sorted("shape=(None," in key for key in by_spec) == [False, True]  # the full batches' trace (16 rows), the last's
 
 

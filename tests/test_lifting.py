@@ -137,7 +137,7 @@ def test_a_random_initial_value_is_drawn_once_not_every_step():
 
   first = repl.run(step)
   np.testing.assert_array_equal(first[0], first[1])
-  (compiled,) = repl._steps.get(step)[("none",)].values()  # pylint: disable=protected-access
+  (compiled,) = repl._views["local"].steps.get(step)[("none",)].values()  # pylint: disable=protected-access
   assert "RandomStandardNormal" not in [n.op for n in compiled.graph_def.node]  # lifted out, not run every step
   np.testing.assert_array_equal(repl.run(step)[0], first[0])
 

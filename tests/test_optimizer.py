@@ -145,7 +145,7 @@ def test_an_owner_updates_the_weights_it_broadcasts_out_of_place():
   # copies the whole weight first (Embedding(50000, 128) + Adam: 1.14 of one device, 1.04 out of place).
   _, _, _, repl, wrapped, step = _adam_run("sharded", n=4, steps=1)
   inputs = replicator.PerReplica([np.zeros([2, 6], np.float32)] * 4)
-  compiled, _ = repl._compiled(step, None, inputs)  # pylint: disable=protected-access
+  compiled, _ = repl._views["local"].step(step, None, inputs)  # pylint: disable=protected-access
   weights = {id(c) for v in wrapped.optimizer._trainable_variables  # pylint: disable=protected-access
              for c in _variables.underlying(v).components}
   slots = {id(c) for v in wrapped.optimizer.variables[2:] for c in _variables.underlying(v).components}

@@ -39,7 +39,7 @@ def test_which_ops_can_fail(fn, specs, fails):
 
 
 def _kept(repl, step_fn, dataset):
-  compiled, _ = repl._compiled(step_fn, dataset, None)  # pylint: disable=protected-access
+  compiled, _ = repl._views["local"].step(step_fn, dataset, None)  # pylint: disable=protected-access
   return compiled.snapshot.kept
 
 
@@ -148,7 +148,7 @@ def test_a_write_that_needs_no_input_waits_for_the_input():
   spec = tf.TensorSpec([None], tf.float32)
   dataset = tf.data.Dataset.from_generator(rows, output_signature=(spec, spec))
   repl.run(step, dataset)
-  compiled, _ = repl._compiled(step, dataset, None)  # pylint: disable=protected-access
+  compiled, _ = repl._views["local"].step(step, dataset, None)  # pylint: disable=protected-access
   graph_def = compiled._build(1, False).graph.as_graph_def()  # pylint: disable=protected-access
   (body,) = [f for f in [graph_def.node] + [f.node_def for f in graph_def.library.function]
              if any(n.op == "AssignAddVariableOp" for n in f)]  # the function's, or a branch's if it has one

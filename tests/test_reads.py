@@ -121,7 +121,7 @@ def test_a_keras_adam_step_reads_its_counter_once_a_device_and_equals_one_device
   for got, want in zip(model.trainable_variables + base.variables,
                        model_1.trainable_variables + base_1.variables):
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-5, atol=2e-6)
-  compiled, _ = repl._compiled(step, None, replicator.PerReplica(np.split(x, n)))  # pylint: disable=protected-access
+  compiled, _ = repl._views["local"].step(step, None, replicator.PerReplica(np.split(x, n)))  # pylint: disable=protected-access
   alike = collections.Counter((tuple(n.input), n.device) for n in _reads(compiled.graph_def))
   for node in _reads(compiled.graph_def):
     if alike[(tuple(node.input), node.device)] > 1:  # left apart: a weight (see test_only_small_reads_merge)

@@ -281,11 +281,11 @@ def test_a_dropped_step_fn_frees_its_step():
   step = _counting_step(v, 1)
   repl.run(step)
   ref = weakref.ref(step)
-  assert len(repl._steps.values()) == 1  # pylint: disable=protected-access
+  assert len(repl._views["local"].steps.values()) == 1  # pylint: disable=protected-access
   del step
   gc.collect()
   assert ref() is None  # the Replicator does not keep the step function alive...
-  assert not repl._steps.values()  # ...nor its compiled step  # pylint: disable=protected-access
+  assert not repl._views["local"].steps.values()  # ...nor its compiled step  # pylint: disable=protected-access
 
 
 def test_a_dropped_step_fn_frees_its_global_view_step_and_its_kept_values():
@@ -295,14 +295,14 @@ def test_a_dropped_step_fn_frees_its_global_view_step_and_its_kept_values():
     v = tf.Variable(0.0)
   step = lambda x: v.assign_add(tf.reduce_sum(x))  # noqa: E731
   repl.run(step, tf.data.Dataset.from_tensors(tf.ones([4])))
-  (built,) = [s for by_spec in repl._global_steps.values() for variants in by_spec.values()  # pylint: disable=protected-access
+  (built,) = [s for by_spec in repl._views["global"].steps.values() for variants in by_spec.values()  # pylint: disable=protected-access
               for s in variants.values()]
   shadows = [weakref.ref(g.shadow) for g in built.snapshot.whole._groups]  # pylint: disable=protected-access
   assert shadows and float(v.numpy()) == 4.0
   ref = weakref.ref(step)
   del step, built
   gc.collect()
-  assert ref() is None and not repl._global_steps.values()  # pylint: disable=protected-access
+  assert ref() is None and not repl._views["global"].steps.values()  # pylint: disable=protected-access
   assert all(s() is None for s in shadows)  # the values a call keeps go with its step
 
 
