@@ -499,7 +499,7 @@ def test_keras_distribution_mesh_and_layout_map_carry_over():
   keras_style = keras.distribution.LayoutMap(device_mesh)
   keras_style["ff_in/kernel"] = (None, "model")  # Keras 3.15 does not match it to sequential/ff_in/kernel: nor do we
   assert keras_style["sequential/ff_in/kernel"] is None
-  assert replicator.Replicator(mesh=device_mesh, layouts=keras_style)._layouts.lookup("sequential/ff_in/kernel") is None
+  assert replicator.Replicator(mesh=device_mesh, layouts=keras_style).layouts.lookup("sequential/ff_in/kernel") is None
   repl = replicator.Replicator(mesh=device_mesh, layouts=layout_map, batch_axes=("batch",), view="global")
   assert repl.mesh.shape == {"batch": 2, "model": 2}
   assert list(repl.mesh.devices) == [f"/device:CPU:{i}" for i in range(4)]
