@@ -1,7 +1,7 @@
 """The cost of all-or-nothing steps: ``Replicator(atomic=True)`` (the default) against ``atomic=False``.
 
 A step that fails writes no variable because every variable it writes is kept
-at the start of each call (``replicator/_atomic.py``): one read per written
+at the start of each call (``replicator/guarantees/_atomic.py``): one read per written
 component, and a copy of its buffer at its first in-place update. This
 measures what that costs, in one process, the two configurations interleaved
 round by round (``_timing.interleaved``), for:

@@ -14,14 +14,14 @@ for timing only); the full step. The single device runs the same pieces.
 
 ``build`` splits the replicator's first call into trace (+ plan + rewrite),
 making the executable (importing the rewritten GraphDef into a
-``tf.function``) and the first run, by wrapping ``replicator._step``
+``tf.function``) and the first run, by wrapping ``replicator.views._local_step``
 internals with timers in this process only; and MirroredStrategy's into
 creating the distributed iterator, tracing, and the first run.
 
 ``call`` times the fixed cost of one call of a function spanning the devices
 (one small op per device) with N captured variable handles spread over the
 devices, passed one by one (what ``tf.function`` does) and stacked per device
-(``replicator._captures``, what the replicator's step does), interleaved.
+(``replicator.views._captures``, what the replicator's step does), interleaved.
 
 ``grad`` times the weight gradient of mlp_wide's first layer (``x^T dy``,
 256x4096): one matmul on the full batch of 512 on one device, against one
@@ -110,7 +110,7 @@ def build_phases(counts, all_devices) -> None:
   from benchmarks import build_cost
   from benchmarks import models
   from benchmarks import step_time
-  from replicator import _step  # internals, wrapped with timers below (this process only)
+  from replicator.views import _local_step  # internals, wrapped with timers below (this process only)
   spent = collections.defaultdict(float)
 
   def timer(owner, name, label):
@@ -126,9 +126,9 @@ def build_phases(counts, all_devices) -> None:
 
     setattr(owner, name, wrapped)
 
-  timer(_step, "build", "trace+plan+rewrite")
-  timer(_step.CompiledStep, "_build", "executable")
-  timer(_step.CompiledStep, "__call__", "executable+first run")
+  timer(_local_step, "build", "trace+plan+rewrite")
+  timer(_local_step.CompiledStep, "_build", "executable")
+  timer(_local_step.CompiledStep, "__call__", "executable+first run")
   spec = models.by_name("mlp_deep")
   rows = []
   for n in counts:
@@ -167,7 +167,7 @@ def call_cost(devices, rounds: int, counts=(0, 50, 200, 400)) -> None:
   import tensorflow as tf
 
   from benchmarks import _timing
-  from replicator import _captures
+  from replicator.views import _captures
 
   variables = []
   for i in range(max(counts)):

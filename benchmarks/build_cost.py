@@ -9,7 +9,7 @@ MirroredStrategy ``iter(experimental_distribute_dataset(dataset))`` plus the
 first call of the ``tf.function`` step (trace, run).
 
 Graph size: there is no public accessor for the rewritten graph, so it is read
-from ``repl._views["local"].steps`` (the cached :class:`replicator._step.CompiledStep`): its
+from ``repl._views["local"].steps`` (the cached :class:`replicator.views._local_step.CompiledStep`): its
 ``graph_def`` (the rewritten step) and the concrete function that runs it.
 Nodes count those of the graph plus those of its function library.
 """

@@ -652,8 +652,8 @@ def child_build(config: str) -> dict:
 
   import mesh
   import rewrite
-  from replicator import _global_view
-  from replicator import _step
+  from replicator.views import _global_step
+  from replicator.views import _local_step
   from rewrite import _partition
   view = config.split(",")[0]
   if GRAPPLER_OFF in config:
@@ -665,11 +665,11 @@ def child_build(config: str) -> dict:
   timeline.wrap(rewrite, "apply", "apply")
   timeline.wrap(_partition, "propagate", "propagate")
   timeline.wrap(_partition, "expand", "expand")
-  timeline.wrap(_global_view, "build", "build")
-  timeline.wrap(_global_view, "_report", "report")
-  timeline.wrap(_global_view.GlobalStep, "__call__", "call")
-  timeline.wrap(_step, "build", "build")
-  timeline.wrap(_step.CompiledStep, "__call__", "call")
+  timeline.wrap(_global_step, "build", "build")
+  timeline.wrap(_global_step, "_report", "report")
+  timeline.wrap(_global_step.GlobalStep, "__call__", "call")
+  timeline.wrap(_local_step, "build", "build")
+  timeline.wrap(_local_step.CompiledStep, "__call__", "call")
 
   rng = np.random.default_rng(0)
   x = rng.uniform(size=(NET_BATCH, IMAGE, IMAGE, 3)).astype("float32")

@@ -22,7 +22,7 @@ and to the library's defaults. Variants (``wrap_optimizer`` arguments):
   communication with the backward pass);
 * ``handles one by one``: the defaults, but the step's function takes every
   captured variable handle as its own input (before they were stacked per
-  device: see ``replicator/_captures.py``);
+  device: see ``replicator/views/_captures.py``);
 * ``defaults, steps=10``: ten steps per call.
 """
 
@@ -51,7 +51,7 @@ VARIANTS = {
 @contextlib.contextmanager
 def _handles_one_by_one():
   """Steps built inside take every captured handle as its own input (the library before stacking)."""
-  from replicator import _captures
+  from replicator.views import _captures
   stackable = _captures._stackable  # pylint: disable=protected-access
   _captures._stackable = lambda value: False  # pylint: disable=protected-access
   try:

@@ -54,7 +54,7 @@ def _optimizer(name: str):
 @contextlib.contextmanager
 def _rows_everywhere(choice: bool | None):
   """Steps traced inside make this sharded-update choice for sparse updates (None: the library's)."""
-  from replicator import _optimizer as optimizer_module
+  from replicator.state import _optimizer as optimizer_module
   saved = optimizer_module.rows_everywhere
   if choice is not None:
     optimizer_module.rows_everywhere = lambda *args: choice

@@ -9,7 +9,6 @@ Examples:
 
 from mesh import virtual_cpus
 from replicator import testing
-from replicator._batch_norm import CrossReplicaBatchNorm
 from replicator._context import current
 from replicator._errors import ArgumentError
 from replicator._errors import ArgumentTypeError
@@ -29,17 +28,18 @@ from replicator._errors import UnreplicatedStateError
 from replicator._errors import UnsupportedError
 from replicator._errors import VariableCreationError
 from replicator._errors import WorkerUnavailableError
-from replicator._inputs import InputContext
-from replicator._keras_hooks import distribution_replicator
-from replicator._keras_hooks import enable_keras_distribution
 from replicator._machine import calibrate
-from replicator._multiworker import MultiWorkerReplicator
-from replicator._optimizer import ReplicatedOptimizer
 from replicator._replicator import Replicator
 from replicator._values import PerReplica
-from replicator._variables import ReplicatedVariable
-from replicator._variables import bytes_per_device
 from replicator._version import __version__ as __version__  # re-exported
+from replicator.input._inputs import InputContext
+from replicator.integrations._batch_norm import CrossReplicaBatchNorm
+from replicator.integrations._keras_hooks import distribution_replicator
+from replicator.integrations._keras_hooks import enable_keras_distribution
+from replicator.integrations._multiworker import MultiWorkerReplicator
+from replicator.state._optimizer import ReplicatedOptimizer
+from replicator.state._variables import ReplicatedVariable
+from replicator.state._variables import bytes_per_device
 
 # Errors print as replicator.VariableCreationError, not replicator._errors.VariableCreationError.
 for _error in (ArgumentError, ArgumentTypeError, ClusterConfigError, CollectiveInControlFlowError, EndOfInput,

@@ -6,8 +6,8 @@ binds the two: the measuring is ``_calibration``'s, which takes the class.
 
 from __future__ import annotations
 
-from replicator import _calibration
 from replicator import _replicator
+from replicator.views import _calibration
 from rewrite import _cost
 
 

@@ -13,27 +13,27 @@ import tree
 
 import mesh as mesh_lib
 import rewrite
-from replicator import _auto_layouts
-from replicator import _calibration
 from replicator import _collective_methods
 from replicator import _config
 from replicator import _context
-from replicator import _distributed_dataset
 from replicator import _errors
 from replicator import _gc
-from replicator import _global_run
-from replicator import _global_view
-from replicator import _in_function
-from replicator import _keras
-from replicator import _keras_distribution
-from replicator import _layout_state
-from replicator import _local_view
-from replicator import _optimizer
 from replicator import _primitives
-from replicator import _restore
 from replicator import _run_state
-from replicator import _variables
 from replicator._values import PerReplica
+from replicator.guarantees import _restore
+from replicator.input import _distributed_dataset
+from replicator.integrations import _keras
+from replicator.integrations import _keras_distribution
+from replicator.state import _layout_state
+from replicator.state import _optimizer
+from replicator.state import _variables
+from replicator.views import _auto_layouts
+from replicator.views import _calibration
+from replicator.views import _global
+from replicator.views import _global_step
+from replicator.views import _in_function
+from replicator.views import _local
 
 NESTED_RUN = (
     "repl.{name}() was called inside a step being built (replica {replica} of a Replicator's "
@@ -180,8 +180,8 @@ class Replicator(_collective_methods.CollectiveMethods):
           f"Replicator(atomic={atomic!r}): expected True (a step that fails writes no variable; the default) or "
           f"False (no copy kept; a failed step may leave some devices' variables written), a bool. "
           f"Fix: atomic=True, or atomic=False.")
-    if update not in _global_view.UPDATES:
-      raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_view.UPDATES}.")
+    if update not in _global_step.UPDATES:
+      raise _errors.ArgumentError(f"Replicator(update={update!r}): update must be one of {_global_step.UPDATES}.")
     if batch_axes is None:
       batch_axes = next(((a,) for a in ("batch", "replica") if a in self._mesh.shape), None)
     batch_axes = None if batch_axes is None else self._mesh.normalize_axes(batch_axes)
@@ -220,8 +220,8 @@ class Replicator(_collective_methods.CollectiveMethods):
     # What the calls share (the state of runs), what makes variables, and the two views that build and run steps.
     self._state = _run_state.RunState(self._layouts, self._config.strict)
     self._creator = _variables.make_creator(self, self._config, self._layouts, self._state)
-    self._views = {"local": _local_view.LocalView(self, self._config, self._state, self._creator),
-                   "global": _global_run.GlobalView(self, self._config, self._state, self._layouts, self._creator)}
+    self._views = {"local": _local.LocalView(self, self._config, self._state, self._creator),
+                   "global": _global.GlobalView(self, self._config, self._state, self._layouts, self._creator)}
     # One call at a time: two calls of one step at once would pair their collectives across calls.
     self._running = threading.Lock()
 

@@ -1,6 +1,6 @@
 """What a Replicator's calls of ``run`` share, in either view: one object, owned by the Replicator.
 
-The views (``_local_view``, ``_global_run``) build steps and call them
+The views (``_local``, ``_global``) build steps and call them
 through it:
 
 * ``variant`` finds the built step for the next accumulation phases of the
@@ -18,9 +18,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from replicator import _consistency
 from replicator import _errors
-from replicator import _interrupt
+from replicator.guarantees import _interrupt
+from replicator.state import _consistency
 
 
 class RunState:

@@ -18,8 +18,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from replicator import _cluster
 from replicator import _errors
+from replicator.integrations import _cluster
 
 
 def free_ports(n: int) -> list[int]:

@@ -56,7 +56,7 @@ def could_not_start(address: str, task: int, error: Exception) -> str:
   """Why the server of ``task`` did not start: a taken port named as such, else TensorFlow's error."""
   import socket
 
-  from replicator import _cluster
+  from replicator.integrations import _cluster
   _, port = _cluster.host_and_port(address)
   # The server listens on every interface (see the module's docstring), dual-stack where IPv6 exists: so
   # does this probe.
@@ -79,7 +79,7 @@ def serve(cluster, task: int, devices: int = 1):
   import tensorflow as tf
 
   from mesh import _devices
-  from replicator import _cluster
+  from replicator.integrations import _cluster
   cluster = _cluster.parse(cluster)
   cluster.check_task(task)
   # As replicator.virtual_cpus: a worker's logical CPUs run at once, a kernel gets cores // devices threads.
@@ -97,8 +97,8 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-  from replicator import _cluster
   from replicator import _errors
+  from replicator.integrations import _cluster
   try:
     if args.cluster is not None:
       cluster, task = _cluster.parse(args.cluster), args.task

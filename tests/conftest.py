@@ -24,7 +24,7 @@ def cpus(n):
 
 def replica_values(variable):
   """Every replica's current value of ``variable`` (numpy); a sharded update's slot: its owner's."""
-  from replicator import _variables  # pylint: disable=import-outside-toplevel
+  from replicator.state import _variables  # pylint: disable=import-outside-toplevel
   replicated = _variables.underlying(variable)
   if replicated is None:
     return [variable.numpy()]
@@ -34,7 +34,7 @@ def replica_values(variable):
 def _copies(variable, expected):
   """(device's value, the part of ``expected`` it must hold) for every copy of ``variable`` (see assert_every_copy)."""
   import mesh  # pylint: disable=import-outside-toplevel
-  from replicator import _variables  # pylint: disable=import-outside-toplevel
+  from replicator.state import _variables  # pylint: disable=import-outside-toplevel
   replicated = _variables.underlying(variable)
   if replicated is None:
     return [(np.asarray(variable), expected)]

@@ -1,4 +1,4 @@
-"""All-or-nothing steps (``replicator/_atomic.py``): a call that fails writes no variable on any device.
+"""All-or-nothing steps (``replicator/guarantees/_atomic.py``): a call that fails writes no variable on any device.
 
 The reference is the state before the failed call: every component of every
 variable (weights, sharded pieces, Adam's slots, the iteration counter, a
@@ -22,7 +22,7 @@ from conftest import cpus
 
 import mesh
 import replicator
-from replicator import _variables
+from replicator.state import _variables
 
 X = np.random.RandomState(0).rand(64, 8).astype(np.float32)
 Y = np.random.RandomState(1).rand(64, 1).astype(np.float32)

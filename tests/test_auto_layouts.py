@@ -16,9 +16,9 @@ from conftest import keras_step
 
 import mesh
 import replicator
-from replicator import _auto_layouts
-from replicator import _calibration
-from replicator import _variables
+from replicator.state import _variables
+from replicator.views import _auto_layouts
+from replicator.views import _calibration
 from rewrite import _cost
 
 MESH = {"batch": 2, "model": 2}

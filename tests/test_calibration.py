@@ -7,7 +7,7 @@ import pytest
 from conftest import cpus
 
 import replicator
-from replicator import _calibration
+from replicator.views import _calibration
 
 
 def test_calibration_measures_rates_and_reads_them_back_from_its_cache(tmp_path, monkeypatch):

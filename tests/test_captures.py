@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import mesh
 import replicator
-from replicator import _captures
+from replicator.views import _captures
 from tests.conftest import cpus
 
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 from conftest import cpus
 
 import replicator
-from replicator import _variables
+from replicator.state import _variables
 
 POINTS = ("before_gradients", "before_update", "after_update")
 X = np.random.RandomState(0).randn(8, 3).astype(np.float32)

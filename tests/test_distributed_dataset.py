@@ -8,7 +8,7 @@ import tree
 from conftest import cpus
 
 import replicator
-from replicator import _distributed_dataset
+from replicator.input import _distributed_dataset
 
 GLOBAL_BATCH = 8
 ROWS = 4 * GLOBAL_BATCH + 3  # 4 full global batches and a partial one of 3 rows

@@ -10,7 +10,7 @@ import replicator
 
 MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator._collective_methods",
            "replicator._values",
-           "replicator._inputs", "replicator._context", "replicator._errors"]
+           "replicator.input._inputs", "replicator._context", "replicator._errors"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -16,7 +16,7 @@ from conftest import summary_events
 
 import mesh
 import replicator
-from replicator import _variables
+from replicator.state import _variables
 
 HIDDEN = {r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",), r"ff_out/kernel$": ("model", None)}
 LAYOUTS = {"hidden": HIDDEN, "batch": None}

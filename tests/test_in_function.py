@@ -1,4 +1,4 @@
-"""``repl.run`` inside a ``tf.function`` (``replicator/_in_function.py``), as tf.distribute code calls ``strategy.run``.
+"""``repl.run`` inside a ``tf.function`` (``replicator/views/_in_function.py``), as tf.distribute code calls ``strategy.run``.
 
 The idioms are those of TensorFlow's own custom-training-loop tests and
 tutorial, written for this library: a Python loop over a distributed dataset

@@ -13,8 +13,8 @@ from conftest import cpus
 
 import mesh
 import replicator
-from replicator import _invariance
-from replicator import _variables
+from replicator.state import _invariance
+from replicator.state import _variables
 
 X = (np.arange(48, dtype=np.float32).reshape(16, 3) / 10) ** 1.5
 

@@ -14,7 +14,7 @@ from conftest import replica_values
 
 import mesh
 import replicator
-from replicator import _variables
+from replicator.state import _variables
 
 X = np.random.RandomState(0).randn(96, 6).astype(np.float32)
 Y = (np.random.RandomState(1).rand(96) * 3).astype(np.int64)

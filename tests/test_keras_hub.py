@@ -119,7 +119,7 @@ def test_a_keras_hub_backbone_trains_in_the_global_view_as_on_one_device(name):
 def test_a_keras_hub_model_with_automatic_layouts_trains_as_on_one_device(monkeypatch):
   # GPT-2 (no shipped map; biases) on 2x2: the search's choice, on a fixed machine where splitting pays (the test's
   # choice must not follow this run's timings), equals one device, every copy of every weight and Adam slot.
-  from replicator import _calibration  # pylint: disable=import-outside-toplevel
+  from replicator.views import _calibration  # pylint: disable=import-outside-toplevel
   from rewrite import _cost  # pylint: disable=import-outside-toplevel
   machine = _cost.Machine(flops_per_second=2e9, bytes_per_second=2e10, op_seconds=2e-6, parallel_devices=2,
                           collective_seconds=2e-5, collective_bytes_per_second=5e9, devices=4)

@@ -10,7 +10,7 @@ from conftest import float16_noise
 from conftest import replica_values
 
 import replicator
-from replicator import _variables
+from replicator.state import _variables
 
 
 def _train(bucket_bytes, n=4):
@@ -198,7 +198,7 @@ def test_auto_update_choice():
   one = replicator.Replicator(cpus(1))
   with one.context():
     assert one.wrap_optimizer(keras.optimizers.Adam()).update == "replicated"
-  from replicator import _optimizer  # pylint: disable=import-outside-toplevel
+  from replicator.state import _optimizer  # pylint: disable=import-outside-toplevel
   assert _optimizer.one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:1"])
   assert not _optimizer.one_cpu_process(["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"])
   assert not _optimizer.one_cpu_process(["/device:GPU:0", "/device:GPU:1"])

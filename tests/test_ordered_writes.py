@@ -1,4 +1,4 @@
-"""All-or-nothing by order (``replicator/_ordered_writes.py``): writes wait for the ops that can fail.
+"""All-or-nothing by order (``replicator/guarantees/_ordered_writes.py``): writes wait for the ops that can fail.
 
 The reference is the state before a failed call, every component of every
 variable; and, where nothing needs keeping, the step's own kept list: a step
@@ -12,8 +12,8 @@ import tensorflow as tf
 from conftest import cpus
 
 import replicator
-from replicator import _ordered_writes
-from replicator import _variables
+from replicator.guarantees import _ordered_writes
+from replicator.state import _variables
 
 
 def _op(fn, *specs):

@@ -9,7 +9,7 @@ from conftest import cpus
 
 import replicator
 import rewrite
-from replicator import _variables
+from replicator.state import _variables
 
 
 def _reads(graph_def):

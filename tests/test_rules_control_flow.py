@@ -60,7 +60,7 @@ def test_keras_gradient_accumulation_equals_one_device(layout, update):
   assert int(opt.iterations.numpy()) == STEPS // 2 == int(one_opt.iterations.numpy())
   if layout == "hidden":  # the accumulator follows its variable: half of it per device
     (acc,) = [v for v in opt.variables if v.path.endswith("ff_in_kernel_gradient_accumulator")]
-    assert [c.shape.as_list() for c in replicator._variables.underlying(acc).components] == [[8, 8]] * 4
+    assert [c.shape.as_list() for c in replicator.state._variables.underlying(acc).components] == [[8, 8]] * 4
 
 
 def test_a_branch_that_communicates_falls_back_and_is_right():

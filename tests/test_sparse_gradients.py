@@ -17,7 +17,7 @@ from conftest import replica_values
 
 import mesh
 import replicator
-from replicator import _variables
+from replicator.state import _variables
 
 STEPS = 3
 GLOBAL_BATCH = 16

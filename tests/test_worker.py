@@ -203,7 +203,7 @@ def test_a_malformed_cluster_flag_is_blamed_on_the_flag_not_tf_config():
     ("[fd00::2]:65535", ("fd00::2", 65535)), ("::1:2222", None), ("localhost", None), ("host:0", None),
     ("host:65536", None), (":2222", None), ("[]:2222", None), (2222, None)])
 def test_addresses_ipv6_in_brackets(address, expected):
-  from replicator import _cluster
+  from replicator.integrations import _cluster
   assert _cluster.host_and_port(address) == expected
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from replicator import _variables
+from replicator.state import _variables
 
 
 def _empty_list(dtype: tf.DType) -> tf.Tensor:

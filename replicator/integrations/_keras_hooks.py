@@ -44,7 +44,7 @@ import weakref
 import tensorflow as tf
 
 from replicator import _errors
-from replicator import _keras_distribution
+from replicator.integrations import _keras_distribution
 
 UNSUPPORTED_DISTRIBUTION = (
     "keras.distribution.set_distribution({found}): replicator distributes keras.distribution.DataParallel and "

@@ -51,11 +51,11 @@ import tree
 
 from replicator import _context
 from replicator import _errors
-from replicator import _keras_batches
 from replicator import _primitives
-from replicator import _restore
-from replicator import _tf_distribute
-from replicator import _variables
+from replicator.guarantees import _restore
+from replicator.integrations import _keras_batches
+from replicator.integrations import _tf_distribute
+from replicator.state import _variables
 
 RUN_OUTSIDE_KERAS = (
     "The tf.distribute.Strategy that repl.context() presents is there for Keras's trainer "
@@ -118,7 +118,7 @@ def _extended_class():
 
     @property
     def global_view(self):
-      """The Replicator's ``_global_run.GlobalView``: Keras's steps run in the global view."""
+      """The Replicator's ``_global.GlobalView``: Keras's steps run in the global view."""
       return self._global_view_ref()
 
     def _scope(self, strategy):
@@ -275,7 +275,7 @@ def run_global(global_view, fn, data):
 
   Its outputs are global values (metrics read in the step are combined
   there; predictions are whole), as Keras expects of one device's step.
-  A batch dimension of unknown size is not split (``_global_view.build``).
+  A batch dimension of unknown size is not split (``_global_step.build``).
   """
   leaves = tree.flatten(data)
   step = global_view.step_for(fn, data)

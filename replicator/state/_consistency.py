@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from replicator import _variables
+from replicator.state import _variables
 
 DIVERGED = (
     "The step failed at run time ({error}) after some replicas had already updated their state: "

@@ -19,9 +19,9 @@ from typing import Callable
 
 import tensorflow as tf
 
-from replicator import _consistency
 from replicator import _errors
 from replicator import _primitives
+from replicator.state import _consistency
 
 NOTHING_WRITTEN = "No variable was written: every device's copy is as it was before this call"
 NOTHING_WRITTEN_INPUT = " (the input it read is consumed)"

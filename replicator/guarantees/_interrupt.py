@@ -21,7 +21,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from replicator import _variables
+from replicator.state import _variables
 
 
 class Interrupted(KeyboardInterrupt):

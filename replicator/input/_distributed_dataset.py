@@ -9,9 +9,9 @@ import tensorflow as tf
 import tree
 
 from replicator import _errors
-from replicator import _inputs
 from replicator import _tf_types
 from replicator._values import PerReplica
+from replicator.input import _inputs
 
 NO_BATCH_DIMENSION = (
     "distribute_dataset needs every element leaf to have a batch dimension (rank >= 1) to split "

@@ -25,22 +25,22 @@ import tensorflow as tf
 import tree
 
 import rewrite
-from replicator import _access
-from replicator import _atomic
-from replicator import _auto_layouts
 from replicator import _callables
-from replicator import _captures
-from replicator import _consistency
 from replicator import _context
 from replicator import _errors
-from replicator import _failures
-from replicator import _lifting
-from replicator import _optimizer
-from replicator import _ordered_writes
 from replicator import _primitives
-from replicator import _step
-from replicator import _tf_distribute
-from replicator import _variables
+from replicator.guarantees import _atomic
+from replicator.guarantees import _failures
+from replicator.guarantees import _ordered_writes
+from replicator.integrations import _tf_distribute
+from replicator.state import _access
+from replicator.state import _consistency
+from replicator.state import _optimizer
+from replicator.state import _variables
+from replicator.views import _auto_layouts
+from replicator.views import _captures
+from replicator.views import _lifting
+from replicator.views import _local_step
 from rewrite import _partition
 from rewrite import _partition_owners
 from rewrite import _partition_report
@@ -290,13 +290,13 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
       created.append((kwargs.get("name"), variable))
     return variable
 
-  fn = _step.convert(step_fn, config.autograph)  # AutoGraph, as tf.function on one device
+  fn = _local_step.convert(step_fn, config.autograph)  # AutoGraph, as tf.function on one device
 
   def traced(*flat):
     given = iter(flat)
     with _tf_distribute.one_device_context():  # as on one device, also inside a strategy's scope
       result = fn(tree.unflatten_as(element_spec, [None if spec is None else next(given) for spec in leaves]))
-    result = _step.step_outputs(result)
+    result = _local_step.step_outputs(result)
     structure["value"] = result
     return tree.flatten(result)
 
@@ -319,7 +319,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
   graph = concrete.graph
   # A variable made outside the Replicator is one resource: every device's copy of a write would write it.
   written = _access.written_placeholders(graph)
-  _step.check_writes(graph, written, replicated=lambda h: id(h) in trace.owners)
+  _local_step.check_writes(graph, written, replicated=lambda h: id(h) in trace.owners)
   given = {}
   for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
     given[placeholder.name] = _batch_layout(spec, () if i in whole else axes)

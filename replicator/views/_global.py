@@ -3,10 +3,10 @@
 :class:`GlobalView` is what ``Replicator.run`` hands a step in the global
 view. It takes the next global batch of the dataset (its iterator lives on
 the dataset, and goes with it), finds or builds the step for its shapes
-(``_global_view.build``: traced once at global shapes, partitioned by the
+(``_global_step.build``: traced once at global shapes, partitioned by the
 layouts, lowered; cached by step function, element shapes and accumulation
 phases) and runs it through the Replicator's ``RunState``. The local view
-(``_local_view.LocalView``) has the same interface.
+(``_local.LocalView``) has the same interface.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import tensorflow as tf
 import tree
 
 import rewrite
-from replicator import _distributed_dataset
 from replicator import _errors
-from replicator import _global_view
-from replicator import _in_function
 from replicator import _values
 from replicator import _weak
+from replicator.input import _distributed_dataset
+from replicator.views import _global_step
+from replicator.views import _in_function
 
 ONE_BATCH = (
     "repl.run(step_fn, inputs=..., steps={steps}) in the global view: inputs= is one global batch, for one step. "
@@ -37,7 +37,7 @@ STEPS_NOT_STATIC = (
 class GlobalView:
   """Builds and runs a Replicator's steps in the global view; owns their cache and the owners' load.
 
-  The same interface as ``_local_view.LocalView`` (``run``, ``run_in_function``,
+  The same interface as ``_local.LocalView`` (``run``, ``run_in_function``,
   ``explain``), and ``step_for``: the built step for a global batch, which
   Keras's trainer calls from its own function (``_keras``).
 
@@ -99,11 +99,11 @@ class GlobalView:
     """The partition report of the step for the dataset's global batches (a fresh iterator: run's is untouched)."""
     del inputs  # (the global view explains a dataset's step)
     if not isinstance(dataset, tf.data.Dataset):
-      raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=type(dataset).__name__,
+      raise _errors.ArgumentError(_global_step.NOT_DATASET.format(what=type(dataset).__name__,
                                                                   axes=self._replicator.batch_axes))
     return self.step_for(step_fn, next(iter(dataset))).report
 
-  def step_for(self, step_fn: Callable, element) -> _global_view.GlobalStep:
+  def step_for(self, step_fn: Callable, element) -> _global_step.GlobalStep:
     """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).
 
     Traced at static global shapes: the element's own (a partial last batch is
@@ -112,7 +112,7 @@ class GlobalView:
     """
     specs = tree.map_structure(lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), element)
     variants = self.steps.setdefault(step_fn, {}).setdefault(str(specs), {})
-    return self._state.variant(variants, lambda: _global_view.build(
+    return self._state.variant(variants, lambda: _global_step.build(
         self._replicator, self._config, self._layouts, self._creator, self._owner_load, step_fn, specs))
 
   def restore_failed(self) -> None:
@@ -128,7 +128,7 @@ def _next_batch(replicator, dataset, inputs, steps: int):
   """The next global batch of ``dataset`` and its iterator (kept on the dataset, and going with it)."""
   if inputs is not None or not isinstance(dataset, tf.data.Dataset):
     what = "inputs=..." if inputs is not None else type(dataset).__name__
-    raise _errors.ArgumentError(_global_view.NOT_DATASET.format(what=what, axes=replicator.batch_axes))
+    raise _errors.ArgumentError(_global_step.NOT_DATASET.format(what=what, axes=replicator.batch_axes))
   if steps > 1 and not all(s.shape.is_fully_defined() for s in tree.flatten(dataset.element_spec)):
     raise _errors.ArgumentError(STEPS_NOT_STATIC.format(steps=steps, spec=dataset.element_spec))
   iterators = _weak.attached(dataset, "_replicator_global_iterator")  # goes with the dataset

@@ -9,12 +9,12 @@ from typing import Any
 import tensorflow as tf
 
 import rewrite
-from replicator import _access
 from replicator import _context
 from replicator import _errors
 from replicator import _primitives
-from replicator import _tf_distribute
-from replicator import _variables
+from replicator.integrations import _tf_distribute
+from replicator.state import _access
+from replicator.state import _variables
 
 REDUCTIONS = ("mean", "sum")
 UPDATES = ("auto", "sharded", "replicated")
@@ -701,7 +701,7 @@ def _give_slots_their_variables_layout(optimizer) -> dict[str, Any]:
   Keras names a slot after its variable (``adam/dense_1_kernel_momentum``), so a
   LayoutMap pattern for ``dense_1/kernel`` does not match it. The optimizer's
   own method is wrapped, on this instance only, to create the slot inside
-  :func:`replicator._variables.reference_scope`.
+  :func:`replicator.state._variables.reference_scope`.
 
   Returns this optimizer's record, kept on the wrapped method so every
   wrapper of the optimizer shares it: ``"slots"`` maps ``id`` of a variable's

@@ -21,10 +21,10 @@ import tensorflow as tf
 import mesh as mesh_lib
 from replicator import _context
 from replicator import _errors
-from replicator import _export
-from replicator import _global_handles
-from replicator import _lifting
-from replicator import _restore
+from replicator.guarantees import _restore
+from replicator.state import _export
+from replicator.views import _global_handles
+from replicator.views import _lifting
 
 SYMBOLIC_INITIAL_VALUE = (
     "Variable {name!r} was created inside step_fn with an initial value computed from the "

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from replicator import _access
+from replicator.state import _access
 
 # Collectives whose every group member gets the same result.
 _SAME_RESULT = frozenset({"all_reduce", "all_gather", "broadcast"})

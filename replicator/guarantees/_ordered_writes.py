@@ -41,7 +41,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-from replicator import _access
+from replicator.state import _access
 
 # Ops that cannot fail when every non-resource tensor they take and give has a fully defined shape.
 _CANNOT_FAIL = frozenset({

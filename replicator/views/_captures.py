@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from replicator import _variables
+from replicator.state import _variables
 
 
 def capture(t: tf.Tensor) -> tf.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import mesh as mesh_lib
-from replicator import _layout_check
+from replicator.state import _layout_check
 
 
 class LayoutState:

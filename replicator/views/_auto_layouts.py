@@ -27,7 +27,7 @@ from collections.abc import Callable
 import mesh as mesh_lib
 from replicator import _errors
 from replicator import _gc
-from replicator import _variables
+from replicator.state import _variables
 from rewrite import _cost
 from rewrite import _partition
 from rewrite import _search

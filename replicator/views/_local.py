@@ -4,9 +4,9 @@
 (``view="local"``, the default). It finds the step's input source (an
 ``input_fn``'s per-replica datasets, a dataset of global batches split in the
 step's graph, explicit ``inputs=``), finds or builds the step for that source
-(``_step.build``: traced once per replica, planned and rewritten; cached by
+(``_local_step.build``: traced once per replica, planned and rewritten; cached by
 step function, source and accumulation phases) and runs it through the
-Replicator's ``RunState``. The global view (``_global_run.GlobalView``) has
+Replicator's ``RunState``. The global view (``_global.GlobalView``) has
 the same interface: ``run``, ``run_in_function``, ``explain``.
 """
 
@@ -20,14 +20,14 @@ from typing import Any
 import tensorflow as tf
 
 from replicator import _callables
-from replicator import _distributed_dataset
 from replicator import _errors
-from replicator import _in_function
-from replicator import _inputs
 from replicator import _primitives
-from replicator import _step
 from replicator import _values
 from replicator import _weak
+from replicator.input import _distributed_dataset
+from replicator.input import _inputs
+from replicator.views import _in_function
+from replicator.views import _local_step
 
 NEW_STEP_OBJECTS = (
     "repl.run has built a step for {count} different objects of the same step function {name} "
@@ -108,7 +108,7 @@ class LocalView:
       self.steps.set(step_fn, by_source)
       self._count_step_object(step_fn)
     step = self._state.variant(by_source.setdefault(source.key, {}),
-                               lambda: _step.build(self._replicator, self._config, self._creator, step_fn, source))
+                               lambda: _local_step.build(self._replicator, self._config, self._creator, step_fn, source))
     step.use_source(source)  # a step built before may have run on another source (its last epoch's)
     return step, source
 

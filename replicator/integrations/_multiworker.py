@@ -16,10 +16,10 @@ import tensorflow as tf
 
 import mesh as mesh_lib
 import rewrite
-from replicator import _cluster
 from replicator import _context
 from replicator import _errors
 from replicator._replicator import Replicator
+from replicator.integrations import _cluster
 
 DEVICE_COUNT_MISMATCH = (
     "devices_per_worker={wanted} but worker {task} ({address}) has only {found} CPU device(s). "

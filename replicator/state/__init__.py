@@ -1,0 +1,5 @@
+"""A Replicator's variables and what guards them: replicated and sharded variables, the optimizer wrapper,
+how a step reads and writes them (access, invariance, consistency checks), export, and the layouts in use.
+
+Nothing here is public: ``replicator/__init__.py`` re-exports what is.
+"""
