@@ -32,7 +32,7 @@ setup(
                  "by placeholder graph rewriting onto named device meshes."),
     long_description=_readme(),
     long_description_content_type="text/markdown",
-    packages=["replicator", "replicator.guarantees", "replicator.input", "replicator.integrations",
+    packages=["replicator", "replicator.core", "replicator.guarantees", "replicator.input", "replicator.integrations",
               "replicator.state", "replicator.views", "rewrite", "mesh"],
     package_data={"replicator": ["py.typed"], "rewrite": ["py.typed"], "mesh": ["py.typed"]},
     python_requires=PYTHON,

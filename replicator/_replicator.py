@@ -13,20 +13,20 @@ import tree
 
 import mesh as mesh_lib
 import rewrite
-from replicator import _collective_methods
-from replicator import _config
-from replicator import _context
-from replicator import _errors
-from replicator import _gc
-from replicator import _primitives
-from replicator import _run_state
-from replicator._values import PerReplica
-from replicator.guarantees import _restore
+from replicator.core import _collective_methods
+from replicator.core import _config
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _gc
+from replicator.core import _primitives
+from replicator.core._values import PerReplica
+from replicator.guarantees import _run_state
 from replicator.input import _distributed_dataset
 from replicator.integrations import _keras
 from replicator.integrations import _keras_distribution
 from replicator.state import _layout_state
 from replicator.state import _optimizer
+from replicator.state import _restore
 from replicator.state import _variables
 from replicator.views import _auto_layouts
 from replicator.views import _calibration

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from replicator import _errors
+from replicator.core import _errors
 from replicator.integrations import _cluster
 
 

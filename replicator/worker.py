@@ -97,7 +97,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-  from replicator import _errors
+  from replicator.core import _errors
   from replicator.integrations import _cluster
   try:
     if args.cluster is not None:

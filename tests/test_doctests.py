@@ -8,9 +8,9 @@ import tensorflow as tf
 
 import replicator
 
-MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator._collective_methods",
-           "replicator._values",
-           "replicator.input._inputs", "replicator._context", "replicator._errors"]
+MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator.core._collective_methods",
+           "replicator.core._values",
+           "replicator.input._inputs", "replicator.core._context", "replicator.core._errors"]
 
 
 @pytest.mark.parametrize("name", MODULES)

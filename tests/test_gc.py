@@ -1,4 +1,4 @@
-"""Tests for replicator._gc: the garbage collector paused while a step is built."""
+"""Tests for replicator.core._gc: the garbage collector paused while a step is built."""
 
 import gc
 
@@ -6,7 +6,7 @@ import tensorflow as tf
 from conftest import cpus
 
 import replicator
-from replicator import _gc
+from replicator.core import _gc
 
 
 def test_paused_restores_the_collector_as_it_was():

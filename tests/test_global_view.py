@@ -336,7 +336,7 @@ def test_backward_pass_tiles_locally_what_consumers_want_split():
 
 
 def test_global_stand_in_holds_no_value():
-  from replicator.views import _global_handles  # pylint: disable=import-outside-toplevel
+  from replicator.state import _global_handles  # pylint: disable=import-outside-toplevel
   v = _global_handles.global_variable(tf.TensorShape([1024, 1024]), tf.float32, "w", True)
   assert v.shape.as_list() == [1024, 1024]
   assert not bool(v.is_initialized())

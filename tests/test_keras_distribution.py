@@ -1,4 +1,4 @@
-"""``replicator.enable_keras_distribution()`` (``replicator/integrations/_keras_hooks.py``): Keras's distribution API on TensorFlow.
+"""``replicator.enable_keras_distribution()`` (``replicator/_keras_hooks.py``): Keras's distribution API on TensorFlow.
 
 Code written after Keras's distribution guide (for JAX), with the one added
 line, against the same code on one device: every device's copy of every

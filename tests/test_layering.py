@@ -1,4 +1,5 @@
-"""The project's modules as layers: no import circles, no reading another module's private names.
+"""The project's modules as layers: no import circles, packages that import only those below them, and no reading
+another module's private names.
 
 Read from the code with ``ast`` (nothing is imported): every import, at the top
 of a module or inside a function, is an edge between the project's modules
@@ -173,6 +174,35 @@ def test_no_module_imports_itself_through_others():
                      "lower module what it needs (a callable, an object) instead of importing it.")
 
 
+# The packages as layers, lowest first: a module imports modules of its own package and of those below it only.
+# replicator's top-level modules are its API (the Replicator, MultiWorkerReplicator, the Keras hooks, calibrate).
+LAYERS = ("mesh", "rewrite", "replicator.core", "replicator.input", "replicator.state", "replicator.guarantees",
+          "replicator.views", "replicator.integrations", "replicator", "examples")
+
+
+def layer_of(module: str) -> str:
+  """The package of :data:`LAYERS` a module belongs to (a sub-package of ``replicator``, or its top level)."""
+  return max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+  """Every import of a module of a higher layer than the importing module's."""
+  rank = {p: i for i, p in enumerate(LAYERS)}
+  found = []
+  for module, imported in sorted(edges.items()):
+    for other in sorted(imported):
+      if rank[layer_of(other)] > rank[layer_of(module)]:
+        found.append(f"{module} ({layer_of(module)}) imports {other} ({layer_of(other)})")
+  return found
+
+
+def test_the_packages_are_layers():
+  found = upward_imports(import_graph(_modules()))
+  assert not found, (f"Imports from a higher layer: {found}. Expected each package to import only its own modules "
+                     f"and those of the packages below it, in the order {LAYERS}. Fix: move the module to the layer "
+                     "of what it is about, or hand it what it needs (an object, a callable) from above.")
+
+
 def test_no_module_reads_another_modules_private_names():
   found = private_accesses(_modules())
   assert not found, (
@@ -200,6 +230,16 @@ def test_a_circle_is_found_also_through_an_import_inside_a_function(tmp_path, in
                              "replicator/_b.py": "from rewrite import _c\n", "rewrite/__init__.py": "",
                              "rewrite/_c.py": late, "rewrite/_d.py": "from rewrite import _c\n"})
   assert circles(import_graph(modules)) == [["replicator._a", "replicator._b", "rewrite._c"]]
+
+
+def test_an_import_from_a_higher_layer_is_found(tmp_path):
+  modules = _tree(tmp_path, {"replicator/__init__.py": "from replicator.views import _v\n",
+                             "replicator/core/__init__.py": "", "replicator/core/_c.py": "from replicator.state import _s\n",
+                             "replicator/state/__init__.py": "", "replicator/state/_s.py": "import mesh\n",
+                             "replicator/views/__init__.py": "", "replicator/views/_v.py": "from replicator.core import _c\n",
+                             "mesh/__init__.py": ""})
+  assert upward_imports(import_graph(modules)) == [
+      "replicator.core._c (replicator.core) imports replicator.state._s (replicator.state)"]
 
 
 def test_private_accesses_found_and_a_modules_own_kept(tmp_path):

@@ -13,7 +13,7 @@ from conftest import cpus
 from conftest import replica_values
 
 import replicator
-from replicator.views import _lifting
+from replicator.state import _lifting
 
 X = np.random.RandomState(0).randn(8, 6, 6, 2).astype(np.float32)
 SEQ = np.random.RandomState(1).randn(5, 8, 3).astype(np.float32)  # time-major: [T, B, F]

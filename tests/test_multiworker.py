@@ -175,7 +175,7 @@ def test_timeouts_and_task_indices_are_checked():
 
 
 def test_a_lost_worker_is_reported_in_one_readable_line():
-  from replicator import _errors  # pylint: disable=import-outside-toplevel
+  from replicator.core import _errors  # pylint: disable=import-outside-toplevel
   message = ("Graph execution error:\n\nDetected at node x defined at (most recent call last):\n<stack traces unavailable>\n"
              "2 root error(s) found.\n  (0) UNAVAILABLE: Connection reset by peer\n\t [[{{node step/a}}]]\n"
              "  (1) CANCELLED: Function was cancelled\n0 successful operations.\n0 derived errors ignored.")

@@ -14,7 +14,7 @@ from conftest import keras_step
 
 import mesh
 import replicator
-from replicator import _errors
+from replicator.core import _errors
 
 BATCH, STEPS = 12, 3
 HIDDEN = {r"ff_in/kernel$": (None, "model"), r"ff_in/bias$": ("model",), r"ff_out/kernel$": ("model", None)}

@@ -19,7 +19,7 @@ Y = np.random.RandomState(1).randn(16, 2).astype(np.float32)
 def test_the_replica_contexts_methods_are_not_converted_by_autograph():
   # A step's tf.distribute.get_replica_context().all_reduce(...) took 1.8-4.3 s to build against 0.08 s for
   # repl.all_reduce: AutoGraph converted the context's methods and everything they call, in every build.
-  from replicator.integrations import _tf_distribute  # pylint: disable=import-outside-toplevel
+  from replicator.core import _tf_distribute  # pylint: disable=import-outside-toplevel
   for name in ("all_reduce", "all_gather", "merge_call"):
     assert hasattr(getattr(_tf_distribute.ReplicaContext, name), "autograph_info__"), name  # do_not_convert's mark
 

@@ -19,8 +19,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from replicator import _errors
-from replicator import _primitives
+from replicator.core import _errors
+from replicator.core import _primitives
 from replicator.state import _consistency
 
 NOTHING_WRITTEN = "No variable was written: every device's copy is as it was before this call"

@@ -8,9 +8,9 @@ from typing import Any
 import tensorflow as tf
 import tree
 
-from replicator import _errors
-from replicator import _tf_types
-from replicator._values import PerReplica
+from replicator.core import _errors
+from replicator.core import _tf_types
+from replicator.core._values import PerReplica
 from replicator.input import _inputs
 
 NO_BATCH_DIMENSION = (

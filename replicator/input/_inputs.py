@@ -10,8 +10,8 @@ from typing import Any
 import tensorflow as tf
 import tree
 
-from replicator import _errors
-from replicator import _values
+from replicator.core import _errors
+from replicator.core import _values
 
 NOT_A_DATASET = (
     "input_fn must return a tf.data.Dataset, but for replica {replica} it returned "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from replicator import _context
+from replicator.core import _context
 
 
 @keras.saving.register_keras_serializable(package="replicator")

@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from replicator import _errors
+from replicator.core import _errors
 
 JOB = "worker"
 

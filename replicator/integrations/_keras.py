@@ -49,12 +49,12 @@ import weakref
 import tensorflow as tf
 import tree
 
-from replicator import _context
-from replicator import _errors
-from replicator import _primitives
-from replicator.guarantees import _restore
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _primitives
+from replicator.core import _tf_distribute
 from replicator.integrations import _keras_batches
-from replicator.integrations import _tf_distribute
+from replicator.state import _restore
 from replicator.state import _variables
 
 RUN_OUTSIDE_KERAS = (

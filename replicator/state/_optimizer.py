@@ -9,10 +9,10 @@ from typing import Any
 import tensorflow as tf
 
 import rewrite
-from replicator import _context
-from replicator import _errors
-from replicator import _primitives
-from replicator.integrations import _tf_distribute
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _primitives
+from replicator.core import _tf_distribute
 from replicator.state import _access
 from replicator.state import _variables
 

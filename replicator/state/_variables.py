@@ -19,12 +19,12 @@ import numpy as np
 import tensorflow as tf
 
 import mesh as mesh_lib
-from replicator import _context
-from replicator import _errors
-from replicator.guarantees import _restore
+from replicator.core import _context
+from replicator.core import _errors
 from replicator.state import _export
-from replicator.views import _global_handles
-from replicator.views import _lifting
+from replicator.state import _global_handles
+from replicator.state import _lifting
+from replicator.state import _restore
 
 SYMBOLIC_INITIAL_VALUE = (
     "Variable {name!r} was created inside step_fn with an initial value computed from the "
@@ -550,7 +550,7 @@ class ReplicatedVariable(tf.Variable):
     if checked is None:
       return value
     ctx, axes = checked
-    from replicator import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
+    from replicator.core import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
     value = tf.convert_to_tensor(value, self.dtype)
     aggregation = self.aggregation
     location = _primitives.user_location()
@@ -575,7 +575,7 @@ class ReplicatedVariable(tf.Variable):
     if checked is None:
       return sparse_delta
     ctx, axes = checked
-    from replicator import _primitives  # pylint: disable=import-outside-toplevel
+    from replicator.core import _primitives  # pylint: disable=import-outside-toplevel
     aggregation = self.aggregation
     location = _primitives.user_location()
     summed = aggregation == tf.VariableAggregation.SUM and method in ("scatter_add", "scatter_sub")
@@ -790,7 +790,7 @@ class _ControlFlowWrite:
     The op's traceback names the line in a helper function that AutoGraph
     converted (the innermost frame the trace saw is the step's call of it).
     """
-    from replicator import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
+    from replicator.core import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
     for op in self.written.consumers():
       if op.type.startswith(("Assign", "ResourceScatter")):
         where = _primitives.location_of(op)
@@ -807,7 +807,7 @@ def check_control_flow_writes(analysis) -> None:
   predicate or trip count that differs between replicas is one that differs
   (control dependence), even of a value that is the same everywhere.
   """
-  from replicator import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
+  from replicator.core import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
   for write in analysis.deferred:
     axes = set(write.axes)
     conditions = analysis.conditions(write.graph)

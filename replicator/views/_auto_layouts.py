@@ -25,8 +25,8 @@ import re
 from collections.abc import Callable
 
 import mesh as mesh_lib
-from replicator import _errors
-from replicator import _gc
+from replicator.core import _errors
+from replicator.core import _gc
 from replicator.state import _variables
 from rewrite import _cost
 from rewrite import _partition

@@ -17,9 +17,9 @@ import tensorflow as tf
 import tree
 
 import rewrite
-from replicator import _errors
-from replicator import _values
-from replicator import _weak
+from replicator.core import _errors
+from replicator.core import _values
+from replicator.core import _weak
 from replicator.input import _distributed_dataset
 from replicator.views import _global_step
 from replicator.views import _in_function

@@ -25,21 +25,21 @@ import tensorflow as tf
 import tree
 
 import rewrite
-from replicator import _callables
-from replicator import _context
-from replicator import _errors
-from replicator import _primitives
+from replicator.core import _callables
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _primitives
+from replicator.core import _tf_distribute
 from replicator.guarantees import _atomic
 from replicator.guarantees import _failures
 from replicator.guarantees import _ordered_writes
-from replicator.integrations import _tf_distribute
 from replicator.state import _access
 from replicator.state import _consistency
+from replicator.state import _lifting
 from replicator.state import _optimizer
 from replicator.state import _variables
 from replicator.views import _auto_layouts
 from replicator.views import _captures
-from replicator.views import _lifting
 from replicator.views import _local_step
 from rewrite import _partition
 from rewrite import _partition_owners

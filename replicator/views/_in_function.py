@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from replicator import _errors
+from replicator.core import _errors
 
 INPUT_SOURCE = (
     "repl.run(step_fn, {what}) was called while a tf.function is being traced: inside a function the step takes "

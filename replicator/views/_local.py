@@ -19,11 +19,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from replicator import _callables
-from replicator import _errors
-from replicator import _primitives
-from replicator import _values
-from replicator import _weak
+from replicator.core import _callables
+from replicator.core import _errors
+from replicator.core import _primitives
+from replicator.core import _values
+from replicator.core import _weak
 from replicator.input import _distributed_dataset
 from replicator.input import _inputs
 from replicator.views import _in_function

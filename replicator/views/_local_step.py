@@ -24,25 +24,25 @@ import tensorflow as tf
 import tree
 
 import rewrite
-from replicator import _callables
-from replicator import _config
-from replicator import _context
-from replicator import _errors
-from replicator import _gradient_registry
-from replicator import _primitives
-from replicator import _values
+from replicator.core import _callables
+from replicator.core import _config
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _gradient_registry
+from replicator.core import _primitives
+from replicator.core import _summaries
+from replicator.core import _tf_distribute
+from replicator.core import _values
 from replicator.guarantees import _atomic
 from replicator.guarantees import _failures
 from replicator.guarantees import _ordered_writes
 from replicator.input import _inputs
-from replicator.integrations import _summaries
-from replicator.integrations import _tf_distribute
 from replicator.state import _access
 from replicator.state import _consistency
 from replicator.state import _invariance
+from replicator.state import _lifting
 from replicator.state import _variables
 from replicator.views import _captures
-from replicator.views import _lifting
 
 OUTPUT_MISMATCH = (
     "step_fn returned different {what} on replicas 0 and {r}:\n"

@@ -31,9 +31,9 @@ import inspect
 
 import tensorflow as tf
 
-from replicator import _context
-from replicator import _errors
-from replicator import _primitives
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _primitives
 
 MERGE_CALL = (
     "tf.distribute.get_replica_context().merge_call() was called while a Replicator step is built "

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from replicator import _context
-from replicator import _errors
-from replicator import _primitives
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _primitives
 
 
 @_context.no_autograph

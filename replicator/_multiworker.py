@@ -16,9 +16,9 @@ import tensorflow as tf
 
 import mesh as mesh_lib
 import rewrite
-from replicator import _context
-from replicator import _errors
 from replicator._replicator import Replicator
+from replicator.core import _context
+from replicator.core import _errors
 from replicator.integrations import _cluster
 
 DEVICE_COUNT_MISMATCH = (

@@ -16,9 +16,9 @@ import tensorflow as tf
 import tree
 
 import rewrite
-from replicator import _context
-from replicator import _errors
-from replicator import _gradient_registry
+from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _gradient_registry
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -37,7 +37,7 @@ ALL_GATHER_INT_AXIS = (
 
 _INTERNAL_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (sys.modules[__name__.rsplit(".", 1)[0]], rewrite, tf, tree))
+    for m in (sys.modules[__name__.split(".")[0]], rewrite, tf, tree))
 _AUTOGRAPH_MAPS: dict[str, dict] = {}
 
 

@@ -43,7 +43,7 @@ import weakref
 
 import tensorflow as tf
 
-from replicator import _errors
+from replicator.core import _errors
 from replicator.integrations import _keras_distribution
 
 UNSUPPORTED_DISTRIBUTION = (

@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from replicator import _errors
+from replicator.core import _errors
 from replicator.guarantees import _interrupt
 from replicator.state import _consistency
 

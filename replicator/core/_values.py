@@ -9,8 +9,8 @@ from typing import Any
 import tensorflow as tf
 import tree
 
-from replicator import _errors
-from replicator import _tf_types
+from replicator.core import _errors
+from replicator.core import _tf_types
 
 NOT_TENSORS = (
     "A PerReplica is passed to a tf.function as its values' tensors, but its values are {values!r}. Fix: give it "
