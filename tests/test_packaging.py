@@ -32,6 +32,10 @@ def test_wheel_holds_the_three_packages_only(built):
   for package in ("replicator", "mesh", "rewrite"):
     assert f"{package}/py.typed" in names
     assert f"{package}/__init__.py" in names
+  sources = {os.path.relpath(os.path.join(folder, f), ROOT).replace(os.sep, "/")
+             for package in ("replicator", "mesh", "rewrite") for folder, _, files in os.walk(os.path.join(ROOT, package))
+             for f in files if f.endswith(".py")}
+  assert sources <= set(names), f"modules missing from the wheel (setup.py's packages): {sorted(sources - set(names))}"
 
 
 @pytest.mark.parametrize("kind", ["wheel", pytest.param("sdist", marks=pytest.mark.full_grid)])  # CI time

@@ -969,7 +969,7 @@ def _initialize_in_graph(variable, value: tf.Tensor, sum_on_read: bool) -> None:
     with tf.control_dependencies(assignments):
       return tf.identity(flag.assign(True))
 
-  with tf.name_scope(INITIALIZE_SCOPE):  # kept ordered before every replica's uses (see _step)
+  with tf.name_scope(INITIALIZE_SCOPE):  # kept ordered before every replica's uses (see views/_local_step)
     tf.cond(flag.read_value(), lambda: tf.constant(True), initialize)
 
 
