@@ -97,7 +97,7 @@ call). Each build runs in a fresh subprocess (``--child``), the configurations
 alternating; the model and the optimizer's slots are made first (``setup``).
 The first call is split into phases by wrapping library internals with timers
 in the subprocess only (a measurement, nothing changes): global view: trace,
-``rewrite._partition.propagate``, ``rewrite._partition.expand`` (and the
+``rewrite._partition.propagate``, ``rewrite._expansion.expand`` (and the
 ``tf.function`` it runs in), ``rewrite.plan``, ``rewrite.apply``, the report,
 the import of the rewritten ``GraphDef`` into a ``tf.function``, and its first
 execution; local view: trace of every replica, plan, rewrite (``rewrite.apply``
@@ -654,6 +654,7 @@ def child_build(config: str) -> dict:
   import rewrite
   from replicator.views import _global_step
   from replicator.views import _local_step
+  from rewrite import _expansion
   from rewrite import _partition
   view = config.split(",")[0]
   if GRAPPLER_OFF in config:
@@ -664,7 +665,7 @@ def child_build(config: str) -> dict:
   timeline.wrap(rewrite, "plan", "plan")
   timeline.wrap(rewrite, "apply", "apply")
   timeline.wrap(_partition, "propagate", "propagate")
-  timeline.wrap(_partition, "expand", "expand")
+  timeline.wrap(_expansion, "expand", "expand")
   timeline.wrap(_global_step, "build", "build")
   timeline.wrap(_global_step, "_report", "report")
   timeline.wrap(_global_step.GlobalStep, "__call__", "call")

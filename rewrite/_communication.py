@@ -1,6 +1,6 @@
 """The collectives a partition's expansion emits, op by op: one walk for ``repl.explain`` and the cost model.
 
-The expander (``_partition._Expander``) emits, for each op in the graph's
+The expander (``_expansion._Expander``) emits, for each op in the graph's
 order: its inputs' relayouts (each tensor once per layout: later consumers
 reuse it; a relayout's all-to-alls, then its all-gathers), a self-lowering
 rule's own collectives (``Decision.communicates``), and the all-reduces (or
@@ -73,7 +73,7 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
 
   Args:
     graph: the traced global graph.
-    partition: its ``_partition.Partition``.
+    partition: its ``_propagation.Partition``.
     outputs: the step's outputs (returned whole).
     mesh_shape: axis name -> size.
     ops: ``graph``'s ops as ``(op, its name, ((input, its name, whether a resource), ...), ((output, its

@@ -213,7 +213,7 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
 
   Args:
     graph: the traced global graph.
-    partition: its ``_partition.Partition``.
+    partition: its ``_propagation.Partition``.
     mesh_shape: axis name -> size.
     outputs: the step's outputs (returned whole: split ones are gathered).
     ownership: the sharded update's owners (``_partition_owners.Ownership``): their broadcasts, if any.

@@ -2,7 +2,7 @@
 
 Kept apart from the rules that handle them, so that the rule registry
 (``_rules``), the rules (``_rules_effects``, ``_rules_random``) and the
-partitioner (``_partition``) all read the same lists without importing each
+propagation (``_propagation``) all read the same lists without importing each
 other.
 """
 

@@ -7,7 +7,7 @@ differs from the tensor's: a free local slice or an ``all_gather``) and every
 fallback (an op without a rule, run on gathered inputs).
 
 Built from what the partitioner and the plan pass already know (a
-:class:`_partition.Partition`, the traced global graph and a :class:`Plan`);
+:class:`_propagation.Partition`, the traced global graph and a :class:`Plan`);
 the caller names the inputs and variables. This module knows nothing about
 Keras.
 """

@@ -6,7 +6,7 @@ axes move from one dimension to another that was whole (tokens split over
 the batch axis to be grouped by expert along the same axis, as GShard
 dispatches them), one ``all_to_all`` does both: each device sends every other
 the chunk of its piece that belongs there, 1/k of the gather's bytes. The
-expander (``_partition``) and the report (``_partition_report``) both follow
+expander (``_expansion``) and the report (``_partition_report``) both follow
 these steps.
 """
 

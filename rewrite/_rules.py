@@ -136,9 +136,10 @@ def scatter_partials(view, out: tuple, summed: tuple, index: int = 0) -> tuple[t
 class Bodies:
   """How a rule partitions the body of a function its op calls (an ``If``'s branches) and expands it per device.
 
-  The partitioner's own ``propagate`` and ``expand_on_device``, handed to the
-  rules with each op (:attr:`OpView.bodies`): the partitioner imports the
-  rules, so the rules do not import it.
+  The partitioner's own ``propagate`` and ``expand_on_device``
+  (``_partition.BODIES``), handed to the rules with each op
+  (:attr:`OpView.bodies`): the propagation imports the rules, so the rules do
+  not import the partitioner.
   """
 
   propagate: Callable

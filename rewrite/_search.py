@@ -43,7 +43,7 @@ KerasHub's Qwen; a third start, every group split along its last dimension
 (the column split), found nothing better on the five models of
 ``benchmarks/cost_model.py`` and took 40-60% of their evaluations.
 Evaluations: about starts x (groups x candidates + sizes) x sweeps, each one
-propagation of the step's graph (``rewrite._partition.Propagator``: an op
+propagation of the step's graph (``rewrite._propagation.Propagator``: an op
 whose inputs' layouts are unchanged is not decided again). Groups make the
 count independent of the depth of a model: a 12-block transformer has as
 many groups as a 2-block one.

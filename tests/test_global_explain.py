@@ -12,6 +12,7 @@ from conftest import cpus
 import mesh
 import replicator
 import rewrite
+from rewrite import _expansion
 from rewrite import _partition
 from rewrite import _partition_report
 
@@ -241,8 +242,8 @@ def test_report_of_a_partition_without_keras():
   part = _partition.propagate(graph, m, given)
   with tf.Graph().as_default():
     inputs = [tf.raw_ops.Placeholder(dtype=s.dtype, shape=s.shape) for s in specs]
-    local = {p.name: [_partition.local_piece(v, given[p.name], m, r) for r in range(4)] for p, v in zip((x, w), inputs)}
-    expansion = _partition.expand(graph, m, part, local, graph.outputs)
+    local = {p.name: [_expansion.local_piece(v, given[p.name], m, r) for r in range(4)] for p, v in zip((x, w), inputs)}
+    expansion = _expansion.expand(graph, m, part, local, graph.outputs)
   plan = rewrite.plan(expansion.records, m, lambda c: "one_device")
   report = rewrite.PartitionReport.from_partition(graph, part, plan, m.shape, inputs={x.name: "x", w.name: "w"},
                                                   variables={}, outputs=graph.outputs)

@@ -17,6 +17,7 @@ from conftest import sonnet_step
 import mesh
 import replicator
 import rewrite
+from rewrite import _expansion
 from rewrite import _partition
 from rewrite import _rules
 
@@ -293,9 +294,9 @@ def test_expanded_graph_equals_the_global_one():
   part = _partition.propagate(graph, m, given)
   with tf.Graph().as_default():  # the expansion's inputs: placeholders of a plain graph
     inputs = [tf.raw_ops.Placeholder(dtype=s.dtype, shape=s.shape, name=f"input_{i}") for i, s in enumerate(specs)]
-    local = {p.name: [_partition.local_piece(v, given[p.name], m, r) for r in range(4)]
+    local = {p.name: [_expansion.local_piece(v, given[p.name], m, r) for r in range(4)]
              for p, v in zip((x, w), inputs)}
-    expansion = _partition.expand(graph, m, part, local, graph.outputs)
+    expansion = _expansion.expand(graph, m, part, local, graph.outputs)
   plan = rewrite.plan(expansion.records, m, lambda c: "one_device")
   rewritten = rewrite.apply(expansion.graph_def, plan, {})
   xv, wv = tf.random.normal([6, 8]), tf.random.normal([8, 4])

@@ -130,7 +130,7 @@ def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, s
                                       copies=1 + slots.get(id(v), 0))
   companions = _companions(small, {name: variables[name] for name in searched})  # (in the budget: counted whole)
 
-  propagate, memo = _partition.Propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True), {}
+  propagate, memo = _partition.propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True), {}
 
   def evaluate(layouts: dict) -> tuple[float, int]:  # (seconds, the step's tensors' bytes at their peak)
     partition = propagate({**given, **layouts, **_following(companions, layouts)})

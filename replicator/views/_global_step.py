@@ -6,7 +6,7 @@
    arguments are split over the batch axes along their first dimension, the
    variables' handles take their variables' layouts;
 3. expand it into one subgraph per device at local shapes, with collective
-   placeholders where a layout needs communication;
+   placeholders where a layout needs communication (``rewrite._expansion``);
 4. plan and lower the placeholders (``rewrite.plan`` / ``rewrite.apply``) and
    import the result into one function, as for the local view;
 5. report what the partition does (``rewrite.PartitionReport``, what
@@ -41,9 +41,11 @@ from replicator.state import _variables
 from replicator.views import _auto_layouts
 from replicator.views import _captures
 from replicator.views import _local_step
+from rewrite import _expansion
 from rewrite import _partition
 from rewrite import _partition_owners
 from rewrite import _partition_report
+from rewrite import _propagation
 
 NOT_DATASET = (
     "repl.run(step_fn, {what}) in the global view takes a tf.data.Dataset of global batches (each "
@@ -105,7 +107,7 @@ CREATES_VARIABLES = (
 class GlobalStep:
   """A traced, partitioned and rewritten global-view step."""
 
-  partition: _partition.Partition
+  partition: _propagation.Partition
   plan: rewrite.Plan
   graph_def: Any
   input_names: list
@@ -353,7 +355,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
                if id(external) in trace.owners}
   ownership = _ownership(replicator, config, owner_load, graph, partition, axes, variables, whole=bool(whole))
 
-  # The expansion is one GraphDef (rewrite._partition.expand), with the step's inputs and the variables'
+  # The expansion is one GraphDef (rewrite._expansion.expand), with the step's inputs and the variables'
   # handles as placeholders of a plain graph: GlobalStep.concrete imports it once, into the step's function.
   expansion_graph, n = tf.Graph(), len(mesh.devices)
   fed = []  # (placeholder tensor name, eager value) of each value the step reads from outside
@@ -361,7 +363,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
 
     def feed(value, name):
       fed.append((f"{name}:0", value))
-      return _partition.Feed(name, value.dtype, value.shape)
+      return _expansion.Feed(name, value.dtype, value.shape)
 
     inputs, local = [], {}
     for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
@@ -370,14 +372,14 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
       pieces = []
       for r, device in enumerate(mesh.devices):
         with tf.device(device):
-          pieces.append(_partition.local_piece(whole, given[placeholder.name], mesh, r))
+          pieces.append(_expansion.local_piece(whole, given[placeholder.name], mesh, r))
       local[placeholder.name] = pieces
     for k, (external, internal) in enumerate(graph.captures):
       if internal.name in handles:
         local[internal.name] = [feed(h, f"handle_{k}_{r}") for r, h in enumerate(handles[internal.name])]
       else:
         local[internal.name] = [feed(external, f"capture_{k}")] * n
-    expansion = _partition.expand(graph, mesh, partition, local, graph.outputs, locate=_primitives.location_of,
+    expansion = _expansion.expand(graph, mesh, partition, local, graph.outputs, locate=_primitives.location_of,
                                   ownership=ownership)
   plan = rewrite.plan(expansion.records, mesh, config.lowering_for)
   rewritten = rewrite.apply(expansion.graph_def, plan, config.lowerings)
@@ -407,7 +409,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
       locate=_failures.locator(graph, strip_replica=True, plan=plan))
 
 
-_COPY = re.compile(r"^expand/replica_\d+/(.*)$")  # rewrite._partition's name of a device's copy of a global op
+_COPY = re.compile(r"^expand/replica_\d+/(.*)$")  # rewrite._expansion's name of a device's copy of a global op
 
 
 def _traced_ops(graph: tf.Graph, expansion_graph: tf.Graph):
