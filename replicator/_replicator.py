@@ -386,8 +386,9 @@ class Replicator(_collective_methods.CollectiveMethods):
     """
     if not tf.executing_eagerly() and self._check_not_in_step("run"):  # in a tf.function being traced
       with self._running:
+        chosen = self._views[self._config.view if view is None else _check_view(view)]
         _in_function.check_call(input_fn, steps, all_steps)
-        return self._views[self._config.view if view is None else _check_view(view)].run_in_function(step_fn, inputs)
+        return chosen.run_in_function(step_fn, inputs)
     with self._running, _gc.paused():  # a first call builds the step: collections would scan every object
       self._layouts.raise_refused()
       _restore.release()  # a restore before this step is over: the values it kept to undo itself go
