@@ -13,6 +13,21 @@ One client process, interleaved rounds, medians. Three placements of the same
 
 All processes share this machine's cores, so the comparison is of overheads,
 not of network bandwidth.
+
+Against ``MultiWorkerMirroredStrategy``, one program per worker:
+``python -m benchmarks.multiworker --versus-mwms 2,4 [--steps 30]``. For each
+number of workers (one device each) and each model (the guard's deep and wide
+MLPs, Keras Adam), alternately:
+
+* ours: one client process driving that many ``python -m replicator.worker``
+  servers, the local view and the global view (``MultiWorkerReplicator``);
+* theirs: that many processes started by ``python -m replicator.launch``, each
+  running the same ``tf.distribute.MultiWorkerMirroredStrategy`` program
+  (``TF_CONFIG``), the step a ``tf.function`` around ``strategy.run``.
+
+Each reports its first call (build) and the median of ``--steps`` timed steps
+after two untimed ones (worker 0's, for theirs). Every run starts fresh
+processes, so no configuration inherits another's state.
 """
 
 from __future__ import annotations
@@ -56,12 +71,136 @@ def _setup(repl, widths, batch, tf, keras, bucket_bytes=None):
   return lambda: float(repl.run(step, input_fn).values[0])
 
 
+def _timed(call, steps: int) -> dict:
+  """The first call's seconds (the build), then the median of ``steps`` calls after two untimed ones, in ms."""
+  start = time.perf_counter()
+  call()
+  build = time.perf_counter() - start
+  call()
+  call()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - start)
+  return dict(build_s=build, step_ms=statistics.median(times) * 1e3)
+
+
+def _mwms_child(model: str, steps: int) -> None:
+  """One worker of the MultiWorkerMirroredStrategy job (started by replicator.launch); worker 0 prints JSON."""
+  import tensorflow as tf
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TensorFlow op
+  import keras
+
+  from benchmarks import models
+  from benchmarks import step_time
+  spec = models.by_name(model)
+  keras.utils.set_random_seed(0)
+  x, y = spec.batch()
+  with strategy.scope():
+    net = spec.build()
+    optimizer = step_time.adam()
+    optimizer.build(net.trainable_variables)
+  # Keras 3 all-reduces gradients with SUM under a strategy: each replica's mean loss scaled by 1/replicas.
+  body = step_time._sgd_step(spec, net, optimizer, loss_scale=1.0 / strategy.num_replicas_in_sync)  # pylint: disable=protected-access
+  iterator = iter(strategy.experimental_distribute_dataset(step_time._dataset(x, y)))  # pylint: disable=protected-access
+
+  @tf.function
+  def train_step(iterator):
+    return strategy.run(body, args=next(iterator))
+
+  result = _timed(lambda: [float(v) for v in strategy.experimental_local_results(train_step(iterator))], steps)
+  if strategy.cluster_resolver.task_id == 0:
+    print("RESULT " + json.dumps(dict(result, replicas=strategy.num_replicas_in_sync)), flush=True)
+
+
+def _ours_child(workers: int, model: str, steps: int) -> None:
+  """Our client over ``workers`` worker servers (one device each): both views; prints JSON."""
+  import keras
+
+  from benchmarks import models
+  from benchmarks import step_time
+  spec = models.by_name(model)
+  keras.utils.set_random_seed(0)
+  x, y = spec.batch()
+  out = {}
+  with testing.local_cluster(workers, devices_per_worker=1) as cluster:
+    for view in ("local", "global"):
+      repl = replicator.MultiWorkerReplicator(cluster.spec, view=view)
+      with repl.context():
+        net = spec.build()
+        optimizer = repl.wrap_optimizer(step_time.adam())
+        optimizer.build(net.trainable_variables)
+      body = step_time._sgd_step(spec, net, optimizer)  # pylint: disable=protected-access
+      dataset = step_time._dataset(x, y)  # pylint: disable=protected-access
+
+      def step_fn(batch, body=body):
+        return body(*batch)
+
+      out[view] = _timed(lambda repl=repl, step_fn=step_fn, dataset=dataset: repl.run(step_fn, dataset), steps)
+    print("RESULT " + json.dumps(out), flush=True)
+  os._exit(0)  # skip TensorFlow's teardown of remote contexts
+
+
+def _result(command: list[str], workers: int | None = None) -> dict:
+  """The JSON a child prints after ``RESULT`` (``workers``: started as that many workers by replicator.launch)."""
+  import subprocess
+  import sys
+  if workers is None:
+    process = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=1800)
+    text, code = process.stdout, process.returncode
+  else:
+    import io
+
+    from replicator import launch
+    out = io.TextIOWrapper(io.BytesIO(), write_through=True)
+    err = io.TextIOWrapper(io.BytesIO(), write_through=True)
+    code = launch.launch(command, workers, timeout=1800, out=out, err=err)
+    text = out.buffer.getvalue().decode() + err.buffer.getvalue().decode()
+  lines = [line.split("RESULT ", 1)[1] for line in text.splitlines() if "RESULT " in line]
+  if code != 0 or not lines:
+    raise RuntimeError(f"{command} exited with {code}:\n{text[-3000:]}")
+  return json.loads(lines[0])
+
+
+def versus_mwms(workers: list[int], models: list[str], steps: int) -> list[dict]:
+  """Ours (both views) against MultiWorkerMirroredStrategy at each number of workers, one device each."""
+  rows = []
+  for model in models:
+    for w in workers:
+      ours = _result(["-m", "benchmarks.multiworker", "--ours-child", str(w), "--model", model, "--steps", str(steps)])
+      theirs = _result(["-m", "benchmarks.multiworker", "--mwms-child", model, "--steps", str(steps)], workers=w)
+      row = dict(model=model, workers=w, ours_local=ours["local"], ours_global=ours["global"], mwms=theirs)
+      rows.append(row)
+      print(f"{model}, {w} workers x 1: ours local {ours['local']['build_s']:.2f} s / {ours['local']['step_ms']:.1f} ms, "
+            f"global {ours['global']['build_s']:.2f} s / {ours['global']['step_ms']:.1f} ms; "
+            f"MultiWorkerMirroredStrategy {theirs['build_s']:.2f} s / {theirs['step_ms']:.1f} ms "
+            f"(ours local / theirs {ours['local']['step_ms'] / theirs['step_ms']:.2f})", flush=True)
+  return rows
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--json", default=None)
   parser.add_argument("--bucket-bytes", type=int, default=None, help="wrap_optimizer(bucket_bytes=...)")
+  parser.add_argument("--versus-mwms", default=None, help="numbers of workers, e.g. 2,4: ours against MWMS")
+  parser.add_argument("--models", default="mlp_deep,mlp_wide", help="with --versus-mwms: the models")
+  parser.add_argument("--steps", type=int, default=30, help="with --versus-mwms: timed steps a run")
+  parser.add_argument("--mwms-child", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--ours-child", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.mwms_child:
+    return _mwms_child(args.mwms_child, args.steps)
+  if args.ours_child:
+    return _ours_child(args.ours_child, args.model, args.steps)
+  if args.versus_mwms:
+    rows = versus_mwms([int(w) for w in args.versus_mwms.split(",")], args.models.split(","), args.steps)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(rows, f, indent=2)
+    return rows
   replicator.virtual_cpus(4)
   import keras
   import tensorflow as tf
