@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,20 +19,7 @@ from collections.abc import Iterator
 
 from replicator.core import _errors
 from replicator.integrations import _cluster
-
-
-def free_ports(n: int) -> list[int]:
-  """``n`` distinct TCP ports that were free on localhost a moment ago."""
-  sockets = []
-  try:
-    for _ in range(n):
-      s = socket.socket()
-      s.bind(("localhost", 0))
-      sockets.append(s)
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
+from replicator.launch import free_ports
 
 
 class LocalCluster:
