@@ -158,10 +158,9 @@ class MultiWorkerReplicator(Replicator):
   def _configured(self, config):
     """The base configuration with this Replicator's lowerings (their collective timeout) and input hosts."""
     hosts = {}  # each input pipeline's dataset on the CPU of the worker of its first replica
-    if config.batch_axes is not None:
+    if config.batch_axes is not None:  # (this Replicator's config is `config` already: input_pipeline reads it)
       for replica in range(self.num_replicas):
-        pipeline = self.mesh.axis_index(replica, config.batch_axes) if config.batch_axes else 0
-        hosts.setdefault(pipeline, rewrite.task_of(self.devices[replica]) + "/device:CPU:0")
+        hosts.setdefault(self.input_pipeline(replica), rewrite.task_of(self.devices[replica]) + "/device:CPU:0")
     return dataclasses.replace(config, input_hosts=tuple(hosts[p] for p in range(len(hosts))), lowerings={
         "collective_ops": rewrite.CollectiveOps(self.collective_timeout),
         "hierarchical": rewrite.Hierarchical(self.collective_timeout)})

@@ -202,7 +202,6 @@ class Replicator(_collective_methods.CollectiveMethods):
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
     self._keras_strategy = None
-    self._host = mesh_lib.canonical_name("CPU:0")
     if prefetch_to_device is not None and (not isinstance(prefetch_to_device, int)
                                            or isinstance(prefetch_to_device, bool) or prefetch_to_device < 0):
       raise _errors.ArgumentTypeError(
@@ -215,7 +214,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     self._config = _config.Config(
         mesh=self._mesh, view=view, strict=bool(strict), atomic=atomic, update=update, batch_axes=batch_axes,
         autograph=autograph, implementation=implementation, prefetch_to_device=prefetch_to_device,
-        drop_remainder=bool(drop_remainder), host=self._host)
+        drop_remainder=bool(drop_remainder), host=mesh_lib.canonical_name("CPU:0"))
     self._config = self._configured(self._config)
     # What the calls share (the state of runs), what makes variables, and the two views that build and run steps.
     self._state = _run_state.RunState(self._layouts, self._config.strict)
@@ -431,7 +430,7 @@ class Replicator(_collective_methods.CollectiveMethods):
       [[0, 1, 2], [3, 4]]
     """
     pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
-    return _distributed_dataset.DistributedDataset(dataset, pipelines, self._host, prefetch)
+    return _distributed_dataset.DistributedDataset(dataset, pipelines, self._config.host, prefetch)
 
   def explain(self, step_fn: Callable, input_fn: Callable | None = None, *,
               inputs: Any = None) -> rewrite.Plan | rewrite.PartitionReport:
@@ -515,7 +514,7 @@ class Replicator(_collective_methods.CollectiveMethods):
                "min": tf.reduce_min}[op]
 
     def one(leaves):
-      with tf.device(self._host):
+      with tf.device(self._config.host):
         tensors = [tf.convert_to_tensor(t) for t in leaves]
         if axis is None:
           return reducer(tf.stack(tensors), axis=0)
@@ -527,7 +526,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     """Concatenates ``PerReplica`` values (or a nest of them) along ``axis``."""
 
     def one(leaves):
-      with tf.device(self._host):
+      with tf.device(self._config.host):
         tensors = [tf.convert_to_tensor(t) for t in leaves]
         if all(t.shape.rank == 0 for t in tensors):  # scalars (a loss per replica): one value each
           return tf.stack(tensors)
