@@ -19,8 +19,11 @@ Against ``MultiWorkerMirroredStrategy``, one program per worker:
 number of workers (one device each) and each model (the guard's deep and wide
 MLPs, Keras Adam), alternately:
 
-* ours: one client process driving that many ``python -m replicator.worker``
-  servers, the local view and the global view (``MultiWorkerReplicator``);
+* ours, multi-client: that many processes started by ``python -m
+  replicator.launch``, each running the same script with
+  ``MultiWorkerReplicator.from_tf_config()`` (the local view), as theirs;
+* ours, single-client: one client process driving that many ``python -m
+  replicator.worker`` servers, the local view and the global view;
 * theirs: that many processes started by ``python -m replicator.launch``, each
   running the same ``tf.distribute.MultiWorkerMirroredStrategy`` program
   (``TF_CONFIG``), the step a ``tf.function`` around ``strategy.run``.
@@ -114,6 +117,39 @@ def _mwms_child(model: str, steps: int) -> None:
     print("RESULT " + json.dumps(dict(result, replicas=strategy.num_replicas_in_sync)), flush=True)
 
 
+def _multi_client_child(model: str, steps: int) -> None:
+  """One worker of our multi-client job (started by replicator.launch); worker 0 prints JSON."""
+  repl = replicator.MultiWorkerReplicator.from_tf_config()  # before any other TensorFlow op
+  import resource
+
+  import keras
+
+  from benchmarks import models
+  from benchmarks import step_time
+  spec = models.by_name(model)
+  keras.utils.set_random_seed(0)
+  x, y = spec.batch()
+  with repl.context():
+    net = spec.build()
+    optimizer = repl.wrap_optimizer(step_time.adam())
+    optimizer.build(net.trainable_variables)
+  body = step_time._sgd_step(spec, net, optimizer)  # pylint: disable=protected-access
+  dataset = step_time._dataset(x, y)  # pylint: disable=protected-access
+
+  def step_fn(batch):
+    return body(*batch)
+
+  before = resource.getrusage(resource.RUSAGE_SELF)
+  wall = time.perf_counter()
+  repl.explain(step_fn, dataset)  # the build alone: its wall and CPU seconds
+  after = resource.getrusage(resource.RUSAGE_SELF)
+  build = dict(build_only_s=time.perf_counter() - wall,
+               build_cpu_s=(after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime))
+  result = _timed(lambda: repl.run(step_fn, dataset), steps)
+  if repl.task == 0:
+    print("RESULT " + json.dumps(dict(result, **build, replicas=repl.num_replicas)), flush=True)
+
+
 def _ours_child(workers: int, model: str, steps: int) -> None:
   """Our client over ``workers`` worker servers (one device each): both views; prints JSON."""
   import keras
@@ -142,7 +178,7 @@ def _ours_child(workers: int, model: str, steps: int) -> None:
   os._exit(0)  # skip TensorFlow's teardown of remote contexts
 
 
-def _result(command: list[str], workers: int | None = None) -> dict:
+def _result(command: list[str], workers: int | None = None, devices: int = 1) -> dict:
   """The JSON a child prints after ``RESULT`` (``workers``: started as that many workers by replicator.launch)."""
   import subprocess
   import sys
@@ -155,7 +191,7 @@ def _result(command: list[str], workers: int | None = None) -> dict:
     from replicator import launch
     out = io.TextIOWrapper(io.BytesIO(), write_through=True)
     err = io.TextIOWrapper(io.BytesIO(), write_through=True)
-    code = launch.launch(command, workers, timeout=1800, out=out, err=err)
+    code = launch.launch(command, workers, devices, timeout=1800, out=out, err=err)
     text = out.buffer.getvalue().decode() + err.buffer.getvalue().decode()
   lines = [line.split("RESULT ", 1)[1] for line in text.splitlines() if "RESULT " in line]
   if code != 0 or not lines:
@@ -163,19 +199,31 @@ def _result(command: list[str], workers: int | None = None) -> dict:
   return json.loads(lines[0])
 
 
-def versus_mwms(workers: list[int], models: list[str], steps: int) -> list[dict]:
-  """Ours (both views) against MultiWorkerMirroredStrategy at each number of workers, one device each."""
+def versus_mwms(workers: list[int], models: list[str], steps: int, single_client: bool = True,
+                devices: int = 1) -> list[dict]:
+  """Ours against MultiWorkerMirroredStrategy at each number of workers (``devices`` each; MWMS: one).
+
+  Ours multi-client (every worker runs the program) and, with
+  ``single_client``, one client driving worker servers (both views).
+  """
   rows = []
   for model in models:
     for w in workers:
-      ours = _result(["-m", "benchmarks.multiworker", "--ours-child", str(w), "--model", model, "--steps", str(steps)])
+      multi = _result(["-m", "benchmarks.multiworker", "--multi-client-child", model, "--steps", str(steps)],
+                      workers=w, devices=devices)
       theirs = _result(["-m", "benchmarks.multiworker", "--mwms-child", model, "--steps", str(steps)], workers=w)
-      row = dict(model=model, workers=w, ours_local=ours["local"], ours_global=ours["global"], mwms=theirs)
+      row = dict(model=model, workers=w, devices_per_worker=devices, ours_multi_client=multi, mwms=theirs)
+      line = (f"{model}, {w} workers x {devices}: ours multi-client {multi['build_s']:.2f} s / "
+              f"{multi['step_ms']:.1f} ms (build alone {multi['build_only_s']:.2f} s, CPU {multi['build_cpu_s']:.2f} s)")
+      if single_client:
+        ours = _result(["-m", "benchmarks.multiworker", "--ours-child", str(w), "--model", model, "--steps",
+                        str(steps)])
+        row.update(ours_local=ours["local"], ours_global=ours["global"])
+        line += (f"; single-client local {ours['local']['build_s']:.2f} s / {ours['local']['step_ms']:.1f} ms, "
+                 f"global {ours['global']['build_s']:.2f} s / {ours['global']['step_ms']:.1f} ms")
       rows.append(row)
-      print(f"{model}, {w} workers x 1: ours local {ours['local']['build_s']:.2f} s / {ours['local']['step_ms']:.1f} ms, "
-            f"global {ours['global']['build_s']:.2f} s / {ours['global']['step_ms']:.1f} ms; "
-            f"MultiWorkerMirroredStrategy {theirs['build_s']:.2f} s / {theirs['step_ms']:.1f} ms "
-            f"(ours local / theirs {ours['local']['step_ms'] / theirs['step_ms']:.2f})", flush=True)
+      print(line + f"; MultiWorkerMirroredStrategy {theirs['build_s']:.2f} s / {theirs['step_ms']:.1f} ms "
+            f"(multi-client / theirs {multi['step_ms'] / theirs['step_ms']:.2f})", flush=True)
   return rows
 
 
@@ -187,16 +235,24 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--versus-mwms", default=None, help="numbers of workers, e.g. 2,4: ours against MWMS")
   parser.add_argument("--models", default="mlp_deep,mlp_wide", help="with --versus-mwms: the models")
   parser.add_argument("--steps", type=int, default=30, help="with --versus-mwms: timed steps a run")
+  parser.add_argument("--multi-client-only", action="store_true",
+                      help="with --versus-mwms: leave out the single-client runs")
+  parser.add_argument("--devices-per-worker", type=int, default=1,
+                      help="with --versus-mwms: our multi-client workers' devices (MWMS: one each)")
+  parser.add_argument("--multi-client-child", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--mwms-child", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--ours-child", type=int, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.mwms_child:
     return _mwms_child(args.mwms_child, args.steps)
+  if args.multi_client_child:
+    return _multi_client_child(args.multi_client_child, args.steps)
   if args.ours_child:
     return _ours_child(args.ours_child, args.model, args.steps)
   if args.versus_mwms:
-    rows = versus_mwms([int(w) for w in args.versus_mwms.split(",")], args.models.split(","), args.steps)
+    rows = versus_mwms([int(w) for w in args.versus_mwms.split(",")], args.models.split(","), args.steps,
+                       not args.multi_client_only, args.devices_per_worker)
     if args.json:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=2)

@@ -1,25 +1,36 @@
 """Replicas on several worker processes, over TensorFlow's gRPC runtime.
 
-In-graph replication across machines: this (client) process connects to the
-workers' TensorFlow servers, traces and rewrites the step exactly as on one
-machine, with replicas on ``/job:worker/task:i/device:CPU:j``, and runs it as
-one distributed graph call. The workers only run a server
-(``python -m replicator.worker``).
+Two modes:
+
+* multi-client (``task=``, or ``from_tf_config()`` in a process whose
+  ``TF_CONFIG`` names its task): every worker process runs the user's script.
+  Each traces the step for its own devices' replicas only, plans and lowers
+  its own part (collectives within the process in-graph, across processes on
+  TensorFlow's collective runtime, with keys every process computes alike),
+  and runs it. As MultiWorkerMirroredStrategy does.
+* single-client (no ``task``): this (client) process connects to the
+  workers' TensorFlow servers (``python -m replicator.worker``), traces and
+  rewrites the step for every replica, with replicas on
+  ``/job:worker/task:i/device:CPU:j``, and runs it as one distributed graph call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import tensorflow as tf
+import tree
 
 import mesh as mesh_lib
 import rewrite
 from replicator._replicator import Replicator
 from replicator.core import _context
 from replicator.core import _errors
+from replicator.core._values import PerReplica
 from replicator.integrations import _cluster
+from replicator.integrations import _collective_runtime
 
 DEVICE_COUNT_MISMATCH = (
     "devices_per_worker={wanted} but worker {task} ({address}) has only {found} CPU device(s). "
@@ -126,14 +137,21 @@ class MultiWorkerReplicator(Replicator):
     WorkerUnavailableError: a worker is unreachable within ``connect_timeout``.
   """
 
-  def __init__(self, cluster, devices_per_worker: int | None = None, *, tasks: Sequence[int] | None = None,
-               connect_timeout: float = 30.0, collective_timeout: float = 30.0, **kwargs):
+  def __init__(self, cluster, devices_per_worker: int | None = None, *, task: int | None = None,
+               tasks: Sequence[int] | None = None, connect_timeout: float = 30.0, collective_timeout: float = 30.0,
+               **kwargs):
     if "devices" in kwargs or "mesh" in kwargs:
       raise _errors.ArgumentError("MultiWorkerReplicator places replicas on the cluster's workers; do not pass "
                        "`devices` or `mesh`.")
     connect_timeout = _cluster.check_timeout("connect_timeout", connect_timeout, allow_zero=False)
     collective_timeout = _cluster.check_timeout("collective_timeout", collective_timeout, allow_zero=True)
     self._cluster = _cluster.parse(cluster)
+    self.collective_timeout = collective_timeout
+    self._task = None if task is None else self._cluster.check_task(task)
+    self._combiners: dict = {}  # reduce/gather's steps in a multi-client job, by what they combine
+    if self._task is not None:
+      self._start_multi_client(devices_per_worker, tasks, kwargs)
+      return
     self._tasks = tuple(range(len(self._cluster.workers)) if tasks is None else
                         [self._cluster.check_task(t) for t in tasks])
     _cluster.wait_reachable(self._cluster, connect_timeout, self._tasks)
@@ -152,8 +170,35 @@ class MultiWorkerReplicator(Replicator):
     devices = [d for task_devices in per_task for d in task_devices[:devices_per_worker]]
     m = mesh_lib.Mesh({"worker": len(per_task), "device": devices_per_worker}, devices)
     kwargs.setdefault("batch_axes", ("worker", "device"))
-    self.collective_timeout = collective_timeout
     super().__init__(mesh=m, **kwargs)
+
+  def _start_multi_client(self, devices_per_worker, tasks, kwargs) -> None:
+    """This process as worker ``self._task`` of a job whose every worker runs this program."""
+    if tasks is not None:
+      raise _errors.ArgumentError(
+          "MultiWorkerReplicator(task=..., tasks=...): in a multi-client job every worker runs the program, so the "
+          "replicas are on every worker. Fix: leave tasks out (or run one client without task=).")
+    if devices_per_worker is None:
+      devices_per_worker = int(os.environ.get("REPLICATOR_DEVICES_PER_WORKER", "1"))
+    if not isinstance(devices_per_worker, int) or isinstance(devices_per_worker, bool) or devices_per_worker < 1:
+      raise _errors.ArgumentError(f"MultiWorkerReplicator(devices_per_worker={devices_per_worker!r}): expected a "
+                                  f"positive int, the logical CPUs of each worker.")
+    workers = len(self._cluster.workers)
+    self._tasks = tuple(range(workers))
+    devices = _collective_runtime.start(self._cluster.workers, self._task, devices_per_worker)
+    m = mesh_lib.Mesh({"worker": workers, "device": devices_per_worker}, devices)
+    kwargs.setdefault("batch_axes", ("worker", "device"))
+    super().__init__(mesh=m, **kwargs)
+
+  @property
+  def task(self) -> int | None:
+    """This process's worker in a multi-client job (None: one client drives every worker)."""
+    return self._task
+
+  @property
+  def local_replicas(self) -> tuple[int, ...]:
+    """The replicas this process runs: its own devices' in a multi-client job, else every replica."""
+    return self._config.local_replicas
 
   def _configured(self, config):
     """The base configuration with this Replicator's lowerings (their collective timeout) and input hosts."""
@@ -161,14 +206,30 @@ class MultiWorkerReplicator(Replicator):
     if config.batch_axes is not None:  # (this Replicator's config is `config` already: input_pipeline reads it)
       for replica in range(self.num_replicas):
         hosts.setdefault(self.input_pipeline(replica), rewrite.task_of(self.devices[replica]) + "/device:CPU:0")
-    return dataclasses.replace(config, input_hosts=tuple(hosts[p] for p in range(len(hosts))), lowerings={
-        "collective_ops": rewrite.CollectiveOps(self.collective_timeout),
-        "hierarchical": rewrite.Hierarchical(self.collective_timeout)})
+    agreed = self._task is not None
+    config = dataclasses.replace(config, input_hosts=tuple(hosts[p] for p in range(len(hosts))), lowerings={
+        "collective_ops": rewrite.CollectiveOps(self.collective_timeout, agreed_keys=agreed),
+        "hierarchical": rewrite.Hierarchical(self.collective_timeout, agreed_keys=agreed)})
+    if not agreed:
+      return config
+    per_worker = self.mesh.shape["device"]
+    leaders = [self.devices[t * per_worker] for t in range(self.mesh.shape["worker"])]
+    return dataclasses.replace(
+        config, replicas=tuple(range(self._task * per_worker, (self._task + 1) * per_worker)),
+        agree=_collective_runtime.Agreement(leaders, self._task, self.collective_timeout))
 
   @classmethod
   def from_tf_config(cls, tf_config: str | None = None, **kwargs) -> "MultiWorkerReplicator":
-    """A MultiWorkerReplicator for the cluster in ``TF_CONFIG`` (or the given JSON)."""
-    cluster, _ = _cluster.from_tf_config(tf_config)
+    """A MultiWorkerReplicator for the cluster in ``TF_CONFIG`` (or the given JSON).
+
+    When ``TF_CONFIG`` names this process's task (``{"task": {"type": "worker", "index": i}}``, as
+    ``python -m replicator.launch`` and cluster managers set it), this process is worker ``i`` of a
+    multi-client job: call it first thing in every worker's copy of the script. Without a task, one
+    client drives every worker.
+    """
+    cluster, task = _cluster.from_tf_config(tf_config)
+    if "task" not in kwargs and task.get("type", _cluster.JOB) == _cluster.JOB and "index" in task:
+      kwargs["task"] = int(task["index"])
     return cls(cluster=cluster.spec, **kwargs)
 
   def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
@@ -194,6 +255,14 @@ class MultiWorkerReplicator(Replicator):
 
   def run(self, *args, **kwargs):
     """:meth:`Replicator.run`, reporting a lost worker as ``WorkerUnavailableError``."""
+    if self._task is not None:  # a multi-client job: peers are checked when a step fails, not before each
+      try:
+        return super().run(*args, **kwargs)
+      except tf.errors.OpError as e:
+        dead = [t for t in self._unreachable() if t != self._task]
+        if dead:
+          raise self._lost(dead[0], e) from e
+        raise
     dead = self._unreachable()
     if dead:
       raise self._lost(dead[0], tf.errors.UnavailableError(None, None, "the worker refused the connection"))
@@ -217,5 +286,59 @@ class MultiWorkerReplicator(Replicator):
         task=task, address=self._cluster.workers[task], error_type=type(error).__name__,
         error=detail), task, self._cluster.workers[task])
 
+  # -- results (outside step_fn): in a multi-client job, every process's replicas' ------------------------
+
+  def reduce(self, op, per_replica, axis: int | None = None):
+    """:meth:`Replicator.reduce`; in a multi-client job over every process's replicas (each process gets it)."""
+    if self._task is None:
+      return super().reduce(op, per_replica, axis)
+    if isinstance(op, tf.distribute.ReduceOp):
+      op = op.value.lower()
+    super().reduce(op, None)  # checks op (and nothing else)
+    if axis is None:
+      return self._across_processes(("reduce", op), lambda x: self.all_reduce(x, op), per_replica, "reduce")
+    reducer = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max, "min": tf.reduce_min}[op]
+    gathered = self._across_processes(("gather", axis), lambda x: self.all_gather(x, concat_dimension=axis),
+                                      per_replica, "reduce")
+    with tf.device(self._config.host):
+      return tree.map_structure(lambda t: None if t is None else reducer(t, axis=axis), gathered)
+
+  def gather(self, per_replica, axis: int = 0):
+    """:meth:`Replicator.gather`; in a multi-client job of every process's replicas (each process gets it)."""
+    if self._task is None:
+      return super().gather(per_replica, axis)
+
+    def gather(x):
+      return self.all_gather(tf.expand_dims(x, 0) if x.shape.rank == 0 else x, concat_dimension=axis)
+
+    return self._across_processes(("gather", axis), gather, per_replica, "gather", each=True)
+
+  def _across_processes(self, key, fn, per_replica, name: str, each: bool = False):
+    """``fn`` (a collective) of every replica's values, run as a step; replica's result of this process's first."""
+    local = len(self._config.local_replicas)
+
+    def check(value):
+      if value is None:
+        return None
+      if not isinstance(value, PerReplica):
+        raise _errors.ArgumentTypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a "
+                                        f"nest of them), found {type(value).__name__}.")
+      if len(value) != local:
+        raise _errors.ArgumentError(f"repl.{name}() got a PerReplica of {len(value)} values, but this process "
+                                    f"runs {local} replicas.")
+      return value
+
+    per_replica = tree.map_structure(check, per_replica)
+    step = self._combiners.get(key)
+    if step is None:
+      def step(values):  # pylint: disable=function-redefined
+        return tree.map_structure(lambda t: None if t is None else fn(t), values)
+      self._combiners[key] = step
+    result = self.run(step, inputs=per_replica)
+    with tf.device(self._config.host):
+      return tree.map_structure(lambda v: None if v is None else tf.identity(v[0]), result)
+
   def __repr__(self):
+    if self._task is not None:
+      return f"MultiWorkerReplicator(task={self._task}, workers={list(self._cluster.workers)}, mesh={self.mesh!r})"
     return f"MultiWorkerReplicator(workers={list(self._cluster.workers)}, mesh={self.mesh!r})"

@@ -429,8 +429,9 @@ class Replicator(_collective_methods.CollectiveMethods):
       >>> [b.numpy().tolist() for b in next(iter(repl.distribute_dataset(ds)))]
       [[0, 1, 2], [3, 4]]
     """
-    pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]
-    return _distributed_dataset.DistributedDataset(dataset, pipelines, self._config.host, prefetch)
+    pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]  # every replica's
+    mine = [pipelines[r] for r in self._config.local_replicas]  # (a multi-client job's process: its own)
+    return _distributed_dataset.DistributedDataset(dataset, mine, self._config.host, prefetch, max(pipelines) + 1)
 
   def explain(self, step_fn: Callable, input_fn: Callable | None = None, *,
               inputs: Any = None) -> rewrite.Plan | rewrite.PartitionReport:
@@ -543,9 +544,9 @@ class Replicator(_collective_methods.CollectiveMethods):
       if not isinstance(value, PerReplica):
         raise _errors.ArgumentTypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a nest of "
                         f"them), found {type(value).__name__}.")
-      if len(value) != self.num_replicas:
+      if len(value) != len(self._config.local_replicas):
         raise _errors.ArgumentError(f"repl.{name}() got a PerReplica of {len(value)} values, but this "
-                         f"Replicator has {self.num_replicas} replicas.")
+                         f"Replicator has {len(self._config.local_replicas)} replicas.")
       return fn(value.values)
 
     return tree.map_structure(leaf, per_replica)

@@ -162,6 +162,30 @@ def launch(command: list[str], workers: int, devices_per_worker: int = 1, *, gra
   return code
 
 
+_VALUED = ("--workers", "--devices-per-worker", "--grace", "--timeout")
+
+
+def _split_arguments(argv: list[str]) -> tuple[list[str], list[str] | None]:
+  """The launcher's own arguments, and ``["-m", module, args...]`` or ``[script, args...]`` (None: not found).
+
+  What follows the script or ``-m module`` is the program's, even options
+  the launcher does not know (``-m examples.train --steps 40``).
+  """
+  i = 0
+  while i < len(argv):
+    word = argv[i]
+    if word == "-m" and i + 1 < len(argv):
+      return argv[:i], argv[i:]
+    if word in _VALUED:
+      i += 2
+      continue
+    if word.startswith("-"):
+      i += 1
+      continue
+    return argv[:i], argv[i:]
+  return argv, None
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m replicator.launch", description=__doc__.split("\n\n")[0])
   parser.add_argument("--workers", type=int, required=True, help="worker processes to start (>= 1)")
@@ -170,7 +194,11 @@ def main(argv=None) -> None:
   parser.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
   parser.add_argument("-m", dest="module", default=None, help="run a module (as python -m) instead of a script")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...]")
-  args = parser.parse_args(argv)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  own, rest = _split_arguments(argv)
+  args = parser.parse_args(own)
+  if rest is not None:  # the script's (or module's) own arguments, options included, go to it untouched
+    args.module, args.command = (rest[1], rest[2:]) if rest[:1] == ["-m"] else (None, rest)
   if args.workers < 1:
     parser.error(f"--workers {args.workers}: expected the number of worker processes, at least 1.")
   if args.devices_per_worker < 1:

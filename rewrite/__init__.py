@@ -22,6 +22,7 @@ from rewrite._apply import Rewritten
 from rewrite._apply import apply
 from rewrite._errors import CollectiveMismatchError
 from rewrite._errors import RewriteError
+from rewrite._lowering import AgreedKeys
 from rewrite._lowering import Lowering
 from rewrite._lowering import LoweringContext
 from rewrite._lowering import auto as auto_lowering
@@ -51,6 +52,7 @@ del _collective_ops, _hierarchical, _one_device
 
 __all__ = (
     "KINDS",
+    "AgreedKeys",
     "Collective",
     "CollectiveMismatchError",
     "CollectiveOps",

@@ -78,23 +78,29 @@ def _build_template(lowering: _lowering.Lowering, collective: Collective, group:
     inputs, devices = [], []
     for position, replica in enumerate(group):
       member = collective.members[replica]
-      with tf.device(member.device):
-        inputs.append(tf.compat.v1.placeholder(
-            collective.dtype, member.input_shape, name=f"input_{position}"))
-      devices.append(member.device)
+      device = member.device if member is not None else collective.devices[replica]
+      if member is None:  # another process builds this member (a multi-client job)
+        inputs.append(None)
+      else:
+        with tf.device(device):
+          inputs.append(tf.compat.v1.placeholder(
+              collective.dtype, member.input_shape, name=f"input_{position}"))
+      devices.append(device)
     results = lowering.lower_group(collective, inputs, devices, ctx)
     if len(results) != len(group):
       raise _errors.RewriteError(
           f"Lowering {lowering.name!r} returned {len(results)} results for a group of {len(group)}.")
     outputs = []
     for position, (y, device) in enumerate(zip(results, devices)):
+      if inputs[position] is None:
+        continue
       if y.device and tf.DeviceSpec.from_string(y.device) == tf.DeviceSpec.from_string(device):
         outputs.append(y.name)  # made on its member's device already (a copy there, a collective op)
         continue
       with tf.device(device):
         outputs.append(tf.identity(y, name=f"output_{position}").name)
   externals = {t.op.name: key for key, t in ctx.externals.items()}
-  return _Template(nodes=tuple(graph.as_graph_def().node), inputs=tuple(i.op.name for i in inputs),
+  return _Template(nodes=tuple(graph.as_graph_def().node), inputs=tuple(i.op.name for i in inputs if i is not None),
                    outputs=tuple(outputs), externals=externals)
 
 
@@ -102,7 +108,7 @@ def _template(lowering, collective, group) -> _Template:
   key = lowering.cache_key(collective)
   if key is None:
     return _build_template(lowering, collective, group)
-  key = (lowering.name, key, tuple(collective.members[r].device for r in group))
+  key = (lowering.name, key, tuple(collective.members[r].device for r in group))  # (full groups only)
   template = _TEMPLATE_CACHE.get(key)
   if template is None:
     template = _build_template(lowering, collective, group)
@@ -132,7 +138,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
   out.versions.CopyFrom(graph_def.versions)
   out.library.CopyFrom(graph_def.library)
   existing = {n.name for n in graph_def.node}
-  placeholders = {m.node: m for c in plan.collectives for m in c.members}
+  placeholders = {m.node: m for c in plan.collectives for m in c.present}
   missing = set(placeholders) - existing
   if missing:
     raise _errors.RewriteError(f"Placeholder nodes {sorted(missing)} are not in the graph.")
@@ -153,9 +159,19 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
   for collective in plan.collectives:
     lowering = (lowerings or {}).get(collective.implementation) or _lowering.get(collective.implementation)
     for g, group in enumerate(collective.groups):
-      template = _template(lowering, collective, group)
+      built = tuple(r for r in group if collective.members[r] is not None)
+      if not built:
+        continue  # the group of another process of a multi-client job
+      if len(built) < len(group):
+        if not lowering.partial_groups:
+          raise _errors.RewriteError(
+              f"{collective.describe()}: its group {list(group)} spans processes, and lowering {lowering.name!r} "
+              f"builds whole groups only. Fix: use implementation='auto' or 'collective_ops'.")
+        template = _build_template(lowering, collective, group)
+      else:
+        template = _template(lowering, collective, group)
       scope = f"{prefix}/{collective.index}_{collective.kind}" + (f"/group_{g}" if len(collective.groups) > 1 else "")
-      inputs = {name: collective.members[r].input for name, r in zip(template.inputs, group)}
+      inputs = {name: collective.members[r].input for name, r in zip(template.inputs, built)}
       renamed = {}
       for tnode, key in template.externals.items():
         if key not in external_nodes:
@@ -168,7 +184,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
           external_inputs[node.name + ":0"] = lowering.external_value(key)
         renamed[tnode] = external_nodes[key]
 
-      here = placed[max((collective.members[r].node for r in group), key=position.__getitem__)]
+      here = placed[max((collective.members[r].node for r in built), key=position.__getitem__)]
       for tnode in template.nodes:
         if tnode.name in inputs or tnode.name in template.externals:
           continue
@@ -183,7 +199,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
             node.input.append(f"^{previous}")
           last_ordered[node.device] = node.name
         here.append(node)
-      for r, output in zip(group, template.outputs):
+      for r, output in zip(built, template.outputs):
         replacement[collective.members[r].node] = _remap(output, inputs, renamed, scope)
 
   out.node.extend(new_nodes)

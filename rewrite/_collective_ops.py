@@ -43,15 +43,19 @@ class CollectiveOps(_lowering.Lowering):
   Args:
     timeout_seconds: how long a member waits for the others before failing
       (0 waits forever).
+    agreed_keys: keys every process of a multi-client job computes alike
+      (``_lowering.AgreedKeys``), for groups whose members several processes
+      build; by default keys are counted in this process.
   """
 
   name = "collective_ops"
   ordered_op_types = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})
+  partial_groups = True
 
-  def __init__(self, timeout_seconds: float = 0.0):
+  def __init__(self, timeout_seconds: float = 0.0, agreed_keys: bool = False):
     self.timeout_seconds = timeout_seconds
+    self.keys = _lowering.AgreedKeys() if agreed_keys else _lowering.ProcessKeys()
     self._tokens: dict[str, tf.Variable] = {}
-    self._group_keys: dict[tuple[str, ...], int] = {}
     self._lock = threading.Lock()
 
   def supports(self, collective: Collective) -> bool:
@@ -59,13 +63,6 @@ class CollectiveOps(_lowering.Lowering):
 
   def cache_key(self, collective):
     return None  # every instance needs its own instance key
-
-  def _group_key(self, devices) -> int:
-    with self._lock:
-      key = tuple(devices)
-      if key not in self._group_keys:
-        self._group_keys[key] = _lowering.new_key()
-      return self._group_keys[key]
 
   def external_value(self, key: str) -> tf.Tensor:
     device = key.split("@", 1)[1]
@@ -79,11 +76,14 @@ class CollectiveOps(_lowering.Lowering):
     _lowering.check_group_inputs(collective, inputs, devices)
     n = len(devices)
     params = collective.param_dict
-    group_key = self._group_key(devices)
-    instance_key = _lowering.new_key()
-    sizes_key = _lowering.new_key() if collective.ragged else None
+    group_key = self.keys.group_key(devices)
+    instance_key = self.keys.instance_key(group_key, collective)
+    sizes_key = self.keys.instance_key(group_key, collective, "sizes") if collective.ragged else None
     outputs = []
     for i, (x, device) in enumerate(zip(inputs, devices)):
+      if x is None:  # another process builds this member's op
+        outputs.append(None)
+        continue
       token = ctx.external(f"token@{device}", tf.resource)
       with tf.device(device):
         common = dict(group_size=n, group_key=group_key, instance_key=instance_key,

@@ -28,14 +28,19 @@ _CROSS_TASK_OP = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
 class Hierarchical(_lowering.Lowering):
   """Reduce within each task, one collective op across tasks, copy back.
 
+  In a multi-client job each process builds its own task's part: the
+  reduction of its members, its leader's cross-task op, the copies back.
+
   Args:
     timeout_seconds: timeout of the cross-task collective op (0: none).
+    agreed_keys: keys every process computes alike (see :class:`CollectiveOps`).
   """
 
   name = "hierarchical"
+  partial_groups = True
 
-  def __init__(self, timeout_seconds: float = 0.0):
-    self._across = CollectiveOps(timeout_seconds)
+  def __init__(self, timeout_seconds: float = 0.0, agreed_keys: bool = False):
+    self._across = CollectiveOps(timeout_seconds, agreed_keys)
     self.ordered_op_types = self._across.ordered_op_types
 
   @property
@@ -60,25 +65,38 @@ class Hierarchical(_lowering.Lowering):
     for i, device in enumerate(devices):
       tasks.setdefault(_lowering.task_of(device), []).append(i)
     leaders = [members[0] for members in tasks.values()]
+    # A task whose members another process builds (a multi-client job) takes no part here: None.
+    built = [all(inputs[i] is not None for i in members) for members in tasks.values()]
+    if any(inputs[i] is not None for members, b in zip(tasks.values(), built) if not b for i in members):
+      raise _errors.RewriteError(f"{self.name}: a task's members must all be built in one process.")
     if collective.kind == "broadcast":
       source = params["source"]
       op = "sum"
       local = []
-      for members in tasks.values():
+      for members, b in zip(tasks.values(), built):
+        if not b:
+          local.append(None)
+          continue
         with tf.device(devices[members[0]]):
           local.append(tf.identity(inputs[source]) if source in members else tf.zeros_like(inputs[members[0]]))
     else:
       op = params["op"]
       local = []
-      for members in tasks.values():
+      for members, b in zip(tasks.values(), built):
+        if not b:
+          local.append(None)
+          continue
         with tf.device(devices[members[0]]):
           local.append(reduce_values("sum" if op == "mean" else op, [inputs[i] for i in members]))
     across = Collective(index=collective.index, kind="all_reduce", params=(("op", _CROSS_TASK_OP[op]),),
                         axes=collective.axes, dtype=collective.dtype, shape=collective.shape,
-                        members=collective.members, groups=collective.groups, implementation=self.name)
+                        members=collective.members, groups=collective.groups, implementation=self.name,
+                        devices=collective.devices)
     combined = self._across.lower_group(across, local, [devices[i] for i in leaders], ctx)
     outputs = [None] * len(devices)
     for members, value in zip(tasks.values(), combined):
+      if value is None:
+        continue
       with tf.device(devices[members[0]]):
         if collective.kind == "all_reduce" and op == "mean":
           value = _divide(value, len(devices))

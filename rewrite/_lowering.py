@@ -10,6 +10,7 @@ without touching the rewrite pass.
 from __future__ import annotations
 
 import abc
+import hashlib
 import itertools
 import random
 import threading
@@ -32,6 +33,82 @@ def new_key() -> int:
   """A process-wide unique integer (for collective group and instance keys)."""
   with _KEYS_LOCK:
     return next(_KEYS)
+
+
+class ProcessKeys:
+  """Collective keys for one process that builds every member's op (one client): counted, never reused."""
+
+  agreed = False
+
+  def __init__(self):
+    self._groups: dict[tuple[str, ...], int] = {}
+    self._lock = threading.Lock()
+
+  def group_key(self, devices: Sequence[str]) -> int:
+    """One key per device list."""
+    with self._lock:
+      key = tuple(devices)
+      if key not in self._groups:
+        self._groups[key] = new_key()
+      return self._groups[key]
+
+  def instance_key(self, group_key: int, collective: Collective, part: str = "") -> int:  # pylint: disable=unused-argument
+    """A new key for every instance."""
+    return new_key()
+
+
+KEY_COLLISION = (
+    "Two different collectives of this job drew the same collective key {key} ({what}): {a} and {b}. The keys are "
+    "hashed so that every process of a multi-client job draws the same ones without talking; this is the rare "
+    "collision of two hashes. Fix: change the step slightly (the order of two collectives) or report it."
+)
+
+
+class AgreedKeys:
+  """Collective keys every process of a multi-client job computes alike, without talking to the others.
+
+  Each process builds only its own devices' ops, so the members of one
+  collective are made by different processes, which must choose the same
+  group and instance keys. Counting keys in build order (as
+  MultiWorkerMirroredStrategy does) breaks as soon as one process builds a
+  step the others do not (``repl.explain`` on worker 0 only, a short last
+  batch's step); here keys are hashes of what every process knows alike:
+
+  * group key: the group's devices (job-wide names, so equal in every process);
+  * instance key: the group key, the collective's position in its step, its
+    kind, parameters, dtype and shape (two steps with the same collective at
+    the same position share a key, which is safe: the instance is the same).
+
+  Keys live in ``[2**30, 2**31)``, apart from single-client counters' usual
+  range. A collision between two different collectives in this process is a
+  named error (:data:`KEY_COLLISION`) instead of a wrong shape at run time.
+  """
+
+  agreed = True
+  _LOW = 2**30
+
+  def __init__(self):
+    self._seen: dict[tuple[str, int], str] = {}
+    self._lock = threading.Lock()
+
+  def _hash(self, what: str, text: str) -> int:
+    key = self._LOW + int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % self._LOW
+    with self._lock:
+      earlier = self._seen.setdefault((what, key), text)
+    if earlier != text:
+      raise _errors.RewriteError(KEY_COLLISION.format(key=key, what=what, a=earlier, b=text))
+    return key
+
+  def group_key(self, devices: Sequence[str]) -> int:
+    return self._hash("group", "|".join(devices))
+
+  def instance_key(self, group_key: int, collective: Collective, part: str = "") -> int:
+    shape = None if collective.shape.rank is None else collective.shape.as_list()
+    return self.named_key(group_key, f"{collective.index}|{collective.describe()}|{collective.dtype.name}|{shape}|{part}")
+
+  def named_key(self, group_key: int, name: str) -> int:
+    """The instance key of group ``group_key`` for what every process calls ``name``."""
+    return self._hash(f"instance of group {group_key}", f"{group_key}|{name}")
 
 
 class LoweringContext:
@@ -66,6 +143,8 @@ class Lowering(abc.ABC):
 
   name: str = ""
   ordered_op_types: frozenset[str] = frozenset()
+  # Whether lower_group takes groups some of whose members another process builds (their inputs None).
+  partial_groups: bool = False
 
   def supports(self, collective: Collective) -> bool:  # pylint: disable=unused-argument
     """Whether this lowering can implement ``collective``."""
@@ -83,12 +162,14 @@ class Lowering(abc.ABC):
 
     Args:
       collective: the matched collective (kind, params, dtype, shape).
-      inputs: each group member's input, placed on its device, in group order.
-      devices: each member's device, in group order.
+      inputs: each group member's input, placed on its device, in group order;
+        None for a member another process builds (only lowerings with
+        ``partial_groups`` get such groups).
+      devices: each member's device, in group order (every member's).
       ctx: the lowering context.
 
     Returns:
-      Each member's result, in group order.
+      Each member's result, in group order (None where the input was None).
     """
 
   def external_value(self, key: str) -> tf.Tensor:
@@ -130,8 +211,8 @@ def auto(collective: Collective) -> str:
     all-reduce and broadcast (one network transfer per worker), else
     "collective_ops".
   """
-  spans_tasks = any(
-      len({task_of(collective.members[r].device) for r in group}) > 1 for group in collective.groups)
+  devices = collective.devices or tuple(m.device for m in collective.members)
+  spans_tasks = any(len({task_of(devices[r]) for r in group}) > 1 for group in collective.groups)
   if not spans_tasks:
     return "one_device"
   return "hierarchical" if get("hierarchical").supports(collective) else "collective_ops"

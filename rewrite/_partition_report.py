@@ -425,7 +425,7 @@ def _relayouts(graph, partition, outputs, locate, mesh_shape):
 
 
 def _collective_row(c: Collective, expected: dict) -> CollectiveRow:
-  op_type, _, op_name = c.members[0].call.partition(" ")
+  op_type, _, op_name = c.present[0].call.partition(" ")
   why = ""
   queue = expected.get(op_name, ())
   for item in queue:

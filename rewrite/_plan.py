@@ -27,9 +27,12 @@ class Collective:
     axes: mesh axes communicated over.
     dtype: dtype of the payload.
     shape: input shape agreed by all replicas (dimensions may be None).
-    members: one placeholder per replica, indexed by replica id.
+    members: one placeholder per replica, indexed by replica id; None for a
+      replica this process does not run (a multi-client job's other processes').
     groups: replica ids partitioned into the device groups that communicate.
     implementation: name of the lowering that will implement it.
+    devices: every replica's device, indexed by replica id (this process's
+      and the others').
   """
 
   index: int
@@ -41,6 +44,12 @@ class Collective:
   members: tuple[Placeholder, ...]
   groups: tuple[tuple[int, ...], ...]
   implementation: str
+  devices: tuple[str, ...] = ()
+
+  @property
+  def present(self) -> tuple[Placeholder, ...]:
+    """The members this process traced (every member, unless other processes run some replicas)."""
+    return tuple(m for m in self.members if m is not None)
 
   @property
   def param_dict(self) -> dict[str, Any]:
@@ -66,7 +75,7 @@ class Collective:
   def member_nbytes(self) -> tuple[int | None, ...]:
     """Bytes of each member's input (None where its static shape is not fully known)."""
     return tuple(m.input_shape.num_elements() * self.dtype.size if m.input_shape.is_fully_defined() else None
-                 for m in self.members)
+                 for m in self.present)
 
   def bytes_str(self) -> str:
     """One replica's input bytes for tables: "4,096", "3,072-4,096" (members differ), "?" (unknown)."""
@@ -79,7 +88,7 @@ class Collective:
 
   @property
   def location(self) -> str:
-    return self.members[0].location
+    return self.present[0].location
 
   def describe(self) -> str:
     params = ", ".join(f"{k}={v!r}" for k, v in self.params)
@@ -135,9 +144,10 @@ def _mismatch(a: Placeholder, b: Placeholder, what: str) -> _errors.CollectiveMi
   return _errors.CollectiveMismatchError(message, (a.replica, b.replica), a.index)
 
 
-def _count_mismatch(placeholders: Sequence[Sequence[Placeholder]], r: int) -> _errors.CollectiveMismatchError:
-  n0, nr = len(placeholders[0]), len(placeholders[r])
-  longer, shorter = (0, r) if n0 > nr else (r, 0)
+def _count_mismatch(placeholders: Sequence[Sequence[Placeholder] | None], first: int,
+                    r: int) -> _errors.CollectiveMismatchError:
+  n0, nr = len(placeholders[first]), len(placeholders[r])
+  longer, shorter = (first, r) if n0 > nr else (r, first)
   extra = placeholders[longer][min(n0, nr)]
   message = (
       f"Replica {longer} made {max(n0, nr)} collective call(s) but replica {shorter} "
@@ -157,12 +167,15 @@ def _checked_shape(member: Placeholder) -> tf.TensorShape:
   return tf.TensorShape([None if d == dim else n for d, n in enumerate(member.input_shape.as_list())])
 
 
-def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
+def plan(placeholders: Sequence[Sequence[Placeholder] | None], mesh: mesh_lib.Mesh,
          choose: Callable[[Collective], str]) -> Plan:
   """Matches placeholders across replicas into collectives.
 
   Args:
-    placeholders: for each replica (mesh device order), its placeholders in call order.
+    placeholders: for each replica (mesh device order), its placeholders in
+      call order; None for a replica that another process of a multi-client
+      job traces (its members are None, and its process plans its own part:
+      every process must make the same calls).
     mesh: the mesh the replicas run on.
     choose: picks the lowering name for a matched collective.
 
@@ -176,10 +189,16 @@ def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
   if len(placeholders) != mesh.size:
     raise _errors.RewriteError(
         f"Expected placeholders for {mesh.size} replicas, found {len(placeholders)}.")
+  present = [r for r, p in enumerate(placeholders) if p is not None]
+  if not present:
+    raise _errors.RewriteError("Expected the placeholders of at least one replica, found none.")
   collectives = []
-  for index, members in enumerate(zip(*placeholders)):
-    first = members[0]
-    for other in members[1:]:
+  for index, traced in enumerate(zip(*(placeholders[r] for r in present))):
+    members = [None] * mesh.size
+    for r, m in zip(present, traced):
+      members[r] = m
+    first = traced[0]
+    for other in traced[1:]:
       if (first.kind, first.params) != (other.kind, other.params):
         raise _mismatch(first, other, "kind or parameters")
       if first.axes != other.axes:
@@ -192,6 +211,9 @@ def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
     groups = mesh.groups(first.axes)
     shape = None
     for group in groups:
+      group = [r for r in group if members[r] is not None]
+      if not group:
+        continue  # another process's group
       lead = members[group[0]]
       group_shape = _checked_shape(lead)
       for r in group[1:]:
@@ -204,14 +226,14 @@ def plan(placeholders: Sequence[Sequence[Placeholder]], mesh: mesh_lib.Mesh,
         raise _mismatch(first, lead, "rank")
       else:
         shape = shape.most_specific_compatible_shape(group_shape)
-    if len({tuple(m.input_shape.as_list()) if m.input_shape.rank is not None else None for m in members}) == 1:
+    if len({tuple(m.input_shape.as_list()) if m.input_shape.rank is not None else None for m in traced}) == 1:
       shape = first.input_shape  # a ragged gather whose members agree after all
     draft = Collective(index=index, kind=first.kind, params=first.params, axes=first.axes,
                        dtype=first.dtype, shape=shape, members=tuple(members),
-                       groups=groups, implementation="")
+                       groups=groups, implementation="", devices=tuple(mesh.devices))
     collectives.append(dataclasses.replace(draft, implementation=choose(draft)))
   # The lengths differ but every shared position matched: report the extra call.
-  for r in range(1, len(placeholders)):
-    if len(placeholders[r]) != len(placeholders[0]):
-      raise _count_mismatch(placeholders, r)
+  for r in present[1:]:
+    if len(placeholders[r]) != len(placeholders[present[0]]):
+      raise _count_mismatch(placeholders, present[0], r)
   return Plan(collectives=tuple(collectives), devices=mesh.devices)

@@ -136,3 +136,22 @@ def test_a_module_runs_as_with_python_dash_m(tmp_path):
   code, out, err = _launch(["-m", "launched_module"], 2, env=env)
   assert code == 0, err
   assert sorted(out.splitlines()) == ["[worker 0] module 0", "[worker 1] module 1"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--workers", "2", "--timeout", "60", "-m", "launched_module", "--steps", "3", "-m", "x"],
+    ["--workers=2", "{script}", "--steps", "3", "-m", "x"],
+])
+def test_options_after_the_program_are_the_programs(tmp_path, argv, monkeypatch):
+  # Was: `-m module --steps 3` stopped with "unrecognized arguments: --steps" (the launcher read them as its own).
+  body = "import sys, os\nprint('args', os.environ['REPLICATOR_LAUNCH_TASK'], sys.argv[1:])\n"
+  (tmp_path / "launched_module.py").write_text(body)
+  argv = [a.format(script=str(tmp_path / "launched_module.py")) for a in argv]
+  launched = []
+  monkeypatch.setattr(launch, "launch", lambda command, workers, devices, **kw: launched.append((command, workers)) or 0)
+  with pytest.raises(SystemExit) as stopped:
+    launch.main(argv)
+  assert stopped.value.code == 0
+  command, workers = launched[0]
+  assert workers == 2 and command[-4:] == ["--steps", "3", "-m", "x"]
+  assert command[0] in ("-m", str(tmp_path / "launched_module.py"))

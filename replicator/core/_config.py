@@ -35,6 +35,10 @@ class Config:
     input_hosts: the device each input pipeline's dataset is built and
       iterated on, by pipeline (a multi-worker Replicator's: each pipeline's
       worker's CPU); empty: ``host`` for every pipeline.
+    replicas: the replicas this process runs, by id (a multi-client job's
+      process: its own devices'); empty: every replica.
+    agree: in a multi-client job, ``agree(value)`` returns worker 0's
+      ``value`` in every process (variables' initial values); None: one process.
   """
 
   mesh: Any
@@ -50,6 +54,18 @@ class Config:
   host: str = "/device:CPU:0"
   lowerings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   input_hosts: tuple[str, ...] = ()
+  replicas: tuple[int, ...] = ()
+  agree: Any = None
+
+  @property
+  def local_replicas(self) -> tuple[int, ...]:
+    """The replicas this process runs (every replica, unless it is one process of a multi-client job)."""
+    return self.replicas or tuple(range(self.mesh.size))
+
+  @property
+  def multi_client(self) -> bool:
+    """Whether other processes run some of the replicas (one process of a multi-client job)."""
+    return len(self.local_replicas) < self.mesh.size
 
   def lowering_for(self, collective) -> str:
     """The lowering (by name) of one matched collective: the one asked for, or the rewrite's choice."""

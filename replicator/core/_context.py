@@ -32,6 +32,8 @@ class ReplicaContext:
     analysis: which mesh axes the trace's values vary along, shared by the
       replicas of one trace (``_invariance``).
     batch_axes: the Replicator's batch axes (``Config.batch_axes``; None: none).
+    first: whether this is the first replica of the trace (replica 0, or in a
+      multi-client job this process's first).
   """
 
   replicator: Any
@@ -47,6 +49,7 @@ class ReplicaContext:
   lifted: set | None = None
   analysis: Any = None  # _invariance.Analysis of this trace (None: writes are not checked)
   batch_axes: tuple[str, ...] | None = None
+  first: bool = True
 
 
 _state = threading.local()

@@ -114,7 +114,7 @@ def locator(graph: tf.Graph, strip_replica: bool, plan=None) -> Callable[[str], 
     made = _REWRITTEN.search(node)
     if made is not None and int(made.group(1)) in collectives:
       collective = collectives[int(made.group(1))]
-      return COLLECTIVE_OP.format(kind=collective.kind, index=collective.index), collective.members[0].location
+      return COLLECTIVE_OP.format(kind=collective.kind, index=collective.index), collective.location
     match = _LOCAL_NAME.search(node)
     name = match.group(1) if match else node
     if strip_replica:

@@ -115,9 +115,10 @@ _EXTERNAL = re.compile(r"^(?:.*/)?replicator_rewrite_*/external/")
 
 def collective_can_fail(collective) -> bool:
   """Whether a planned collective may fail at run time: shapes known only then, or a group across processes."""
-  members = collective.members
+  members = collective.present
   static = all(m.shape.is_fully_defined() and m.input_shape.is_fully_defined() for m in members)
-  return not static or len({_task(m.device) for m in members}) > 1
+  devices = collective.devices or tuple(m.device for m in members)
+  return not static or len(members) < len(collective.members) or len({_task(d) for d in devices}) > 1
 
 
 def _task(device: str) -> tuple:

@@ -78,11 +78,13 @@ class DistributedIterator(_tf_types.Iterator):
   without failing. AutoGraph stages ``for batch in iterator:`` as a loop.
   """
 
-  def __init__(self, iterator, pipelines: tuple[int, ...], host_device: str, element_spec):
+  def __init__(self, iterator, pipelines: tuple[int, ...], host_device: str, element_spec,
+               num_pipelines: int | None = None):
     self._iterator = iterator  # a tf.data iterator over the global batches
     self._pipelines = pipelines
     self._host = host_device
     self._element_spec = element_spec
+    self._num_pipelines = max(pipelines) + 1 if num_pipelines is None else num_pipelines
 
   @property
   def element_spec(self):
@@ -110,13 +112,13 @@ class DistributedIterator(_tf_types.Iterator):
 
   def _parts(self, element) -> PerReplica:
     with tf.device(self._host):
-      parts = split(element, max(self._pipelines) + 1)
+      parts = split(element, self._num_pipelines)
     return PerReplica([parts[p] for p in self._pipelines])
 
   # TensorFlow's nest protocol (public by duck type, TF 2.21's `CustomNestProtocol`): as a tf.function's argument
   # the iterator is its tf.data iterator (a resource), one trace for every iterator of the same dataset spec.
   def __tf_flatten__(self):
-    return (self._pipelines, self._host, self._element_spec), (self._iterator,)
+    return (self._pipelines, self._host, self._element_spec, self._num_pipelines), (self._iterator,)
 
   @classmethod
   def __tf_unflatten__(cls, metadata, components):
@@ -153,19 +155,23 @@ class DistributedDataset(_tf_types.Iterable):
   (position along the replicator's ``batch_axes``); devices that differ only
   along the other mesh axes get the same part.
 
+  In one process of a multi-client job, every process reads the global
+  batches and keeps its own replicas' parts.
+
   Attributes:
-    num_replicas: how many replicas take a part.
-    pipelines: for each replica, which part it takes.
+    num_replicas: how many replicas take a part (in this process).
+    pipelines: for each of those replicas, which part it takes.
     num_pipelines: how many parts each global batch is split into.
     host_device: where the global batches are read and split.
   """
 
-  def __init__(self, dataset: tf.data.Dataset, pipelines, host_device: str, prefetch: int = 2):
+  def __init__(self, dataset: tf.data.Dataset, pipelines, host_device: str, prefetch: int = 2,
+               num_pipelines: int | None = None):
     if not isinstance(dataset, tf.data.Dataset):
       raise _errors.ArgumentTypeError(f"distribute_dataset needs a tf.data.Dataset of global batches, found {type(dataset).__name__}.")
     self.pipelines = tuple(range(pipelines)) if isinstance(pipelines, int) else tuple(pipelines)
     self.num_replicas = len(self.pipelines)
-    self.num_pipelines = max(self.pipelines) + 1
+    self.num_pipelines = max(self.pipelines) + 1 if num_pipelines is None else num_pipelines
     self.host_device = host_device
     for leaf in tree.flatten(dataset.element_spec):
       if not isinstance(leaf, tf.TensorSpec):
@@ -184,7 +190,8 @@ class DistributedDataset(_tf_types.Iterable):
   def __iter__(self) -> DistributedIterator:
     """An iterator giving a ``PerReplica`` of per-replica batches for each global batch (Python or tf.function)."""
     with tf.device(self.host_device):
-      return DistributedIterator(iter(self._dataset), self.pipelines, self.host_device, self.element_spec)
+      return DistributedIterator(iter(self._dataset), self.pipelines, self.host_device, self.element_spec,
+                                 self.num_pipelines)
 
   def reduce(self, initial_state, reduce_fn):
     """``reduce_fn(state, batch)`` over every batch, in a ``tf.while_loop``: how AutoGraph stages a ``for`` loop.
@@ -218,11 +225,13 @@ class GlobalBatchInputs(_inputs.Source):
   def __init__(self, distributed: DistributedDataset):
     self.distributed = weakref.ref(distributed)
     self.key = ("dataset", tuple(tree.flatten(distributed.element_spec)), str(distributed.element_spec))
-    n = self._n = distributed.num_pipelines
-    self.slots = distributed.pipelines
+    self._n = distributed.num_pipelines
+    self._mine = list(dict.fromkeys(distributed.pipelines))  # the parts this process's replicas take
+    self.slots = tuple(self._mine.index(p) for p in distributed.pipelines)
     self._host = distributed.host_device
     with tf.device(self._host):
       self._iterator = iter(distributed.dataset)
+    n = len(self._mine)
     self.structures = (distributed.element_spec,) * n
     flat = tree.flatten(distributed.element_spec)
     self.counts = (len(flat),) * n
@@ -231,8 +240,16 @@ class GlobalBatchInputs(_inputs.Source):
   def end_message(self) -> str:
     return _errors.END_OF_DATASET  # a dataset of global batches, not an input_fn
 
+  def varying_axes(self, mesh) -> frozenset[str]:
+    if len(self.slots) != mesh.size:
+      return super().varying_axes(mesh)
+    pipelines = [self._mine[s] for s in self.slots]
+    return frozenset(a for a in mesh.axis_names
+                     if any(len({pipelines[r] for r in group}) > 1 for group in mesh.groups(a)))
+
   def _split_flat(self, element):
-    return [t for part in split(element, self._n) for t in tree.flatten(part)]
+    parts = split(element, self._n)
+    return [t for p in self._mine for t in tree.flatten(parts[p])]
 
   fetches_plainly = True
 

@@ -110,6 +110,8 @@ class Source:
   def varying_axes(self, mesh) -> frozenset[str]:
     """The mesh axes along which replicas get different inputs (replicas of one slot share theirs)."""
     slots = self.slots if self.slots is not None else tuple(range(mesh.size))
+    if len(slots) != mesh.size:  # one process of a multi-client job: the others' inputs are unknown here
+      return frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1)
     return frozenset(a for a in mesh.axis_names
                      if any(len({slots[r] for r in group}) > 1 for group in mesh.groups(a)))
 
@@ -203,22 +205,28 @@ class DatasetInputs(Source):
 
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
                host_device: str | Sequence[str], prefetch_to_device: int = 0,
-               pipelines: Sequence[int] | None = None, drop_remainder: bool = False):
+               pipelines: Sequence[int] | None = None, drop_remainder: bool = False,
+               replicas: Sequence[int] | None = None):
+    """``devices`` and ``pipelines``: every replica's; ``replicas``: the ones this process runs (default: all)."""
     self._drop_remainder = drop_remainder
     pipelines = tuple(range(len(devices)) if pipelines is None else pipelines)
+    replicas = tuple(range(len(pipelines)) if replicas is None else replicas)
     n = max(pipelines) + 1
-    self.slots = pipelines
-    self._devices = tuple(devices[pipelines.index(p)] for p in range(n))
+    self._pipelines = pipelines
+    mine = list(dict.fromkeys(pipelines[r] for r in replicas))  # this process's pipelines, by first replica
+    self.slots = tuple(mine.index(pipelines[r]) for r in replicas)
+    self._devices = tuple(devices[pipelines.index(p)] for p in mine)
     # One host per pipeline: where its dataset is built and iterated (a
     # worker's own CPU in a multi-worker run, so data never passes the client).
     hosts = (host_device,) * n if isinstance(host_device, str) else tuple(host_device)
+    hosts = tuple(hosts[p] for p in mine)
     datasets = []
-    for replica in range(n):
-      with tf.device(hosts[replica]):
-        ds = input_fn(InputContext(replica_id=replica, num_replicas=n,
-                                   input_pipeline_id=replica, num_input_pipelines=n))
+    for pipeline, host in zip(mine, hosts):
+      with tf.device(host):
+        ds = input_fn(InputContext(replica_id=pipeline, num_replicas=n,
+                                   input_pipeline_id=pipeline, num_input_pipelines=n))
       if not isinstance(ds, tf.data.Dataset):
-        raise _errors.InputMismatchError(NOT_A_DATASET.format(replica=replica, found=_describe(ds)))
+        raise _errors.InputMismatchError(NOT_A_DATASET.format(replica=pipeline, found=_describe(ds)))
       datasets.append(ds)
     _check_same_specs([ds.element_spec for ds in datasets], "input_fn's datasets", check_shapes=True)
     for leaf in tree.flatten(datasets[0].element_spec):
@@ -246,6 +254,12 @@ class DatasetInputs(Source):
     # with an empty batch: such an epoch ends when the first dataset does.
     self.pads_with_empty_batches = not drop_remainder and all(
         spec.shape.rank and spec.shape[1:].is_fully_defined() for spec in tree.flatten(self.structures[0]))
+
+  def varying_axes(self, mesh) -> frozenset[str]:
+    if len(self._pipelines) != mesh.size:
+      return super().varying_axes(mesh)
+    return frozenset(a for a in mesh.axis_names
+                     if any(len({self._pipelines[r] for r in group}) > 1 for group in mesh.groups(a)))
 
   @property
   def fetches_plainly(self) -> bool:

@@ -23,10 +23,12 @@ Checked on TensorFlow 2.21: logical CPUs of several processes form one group
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import tensorflow as tf
 
+import rewrite
 from replicator.core import _errors
 
 JOB = "worker"
@@ -78,3 +80,48 @@ def start(addresses, task: int, devices_per_worker: int) -> tuple[str, ...]:
     raise
   _started = (task, len(addresses))
   return device_names(len(addresses), devices_per_worker)
+
+
+class Agreement:
+  """Worker 0's values in every process, by eager broadcasts over each worker's first device.
+
+  Used for initial values: a variable's initializer draws different random
+  numbers in each process, and replicas must start equal (as
+  MultiWorkerMirroredStrategy broadcasts them from worker 0). Every process
+  creates its variables in the same order (the same program), so the k-th
+  agreement of each process is the same broadcast; its keys are hashed from
+  that count (``rewrite.AgreedKeys``).
+
+  Args:
+    leaders: each worker's first device, worker by worker.
+    task: this process's worker.
+    timeout_seconds: how long a broadcast waits for the other workers.
+  """
+
+  _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+  def __init__(self, leaders, task: int, timeout_seconds: float):
+    self._leaders = tuple(leaders)
+    self._task = task
+    self._timeout = timeout_seconds
+    self._keys = rewrite.AgreedKeys()
+    self._group_key = self._keys.group_key(self._leaders)
+    self._count = itertools.count()
+    with tf.init_scope(), tf.device(self._leaders[task]):  # made now: later, a variable creator may be in scope
+      self._token = tf.Variable(0.0, trainable=False, name="agreement_token")
+
+  def __call__(self, value: tf.Tensor) -> tf.Tensor:
+    """``value`` as worker 0 has it (eager; the same shape in every process)."""
+    if len(self._leaders) < 2:
+      return value
+    dtype = value.dtype
+    if dtype == tf.bool:
+      return tf.cast(self(tf.cast(value, tf.int32)), tf.bool)
+    if dtype not in self._DTYPES:
+      return value  # strings and the like: left as each process made them
+    with tf.init_scope(), tf.device(self._leaders[self._task]):
+      key = self._keys.named_key(self._group_key, f"initial value #{next(self._count)}")
+      mine = value if self._task == 0 else tf.zeros_like(value)
+      return tf.raw_ops.CollectiveReduceV2(
+          input=mine, group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
+          ordering_token=[self._token.handle], merge_op="Add", final_op="Id", timeout_seconds=self._timeout)

@@ -66,7 +66,7 @@ class Written:
         first = values[members[0]]
         other = next((r for r in members[1:] if not np.array_equal(values[r], first)), None)
         if other is not None:
-          found.append((variable.name, members[0], other))
+          found.append((variable.name, variable.replicas[members[0]], variable.replicas[other]))
           break
     return found
 

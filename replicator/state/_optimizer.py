@@ -505,7 +505,7 @@ class ReplicatedOptimizer(tf.Module):
       if owner is None or not owner.pending:
         continue
       replicated = _variables.underlying(variables[i])
-      component = replicated.components[ctx.replica_id]
+      component = _variables.component_for(replicated, ctx.replica_id)
       nbytes = _piece_bytes(replicated, _replication(self._replicator.mesh, replicated.sharding)[1])
       if rows_everywhere(_access.writes_rows_only(graph, update_ops, component),
                          _access.reads_whole(graph, everything, component), nbytes, gathered_bytes[i]):

@@ -236,9 +236,13 @@ class ReplicatedVariable(tf.Variable):
   # resource variables and differentiate with respect to `.handle`.
   _should_act_as_resource_variable = True
 
-  def __init__(self, components, replicator, offsets=None, layout=None):  # pylint: disable=super-init-not-called
+  def __init__(self, components, replicator, offsets=None, layout=None,
+               replicas=None):  # pylint: disable=super-init-not-called
     self._components = tuple(components)
     self._replicator = replicator
+    # The replica each component belongs to: every replica, or in a multi-client job this process's.
+    self._replicas = tuple(range(len(self._components))) if replicas is None else tuple(replicas)
+    self._position = {r: i for i, r in enumerate(self._replicas)}
     # None: every component is the whole variable (replicated).
     self._sharding = None if layout is None or layout.is_fully_replicated else layout
     self._global_shape = None
@@ -265,6 +269,11 @@ class ReplicatedVariable(tf.Variable):
   def components(self) -> tuple[tf.Variable, ...]:
     """The per-replica component variables, in replica order."""
     return self._components
+
+  @property
+  def replicas(self) -> tuple[int, ...]:
+    """The replica of each component (in a multi-client job, this process's replicas only)."""
+    return self._replicas
 
   @property
   def sharding(self) -> mesh_lib.Layout | None:
@@ -295,7 +304,8 @@ class ReplicatedVariable(tf.Variable):
     home = list(range(len(self._components)))
     for group in self._replicator.mesh.groups(axes):
       for device in group:
-        home[device] = group[position]
+        if device in self._position:
+          home[self._position[device]] = self._position.get(group[position], self._position[device])
     self._home = tuple(home)
 
   def relayout(self, layout: mesh_lib.Layout | None, chosen_by: str = "") -> None:
@@ -339,7 +349,7 @@ class ReplicatedVariable(tf.Variable):
       return standin
     ctx = _context.current_context()
     if ctx is not None and ctx.replicator is self._replicator:
-      return self._components[ctx.replica_id]
+      return self._components[self._position[ctx.replica_id]]
     return self._home_component()
 
   def _home_component(self) -> tf.Variable:
@@ -637,9 +647,13 @@ class ReplicatedVariable(tf.Variable):
         getattr(component, method)(piece, *args[1:], read_value=False, **kwargs)
     elif self._on_read and method in ("assign_add", "assign_sub") and \
         self.aggregation == tf.VariableAggregation.SUM:
-      getattr(self._components[0], method)(*args, read_value=False, **kwargs)  # the sum moves by delta
+      if self._replicas[0] == 0:  # replica 0's process (in a multi-client job)
+        getattr(self._components[0], method)(*args, read_value=False, **kwargs)  # the sum moves by delta
     elif self._on_read and method == "assign":
-      for component, value in zip(self._components, spread(args[0], self, len(self._components))):
+      values = spread(args[0], self, len(self._components))
+      if self._replicas[0] != 0 and self.aggregation == tf.VariableAggregation.SUM:
+        values = [tf.zeros_like(values[0])] * len(values)  # the total lives on replica 0, in another process
+      for component, value in zip(self._components, values):
         component.assign(value, read_value=False)
     elif self._offsets is not None and method == "assign":
       for component, offset in zip(self._components, self._offsets):
@@ -877,8 +891,18 @@ def per_replica_by_design(variable) -> bool:
 
 
 def agreeing_groups(variable) -> list:
-  """The groups of replicas whose copies of ``variable`` must be equal (along its replicated axes)."""
-  return variable._replicator.mesh.groups(variable._replicated_axes())  # pylint: disable=protected-access
+  """The groups of components (positions in ``variable.components``) that must be equal (its replicated axes).
+
+  In a multi-client job, this process's members of each group.
+  """
+  position = variable._position  # pylint: disable=protected-access  (this module's class)
+  groups = variable._replicator.mesh.groups(variable._replicated_axes())  # pylint: disable=protected-access
+  return [tuple(position[r] for r in group if r in position) for group in groups]
+
+
+def component_for(variable, replica: int) -> tf.Variable:
+  """The component of ``variable`` that replica ``replica`` (an id in the whole job) holds."""
+  return variable._components[variable._position[replica]]  # pylint: disable=protected-access
 
 
 def layout_chosen_by(variable) -> str:
@@ -937,7 +961,7 @@ def _reuse(ctx, path: str):
       raise _errors.VariableCreationError(OTHER_VARIABLE.format(
           replica=ctx.replica_id, path=path, index=index, first=first, first_path=first_path))
     return variable
-  if ctx.replica_id != 0:  # replica 0 is traced first; it created fewer
+  if not ctx.first:  # the first replica is traced first; it created fewer
     raise _errors.VariableCreationError(EXTRA_VARIABLE.format(
         replica=ctx.replica_id, path=path, index=index, first=0, count=len(ctx.created)))
   return None
@@ -1019,6 +1043,14 @@ def variables_of(replicator) -> list:
 def owner_of(handle):
   """The ReplicatedVariable whose component (or first-run flag) has ``handle``, or None."""
   return _OWNERS.get(id(handle))
+
+
+SHARDED_MULTI_CLIENT = (
+    "The variable {name!r} has the layout {spec}, and this Replicator is one process of a multi-client job: sharded "
+    "variables are not supported across processes yet (each process holds only its own devices' pieces, and reads "
+    "from outside a step would need the others'). Fix: replicate it (no layouts key for it), or run the job from "
+    "one client (MultiWorkerReplicator(cluster=...) without task=)."
+)
 
 
 SHARDED_HANDLE = (
@@ -1170,7 +1202,8 @@ def make_creator(replicator, config, layouts, state=None):
       existing = _reuse(step, path)
       if existing is not None:
         return existing
-    devices = replicator.devices
+    replicas = config.local_replicas  # this process's
+    devices = [replicator.devices[r] for r in replicas]
     initial_value = kwargs.pop("initial_value")
     reference = _current_reference()
     deferred = None  # an initial value only the step computes: assigned on its first run
@@ -1185,6 +1218,8 @@ def make_creator(replicator, config, layouts, state=None):
           value = tf.zeros(deferred.shape, deferred.dtype)  # until the first run assigns it
         elif not (isinstance(initial_value, tf.Tensor) and tf.is_symbolic_tensor(initial_value)):
           value, _ = _initial_value(initial_value, kwargs.get("dtype"))
+        if config.agree is not None:  # a multi-client job: every process starts from worker 0's value
+          value = config.agree(value)
       kwargs["dtype"] = value.dtype
       on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
       layout = _choose_layout(layouts, replicator.mesh, path, value.shape, reference)
@@ -1195,20 +1230,24 @@ def make_creator(replicator, config, layouts, state=None):
                                                                          shape=tf.TensorShape(kwargs["shape"])))
       sum_on_read = on_read and kwargs.get("aggregation") == tf.VariableAggregation.SUM
       # The global view runs one program: one random stream, drawn at global shapes and sliced.
-      offsets = None if config.view == "global" else seed_offsets(name, value, len(devices))
+      offsets = None if config.view == "global" else seed_offsets(name, value, replicator.num_replicas)
+      if offsets is not None:
+        offsets = [offsets[r] for r in replicas]
       if layout is not None:
+        if len(replicas) < replicator.num_replicas:
+          raise _errors.UnsupportedError(SHARDED_MULTI_CLIENT.format(name=path, spec=layout.spec))
         with tf.device(devices[0]):  # slice where the value is; copy only the pieces
           pieces = mesh_lib.split(value, layout)
       components = []
-      for i, device in enumerate(devices):
+      for i, (replica, device) in enumerate(zip(replicas, devices)):
         with tf.device(device):  # an on-read SUM variable starts with its total on replica 0
           initial = pieces[i] if layout is not None else value
-          if sum_on_read and i > 0:
+          if sum_on_read and replica > 0:
             initial = tf.zeros_like(value)
           if offsets is not None:
             initial = initial + offsets[i]
           components.append(new_component(initial_value=initial, **kwargs))
-    variable = ReplicatedVariable(components, replicator, offsets, layout)
+    variable = ReplicatedVariable(components, replicator, offsets, layout, replicas)
     variable._run_state = state  # pylint: disable=protected-access
     variable._chosen_by = _chosen_by(layouts, path, reference)  # pylint: disable=protected-access
     variable._reference = None if reference is None else underlying(reference)  # pylint: disable=protected-access

@@ -131,11 +131,11 @@ class LocalView:
         pipelines = [replicator.input_pipeline(r) for r in range(replicator.num_replicas)]
         hosts = self._config.input_hosts or (self._config.host,) * (max(pipelines) + 1)
         source = _inputs.DatasetInputs(input_fn, replicator.devices, list(hosts), self._config.prefetch_to_device,
-                                       pipelines, self._config.drop_remainder)
+                                       pipelines, self._config.drop_remainder, self._config.local_replicas)
         self._sources.set(input_fn, source)
       return source
     if inputs is not None:
-      return _inputs.ExplicitInputs(inputs, replicator.num_replicas)
+      return _inputs.ExplicitInputs(inputs, len(self._config.local_replicas))
     return _inputs.NoInputs()
 
   def _distributed_for(self, dataset: tf.data.Dataset) -> _distributed_dataset.DistributedDataset:

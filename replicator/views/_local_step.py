@@ -97,6 +97,7 @@ class CompiledStep:
   written: _consistency.Written | None = None  # replicated state the step writes
   snapshot: _atomic.AllOrNothing | None = None  # all-or-nothing calls: what they keep of the written components
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
+  replicas: tuple = ()  # the replicas this process runs, whose outputs the step returns
   _executables: dict = dataclasses.field(default_factory=dict)
 
   def _import(self, flat_elements, captured: dict[str, tf.Tensor]) -> list[tf.Tensor]:
@@ -236,7 +237,7 @@ class CompiledStep:
     """The step's flat outputs (every replica's, in order) as one output nest per replica."""
     results = []
     it = iter(flat)
-    for _ in self.plan.devices:
+    for _ in self.replicas:
       leaves = [next(it) if is_tensor else None for is_tensor in self.tensor_leaves]
       results.append(tree.unflatten_as(self.structure, leaves))
     return results
@@ -291,20 +292,24 @@ def build(replicator, config: _config.Config, creator: Callable, step_fn: Callab
   ``creator``: its variable creator.
   """
   devices = replicator.devices
-  placeholders = [[] for _ in devices]
+  replicas = config.local_replicas  # every replica, or in a multi-client job this process's
+  # Each replica's placeholders; None for another process's replicas.
+  placeholders: list = [None] * len(devices)
+  for replica in replicas:
+    placeholders[replica] = []
   gradient_names = []
   accumulating = set()
   created = []
   lifted = set()
-  outputs = [None] * len(devices)
+  outputs = [None] * len(replicas)
   fn = convert(step_fn, config.autograph)
 
   retracing = []  # non-empty while tracing again after a trace that created variables
 
   def trace(*flat_elements):
     # TF may trace more than once; only the records of the last trace count.
-    for records in placeholders:
-      del records[:]
+    for replica in replicas:
+      del placeholders[replica][:]
     _gradient_registry.release(gradient_names)
     del gradient_names[:]
     accumulating.clear()
@@ -319,16 +324,18 @@ def build(replicator, config: _config.Config, creator: Callable, step_fn: Callab
                                     lambda handle: _variables.read_axes(handle, all_axes))
     flat_outputs = []
     with tf.variable_creator_scope(creator):
-      for replica, device in enumerate(devices):
+      for position, replica in enumerate(replicas):
+        device = devices[replica]
         ctx = _context.ReplicaContext(replicator=replicator, replica_id=replica, device=device,
                                       graph=graph, placeholders=placeholders[replica],
                                       gradient_names=gradient_names, accumulating=accumulating, created=created,
-                                      lifted=lifted, analysis=analysis, batch_axes=config.batch_axes)
+                                      lifted=lifted, analysis=analysis, batch_axes=config.batch_axes,
+                                      first=position == 0)
         with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
               _tf_distribute.replica_context(ctx), _callables.inline_functions()):
-          result = fn(*source.step_args(replica, flat_elements))
+          result = fn(*source.step_args(position, flat_elements))
           result = step_outputs(result)
-        outputs[replica] = result
+        outputs[position] = result
     _variables.check_control_flow_writes(analysis)  # writes inside control flow: now that the trace is complete
     for result in outputs:
       flat_outputs.extend(t for t in tree.flatten(result) if t is not None)
@@ -351,7 +358,7 @@ def build(replicator, config: _config.Config, creator: Callable, step_fn: Callab
   written = _access.written_placeholders(scratch.graph)
   check_writes(scratch.graph, written)
   plan = rewrite.plan(placeholders, replicator.mesh, config.lowering_for)  # collective mismatches first:
-  _check_outputs(outputs)  # they are the usual cause of output mismatches
+  _check_outputs(outputs, replicas)  # they are the usual cause of output mismatches
   written_state = _consistency.Written([external for external, internal in scratch.graph.captures
                                        if internal.op.name in written])
   graph_def = _lifting.prune(scratch.graph.as_graph_def(), lifted)  # initializers computed outside the step
@@ -378,7 +385,7 @@ def build(replicator, config: _config.Config, creator: Callable, step_fn: Callab
       input_names=[t.name for t in graph.inputs[:len(source.element_specs)]], captures=captures,
       output_names=[rewrite.renamed_tensor(rewritten.output_name(t.name), merged) for t in scratch.outputs],
       output_dtypes=[t.dtype for t in scratch.outputs], output_shapes=[t.shape for t in scratch.outputs],
-      structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source,
+      structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source, replicas=replicas,
       accumulating=tuple(sorted(accumulating, key=id)), written=written_state, snapshot=snapshot,
       locate=_failures.locator(scratch.graph, strip_replica=False, plan=plan))
 
@@ -448,9 +455,9 @@ def check_writes(graph, written: dict[str, str], replicated=_variables.is_replic
       raise _errors.UnreplicatedStateError(WRITE_OUTSIDE.format(what=name, location=location))
 
 
-def _check_outputs(outputs: list) -> None:
+def _check_outputs(outputs: list, replicas) -> None:
   mismatch = _values.first_mismatch(outputs)
   if mismatch is not None:
     r, difference = mismatch
     raise _errors.OutputMismatchError(OUTPUT_MISMATCH.format(
-        what=difference.split()[0] + "s", r=r, a=_spec_str(outputs[0]), b=_spec_str(outputs[r])))
+        what=difference.split()[0] + "s", r=replicas[r], a=_spec_str(outputs[0]), b=_spec_str(outputs[r])))

@@ -1,0 +1,99 @@
+"""Multi-client scenarios: each worker process of ``python -m replicator.launch`` runs this script.
+
+``python -m replicator.launch --workers W --devices-per-worker D tests/multi_client_scenarios.py NAME OUT``
+runs scenario NAME in every worker; each writes what it found to ``OUT/worker_<task>.npz`` for
+tests/test_multi_client.py to compare with a one-device reference computed there.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import replicator  # noqa: E402  (does not start TensorFlow)
+
+# The multi-client runtime starts before TensorFlow runs anything.
+repl = replicator.MultiWorkerReplicator.from_tf_config(collective_timeout=60.0)
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
+Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
+GLOBAL_BATCH = 16
+STEPS = 4
+
+
+def model_and_optimizer():
+  # Each process draws different initial weights: the replicas must start from worker 0's.
+  keras.utils.set_random_seed(100 + repl.task)
+  with repl.context():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(2)])
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.05))
+  return model, optimizer
+
+
+def input_fn(ctx):
+  b = GLOBAL_BATCH // ctx.num_replicas
+  ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+  return ds.map(lambda x, y: (x[ctx.replica_id * b:(ctx.replica_id + 1) * b],
+                              y[ctx.replica_id * b:(ctx.replica_id + 1) * b]))
+
+
+def components(variables):
+  """Every local component of every variable: name -> [this process's replicas' values]."""
+  found = {}
+  for v in variables:
+    inner = getattr(v, "value", v)  # a Keras variable wraps the replicated tf.Variable
+    replicated = getattr(inner, "components", None)
+    found[v.path if hasattr(v, "path") else v.name] = np.stack([c.numpy() for c in replicated])
+  return found
+
+
+def train(out):
+  model, optimizer = model_and_optimizer()
+  initial = {f"initial/{k}": v for k, v in components(model.trainable_variables).items()}
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss, tf.shape(x)[0]
+
+  if repl.task == 0:  # a step only worker 0 builds: the others' keys must not shift (they are not counted)
+    repl.explain(lambda: repl.all_reduce(tf.ones([3])))
+  losses = []
+  for _ in range(STEPS):
+    loss, rows = repl.run(step, input_fn)
+    losses.append(float(repl.reduce("mean", loss)))
+  gathered = repl.gather(loss).numpy()
+  summed_rows = int(repl.reduce("sum", rows))
+  found = {f"final/{k}": v for k, v in components(model.variables + optimizer.variables).items()}
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), losses=np.array(losses), gathered=gathered,
+           summed_rows=summed_rows, replicas=np.array(repl.local_replicas), **initial, **found)
+
+
+def refusals(out):
+  """What does not run across processes yet says so, and what instead."""
+  found = []
+  with repl.context(layouts={"kernel": (None, "worker")}):
+    try:
+      keras.layers.Dense(4).build((None, 3))
+    except replicator.UnsupportedError as e:
+      found.append(str(e))
+  try:
+    repl.run(lambda x: x, tf.data.Dataset.range(8).batch(4), view="global")
+  except replicator.UnsupportedError as e:
+    found.append(str(e))
+  with open(os.path.join(out, f"worker_{repl.task}.txt"), "w") as f:
+    f.write("\n---\n".join(found))
+
+
+if __name__ == "__main__":
+  name, out = sys.argv[1], sys.argv[2]
+  {"train": train, "refusals": refusals}[name](out)
+  print("done", repl.task, flush=True)

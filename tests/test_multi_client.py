@@ -1,0 +1,95 @@
+"""The multi-client mode: every worker process runs the script (``python -m replicator.launch``).
+
+Each scenario of ``tests/multi_client_scenarios.py`` runs in real worker
+processes on loopback ports; every worker saves its own replicas' copy of
+every variable and optimizer slot, which are compared with each other and
+with a one-device run of the same steps from worker 0's initial weights
+(computed here). Each process draws different initial weights: that they
+agree is the initial values' broadcast.
+"""
+
+import io
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from replicator import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIOS = os.path.join(ROOT, "tests", "multi_client_scenarios.py")
+X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
+Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
+GLOBAL_BATCH, STEPS = 16, 4
+# Float32 sums in another order (4 replicas' means, then their mean, against one mean of 16 rows) moved the
+# 4-step Adam weights by at most 3e-7 here; the bound leaves room.
+TOLERANCE = dict(rtol=1e-5, atol=2e-6)
+
+
+def _launch(tmp_path, scenario: str, workers: int, devices: int, suffix: str = "npz"):
+  out = io.TextIOWrapper(io.BytesIO(), write_through=True)
+  err = io.TextIOWrapper(io.BytesIO(), write_through=True)
+  code = launch.launch([SCENARIOS, scenario, str(tmp_path)], workers, devices, timeout=300, grace=5.0,
+                       env=dict(os.environ, PYTHONPATH=ROOT), out=out, err=err)
+  assert code == 0, err.buffer.getvalue().decode()[-4000:]
+  if suffix == "txt":
+    return [(tmp_path / f"worker_{t}.txt").read_text() for t in range(workers)]
+  return [dict(np.load(tmp_path / f"worker_{t}.npz")) for t in range(workers)]
+
+
+def _one_device(initial):
+  """The same steps on one device, from worker 0's initial weights: final variables by path, and the losses."""
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+  for v in model.trainable_variables:
+    v.assign(initial[f"initial/{v.path}"][0])
+  optimizer = keras.optimizers.Adam(0.05)
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  losses = [float(step(X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]))
+            for i in range(STEPS)]
+  final = {v.path: v.numpy() for v in model.variables + optimizer.variables}
+  return final, losses
+
+
+@pytest.mark.parametrize("workers, devices", [(2, 2), (4, 1)])
+def test_training_on_every_worker_equals_one_device(tmp_path, workers, devices):
+  results = _launch(tmp_path, "train", workers, devices)
+  n = workers * devices
+  for task, found in enumerate(results):
+    assert found["replicas"].tolist() == list(range(task * devices, (task + 1) * devices))
+  # Every process's replicas start from worker 0's draw (each process seeded its own).
+  first = results[0]
+  for found in results:
+    for key in first:
+      if key.startswith("initial/"):
+        np.testing.assert_array_equal(found[key], np.broadcast_to(first[key][0], found[key].shape), err_msg=key)
+  expected, losses = _one_device(first)
+  names = {k[len("final/"):] for k in first if k.startswith("final/")}
+  assert names == set(expected), (sorted(names), sorted(expected))
+  for task, found in enumerate(results):
+    for name, value in expected.items():  # every process's copy, on every one of its devices; slots, counters
+      copies = found[f"final/{name}"]
+      assert copies.shape[0] == devices
+      for copy in copies:
+        np.testing.assert_allclose(copy, value, err_msg=f"worker {task}: {name}", **TOLERANCE)
+    np.testing.assert_allclose(found["losses"], losses, **TOLERANCE)  # repl.reduce: every replica's mean
+    assert found["gathered"].shape == (n,)  # repl.gather: one loss a replica, in replica order
+    np.testing.assert_allclose(found["gathered"].mean(), losses[-1], **TOLERANCE)
+    np.testing.assert_array_equal(found["gathered"], results[0]["gathered"])
+    assert int(found["summed_rows"]) == GLOBAL_BATCH  # repl.reduce("sum") of each replica's rows
+
+
+def test_what_does_not_run_across_processes_yet_says_so(tmp_path):
+  for text in _launch(tmp_path, "refusals", 2, 1, suffix="txt"):
+    sharded, global_view = text.split("\n---\n")
+    assert "has the layout" in sharded and "sharded variables are not supported across processes yet" in sharded
+    assert "Fix: replicate it" in sharded
+    assert "the global view (view='global', Keras's fit" in global_view and "Fix: use the local view" in global_view
