@@ -7,6 +7,7 @@ Run before every stop that touches ``replicator/``, ``rewrite/`` or ``mesh/``
   python -m benchmarks.guard --record        # ... and record the new values (an intended change)
   python -m benchmarks.guard --only mlp_deep,atomic   # some entries (names as in the table)
   python -m benchmarks.guard --only build --against 194c59a   # builds, alternating with another commit's
+  python -m benchmarks.guard --only multiworker   # the multi-worker step against MultiWorkerMirroredStrategy
 
 A build's time follows the machine's speed, which drifted by 15-20% over one
 day here: ``--against COMMIT`` builds each entry at that commit too (a
@@ -136,6 +137,26 @@ BUILDS = {
     "build transformer 2x4 global": (8, "one-block transformer, Megatron over 'model' on 2x4, Adam, global view: "
                                         "first call (s)", 3.2),
 }
+
+# The multi-worker step: our multi-client job against MultiWorkerMirroredStrategy's on loopback worker processes,
+# name -> (model, workers, what, target ratio). Jobs of fresh processes in turn (MULTIWORKER_PAIRS of each); the
+# ratio is the median of the pairs' ratios, its interval their range.
+MULTIWORKER = {
+    "multiworker mlp_deep 2x1": ("mlp_deep", 2, "16 Dense(128), batch 64, Adam, 2 worker processes x 1 CPU: our "
+                                 "multi-client step / MultiWorkerMirroredStrategy's", 1.0),
+}
+MULTIWORKER_PAIRS = 3
+
+
+def measure_multiworker(name: str, log) -> dict:
+  from benchmarks import multiworker
+  model, workers, _, _ = MULTIWORKER[name]
+  result = multiworker.alternate(model, workers, MULTIWORKER_PAIRS, steps=30)
+  ratios = sorted(result["ratios"])
+  log(f"  ours {', '.join(f'{t:.1f}' for t in result['ours_ms'])} ms; MultiWorkerMirroredStrategy "
+      f"{', '.join(f'{t:.1f}' for t in result['theirs_ms'])} ms")
+  return dict(median=ratios[len(ratios) // 2], ci_low=ratios[0], ci_high=ratios[-1], n=len(ratios),
+              step_ms=dict(ours=result["ours_ms"], theirs=result["theirs_ms"]))
 
 
 # -- the configurations (run in the child processes) ---------------------------------------------------------------
@@ -443,6 +464,7 @@ def table(entries: dict, recorded: dict) -> str:
   from benchmarks import _timing
   targets = {r.name: r.target for b in STEPS for r in b.ratios}
   targets.update({name: target for name, (_, _, target) in BUILDS.items()})
+  targets.update({name: target for name, (_, _, _, target) in MULTIWORKER.items()})
   rows = []
   for name, entry in entries.items():
     old = recorded.get(name)
@@ -493,6 +515,10 @@ def main(argv=None) -> dict:
                              denominator=result["denominators"][r.name],
                              step_ms={c: round(s * 1e3, 3) for c, s in result["step_s"].items()
                                       if c in (r.numerator, result["denominators"][r.name])})
+  for name in MULTIWORKER:
+    if wanted(name):
+      log(f"{name}:")
+      entries[name] = dict(measure_multiworker(name, log), commit=commit, date=date, what=MULTIWORKER[name][2])
   against = {}
   tree = _reference_tree(args.against) if args.against and any(wanted(n) for n in BUILDS) else None
   try:

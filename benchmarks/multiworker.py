@@ -199,6 +199,21 @@ def _result(command: list[str], workers: int | None = None, devices: int = 1) ->
   return json.loads(lines[0])
 
 
+def alternate(model: str, workers: int, pairs: int, steps: int, devices: int = 1) -> dict:
+  """Our multi-client job and MultiWorkerMirroredStrategy's, ``pairs`` of each in turn (fresh processes each).
+
+  Returns each side's step times (ms, worker 0's medians) and the ratio of each pair (ours / theirs), for the
+  benchmark guard.
+  """
+  ours, theirs = [], []
+  for _ in range(pairs):
+    ours.append(_result(["-m", "benchmarks.multiworker", "--multi-client-child", model, "--steps", str(steps)],
+                        workers=workers, devices=devices)["step_ms"])
+    theirs.append(_result(["-m", "benchmarks.multiworker", "--mwms-child", model, "--steps", str(steps)],
+                          workers=workers)["step_ms"])
+  return dict(ours_ms=ours, theirs_ms=theirs, ratios=[a / b for a, b in zip(ours, theirs)])
+
+
 def versus_mwms(workers: list[int], models: list[str], steps: int, single_client: bool = True,
                 devices: int = 1) -> list[dict]:
   """Ours against MultiWorkerMirroredStrategy at each number of workers (``devices`` each; MWMS: one).

@@ -15,7 +15,8 @@ import numpy as np  # noqa: E402
 import replicator  # noqa: E402  (does not start TensorFlow)
 
 # The multi-client runtime starts before TensorFlow runs anything.
-repl = replicator.MultiWorkerReplicator.from_tf_config(collective_timeout=60.0)
+repl = replicator.MultiWorkerReplicator.from_tf_config(
+    collective_timeout=float(os.environ.get("SCENARIO_COLLECTIVE_TIMEOUT", "60")))
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -93,7 +94,37 @@ def refusals(out):
     f.write("\n---\n".join(found))
 
 
+def dead_peer(out):
+  """Worker 1 dies after two steps; worker 0's next step must fail with a named error, never hang."""
+  import time
+  model, optimizer = model_and_optimizer()
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  for _ in range(2):
+    repl.run(step, input_fn)
+  if repl.task == 1:
+    if os.environ.get("SCENARIO_HANG"):
+      time.sleep(60)  # alive, its port open, but it never joins: a hung worker
+    os._exit(0)  # gone without a word: a crashed machine
+  time.sleep(1.0)
+  start = time.monotonic()
+  try:
+    repl.run(step, input_fn)
+    found = "no error"
+  except Exception as e:  # noqa: BLE001  (the test checks which)
+    found = f"{type(e).__name__}: {e}"
+  with open(os.path.join(out, "worker_0.txt"), "w") as f:
+    f.write(f"{time.monotonic() - start:.1f}\n{found}")
+  os._exit(0)  # (TensorFlow's teardown would wait for the dead peer)
+
+
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
-  {"train": train, "refusals": refusals}[name](out)
+  {"train": train, "refusals": refusals, "dead_peer": dead_peer}[name](out)
   print("done", repl.task, flush=True)

@@ -10,6 +10,8 @@ agree is the initial values' broadcast.
 
 import io
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -93,3 +95,40 @@ def test_what_does_not_run_across_processes_yet_says_so(tmp_path):
     assert "has the layout" in sharded and "sharded variables are not supported across processes yet" in sharded
     assert "Fix: replicate it" in sharded
     assert "the global view (view='global', Keras's fit" in global_view and "Fix: use the local view" in global_view
+
+
+def _dead_peer(tmp_path, hang: bool) -> tuple[list[str], float, str]:
+  # Started without the launcher, which would stop the survivor as soon as its peer died.
+  addresses = [f"localhost:{p}" for p in launch.free_ports(2)]
+  logs = [open(tmp_path / f"log_{task}.txt", "w") for task in range(2)]  # pylint: disable=consider-using-with
+  processes = [subprocess.Popen(
+      [sys.executable, SCENARIOS, "dead_peer", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
+      env=dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=launch.tf_config(addresses, task),
+               REPLICATOR_DEVICES_PER_WORKER="1", SCENARIO_COLLECTIVE_TIMEOUT="5", SCENARIO_HANG="1" if hang else ""))
+      for task, log in enumerate(logs)]
+  try:
+    processes[0].wait(timeout=240)  # (a hung worker 1 is killed below)
+  finally:
+    for p, log in zip(processes, logs):
+      p.kill()
+      p.wait()
+      log.close()
+  assert processes[0].returncode == 0, (tmp_path / "log_0.txt").read_text()[-3000:]
+  seconds, found = (tmp_path / "worker_0.txt").read_text().split("\n", 1)
+  return addresses, float(seconds), found
+
+
+def test_a_dead_peer_fails_the_survivors_step_with_a_named_error_within_the_timeout(tmp_path):
+  addresses, seconds, found = _dead_peer(tmp_path, hang=False)
+  assert found.startswith("WorkerUnavailableError: Worker 1 at " + addresses[1]), found
+  assert "step failed with UnavailableError: Collective ops is aborted by: failed to connect" in found  # TF's cause
+  assert "Fix: restart the job, every worker with one fewer if that machine is gone" in found
+  assert seconds < 5.0 + 10.0  # the collective's timeout, and the probes of the peers after it
+
+
+def test_a_hung_peer_fails_the_survivors_step_with_a_named_error_at_the_timeout(tmp_path):
+  _, seconds, found = _dead_peer(tmp_path, hang=True)
+  assert found.startswith("WorkerUnavailableError: A collective of this step waited 5 s (collective_timeout) for "
+                          "the other workers, and not all came: one is hung"), found
+  assert "Fix: look at the other workers' output" in found
+  assert 4.0 < seconds < 5.0 + 10.0

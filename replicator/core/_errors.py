@@ -138,8 +138,12 @@ def root_cause(message: str) -> str:
   for line in message.splitlines():
     line = re.sub(r"^\(\d+\)\s*", "", line.strip())
     if line and not _NOISE.match(line):
-      return line[:300]
-  return message.strip().splitlines()[0][:300] if message.strip() else ""
+      return _shortened(line)
+  return _shortened(message.strip().splitlines()[0]) if message.strip() else ""
+
+
+def _shortened(line: str, limit: int = 300) -> str:
+  return line if len(line) <= limit else line[:limit - 3].rstrip() + "..."
 
 
 _NOISE = re.compile(r"^(Graph execution error|Detected at node|File |<stack traces|\d+ root error\(s\) found|"
