@@ -25,6 +25,8 @@ import tree
 
 import mesh as mesh_lib
 import rewrite
+from replicator import _checkpoints
+from replicator import _preemption
 from replicator._replicator import Replicator
 from replicator.core import _context
 from replicator.core import _errors
@@ -262,6 +264,51 @@ class MultiWorkerReplicator(Replicator):
     nothing measurable.)
     """
     return super().wrap_optimizer(optimizer, reduction, accumulation_steps, bucket_bytes, update, densify_above)
+
+  def checkpoint_manager(self, checkpoint, directory: str, **kwargs):
+    """A checkpoint manager whose ``save`` every process calls; the process owning the variables writes.
+
+    In a multi-client job worker 0 writes the checkpoint (every variable is
+    replicated, its copy the one saved) and the other workers write nothing;
+    with one client, that client writes. ``tf.train.CheckpointManager``
+    writes the state file that names the latest checkpoint last, so a save
+    cut short leaves the previous one the latest. ``restore_or_initialize()``
+    restores the latest in every process, on any number of workers.
+
+    Examples:
+      >>> manager = repl.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=optimizer),  # doctest: +SKIP
+      ...                                   "/shared/run1", max_to_keep=3)
+      >>> manager.restore_or_initialize()  # doctest: +SKIP
+
+    Args:
+      checkpoint: a ``tf.train.Checkpoint``.
+      directory: the directory, the same path on every worker (a shared file system).
+      **kwargs: ``tf.train.CheckpointManager``'s other arguments (``max_to_keep``, ...).
+    """
+    return _checkpoints.CheckpointManager(checkpoint, directory, writer=self._task in (None, 0), **kwargs)
+
+  def preemption_handler(self, manager) -> _preemption.PreemptionHandler:
+    """SIGTERM to any worker saves ``manager``'s checkpoint at the next step boundary, in every process.
+
+    Call ``handler.stop_requested(step)`` after each step in every process: it
+    returns True in all of them at the same step once any was signalled,
+    having saved the checkpoint; end the loop and exit. It costs one small
+    all-reduce across the workers a call (1.3 ms on 2 loopback workers, 2.8
+    ms on 4, on 2 cores): for fast steps, call it every k steps (in every
+    process at the same steps). Use it as a context manager to put the
+    previous signal handlers back.
+
+    Examples:
+      >>> with repl.preemption_handler(manager) as preemption:  # doctest: +SKIP
+      ...   for step in range(start, steps):
+      ...     repl.run(step_fn, dataset)
+      ...     if preemption.stop_requested(step + 1):
+      ...       break
+    """
+    config = self._config
+    if config.agree is None:  # one client: its own signals only
+      return _preemption.PreemptionHandler(manager, bool)
+    return _preemption.PreemptionHandler(manager, lambda flag: config.agree.any(flag, "preemption check"))
 
   @property
   def cluster(self) -> dict:

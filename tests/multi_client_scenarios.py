@@ -124,7 +124,72 @@ def dead_peer(out):
   os._exit(0)  # (TensorFlow's teardown would wait for the dead peer)
 
 
+def resume(out):
+  """Trains to SCENARIO_STEPS from the latest checkpoint in SCENARIO_CKPT (if any), saving every 2 steps.
+
+  With SCENARIO_KILL_AT=k the last worker kills itself (SIGKILL, a crash) once step k is done.
+  """
+  import signal
+  directory, total = os.environ["SCENARIO_CKPT"], int(os.environ["SCENARIO_STEPS"])
+  kill_at = int(os.environ.get("SCENARIO_KILL_AT", "-1"))
+  model, optimizer = model_and_optimizer()
+  optimizer.build(model.trainable_variables)
+  manager = repl.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=optimizer), directory,
+                                    max_to_keep=10)
+  restored = manager.restore_or_initialize()
+  start = int(optimizer.iterations.numpy())
+  # The data order depends on the step only: global batch i is the i-th (of a dataset repeated).
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(RESUME_BATCH).repeat().skip(start)
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  for done in range(start + 1, total + 1):
+    repl.run(step, dataset)
+    if done % 2 == 0:
+      manager.save(checkpoint_number=done)
+    if done == kill_at and repl.task == repl.num_workers - 1:
+      os.kill(os.getpid(), signal.SIGKILL)
+  found = {f"final/{k}": v for k, v in components(model.variables + optimizer.variables).items()}
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), start=start, restored=str(restored),
+           workers=repl.num_workers, **found)
+
+
+RESUME_BATCH = 12  # divides over 2, 3 and 4 replicas
+
+
+def preempt(out):
+  """Trains until a SIGTERM to any worker; then every worker saves (worker 0 writes) and exits 0 at one step."""
+  import time
+  model, optimizer = model_and_optimizer()
+  optimizer.build(model.trainable_variables)
+  manager = repl.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=optimizer), os.environ["SCENARIO_CKPT"])
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(RESUME_BATCH).repeat()
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  with repl.preemption_handler(manager) as preemption:
+    for done in range(1, 100000):
+      repl.run(step, dataset)
+      if done == 3:
+        print("ready", repl.task, os.getpid(), flush=True)
+      if preemption.stop_requested(done):
+        break
+      time.sleep(0.02)
+  print("stopped", repl.task, done, preemption.signalled, int(optimizer.iterations.numpy()), flush=True)
+
+
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
-  {"train": train, "refusals": refusals, "dead_peer": dead_peer}[name](out)
+  {"train": train, "refusals": refusals, "dead_peer": dead_peer, "resume": resume,
+   "preempt": preempt}[name](out)
   print("done", repl.task, flush=True)

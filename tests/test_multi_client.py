@@ -30,12 +30,14 @@ GLOBAL_BATCH, STEPS = 16, 4
 TOLERANCE = dict(rtol=1e-5, atol=2e-6)
 
 
-def _launch(tmp_path, scenario: str, workers: int, devices: int, suffix: str = "npz"):
+def _launch(tmp_path, scenario: str, workers: int, devices: int, suffix: str = "npz", env=None, expect=0):
   out = io.TextIOWrapper(io.BytesIO(), write_through=True)
   err = io.TextIOWrapper(io.BytesIO(), write_through=True)
   code = launch.launch([SCENARIOS, scenario, str(tmp_path)], workers, devices, timeout=300, grace=5.0,
-                       env=dict(os.environ, PYTHONPATH=ROOT), out=out, err=err)
-  assert code == 0, err.buffer.getvalue().decode()[-4000:]
+                       env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})), out=out, err=err)
+  if expect is None:
+    return code, err.buffer.getvalue().decode()
+  assert code == expect, err.buffer.getvalue().decode()[-4000:]
   if suffix == "txt":
     return [(tmp_path / f"worker_{t}.txt").read_text() for t in range(workers)]
   return [dict(np.load(tmp_path / f"worker_{t}.npz")) for t in range(workers)]
@@ -132,3 +134,84 @@ def test_a_hung_peer_fails_the_survivors_step_with_a_named_error_at_the_timeout(
                           "the other workers, and not all came: one is hung"), found
   assert "Fix: look at the other workers' output" in found
   assert 4.0 < seconds < 5.0 + 10.0
+
+
+def test_a_job_killed_mid_run_resumes_on_one_worker_fewer_equal_to_a_run_from_its_checkpoint(tmp_path):
+  checkpoints = tmp_path / "checkpoints"
+  first, second = tmp_path / "first", tmp_path / "second"
+  first.mkdir()
+  second.mkdir()
+  # 3 workers; the last is killed (SIGKILL) after step 5: the latest checkpoint is step 4's.
+  code, err = _launch(first, "resume", 3, 1, env=dict(SCENARIO_CKPT=str(checkpoints), SCENARIO_STEPS="8",
+                                                      SCENARIO_KILL_AT="5"), expect=None)
+  assert code != 0 and "worker 2" in err and "SIGKILL" in err, err[-3000:]
+  assert os.path.basename(tf.train.latest_checkpoint(str(checkpoints))) == "ckpt-4"
+  # The job again, on 2 workers: it restores step 4's checkpoint and trains steps 5 to 8.
+  results = _launch(second, "resume", 2, 1, env=dict(SCENARIO_CKPT=str(checkpoints), SCENARIO_STEPS="8"))
+  assert [int(r["start"]) for r in results] == [4, 4] and all(int(r["workers"]) == 2 for r in results)
+  # The reference: one device, the same checkpoint, the same global batches 5 to 8.
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+  optimizer = keras.optimizers.Adam(0.05)
+  optimizer.build(model.trainable_variables)
+  tf.train.Checkpoint(model=model, optimizer=optimizer).restore(str(checkpoints / "ckpt-4")).assert_consumed()
+  assert int(optimizer.iterations.numpy()) == 4
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+  batch = 12
+  for i in range(4, 8):
+    rows = [(i * batch + k) % len(X) for k in range(batch)]
+    step(X[rows], Y[rows])
+  expected = {v.path: v.numpy() for v in model.variables + optimizer.variables}
+  for task, found in enumerate(results):
+    assert {k[len("final/"):] for k in found if k.startswith("final/")} == set(expected)
+    for name, value in expected.items():
+      for copy in found[f"final/{name}"]:
+        np.testing.assert_allclose(copy, value, err_msg=f"worker {task}: {name}", **TOLERANCE)
+
+
+def test_sigterm_to_one_worker_saves_at_the_next_step_in_every_worker_and_the_job_exits_cleanly(tmp_path):
+  import signal
+  import time
+  checkpoints = tmp_path / "checkpoints"
+  job = subprocess.Popen(
+      [sys.executable, "-m", "replicator.launch", "--workers", "2", "--timeout", "240", SCENARIOS, "preempt",
+       str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+      env=dict(os.environ, PYTHONPATH=ROOT, SCENARIO_CKPT=str(checkpoints)))
+  lines, ready = [], {}
+  try:
+    for line in job.stdout:
+      lines.append(line.strip())
+      if " ready " in line:  # "[worker i] ready <task> <pid>"
+        task, pid = line.split("ready", 1)[1].split()
+        ready[int(task)] = int(pid)
+        if len(ready) == 2:
+          os.kill(ready[1], signal.SIGTERM)  # worker 1's machine is taken back: its process alone is signalled
+          signalled_at = time.monotonic()
+    code = job.wait(timeout=120)
+  finally:
+    job.kill()
+    job.wait()
+    job.stdout.close()
+  assert code == 0, lines[-20:]
+  stopped = {}  # "[worker i] stopped <task> <step> <signalled> <iterations>"
+  for line in lines:
+    if " stopped " in line:
+      task, *found = line.split("stopped", 1)[1].split()
+      stopped[int(task)] = found
+  assert set(stopped) == {0, 1}, lines[-20:]
+  (step0, signalled0, iterations0), (step1, signalled1, iterations1) = stopped[0], stopped[1]
+  assert step0 == step1 and iterations0 == iterations1 == step0  # the same step boundary in both
+  assert (signalled0, signalled1) == ("False", "True")
+  assert time.monotonic() - signalled_at < 60
+  latest = tf.train.latest_checkpoint(str(checkpoints))
+  assert os.path.basename(latest) == f"ckpt-{step0}"
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+  optimizer = keras.optimizers.Adam(0.05)
+  optimizer.build(model.trainable_variables)
+  tf.train.Checkpoint(model=model, optimizer=optimizer).restore(latest).assert_consumed()
+  assert int(optimizer.iterations.numpy()) == int(step0)  # saved after the last step, not before it

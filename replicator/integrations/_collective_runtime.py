@@ -110,6 +110,18 @@ class Agreement:
     with tf.init_scope(), tf.device(self._leaders[task]):  # made now: later, a variable creator may be in scope
       self._token = tf.Variable(0.0, trainable=False, name="agreement_token")
 
+  def any(self, flag: bool, name: str) -> bool:
+    """Whether ``flag`` is True in any process (every process calls it, in the same order, with the same ``name``)."""
+    if len(self._leaders) < 2:
+      return bool(flag)
+    with tf.init_scope(), tf.device(self._leaders[self._task]):
+      key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}")
+      found = tf.raw_ops.CollectiveReduceV2(
+          input=tf.constant(int(bool(flag))), group_size=len(self._leaders), group_key=self._group_key,
+          instance_key=key, ordering_token=[self._token.handle], merge_op="Max", final_op="Id",
+          timeout_seconds=self._timeout)
+    return bool(found.numpy())
+
   def __call__(self, value: tf.Tensor) -> tf.Tensor:
     """``value`` as worker 0 has it (eager; the same shape in every process)."""
     if len(self._leaders) < 2:
