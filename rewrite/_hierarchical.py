@@ -88,7 +88,11 @@ class Hierarchical(_lowering.Lowering):
           continue
         with tf.device(devices[members[0]]):
           local.append(reduce_values("sum" if op == "mean" else op, [inputs[i] for i in members]))
-    across = Collective(index=collective.index, kind="all_reduce", params=(("op", _CROSS_TASK_OP[op]),),
+    # One member a task (a worker of one device): the cross-task op divides as it merges (its final op), no
+    # separate pass over the result.
+    fused_mean = op == "mean" and len(tasks) == len(devices) and collective.dtype.is_floating
+    across = Collective(index=collective.index, kind="all_reduce",
+                        params=(("op", "mean" if fused_mean else _CROSS_TASK_OP[op]),),
                         axes=collective.axes, dtype=collective.dtype, shape=collective.shape,
                         members=collective.members, groups=collective.groups, implementation=self.name,
                         devices=collective.devices)
@@ -98,7 +102,7 @@ class Hierarchical(_lowering.Lowering):
       if value is None:
         continue
       with tf.device(devices[members[0]]):
-        if collective.kind == "all_reduce" and op == "mean":
+        if collective.kind == "all_reduce" and op == "mean" and not fused_mean:
           value = _divide(value, len(devices))
       for i in members:
         with tf.device(devices[i]):

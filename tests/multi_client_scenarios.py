@@ -86,6 +86,11 @@ def refusals(out):
       keras.layers.Dense(4).build((None, 3))
     except replicator.UnsupportedError as e:
       found.append(str(e))
+  with repl.context():
+    try:
+      keras.metrics.Mean()
+    except replicator.UnsupportedError as e:
+      found.append(str(e))
   try:
     repl.run(lambda x: x, tf.data.Dataset.range(8).batch(4), view="global")
   except replicator.UnsupportedError as e:

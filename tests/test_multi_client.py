@@ -93,7 +93,9 @@ def test_training_on_every_worker_equals_one_device(tmp_path, workers, devices):
 
 def test_what_does_not_run_across_processes_yet_says_so(tmp_path):
   for text in _launch(tmp_path, "refusals", 2, 1, suffix="txt"):
-    sharded, global_view = text.split("\n---\n")
+    sharded, on_read, global_view = text.split("\n---\n")
+    assert "is synchronized on read (a Keras metric's total or count)" in on_read
+    assert "Fix: return the values from the step and combine them with repl.reduce" in on_read
     assert "has the layout" in sharded and "sharded variables are not supported across processes yet" in sharded
     assert "Fix: replicate it" in sharded
     assert "the global view (view='global', Keras's fit" in global_view and "Fix: use the local view" in global_view

@@ -1045,6 +1045,15 @@ def owner_of(handle):
   return _OWNERS.get(id(handle))
 
 
+ON_READ_MULTI_CLIENT = (
+    "The variable {name!r} is synchronized on read (a Keras metric's total or count), and this Replicator is one "
+    "process of a multi-client job: its value is the sum over every process's replicas, which a read in one process "
+    "cannot see, so it would be this process's part only. Not supported across processes yet. Fix: return the "
+    "values from the step and combine them with repl.reduce (every process gets the job's total), or run the job "
+    "from one client (MultiWorkerReplicator(cluster=...) without task=)."
+)
+
+
 SHARDED_MULTI_CLIENT = (
     "The variable {name!r} has the layout {spec}, and this Replicator is one process of a multi-client job: sharded "
     "variables are not supported across processes yet (each process holds only its own devices' pieces, and reads "
@@ -1225,6 +1234,8 @@ def make_creator(replicator, config, layouts, state=None):
       layout = _choose_layout(layouts, replicator.mesh, path, value.shape, reference)
       if layout is not None and on_read:
         raise _errors.VariableCreationError(SHARDED_ON_READ.format(name=path, spec=layout.spec))
+      if on_read and config.multi_client:
+        raise _errors.UnsupportedError(ON_READ_MULTI_CLIENT.format(name=path))
       if layout is not None and kwargs.get("shape") is not None and not tf.TensorShape(kwargs["shape"]).is_fully_defined():
         raise _errors.VariableCreationError(SHARDED_UNKNOWN_SHAPE.format(name=path, spec=layout.spec,
                                                                          shape=tf.TensorShape(kwargs["shape"])))
