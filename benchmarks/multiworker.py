@@ -91,21 +91,28 @@ def _timed(call, steps: int) -> dict:
               cpu_ms=(time.process_time() - cpu) / steps * 1e3)  # this process's CPU time a step (all threads)
 
 
-def _mwms_child(model: str, steps: int) -> None:
-  """One worker of the MultiWorkerMirroredStrategy job (started by replicator.launch); worker 0 prints JSON."""
-  import tensorflow as tf
-  strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TensorFlow op
+def _model(model: str, scope, wrap):
+  """The benchmark model ``model`` built in ``scope`` with Adam (wrapped by ``wrap``): spec, model, optimizer, batch."""
   import keras
 
   from benchmarks import models
   from benchmarks import step_time
   spec = models.by_name(model)
   keras.utils.set_random_seed(0)
-  x, y = spec.batch()
-  with strategy.scope():
+  batch = spec.batch()
+  with scope:
     net = spec.build()
-    optimizer = step_time.adam()
+    optimizer = wrap(step_time.adam())
     optimizer.build(net.trainable_variables)
+  return spec, net, optimizer, batch
+
+
+def _mwms_child(model: str, steps: int) -> None:
+  """One worker of the MultiWorkerMirroredStrategy job (started by replicator.launch); worker 0 prints JSON."""
+  import tensorflow as tf
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TensorFlow op
+  from benchmarks import step_time
+  spec, net, optimizer, (x, y) = _model(model, strategy.scope(), lambda o: o)
   # Keras 3 all-reduces gradients with SUM under a strategy: each replica's mean loss scaled by 1/replicas.
   body = step_time._sgd_step(spec, net, optimizer, loss_scale=1.0 / strategy.num_replicas_in_sync)  # pylint: disable=protected-access
   iterator = iter(strategy.experimental_distribute_dataset(step_time._dataset(x, y)))  # pylint: disable=protected-access
@@ -124,17 +131,8 @@ def _multi_client_child(model: str, steps: int) -> None:
   repl = replicator.MultiWorkerReplicator.from_tf_config()  # before any other TensorFlow op
   import resource
 
-  import keras
-
-  from benchmarks import models
   from benchmarks import step_time
-  spec = models.by_name(model)
-  keras.utils.set_random_seed(0)
-  x, y = spec.batch()
-  with repl.context():
-    net = spec.build()
-    optimizer = repl.wrap_optimizer(step_time.adam())
-    optimizer.build(net.trainable_variables)
+  spec, net, optimizer, (x, y) = _model(model, repl.context(), repl.wrap_optimizer)
   body = step_time._sgd_step(spec, net, optimizer)  # pylint: disable=protected-access
   dataset = step_time._dataset(x, y)  # pylint: disable=protected-access
 

@@ -37,6 +37,19 @@ def model_and_optimizer():
   return model, optimizer
 
 
+def make_step(model, optimizer):
+  """One replica's training step on ``(x, y)``: mean squared error, the wrapped optimizer; returns the loss."""
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  return step
+
+
 def input_fn(ctx):
   b = GLOBAL_BATCH // ctx.num_replicas
   ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
@@ -58,12 +71,10 @@ def train(out):
   model, optimizer = model_and_optimizer()
   initial = {f"initial/{k}": v for k, v in components(model.trainable_variables).items()}
 
+  train_step = make_step(model, optimizer)
+
   def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss, tf.shape(x)[0]
+    return train_step(batch), tf.shape(batch[0])[0]
 
   if repl.task == 0:  # a step only worker 0 builds: the others' keys must not shift (they are not counted)
     repl.explain(lambda: repl.all_reduce(tf.ones([3])))
@@ -104,12 +115,7 @@ def dead_peer(out):
   import time
   model, optimizer = model_and_optimizer()
 
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
+  step = make_step(model, optimizer)
 
   for _ in range(2):
     repl.run(step, input_fn)
@@ -146,12 +152,7 @@ def resume(out):
   # The data order depends on the step only: global batch i is the i-th (of a dataset repeated).
   dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(RESUME_BATCH).repeat().skip(start)
 
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
+  step = make_step(model, optimizer)
 
   for done in range(start + 1, total + 1):
     repl.run(step, dataset)
@@ -175,12 +176,7 @@ def preempt(out):
   manager = repl.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=optimizer), os.environ["SCENARIO_CKPT"])
   dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(RESUME_BATCH).repeat()
 
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
+  step = make_step(model, optimizer)
 
   with repl.preemption_handler(manager) as preemption:
     for done in range(1, 100000):
