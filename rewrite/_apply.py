@@ -78,7 +78,7 @@ def _build_template(lowering: _lowering.Lowering, collective: Collective, group:
     inputs, devices = [], []
     for position, replica in enumerate(group):
       member = collective.members[replica]
-      device = member.device if member is not None else collective.devices[replica]
+      device = member.device if member is not None else collective.all_devices[replica]
       if member is None:  # another process builds this member (a multi-client job)
         inputs.append(None)
       else:

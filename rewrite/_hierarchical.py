@@ -69,25 +69,16 @@ class Hierarchical(_lowering.Lowering):
     built = [all(inputs[i] is not None for i in members) for members in tasks.values()]
     if any(inputs[i] is not None for members, b in zip(tasks.values(), built) if not b for i in members):
       raise _errors.RewriteError(f"{self.name}: a task's members must all be built in one process.")
-    if collective.kind == "broadcast":
-      source = params["source"]
-      op = "sum"
-      local = []
-      for members, b in zip(tasks.values(), built):
-        if not b:
-          local.append(None)
-          continue
-        with tf.device(devices[members[0]]):
-          local.append(tf.identity(inputs[source]) if source in members else tf.zeros_like(inputs[members[0]]))
-    else:
-      op = params["op"]
-      local = []
-      for members, b in zip(tasks.values(), built):
-        if not b:
-          local.append(None)
-          continue
-        with tf.device(devices[members[0]]):
-          local.append(reduce_values("sum" if op == "mean" else op, [inputs[i] for i in members]))
+    op = "sum" if collective.kind == "broadcast" else params["op"]
+
+    def task_value(members):  # on the task's first member: its part of the whole
+      with tf.device(devices[members[0]]):
+        if collective.kind == "broadcast":
+          source = params["source"]
+          return tf.identity(inputs[source]) if source in members else tf.zeros_like(inputs[members[0]])
+        return reduce_values("sum" if op == "mean" else op, [inputs[i] for i in members])
+
+    local = [task_value(members) if b else None for members, b in zip(tasks.values(), built)]
     # One member a task (a worker of one device): the cross-task op divides as it merges (its final op), no
     # separate pass over the result.
     fused_mean = op == "mean" and len(tasks) == len(devices) and collective.dtype.is_floating

@@ -38,8 +38,6 @@ def new_key() -> int:
 class ProcessKeys:
   """Collective keys for one process that builds every member's op (one client): counted, never reused."""
 
-  agreed = False
-
   def __init__(self):
     self._groups: dict[tuple[str, ...], int] = {}
     self._lock = threading.Lock()
@@ -84,7 +82,6 @@ class AgreedKeys:
   named error (:data:`KEY_COLLISION`) instead of a wrong shape at run time.
   """
 
-  agreed = True
   _LOW = 2**30
 
   def __init__(self):
@@ -211,7 +208,7 @@ def auto(collective: Collective) -> str:
     all-reduce and broadcast (one network transfer per worker), else
     "collective_ops".
   """
-  devices = collective.devices or tuple(m.device for m in collective.members)
+  devices = collective.all_devices
   spans_tasks = any(len({task_of(devices[r]) for r in group}) > 1 for group in collective.groups)
   if not spans_tasks:
     return "one_device"

@@ -47,6 +47,11 @@ class Collective:
   devices: tuple[str, ...] = ()
 
   @property
+  def all_devices(self) -> tuple[str, ...]:
+    """Every replica's device by replica id (``devices``; a Collective made without them: its members')."""
+    return self.devices or tuple(m.device for m in self.members)
+
+  @property
   def present(self) -> tuple[Placeholder, ...]:
     """The members this process traced (every member, unless other processes run some replicas)."""
     return tuple(m for m in self.members if m is not None)

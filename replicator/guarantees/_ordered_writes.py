@@ -117,8 +117,8 @@ def collective_can_fail(collective) -> bool:
   """Whether a planned collective may fail at run time: shapes known only then, or a group across processes."""
   members = collective.present
   static = all(m.shape.is_fully_defined() and m.input_shape.is_fully_defined() for m in members)
-  devices = collective.devices or tuple(m.device for m in members)
-  return not static or len(members) < len(collective.members) or len({_task(d) for d in devices}) > 1
+  return (not static or len(members) < len(collective.members)
+          or len({_task(d) for d in collective.all_devices}) > 1)
 
 
 def _task(device: str) -> tuple:
