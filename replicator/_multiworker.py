@@ -27,6 +27,7 @@ import mesh as mesh_lib
 import rewrite
 from replicator import _checkpoints
 from replicator import _preemption
+from replicator._replicator import REDUCERS
 from replicator._replicator import Replicator
 from replicator.core import _context
 from replicator.core import _errors
@@ -326,11 +327,11 @@ class MultiWorkerReplicator(Replicator):
       try:
         return super().run(*args, **kwargs)
       except tf.errors.OpError as e:
-        dead = [t for t in self._unreachable() if t != self._task]
-        if dead:  # TensorFlow's own error says what the peer did (ours, what the step was doing)
-          raise self._lost(dead[0], e.__cause__ if isinstance(e.__cause__, tf.errors.OpError) else e,
-                           PEER_LOST) from e
+        # TensorFlow's own error says what the peer did (ours, StepFailedError, what the step was doing).
         cause = e.__cause__ if isinstance(e.__cause__, tf.errors.OpError) else e
+        dead = [t for t in self._unreachable() if t != self._task]
+        if dead:
+          raise self._lost(dead[0], cause, PEER_LOST) from e
         if isinstance(cause, tf.errors.DeadlineExceededError):
           raise _errors.WorkerUnavailableError(PEER_SILENT.format(
               timeout=self.collective_timeout, error=_errors.root_cause(cause.message).rstrip("."))) from e
@@ -369,7 +370,7 @@ class MultiWorkerReplicator(Replicator):
     super().reduce(op, None)  # checks op (and nothing else)
     if axis is None:
       return self._across_processes(("reduce", op), lambda x: self.all_reduce(x, op), per_replica, "reduce")
-    reducer = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max, "min": tf.reduce_min}[op]
+    reducer = REDUCERS[op]
     gathered = self._across_processes(("gather", axis), lambda x: self.all_gather(x, concat_dimension=axis),
                                       per_replica, "reduce")
     with tf.device(self._config.host):
@@ -383,24 +384,11 @@ class MultiWorkerReplicator(Replicator):
     def gather(x):
       return self.all_gather(tf.expand_dims(x, 0) if x.shape.rank == 0 else x, concat_dimension=axis)
 
-    return self._across_processes(("gather", axis), gather, per_replica, "gather", each=True)
+    return self._across_processes(("gather", axis), gather, per_replica, "gather")
 
-  def _across_processes(self, key, fn, per_replica, name: str, each: bool = False):
+  def _across_processes(self, key, fn, per_replica, name: str):
     """``fn`` (a collective) of every replica's values, run as a step; replica's result of this process's first."""
-    local = len(self._config.local_replicas)
-
-    def check(value):
-      if value is None:
-        return None
-      if not isinstance(value, PerReplica):
-        raise _errors.ArgumentTypeError(f"repl.{name}() takes the PerReplica values returned by repl.run (or a "
-                                        f"nest of them), found {type(value).__name__}.")
-      if len(value) != local:
-        raise _errors.ArgumentError(f"repl.{name}() got a PerReplica of {len(value)} values, but this process "
-                                    f"runs {local} replicas.")
-      return value
-
-    per_replica = tree.map_structure(check, per_replica)
+    per_replica = self._map_per_replica(PerReplica, per_replica, name)  # checked: this process's values
     step = self._combiners.get(key)
     if step is None:
       def step(values):  # pylint: disable=function-redefined

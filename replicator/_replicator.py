@@ -53,6 +53,10 @@ NO_BATCH_AXES = (
 )
 
 
+# repl.reduce's ops: each reduces a stack (or concatenation) of the replicas' values along an axis.
+REDUCERS = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max, "min": tf.reduce_min}
+
+
 def _check_view(view: str) -> str:
   if view not in ("local", "global"):
     raise _errors.ArgumentError(f"view={view!r}: expected \"local\" (step_fn sees each device's piece, "
@@ -511,8 +515,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     if op not in _primitives.REDUCE_OPS:
       raise _errors.ArgumentError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS} "
                                   f"(or tf.distribute.ReduceOp.SUM / MEAN).")
-    reducer = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max,
-               "min": tf.reduce_min}[op]
+    reducer = REDUCERS[op]
 
     def one(leaves):
       with tf.device(self._config.host):

@@ -226,8 +226,8 @@ class GlobalBatchInputs(_inputs.Source):
     self.distributed = weakref.ref(distributed)
     self.key = ("dataset", tuple(tree.flatten(distributed.element_spec)), str(distributed.element_spec))
     self._n = distributed.num_pipelines
-    self._mine = list(dict.fromkeys(distributed.pipelines))  # the parts this process's replicas take
-    self.slots = tuple(self._mine.index(p) for p in distributed.pipelines)
+    self.pipelines = distributed.pipelines
+    self._mine, self.slots = _inputs.own_pipelines(self.pipelines)  # the parts this process's replicas take
     self._host = distributed.host_device
     with tf.device(self._host):
       self._iterator = iter(distributed.dataset)
@@ -239,13 +239,6 @@ class GlobalBatchInputs(_inputs.Source):
 
   def end_message(self) -> str:
     return _errors.END_OF_DATASET  # a dataset of global batches, not an input_fn
-
-  def varying_axes(self, mesh) -> frozenset[str]:
-    if len(self.slots) != mesh.size:
-      return super().varying_axes(mesh)
-    pipelines = [self._mine[s] for s in self.slots]
-    return frozenset(a for a in mesh.axis_names
-                     if any(len({pipelines[r] for r in group}) > 1 for group in mesh.groups(a)))
 
   def _split_flat(self, element):
     parts = split(element, self._n)

@@ -94,6 +94,8 @@ class Source:
   counts: tuple = ()  # flat inputs per replica
   structures: tuple = ()  # one nest per slot (leaves are replaced)
   slots: tuple | None = None  # which slot of inputs feeds each replica (None: its own)
+  # Which input pipeline (job-wide id) feeds each replica this process runs; None: the slots say.
+  pipelines: tuple | None = None
 
   def call_args(self) -> list[tf.Tensor]:
     """Flat tensors passed to the executing function on each call."""
@@ -109,11 +111,11 @@ class Source:
 
   def varying_axes(self, mesh) -> frozenset[str]:
     """The mesh axes along which replicas get different inputs (replicas of one slot share theirs)."""
-    slots = self.slots if self.slots is not None else tuple(range(mesh.size))
-    if len(slots) != mesh.size:  # one process of a multi-client job: the others' inputs are unknown here
+    feeds = next(f for f in (self.pipelines, self.slots, tuple(range(mesh.size))) if f is not None)
+    if len(feeds) != mesh.size:  # one process of a multi-client job: the others' inputs are unknown here
       return frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1)
     return frozenset(a for a in mesh.axis_names
-                     if any(len({slots[r] for r in group}) > 1 for group in mesh.groups(a)))
+                     if any(len({feeds[r] for r in group}) > 1 for group in mesh.groups(a)))
 
   def step_args(self, replica: int, flat_elements: Sequence[tf.Tensor]) -> tuple:
     """Positional arguments of ``step_fn`` for ``replica``, inside the trace."""
@@ -212,9 +214,8 @@ class DatasetInputs(Source):
     pipelines = tuple(range(len(devices)) if pipelines is None else pipelines)
     replicas = tuple(range(len(pipelines)) if replicas is None else replicas)
     n = max(pipelines) + 1
-    self._pipelines = pipelines
-    mine = list(dict.fromkeys(pipelines[r] for r in replicas))  # this process's pipelines, by first replica
-    self.slots = tuple(mine.index(pipelines[r]) for r in replicas)
+    self.pipelines = tuple(pipelines[r] for r in replicas)
+    mine, self.slots = own_pipelines(self.pipelines)
     self._devices = tuple(devices[pipelines.index(p)] for p in mine)
     # One host per pipeline: where its dataset is built and iterated (a
     # worker's own CPU in a multi-worker run, so data never passes the client).
@@ -254,12 +255,6 @@ class DatasetInputs(Source):
     # with an empty batch: such an epoch ends when the first dataset does.
     self.pads_with_empty_batches = not drop_remainder and all(
         spec.shape.rank and spec.shape[1:].is_fully_defined() for spec in tree.flatten(self.structures[0]))
-
-  def varying_axes(self, mesh) -> frozenset[str]:
-    if len(self._pipelines) != mesh.size:
-      return super().varying_axes(mesh)
-    return frozenset(a for a in mesh.axis_names
-                     if any(len({self._pipelines[r] for r in group}) > 1 for group in mesh.groups(a)))
 
   @property
   def fetches_plainly(self) -> bool:
@@ -302,6 +297,12 @@ class DatasetInputs(Source):
       return values
 
     return has_value, get
+
+
+def own_pipelines(pipelines) -> tuple[list[int], tuple[int, ...]]:
+  """For the pipeline of each replica a process runs: its pipelines (in order of first use), each replica's slot."""
+  mine = list(dict.fromkeys(pipelines))
+  return mine, tuple(mine.index(p) for p in pipelines)
 
 
 def _empty(spec: tf.TensorSpec) -> tf.Tensor:

@@ -114,13 +114,7 @@ class Agreement:
     """Whether ``flag`` is True in any process (every process calls it, in the same order, with the same ``name``)."""
     if len(self._leaders) < 2:
       return bool(flag)
-    with tf.init_scope(), tf.device(self._leaders[self._task]):
-      key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}")
-      found = tf.raw_ops.CollectiveReduceV2(
-          input=tf.constant(int(bool(flag))), group_size=len(self._leaders), group_key=self._group_key,
-          instance_key=key, ordering_token=[self._token.handle], merge_op="Max", final_op="Id",
-          timeout_seconds=self._timeout)
-    return bool(found.numpy())
+    return bool(self._reduce(lambda: tf.constant(int(bool(flag))), "Max", name).numpy())
 
   def __call__(self, value: tf.Tensor) -> tf.Tensor:
     """``value`` as worker 0 has it (eager; the same shape in every process)."""
@@ -131,9 +125,12 @@ class Agreement:
       return tf.cast(self(tf.cast(value, tf.int32)), tf.bool)
     if dtype not in self._DTYPES:
       return value  # strings and the like: left as each process made them
+    return self._reduce(lambda: value if self._task == 0 else tf.zeros_like(value), "Add", "initial value")
+
+  def _reduce(self, mine, merge_op: str, name: str) -> tf.Tensor:
+    """One eager all-reduce (``merge_op``) of ``mine()`` over the workers' first devices, the ``name``'s next instance."""
     with tf.init_scope(), tf.device(self._leaders[self._task]):
-      key = self._keys.named_key(self._group_key, f"initial value #{next(self._count)}")
-      mine = value if self._task == 0 else tf.zeros_like(value)
+      key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}")
       return tf.raw_ops.CollectiveReduceV2(
-          input=mine, group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
-          ordering_token=[self._token.handle], merge_op="Add", final_op="Id", timeout_seconds=self._timeout)
+          input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
+          ordering_token=[self._token.handle], merge_op=merge_op, final_op="Id", timeout_seconds=self._timeout)
