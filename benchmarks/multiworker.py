@@ -21,7 +21,8 @@ MLPs, Keras Adam), alternately:
 
 * ours, multi-client: that many processes started by ``python -m
   replicator.launch``, each running the same script with
-  ``MultiWorkerReplicator.from_tf_config()`` (the local view), as theirs;
+  ``MultiWorkerReplicator.from_tf_config()`` (the local view; with
+  ``--global-view``, the global view too), as theirs;
 * ours, single-client: one client process driving that many ``python -m
   replicator.worker`` servers, the local view and the global view;
 * theirs: that many processes started by ``python -m replicator.launch``, each
@@ -126,9 +127,9 @@ def _mwms_child(model: str, steps: int) -> None:
     print("RESULT " + json.dumps(dict(result, replicas=strategy.num_replicas_in_sync)), flush=True)
 
 
-def _multi_client_child(model: str, steps: int) -> None:
-  """One worker of our multi-client job (started by replicator.launch); worker 0 prints JSON."""
-  repl = replicator.MultiWorkerReplicator.from_tf_config()  # before any other TensorFlow op
+def _multi_client_child(model: str, steps: int, view: str = "local") -> None:
+  """One worker of our multi-client job (started by replicator.launch) in ``view``; worker 0 prints JSON."""
+  repl = replicator.MultiWorkerReplicator.from_tf_config(view=view)  # before any other TensorFlow op
   import resource
 
   from benchmarks import step_time
@@ -215,11 +216,12 @@ def alternate(model: str, workers: int, pairs: int, steps: int, devices: int = 1
 
 
 def versus_mwms(workers: list[int], models: list[str], steps: int, single_client: bool = True,
-                devices: int = 1) -> list[dict]:
+                devices: int = 1, global_view: bool = False) -> list[dict]:
   """Ours against MultiWorkerMirroredStrategy at each number of workers (``devices`` each; MWMS: one).
 
-  Ours multi-client (every worker runs the program) and, with
-  ``single_client``, one client driving worker servers (both views).
+  Ours multi-client (every worker runs the program; with ``global_view``, the
+  global view's multi-client job too) and, with ``single_client``, one client
+  driving worker servers (both views).
   """
   rows = []
   for model in models:
@@ -230,6 +232,12 @@ def versus_mwms(workers: list[int], models: list[str], steps: int, single_client
       row = dict(model=model, workers=w, devices_per_worker=devices, ours_multi_client=multi, mwms=theirs)
       line = (f"{model}, {w} workers x {devices}: ours multi-client {multi['build_s']:.2f} s / "
               f"{multi['step_ms']:.1f} ms (build alone {multi['build_only_s']:.2f} s, CPU {multi['build_cpu_s']:.2f} s)")
+      if global_view:
+        multi_global = _result(["-m", "benchmarks.multiworker", "--multi-client-child", model, "--view", "global",
+                                "--steps", str(steps)], workers=w, devices=devices)
+        row.update(ours_multi_client_global=multi_global)
+        line += (f"; multi-client global {multi_global['build_s']:.2f} s / {multi_global['step_ms']:.1f} ms "
+                 f"(/ theirs {multi_global['step_ms'] / theirs['step_ms']:.2f})")
       if single_client:
         ours = _result(["-m", "benchmarks.multiworker", "--ours-child", str(w), "--model", model, "--steps",
                         str(steps)])
@@ -254,6 +262,9 @@ def main(argv=None) -> list[dict]:
                       help="with --versus-mwms: leave out the single-client runs")
   parser.add_argument("--devices-per-worker", type=int, default=1,
                       help="with --versus-mwms: our multi-client workers' devices (MWMS: one each)")
+  parser.add_argument("--global-view", action="store_true",
+                      help="with --versus-mwms: our multi-client job in the global view too")
+  parser.add_argument("--view", default="local", help=argparse.SUPPRESS)
   parser.add_argument("--multi-client-child", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--mwms-child", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--ours-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -262,12 +273,12 @@ def main(argv=None) -> list[dict]:
   if args.mwms_child:
     return _mwms_child(args.mwms_child, args.steps)
   if args.multi_client_child:
-    return _multi_client_child(args.multi_client_child, args.steps)
+    return _multi_client_child(args.multi_client_child, args.steps, args.view)
   if args.ours_child:
     return _ours_child(args.ours_child, args.model, args.steps)
   if args.versus_mwms:
     rows = versus_mwms([int(w) for w in args.versus_mwms.split(",")], args.models.split(","), args.steps,
-                       not args.multi_client_only, args.devices_per_worker)
+                       not args.multi_client_only, args.devices_per_worker, args.global_view)
     if args.json:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=2)

@@ -38,22 +38,30 @@ TensorFlow 2.21.0; tests/test_keras_distribution.py fails if it changes):
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
 import tensorflow as tf
 
 from replicator.core import _errors
+from replicator.integrations import _collective_runtime
 from replicator.integrations import _keras_distribution
 
 UNSUPPORTED_DISTRIBUTION = (
     "keras.distribution.set_distribution({found}): replicator distributes keras.distribution.DataParallel and "
     "ModelParallel; a {kind} has no counterpart here. Fix: use one of those two, or a replicator.Replicator directly."
 )
-MULTI_PROCESS = (
-    "keras.distribution.initialize(...) starts JAX's multi-process runtime; after replicator.enable_keras_distribution() "
-    "a distribution runs in this process only. Fix: for several processes (hosts), use "
-    "replicator.MultiWorkerReplicator (see the docs' Multi-worker training guide)."
+INITIALIZE_ADDRESSES = (
+    "keras.distribution.initialize(job_addresses={addresses!r}, num_processes={processes!r}, process_id={task!r}): "
+    "on TensorFlow every process serves the job at its own address, so job_addresses must list every process's "
+    "host:port, comma separated, one per process (JAX needs only the first). Fix: pass all {processes} addresses "
+    "(or set KERAS_DISTRIBUTION_JOB_ADDRESSES; `python -m replicator.launch` sets it), and a process_id below "
+    "num_processes."
+)
+INITIALIZED_TWICE = (
+    "keras.distribution.initialize(...) was called again with {new}, after {old}: one process is one worker of "
+    "one job. Fix: call it once, first thing in the script."
 )
 IN_STRATEGY_SCOPE = (
     "keras.distribution.set_distribution(...) was called inside the scope of a {strategy} (a tf.distribute "
@@ -69,6 +77,7 @@ NOT_ENABLED = (
 
 _lock = threading.Lock()
 _installed = False  # Keras patched (enable_keras_distribution)
+_job: tuple | None = None  # (addresses, process id) once keras.distribution.initialize started the runtime
 _replicators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # distribution -> its Replicator
 
 
@@ -124,8 +133,14 @@ def enable_keras_distribution() -> None:
     distribution_lib.set_distribution = set_distribution
     keras.distribution.set_distribution = set_distribution
     backend = keras_backend.distribution_lib  # the TensorFlow backend's module
+    listed = backend.list_devices
+
+    def list_devices(device_type=None):
+      return listed(device_type) if _job is None else list(_collective_runtime.job_devices())
+
+    list_devices.__doc__ = listed.__doc__
     for name, fn in (("get_device_count", _get_device_count), ("distribute_tensor", _distribute_tensor),
-                     ("initialize", _initialize)):
+                     ("initialize", _initialize), ("list_devices", list_devices)):
       setattr(backend, name, fn)
     _installed = True
     _make_current(distribution_lib.distribution())  # one set before enabling
@@ -169,7 +184,12 @@ def _make(distribution):
   layouts = None
   if isinstance(distribution, keras.distribution.ModelParallel):
     layouts = _keras_distribution.as_layout_map(distribution._layout_map)  # pylint: disable=protected-access
-  return _replicator.Replicator(mesh=mesh, layouts=layouts, view="global", batch_axes=(distribution.batch_dim_name,))
+  settings = dict(mesh=mesh, layouts=layouts, view="global", batch_axes=(distribution.batch_dim_name,))
+  if _job is not None:  # one process of a job: keras.distribution.initialize(...) was called
+    from replicator import _multiworker  # pylint: disable=import-outside-toplevel  (as _replicator)
+    addresses, task = _job
+    return _multiworker.MultiWorkerReplicator({"worker": list(addresses)}, task=task, **settings)
+  return _replicator.Replicator(**settings)
 
 
 def _make_current(distribution) -> None:
@@ -200,5 +220,22 @@ def _distribute_tensor(tensor, layout):
 
 
 def _initialize(job_addresses=None, num_processes=None, process_id=None):
-  del job_addresses, num_processes, process_id
-  raise _errors.UnsupportedError(MULTI_PROCESS)
+  """``keras.distribution.initialize``: this process as worker ``process_id`` of the job at ``job_addresses``.
+
+  Starts TensorFlow's collective runtime (as ``MultiWorkerReplicator.from_tf_config()`` does) with
+  ``REPLICATOR_DEVICES_PER_WORKER`` logical CPUs a process (default 1); ``list_devices()`` then lists every
+  process's devices, and a distribution over them is carried out by a multi-client ``MultiWorkerReplicator``.
+  """
+  global _job
+  addresses = [a.strip() for a in (job_addresses or "").split(",") if a.strip()]
+  processes = len(addresses) if num_processes is None else num_processes
+  if (not addresses or processes != len(addresses) or not isinstance(process_id, int)
+      or not 0 <= process_id < len(addresses)):
+    raise _errors.ClusterConfigError(INITIALIZE_ADDRESSES.format(addresses=job_addresses, processes=num_processes,
+                                                                 task=process_id))
+  job = (tuple(addresses), process_id)
+  if _job is not None and _job != job:
+    raise _errors.ClusterConfigError(INITIALIZED_TWICE.format(new=job, old=_job))
+  devices_per_worker = int(os.environ.get("REPLICATOR_DEVICES_PER_WORKER", "1"))
+  _collective_runtime.start(addresses, process_id, devices_per_worker)
+  _job = job

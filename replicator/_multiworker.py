@@ -34,6 +34,7 @@ from replicator.core import _errors
 from replicator.core._values import PerReplica
 from replicator.integrations import _cluster
 from replicator.integrations import _collective_runtime
+from replicator.integrations import _keras_distribution
 
 DEVICE_COUNT_MISMATCH = (
     "devices_per_worker={wanted} but worker {task} ({address}) has only {found} CPU device(s). "
@@ -119,6 +120,45 @@ def _worker_devices(cluster: _cluster.Cluster) -> list[list[str]]:
   return [[name for _, name in sorted(devices)] for devices in per_task]
 
 
+JOB_MESH = (
+    "MultiWorkerReplicator(task={task}, mesh=...): in a multi-client job the mesh must hold every worker's devices, "
+    "the same number on each ({workers} workers), each worker's CPU:0 to CPU:D-1 once; found {found}. Fix: build "
+    "the mesh from the job's devices (after keras.distribution.initialize(), keras.distribution.list_devices()), or "
+    "leave mesh= out for {{'worker': W, 'device': D}}."
+)
+
+
+def _task_index(device: str) -> int | None:
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.task if spec.job == _cluster.JOB else None
+
+
+def _replicas_by_task(devices) -> dict[int, list[int]]:
+  """Worker task -> the replicas (mesh indices) whose devices it holds, in mesh order."""
+  by_task: dict[int, list[int]] = {}
+  for replica, device in enumerate(devices):
+    by_task.setdefault(_task_index(device), []).append(replica)
+  return by_task
+
+
+def _job_mesh(m, workers: int, task: int):
+  """``(mesh, devices per worker)`` of a caller's mesh over the job's devices (refused unless it holds them all)."""
+  if _keras_distribution.is_device_mesh(m):
+    m = _keras_distribution.as_mesh(m)
+  by_task = _replicas_by_task(m.devices)
+  counts = sorted({len(replicas) for replicas in by_task.values()})
+  per_worker = counts[0] if len(counts) == 1 else None
+  wanted = {f"/job:{_cluster.JOB}/replica:0/task:{t}/device:CPU:{d}" for t in range(workers)
+            for d in range(per_worker or 0)}
+  if per_worker is None or set(by_task) != set(range(workers)) or {mesh_lib.canonical_name(d) for d in m.devices} \
+      != wanted:
+    found = f"{len(m.devices)} device(s), by task {sorted((k, len(v)) for k, v in by_task.items() if k is not None)}"
+    if None in by_task:
+      found += f", and {len(by_task[None])} not a worker's ({m.devices[by_task[None][0]]!r}...)"
+    raise _errors.ClusterConfigError(JOB_MESH.format(task=task, workers=workers, found=found))
+  return m, per_worker
+
+
 @_context.no_autograph
 class MultiWorkerReplicator(Replicator):
   """A :class:`Replicator` whose replicas live on several worker processes.
@@ -158,9 +198,11 @@ class MultiWorkerReplicator(Replicator):
   def __init__(self, cluster, devices_per_worker: int | None = None, *, task: int | None = None,
                tasks: Sequence[int] | None = None, connect_timeout: float = 30.0, collective_timeout: float = 30.0,
                **kwargs):
-    if "devices" in kwargs or "mesh" in kwargs:
-      raise _errors.ArgumentError("MultiWorkerReplicator places replicas on the cluster's workers; do not pass "
-                       "`devices` or `mesh`.")
+    if "devices" in kwargs or ("mesh" in kwargs and task is None):
+      raise _errors.ArgumentError(
+          "MultiWorkerReplicator places replicas on the cluster's workers; do not pass `devices`, nor `mesh` "
+          "without task= (in a multi-client job a mesh over every worker's devices is taken, e.g. Keras's "
+          "DeviceMesh).")
     connect_timeout = _cluster.check_timeout("connect_timeout", connect_timeout, allow_zero=False)
     collective_timeout = _cluster.check_timeout("collective_timeout", collective_timeout, allow_zero=True)
     self._cluster = _cluster.parse(cluster)
@@ -203,9 +245,13 @@ class MultiWorkerReplicator(Replicator):
                                   f"positive int, the logical CPUs of each worker.")
     workers = len(self._cluster.workers)
     self._tasks = tuple(range(workers))
+    m = kwargs.pop("mesh", None)
+    if m is not None:  # the caller's mesh over the job's devices (a Keras distribution's DeviceMesh)
+      m, devices_per_worker = _job_mesh(m, workers, self._task)
     devices = _collective_runtime.start(self._cluster.workers, self._task, devices_per_worker)
-    m = mesh_lib.Mesh({"worker": workers, "device": devices_per_worker}, devices)
-    kwargs.setdefault("batch_axes", ("worker", "device"))
+    if m is None:
+      m = mesh_lib.Mesh({"worker": workers, "device": devices_per_worker}, devices)
+      kwargs.setdefault("batch_axes", ("worker", "device"))
     super().__init__(mesh=m, **kwargs)
 
   @property
@@ -230,11 +276,10 @@ class MultiWorkerReplicator(Replicator):
         "hierarchical": rewrite.Hierarchical(self.collective_timeout, agreed_keys=agreed)})
     if not agreed:
       return config
-    per_worker = self.mesh.shape["device"]
-    leaders = [self.devices[t * per_worker] for t in range(self.mesh.shape["worker"])]
-    return dataclasses.replace(
-        config, replicas=tuple(range(self._task * per_worker, (self._task + 1) * per_worker)),
-        agree=_collective_runtime.Agreement(leaders, self._task, self.collective_timeout))
+    by_task = _replicas_by_task(self.devices)
+    leaders = [self.devices[by_task[t][0]] for t in range(len(by_task))]  # each worker's first device
+    return dataclasses.replace(config, replicas=tuple(by_task[self._task]),
+                               agree=_collective_runtime.Agreement(leaders, self._task, self.collective_timeout))
 
   @classmethod
   def from_tf_config(cls, tf_config: str | None = None, **kwargs) -> "MultiWorkerReplicator":
@@ -248,6 +293,25 @@ class MultiWorkerReplicator(Replicator):
     cluster, task = _cluster.from_tf_config(tf_config)
     if "task" not in kwargs and task.get("type", _cluster.JOB) == _cluster.JOB and "index" in task:
       kwargs["task"] = int(task["index"])
+    return cls(cluster=cluster.spec, **kwargs)
+
+  @classmethod
+  def from_cluster_resolver(cls, resolver, task: int | None = None, **kwargs) -> "MultiWorkerReplicator":
+    """A MultiWorkerReplicator for the cluster a TensorFlow cluster resolver finds (SLURM, Kubernetes, ...).
+
+    With this process's worker task, from ``task`` or from the resolver
+    (``SlurmClusterResolver`` knows it: ``SLURM_PROCID``), this process is that
+    worker of a multi-client job, as with :meth:`from_tf_config`: call it first
+    thing in every worker's copy of the script. Without one, one client drives
+    every worker. See the multi-worker guide's cluster managers.
+
+    Examples:
+      >>> resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=12345, gpus_per_node=0)  # doctest: +SKIP
+      >>> repl = replicator.MultiWorkerReplicator.from_cluster_resolver(resolver)  # doctest: +SKIP
+    """
+    cluster, task = _cluster.from_resolver(resolver, task)
+    if task is not None:
+      kwargs["task"] = task
     return cls(cluster=cluster.spec, **kwargs)
 
   def wrap_optimizer(self, optimizer, reduction: str = "mean", accumulation_steps: int = 1,

@@ -12,6 +12,9 @@ this environment:
   ``tf.distribute.cluster_resolver.TFConfigClusterResolver`` and
   ``MultiWorkerReplicator.from_tf_config()`` read it;
 * ``REPLICATOR_DEVICES_PER_WORKER``: ``--devices-per-worker`` (logical CPUs a worker makes);
+* ``KERAS_DISTRIBUTION_JOB_ADDRESSES``, ``KERAS_DISTRIBUTION_NUM_PROCESSES``,
+  ``KERAS_DISTRIBUTION_PROCESS_ID``: the same job, as ``keras.distribution.initialize()`` reads
+  it (after ``replicator.enable_keras_distribution()``);
 * ``REPLICATOR_LAUNCH_TASK``: its index, for a script's own logging.
 
 Their output is printed line by line, each line led by ``[worker i]``. The
@@ -111,7 +114,8 @@ def launch(command: list[str], workers: int, devices_per_worker: int = 1, *, gra
   for task in range(workers):
     child_env = dict(os.environ if env is None else env)
     child_env.update(TF_CONFIG=tf_config(addresses, task), REPLICATOR_DEVICES_PER_WORKER=str(devices_per_worker),
-                     REPLICATOR_LAUNCH_TASK=str(task), PYTHONUNBUFFERED="1")
+                     KERAS_DISTRIBUTION_JOB_ADDRESSES=",".join(addresses), KERAS_DISTRIBUTION_NUM_PROCESSES=str(workers),
+                     KERAS_DISTRIBUTION_PROCESS_ID=str(task), REPLICATOR_LAUNCH_TASK=str(task), PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, *command], env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     processes.append(p)
     for stream, sink in ((p.stdout, out), (p.stderr, err)):

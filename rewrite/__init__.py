@@ -7,6 +7,9 @@ The pass has two separately testable halves:
 * :func:`apply` rewrites a ``GraphDef``, splicing in each lowering's ops and
   rewiring the placeholders' consumers.
 
+Between them, :func:`fuse` may make independent all-reduces across processes
+one (each collective op across processes pays a round trip).
+
 :class:`PartitionReport` says what a partition of a global graph does (the
 global view's ``repl.explain``): layouts, collectives by op, relayouts, fallbacks.
 :func:`merge_reads` merges a rewritten step's reads that no execution could
@@ -20,8 +23,10 @@ from rewrite import _hierarchical  # registers "hierarchical"
 from rewrite import _one_device  # registers "one_device"
 from rewrite._apply import Rewritten
 from rewrite._apply import apply
+from rewrite._collective_ops import ordering_token
 from rewrite._errors import CollectiveMismatchError
 from rewrite._errors import RewriteError
+from rewrite._fusion import fuse
 from rewrite._lowering import AgreedKeys
 from rewrite._lowering import Lowering
 from rewrite._lowering import LoweringContext
@@ -68,9 +73,11 @@ __all__ = (
     "apply",
     "auto_lowering",
     "emit",
+    "fuse",
     "get_lowering",
     "lowering_names",
     "merge_reads",
+    "ordering_token",
     "plan",
     "register_lowering",
     "renamed_tensor",

@@ -27,6 +27,7 @@ Kinds and the ops they use (TF 2.21, measured on logical CPUs):
 from __future__ import annotations
 
 import threading
+import uuid
 
 import tensorflow as tf
 
@@ -35,6 +36,20 @@ from rewrite import _lowering
 from rewrite._plan import Collective
 
 _MERGE = {"sum": ("Add", "Id"), "mean": ("Add", "Div"), "max": ("Max", "Id"), "min": ("Min", "Id")}
+
+
+def ordering_token(device: str) -> tf.Tensor:
+  """A resource handle on ``device`` that collectives take as ``ordering_token`` (made eagerly, now).
+
+  TensorFlow's collective ops V2 on one device must run in one order in every
+  process and on every device; a tf.function orders ops that use one resource,
+  so each device's collectives share its token. It is a never-initialized
+  variable's handle, made by ``VarHandleOp``: no kernel reads it, and no
+  ``tf.variable_creator_scope`` around the caller (a Replicator's, a Keras
+  distribution's) sees it, as it would a ``tf.Variable``.
+  """
+  with tf.init_scope(), tf.device(device):
+    return tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name=f"ordering_token_{uuid.uuid4().hex}")
 
 
 class CollectiveOps(_lowering.Lowering):
@@ -51,11 +66,12 @@ class CollectiveOps(_lowering.Lowering):
   name = "collective_ops"
   ordered_op_types = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})
   partial_groups = True
+  fusible = True
 
   def __init__(self, timeout_seconds: float = 0.0, agreed_keys: bool = False):
     self.timeout_seconds = timeout_seconds
     self.keys = _lowering.AgreedKeys() if agreed_keys else _lowering.ProcessKeys()
-    self._tokens: dict[str, tf.Variable] = {}
+    self._tokens: dict[str, tf.Tensor] = {}  # device -> its ordering token (a resource handle)
     self._lock = threading.Lock()
 
   def supports(self, collective: Collective) -> bool:
@@ -68,9 +84,8 @@ class CollectiveOps(_lowering.Lowering):
     device = key.split("@", 1)[1]
     with self._lock:
       if device not in self._tokens:
-        with tf.init_scope(), tf.device(device):
-          self._tokens[device] = tf.Variable(0.0, trainable=False, name="ordering_token")
-      return self._tokens[device].handle
+        self._tokens[device] = ordering_token(device)
+      return self._tokens[device]
 
   def lower_group(self, collective: Collective, inputs, devices, ctx):
     _lowering.check_group_inputs(collective, inputs, devices)

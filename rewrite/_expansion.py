@@ -68,7 +68,9 @@ class _Expander:
 
   def __init__(self, graph, mesh, partition, locate, ownership=None, only=None):
     self.graph = graph
-    self.only = only  # expand for this device alone (a branch of an If, made per device)
+    # Expand for these devices alone (None: all): one device (a branch of an If, made per device), or this
+    # process's devices (one process of a multi-client job; the others expand theirs).
+    self.only = None if only is None else frozenset(only)
     self.mesh = mesh
     self.partition = partition
     self.locate = locate
@@ -370,7 +372,7 @@ class _Expander:
           self.local.setdefault(t.name, [None] * len(self.devices))[r] = y
 
   def _here(self, r) -> bool:
-    return self.only is None or r == self.only
+    return self.only is None or r in self.only
 
   def _local(self, r, t):
     if t.op.type == "Const" and t.name not in self.local:
@@ -418,7 +420,8 @@ class _Expander:
       graph_def.node.append(node)
     graph_def.node.extend(self._nodes[copied:])
     outputs = [[self._ref(x) for x in per_device] for per_device in values]
-    return Expansion(graph_def, outputs, self.records)
+    records = [records if self._here(r) else None for r, records in enumerate(self.records)]
+    return Expansion(graph_def, outputs, records)
 
 
 class _Comm:
@@ -472,7 +475,8 @@ class Expansion:
   Attributes:
     graph_def: the copies, the step's inputs and collective placeholders, in order.
     outputs: per output of the global graph, per device, its tensor's name in ``graph_def``.
-    records: per device, its collective placeholders' records in call order (for :func:`rewrite.plan`).
+    records: per device, its collective placeholders' records in call order (for :func:`rewrite.plan`); None
+      for a device not expanded (``only``).
   """
 
   graph_def: tf.compat.v1.GraphDef
@@ -481,7 +485,8 @@ class Expansion:
 
 
 def expand(graph: tf.Graph, mesh, partition: _propagation.Partition, local_inputs: dict, outputs,
-           locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}", ownership=None) -> Expansion:
+           locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}", ownership=None,
+           only=None) -> Expansion:
   """Every device's copy of ``graph``, with the ops the current graph holds.
 
   Call it with a plain ``tf.Graph`` as the default graph, holding the
@@ -499,11 +504,16 @@ def expand(graph: tf.Graph, mesh, partition: _propagation.Partition, local_input
     locate: names where an op came from, for the placeholders' records.
     ownership: ops run by one device per group (``_partition_owners.assign``);
       None: every op on every device.
+    only: the devices (mesh indices) to expand for; None: every device. One
+      process of a multi-client job expands its own (``local_inputs`` may
+      hold None for the others): its records are None for the others'
+      devices, as :func:`rewrite.plan` takes them, and its outputs are its
+      devices' values only.
 
   Returns:
     The :class:`Expansion`.
   """
-  expander = _Expander(graph, mesh, partition, locate, ownership)
+  expander = _Expander(graph, mesh, partition, locate, ownership, only)
   expander.run(local_inputs)
   return expander.finish([expander.output(t) for t in outputs])
 
@@ -539,7 +549,7 @@ def expand_on_device(graph: tf.Graph, mesh, partition: _propagation.Partition, r
     standins = [tf.raw_ops.Placeholder(dtype=x.dtype, shape=x.shape) for x in inputs]
     local_inputs = {t.name: [x if k == r else None for k in range(len(mesh.devices))]
                     for t, x in zip(graph.inputs, standins)}
-    expander = _Expander(graph, mesh, partition, locate, only=r)
+    expander = _Expander(graph, mesh, partition, locate, only=(r,))
     expander.run(local_inputs)
     pieces = [expander.output(t, replicated=False)[0] for t in graph.outputs]
     if outputs is not None:

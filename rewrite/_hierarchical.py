@@ -38,6 +38,7 @@ class Hierarchical(_lowering.Lowering):
 
   name = "hierarchical"
   partial_groups = True
+  fusible = True
 
   def __init__(self, timeout_seconds: float = 0.0, agreed_keys: bool = False):
     self._across = CollectiveOps(timeout_seconds, agreed_keys)

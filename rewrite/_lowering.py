@@ -142,6 +142,8 @@ class Lowering(abc.ABC):
   ordered_op_types: frozenset[str] = frozenset()
   # Whether lower_group takes groups some of whose members another process builds (their inputs None).
   partial_groups: bool = False
+  # Whether its all-reduces across tasks gain from being fused into one (rewrite.fuse): each op pays a round trip.
+  fusible: bool = False
 
   def supports(self, collective: Collective) -> bool:  # pylint: disable=unused-argument
     """Whether this lowering can implement ``collective``."""

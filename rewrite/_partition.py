@@ -18,12 +18,19 @@ import tensorflow as tf
 from rewrite import _expansion
 from rewrite import _propagation
 from rewrite import _rules
+from rewrite import _rules_random
 
 
 def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None,
               summed: frozenset = frozenset(), data: frozenset = frozenset(),
-              batch_axes: tuple = ()) -> _propagation.Partition:
-  """Layouts for every tensor of ``graph``: :func:`_propagation.propagate`, function bodies by :data:`BODIES`."""
+              batch_axes: tuple = (), random_salt: int | None = None) -> _propagation.Partition:
+  """Layouts for every tensor of ``graph``: :func:`_propagation.propagate`, function bodies by :data:`BODIES`.
+
+  ``random_salt``: the seed the graph's unseeded stateful random ops get (``_rules_random``); None: one drawn
+  at random for the graph. Processes of one job that expand one graph each must pass the same.
+  """
+  if random_salt is not None:
+    _rules_random.use_salt(graph, random_salt)
   return _propagation.propagate(graph, mesh, given, handle_shapes, summed, data, batch_axes, bodies=BODIES)
 
 

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from rewrite import _communication
 from rewrite import _cost as cost_model
+from rewrite import _fusion
 from rewrite._plan import Collective
 from rewrite._plan import Plan
 
@@ -194,6 +195,8 @@ class PartitionReport:
     layout_search: with automatic layouts, the search that chose them
       (``rewrite._search.Result``: every assignment tried, its estimate and
       bytes a device); None otherwise.
+    runs_as: the plan that runs, if :func:`rewrite.fuse` made some of
+      :attr:`plan`'s collectives one; None if it is :attr:`plan`.
   """
 
   plan: Plan
@@ -205,6 +208,7 @@ class PartitionReport:
   fallbacks: list[FallbackRow]
   work: cost_model.Work | None = None
   layout_search: Any = None
+  runs_as: Plan | None = None
 
   @classmethod
   def from_partition(cls, graph: tf.Graph, partition, plan: Plan, mesh_shape: Mapping[str, int], *,
@@ -346,6 +350,11 @@ class PartitionReport:
     lines += _table(("op", "input layouts", "at"),
                     [(f"{r.op_type} {r.op_name}", ", ".join(format_layout(x) for x in r.input_layouts), r.location)
                      for r in self.fallbacks])
+    if self.runs_as is not None:
+      fused = [c for c in self.runs_as.collectives if c.present[0].node.startswith(_fusion.SCOPE)]
+      lines.append(f"\nFused (across processes): the {len(self.collective_rows)} collective(s) run as "
+                   f"{len(self.runs_as.collectives)}; {len(fused)} fused all-reduce(s) of "
+                   f"{', '.join(f'{c.shape[0]:,}' for c in fused)} element(s).")
     if self.layout_search is not None:
       lines += _search_lines(self.layout_search)
     return "\n".join(lines)

@@ -73,6 +73,11 @@ def stateless_random(view, layouts):
 _SALTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # traced graph -> its seed (one per trace)
 
 
+def use_salt(graph, salt: int) -> None:
+  """Gives ``graph``'s unseeded stateful random ops the seed ``salt`` (and each its op's ``seed2``)."""
+  _SALTS[graph] = salt
+
+
 @_rules.register(*_op_kinds.STATEFUL_RANDOM)
 def stateful_random(view, layouts):
   """One draw, whole on every device: an unseeded op gets a seed pair, the same on every device."""

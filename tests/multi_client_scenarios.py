@@ -15,8 +15,17 @@ import numpy as np  # noqa: E402
 import replicator  # noqa: E402  (does not start TensorFlow)
 
 # The multi-client runtime starts before TensorFlow runs anything.
-repl = replicator.MultiWorkerReplicator.from_tf_config(
-    collective_timeout=float(os.environ.get("SCENARIO_COLLECTIVE_TIMEOUT", "60")))
+TIMEOUT = float(os.environ.get("SCENARIO_COLLECTIVE_TIMEOUT", "60"))
+if os.environ.get("SCENARIO_SLURM_PORT_BASE"):  # started as SLURM starts a job step's tasks (SLURM_* variables)
+  import tensorflow as tf  # noqa: E402  (runs nothing yet)
+  # TensorFlow 2.21's resolver gives each task of a node one of its GPUs; on CPU nodes, as many "GPUs" as tasks.
+  tasks_per_node = int(os.environ["SLURM_STEP_TASKS_PER_NODE"])
+  resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+      port_base=int(os.environ["SCENARIO_SLURM_PORT_BASE"]), gpus_per_node=tasks_per_node, gpus_per_task=1,
+      auto_set_gpu=False)
+  repl = replicator.MultiWorkerReplicator.from_cluster_resolver(resolver, collective_timeout=TIMEOUT)
+else:
+  repl = replicator.MultiWorkerReplicator.from_tf_config(collective_timeout=TIMEOUT)
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -89,6 +98,93 @@ def train(out):
            summed_rows=summed_rows, replicas=np.array(repl.local_replicas), **initial, **found)
 
 
+def train_global(out):
+  """The global view: the one-device step, partitioned; SCENARIO_LAYOUT "batch" (data parallel over every device)
+  or "megatron" (the hidden layer split over each worker's devices, the batch over the workers)."""
+  megatron = os.environ.get("SCENARIO_LAYOUT") == "megatron"
+  layouts = {r"dense/kernel$": (None, "device"), r"dense/bias$": ("device",),
+             r"dense_1/kernel$": ("device", None)} if megatron else None
+  global_repl = replicator.MultiWorkerReplicator.from_tf_config(
+      view="global", layouts=layouts, batch_axes=("worker",) if megatron else ("worker", "device"),
+      collective_timeout=60.0)
+  keras.utils.set_random_seed(100 + repl.task)
+  with global_repl.context():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
+                              keras.layers.Dense(2, name="dense_1")])
+    optimizer = keras.optimizers.Adam(0.05)
+    optimizer.build(model.trainable_variables)
+  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
+  sharded = [v.path for v in model.trainable_variables if v.value.sharding is not None]
+
+  @tf.function
+  def step(batch):  # written for one device
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+  losses = [float(global_repl.run(step, dataset)) for _ in range(STEPS)]
+  found = {f"final/{k}": v for k, v in _whole(model.variables + optimizer.variables).items()}
+  pieces = {f"pieces/{k}": v for k, v in components(model.trainable_variables).items()}
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), losses=np.array(losses), sharded=np.array(sharded),
+           replicas=np.array(global_repl.local_replicas), **initial, **found, **pieces)
+
+
+def fit(out):
+  """Keras's own loop in every process: compile in the context, fit (validation, metrics), evaluate, predict."""
+  keras.utils.set_random_seed(100 + repl.task)
+  with repl.context():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
+                              keras.layers.Dense(2, name="dense_1")])
+    model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"], steps_per_execution=2)
+  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
+  history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, validation_split=1 / 3, shuffle=False, verbose=0)
+  evaluated = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0)
+  predicted = model.predict(X[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
+  found = {f"final/{k}": v for k, v in _whole(model.variables + model.optimizer.variables
+                                               + model.metrics_variables).items()}
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), evaluated=np.array(evaluated), predicted=predicted,
+           **{f"history/{k}": np.array(v) for k, v in history.history.items()}, **initial, **found)
+
+
+def keras_distribution(out):
+  """Keras's distribution API, as written for JAX: initialize, a DeviceMesh over every process's devices,
+  ModelParallel (the hidden layer split over 'model', within a worker), fit."""
+  replicator.enable_keras_distribution()
+  keras.distribution.initialize()  # the job from KERAS_DISTRIBUTION_* (the launcher sets them)
+  devices = keras.distribution.list_devices()
+  device_mesh = keras.distribution.DeviceMesh((repl.num_workers, len(devices) // repl.num_workers),
+                                              ["batch", "model"], devices)
+  layout_map = keras.distribution.LayoutMap(device_mesh)
+  layout_map[".*dense/kernel"] = (None, "model")
+  layout_map[".*dense/bias"] = ("model",)
+  layout_map[".*dense_1/kernel"] = ("model", None)
+  keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                       batch_dim_name="batch"))
+  keras.utils.set_random_seed(100 + repl.task)
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
+                            keras.layers.Dense(2, name="dense_1")])
+  model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"], steps_per_execution=2)
+  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
+  sharded = [v.path for v in model.trainable_variables if v.value.sharding is not None]
+  history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, validation_split=1 / 3, shuffle=False, verbose=0)
+  evaluated = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0)
+  predicted = model.predict(X[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
+  found = {f"final/{k}": v for k, v in _whole(model.variables + model.optimizer.variables
+                                               + model.metrics_variables).items()}
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), evaluated=np.array(evaluated), predicted=predicted,
+           sharded=np.array(sharded), devices=np.array(devices),
+           **{f"history/{k}": np.array(v) for k, v in history.history.items()}, **initial, **found)
+
+
+def _whole(variables):
+  """Every variable's value as this process reads it outside a step (a sharded one assembled from its pieces)."""
+  return {v.path if hasattr(v, "path") else v.name: np.asarray(v.numpy() if hasattr(v, "numpy") else v)
+          for v in variables}
+
+
 def refusals(out):
   """What does not run across processes yet says so, and what instead."""
   found = []
@@ -97,14 +193,14 @@ def refusals(out):
       keras.layers.Dense(4).build((None, 3))
     except replicator.UnsupportedError as e:
       found.append(str(e))
-  with repl.context():
-    try:
-      keras.metrics.Mean()
-    except replicator.UnsupportedError as e:
-      found.append(str(e))
   try:
-    repl.run(lambda x: x, tf.data.Dataset.range(8).batch(4), view="global")
+    repl.wrap_optimizer(keras.optimizers.SGD(0.1), update="sharded")
   except replicator.UnsupportedError as e:
+    found.append(str(e))
+  import mesh  # pylint: disable=import-outside-toplevel
+  try:  # a mesh over worker 0's devices only
+    replicator.MultiWorkerReplicator.from_tf_config(mesh=mesh.Mesh({"x": 1}, devices=repl.devices[:1]))
+  except replicator.ClusterConfigError as e:
     found.append(str(e))
   with open(os.path.join(out, f"worker_{repl.task}.txt"), "w") as f:
     f.write("\n---\n".join(found))
@@ -191,6 +287,6 @@ def preempt(out):
 
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
-  {"train": train, "refusals": refusals, "dead_peer": dead_peer, "resume": resume,
+  {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "refusals": refusals, "dead_peer": dead_peer, "resume": resume,
    "preempt": preempt}[name](out)
   print("done", repl.task, flush=True)

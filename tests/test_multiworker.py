@@ -114,6 +114,45 @@ def test_malformed_tf_config():
     replicator.MultiWorkerReplicator(cluster={"worker": ["localhost:2222", "localhost"]})
 
 
+def test_cluster_resolvers_give_the_cluster_and_this_process_task():
+  """SLURM's, Kubernetes's (a stand-in for its API client) and a simple resolver: the cluster and the task."""
+  import tensorflow as tf
+
+  from replicator.integrations import _cluster
+
+  class Pods:  # what KubernetesClusterResolver asks of the Kubernetes API: the pods of a label selector
+    def __init__(self, ips):
+      self._ips = ips
+
+    def list_pod_for_all_namespaces(self, label_selector):
+      assert label_selector == "job-name=train"
+      pod = lambda i, ip: type("Pod", (), dict(  # noqa: E731
+          metadata=type("Meta", (), dict(name=f"train-{i}")), status=type("Status", (), dict(phase="Running",
+                                                                                              host_ip=ip))))
+      return type("Pods", (), dict(items=[pod(i, ip) for i, ip in enumerate(self._ips)]))
+
+  kubernetes = tf.distribute.cluster_resolver.KubernetesClusterResolver(
+      {"worker": ["job-name=train"]}, tf_server_port=2222, override_client=Pods(["10.0.0.1", "10.0.0.2"]))
+  cluster, task = _cluster.from_resolver(kubernetes)
+  assert cluster.workers == ("10.0.0.1:2222", "10.0.0.2:2222") and task is None  # (it knows no task)
+  assert _cluster.from_resolver(kubernetes, task=1)[1] == 1
+  with pytest.raises(replicator.ClusterConfigError, match=r"Task index 2 is out of range"):
+    _cluster.from_resolver(kubernetes, task=2)
+  spec = tf.train.ClusterSpec({"worker": ["host0:2222", "host1:2222"]})
+  simple = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=1)
+  assert _cluster.from_resolver(simple) == (_cluster.Cluster(("host0:2222", "host1:2222")), 1)
+  with pytest.MonkeyPatch.context() as env:
+    for name, value in dict(SLURM_PROCID="2", SLURM_STEP_NUM_TASKS="4", SLURM_STEP_NODELIST="node[07-08]",
+                            SLURM_STEP_TASKS_PER_NODE="2(x2)").items():
+      env.setenv(name, value)
+    slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=8888, gpus_per_node=2, gpus_per_task=1,
+                                                                 auto_set_gpu=False)
+    cluster, task = _cluster.from_resolver(slurm)
+  assert cluster.workers == ("node07:8888", "node07:8889", "node08:8888", "node08:8889") and task == 2
+  with pytest.raises(replicator.ClusterConfigError, match=r"takes a tf.distribute.cluster_resolver.ClusterResolver"):
+    replicator.MultiWorkerReplicator.from_cluster_resolver({"worker": ["host0:2222"]})
+
+
 def test_task_index_out_of_range():
   config = json.dumps({"cluster": {"worker": ["localhost:2222", "localhost:2223"]}, "task": {"type": "worker", "index": 2}})
   with pytest.raises(replicator.ClusterConfigError, match=r"Task index 2 is out of range: the cluster has 2 worker\(s\), indices 0\.\.1"):

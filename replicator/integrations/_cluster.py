@@ -142,6 +142,26 @@ def from_tf_config(value: str | None = None) -> tuple[Cluster, dict]:
   return cluster, task
 
 
+def from_resolver(resolver, task: int | None = None) -> tuple[Cluster, int | None]:
+  """The cluster of a TensorFlow cluster resolver, and this process's worker task (``task``, else the resolver's).
+
+  The resolver's own task counts once its ``cluster_spec()`` has run (``SlurmClusterResolver`` sets it there,
+  from ``SLURM_PROCID``); a resolver that knows none (Kubernetes's) gives None unless ``task`` is passed.
+  """
+  if not hasattr(resolver, "cluster_spec"):
+    raise _errors.ClusterConfigError(
+        f"from_cluster_resolver() takes a tf.distribute.cluster_resolver.ClusterResolver (TFConfigClusterResolver, "
+        f"SlurmClusterResolver, KubernetesClusterResolver, SimpleClusterResolver), not {type(resolver).__name__}. "
+        f"Fix: pass a resolver, or the cluster itself to MultiWorkerReplicator(cluster=...).")
+  cluster = parse(resolver)
+  if task is None and getattr(resolver, "task_type", None) in (None, JOB):
+    found = getattr(resolver, "task_id", None)
+    task = None if found is None else int(found)
+  if task is not None:
+    cluster.check_task(task)
+  return cluster, task
+
+
 def probe(address: str, timeout: float) -> str | None:
   """None if a TCP connection to ``address`` succeeds within ``timeout`` seconds, else why not."""
   try:

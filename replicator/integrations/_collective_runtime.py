@@ -23,6 +23,7 @@ Checked on TensorFlow 2.21: logical CPUs of several processes form one group
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -40,11 +41,14 @@ TF_ALREADY_STARTED = (
     "dataset or tensor."
 )
 ALREADY_STARTED = (
-    "The multi-worker runtime was already started in this process (as worker {task} of {workers}). Fix: make one "
-    "multi-worker Replicator per process and reuse it."
+    "The multi-worker runtime was already started in this process as worker {task} of {workers} ({devices} "
+    "device(s) each), and now asked for worker {new_task} of {new_workers} ({new_devices} each): one process is "
+    "one worker of one job. Fix: give every multi-worker Replicator of the process the same cluster, task and "
+    "devices_per_worker (from_tf_config() reads them from TF_CONFIG)."
 )
 
-_started: tuple[int, int] | None = None  # (task, workers) once started
+_started: tuple | None = None  # (addresses, task, devices per worker) once started
+_counts: dict = {}  # group key -> the agreements made in it so far (shared by every Agreement of the process)
 
 
 def environment(addresses, task: int) -> dict[str, str]:
@@ -64,13 +68,20 @@ def start(addresses, task: int, devices_per_worker: int) -> tuple[str, ...]:
 
   Each worker gets ``devices_per_worker`` logical CPUs.
 
+  Started once a process: later calls for the same job (another Replicator of the program) return its devices.
+
   Raises:
-    ClusterConfigError: TensorFlow already ran in this process, or the runtime was started already.
+    ClusterConfigError: TensorFlow already ran in this process, or the runtime was started for another job or task.
   """
   global _started
   addresses = list(addresses)
   if _started is not None:
-    raise _errors.ClusterConfigError(ALREADY_STARTED.format(task=_started[0], workers=_started[1]))
+    if _started == (tuple(addresses), task, devices_per_worker):
+      return device_names(len(addresses), devices_per_worker)
+    old, old_task, old_devices = _started
+    raise _errors.ClusterConfigError(ALREADY_STARTED.format(
+        task=old_task, workers=len(old), devices=old_devices, new_task=task, new_workers=len(addresses),
+        new_devices=devices_per_worker))
   os.environ.update(environment(addresses, task))
   try:
     tf.experimental.dtensor.initialize_accelerator_system("CPU", num_logical_cpu_devices=devices_per_worker)
@@ -78,7 +89,16 @@ def start(addresses, task: int, devices_per_worker: int) -> tuple[str, ...]:
     if "already been initialized" in str(e) or "before TensorFlow is initialized" in str(e):
       raise _errors.ClusterConfigError(TF_ALREADY_STARTED) from None
     raise
-  _started = (task, len(addresses))
+  _started = (tuple(addresses), task, devices_per_worker)
+  return device_names(len(addresses), devices_per_worker)
+
+
+def job_devices() -> tuple[str, ...]:
+  """Every device of the job this process was started in (``start``), worker by worker."""
+  if _started is None:
+    raise _errors.ClusterConfigError("The multi-worker runtime was not started in this process (a bug: ask after "
+                                     "start()).")
+  addresses, _, devices_per_worker = _started
   return device_names(len(addresses), devices_per_worker)
 
 
@@ -90,7 +110,8 @@ class Agreement:
   MultiWorkerMirroredStrategy broadcasts them from worker 0). Every process
   creates its variables in the same order (the same program), so the k-th
   agreement of each process is the same broadcast; its keys are hashed from
-  that count (``rewrite.AgreedKeys``).
+  that count (``rewrite.AgreedKeys``), one count for every Agreement of the
+  process over the same workers.
 
   Args:
     leaders: each worker's first device, worker by worker.
@@ -106,9 +127,9 @@ class Agreement:
     self._timeout = timeout_seconds
     self._keys = rewrite.AgreedKeys()
     self._group_key = self._keys.group_key(self._leaders)
-    self._count = itertools.count()
-    with tf.init_scope(), tf.device(self._leaders[task]):  # made now: later, a variable creator may be in scope
-      self._token = tf.Variable(0.0, trainable=False, name="agreement_token")
+    # One count per group for the whole process: two Replicators' agreements never take one key.
+    self._count = _counts.setdefault(self._group_key, itertools.count())
+    self._token = rewrite.ordering_token(self._leaders[task])  # (a handle no variable creator sees)
 
   def any(self, flag: bool, name: str) -> bool:
     """Whether ``flag`` is True in any process (every process calls it, in the same order, with the same ``name``)."""
@@ -127,10 +148,25 @@ class Agreement:
       return value  # strings and the like: left as each process made them
     return self._reduce(lambda: value if self._task == 0 else tf.zeros_like(value), "Add", "initial value")
 
-  def _reduce(self, mine, merge_op: str, name: str) -> tf.Tensor:
-    """One eager all-reduce (``merge_op``) of ``mine()`` over the workers' first devices, the ``name``'s next instance."""
-    with tf.init_scope(), tf.device(self._leaders[self._task]):
+  def total(self, value: tf.Tensor, name: str) -> tf.Tensor:
+    """The sum of every process's ``value`` (an on-read variable's read; every process reads it at the same point).
+
+    Eager, or an op of the function being traced (each call of the function
+    sums again, under the key its trace took).
+    """
+    if len(self._leaders) < 2:
+      return value
+    if value.dtype == tf.bool or value.dtype not in self._DTYPES:
+      raise TypeError(f"Agreement.total sums numbers, not {value.dtype.name}.")
+    return self._reduce(lambda: value, "Add", name, eager=tf.executing_eagerly())
+
+  def _reduce(self, mine, merge_op: str, name: str, eager: bool = True) -> tf.Tensor:
+    """One all-reduce (``merge_op``) of ``mine()`` over the workers' first devices, the ``name``'s next instance.
+
+    ``eager``: run now, outside any function being traced (else an op of it).
+    """
+    with (tf.init_scope() if eager else contextlib.nullcontext()), tf.device(self._leaders[self._task]):
       key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}")
       return tf.raw_ops.CollectiveReduceV2(
           input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
-          ordering_token=[self._token.handle], merge_op=merge_op, final_op="Id", timeout_seconds=self._timeout)
+          ordering_token=[self._token], merge_op=merge_op, final_op="Id", timeout_seconds=self._timeout)

@@ -123,6 +123,14 @@ def one_cpu_process(devices) -> bool:
           and len({rewrite.task_of(d) for d in devices}) == 1)
 
 
+SHARDED_UPDATE_MULTI_CLIENT = (
+    "{where}: this Replicator is one process of a multi-client job, and the sharded update (each update computed "
+    "by one owner of each group, then sent to the others) does not run across processes yet. Fix: leave update= "
+    "at \"auto\" (replicated across processes: every replica updates its own copy, as MultiWorkerMirroredStrategy "
+    "does), or pass update=\"replicated\"."
+)
+
+
 def sharded_by_default(devices) -> bool:
   """``update="auto"``'s choice (both views): sharded on more than one CPU of one process."""
   return len(devices) > 1 and one_cpu_process(devices)
@@ -214,6 +222,8 @@ class ReplicatedOptimizer(tf.Module):
     unsupported = sharded_update_unsupported(optimizer)
     if update == "sharded" and unsupported:
       raise _errors.ArgumentError(SHARDED_UPDATE_UNSUPPORTED.format(optimizer=type(optimizer).__name__, reason=unsupported))
+    if update == "sharded" and getattr(replicator, "task", None) is not None:
+      raise _errors.UnsupportedError(SHARDED_UPDATE_MULTI_CLIENT.format(where='wrap_optimizer(update="sharded")'))
     if update == "auto":
       update = "sharded" if unsupported is None and sharded_by_default(replicator.devices) else "replicated"
     object.__setattr__(self, "update", update)

@@ -246,8 +246,12 @@ class ReplicatedVariable(tf.Variable):
     # None: every component is the whole variable (replicated).
     self._sharding = None if layout is None or layout.is_fully_replicated else layout
     self._global_shape = None
+    self._sources = None  # per replica of the job, the position of a component holding its piece (sharded)
     if self._sharding is not None:
       self._global_shape = tf.TensorShape(mesh_lib.global_shape(self._components[0].shape.as_list(), layout))
+      self._sources = piece_sources(layout, self._replicas)
+    # In a multi-client job, the sum of every process's value (an on-read variable's read); None: one process.
+    self._across = None
     # Per-replica additive offsets kept by writes from outside a step (random
     # seed state: each replica draws its own stream). None: no offsets.
     self._offsets = offsets
@@ -318,11 +322,14 @@ class ReplicatedVariable(tf.Variable):
     layout = None if layout is None or layout.is_fully_replicated else layout
     if self._on_read or layout == self._sharding:
       return
-    devices = self._replicator.devices
+    sources = None if layout is None else piece_sources(layout, self._replicas)
+    if layout is not None and sources is None:
+      raise _errors.UnsupportedError(SHARDED_MULTI_CLIENT.format(name=self.name.split(":")[0], spec=layout.spec))
+    devices = [self._replicator.devices[r] for r in self._replicas]
     with tf.init_scope(), _context.cross_replica_scope():
       with tf.device(devices[0]):
         value = tf.identity(self.read_value())  # the global value (gathered if sharded)
-        pieces = mesh_lib.split(value, layout) if layout is not None else [value] * len(devices)
+        pieces = self._local(mesh_lib.split(value, layout)) if layout is not None else [value] * len(devices)
       components = []
       for piece, device in zip(pieces, devices):
         with tf.device(device):
@@ -333,6 +340,7 @@ class ReplicatedVariable(tf.Variable):
       _OWNERS.pop(id(component.handle), None)
     self._components = tuple(components)
     self._sharding = layout
+    self._sources = sources
     self._global_shape = None if layout is None else tf.TensorShape(
         mesh_lib.global_shape(components[0].shape.as_list(), layout))
     self._home = tuple(range(len(components)))
@@ -351,6 +359,10 @@ class ReplicatedVariable(tf.Variable):
     if ctx is not None and ctx.replicator is self._replicator:
       return self._components[self._position[ctx.replica_id]]
     return self._home_component()
+
+  def _local(self, pieces: list) -> list:
+    """Of one value per replica of the job (``mesh.split``'s pieces), those of this process's components."""
+    return [pieces[r] for r in self._replicas]
 
   def _home_component(self) -> tf.Variable:
     """The component reads outside a step use, and exports copy: the first of the first owner's devices."""
@@ -475,15 +487,17 @@ class ReplicatedVariable(tf.Variable):
     """The value outside a step, from the components (each read with ``read``)."""
     if self._sharding is not None:
       with tf.device(self._components[0].device):
-        return mesh_lib.assemble([read(self._components[h]) for h in self._home], self._sharding)
+        return mesh_lib.assemble([read(self._components[self._home[s]]) for s in self._sources], self._sharding)
     aggregation = self.aggregation
     if not self._on_read or aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.ONLY_FIRST_REPLICA):
       return read(self._current())
     with tf.device(self._components[0].device):
       total = tf.add_n([read(c) for c in self._components])
+      if self._across is not None:  # every process's part (each process reads it at the same point)
+        total = self._across(total, f"read {self.name.split(':')[0]}")
+      count = self._replicator.num_replicas
       if aggregation == tf.VariableAggregation.MEAN:
-        total = total / tf.cast(len(self._components), total.dtype) if total.dtype.is_floating else \
-            total // len(self._components)
+        total = total / tf.cast(count, total.dtype) if total.dtype.is_floating else total // count
       return total
 
   @property
@@ -642,7 +656,7 @@ class ReplicatedVariable(tf.Variable):
     if self._sharding is not None:
       value = tf.convert_to_tensor(args[0], self.dtype)
       with tf.device(self._components[0].device):
-        pieces = mesh_lib.split(value, self._sharding)
+        pieces = self._local(mesh_lib.split(value, self._sharding))
       for component, piece in zip(self._components, pieces):
         getattr(component, method)(piece, *args[1:], read_value=False, **kwargs)
     elif self._on_read and method in ("assign_add", "assign_sub") and \
@@ -650,9 +664,7 @@ class ReplicatedVariable(tf.Variable):
       if self._replicas[0] == 0:  # replica 0's process (in a multi-client job)
         getattr(self._components[0], method)(*args, read_value=False, **kwargs)  # the sum moves by delta
     elif self._on_read and method == "assign":
-      values = spread(args[0], self, len(self._components))
-      if self._replicas[0] != 0 and self.aggregation == tf.VariableAggregation.SUM:
-        values = [tf.zeros_like(values[0])] * len(values)  # the total lives on replica 0, in another process
+      values = spread(args[0], self)
       for component, value in zip(self._components, values):
         component.assign(value, read_value=False)
     elif self._offsets is not None and method == "assign":
@@ -731,11 +743,11 @@ class ReplicatedVariable(tf.Variable):
     if self._sharding is not None:
       (value,) = restored_tensors.values()
       with tf.device(self._components[0].device):
-        pieces = mesh_lib.split(tf.convert_to_tensor(value, self.dtype), self._sharding)
+        pieces = self._local(mesh_lib.split(tf.convert_to_tensor(value, self.dtype), self._sharding))
       ops = [c.assign(p) for c, p in zip(self._components, pieces)]
     elif self._on_read:
       (value,) = restored_tensors.values()
-      ops = [c.assign(v) for c, v in zip(self._components, spread(value, self, len(self._components)))]
+      ops = [c.assign(v) for c, v in zip(self._components, spread(value, self))]
     elif self._offsets is not None:
       (value,) = restored_tensors.values()
       ops = [c.assign(value + offset) for c, offset in zip(self._components, self._offsets)]
@@ -890,6 +902,19 @@ def per_replica_by_design(variable) -> bool:
   return variable._on_read or variable._offsets is not None  # pylint: disable=protected-access
 
 
+def piece_sources(layout, replicas) -> tuple[int, ...] | None:
+  """Per replica of the job, the position in ``replicas`` of one holding the same piece of a ``layout``.
+
+  None if some piece is held by none of ``replicas`` (in a multi-client job, a
+  variable sharded along an axis that crosses processes).
+  """
+  holder = {}
+  for position, replica in enumerate(replicas):
+    holder.setdefault(layout.shard_index(replica), position)
+  sources = tuple(holder.get(layout.shard_index(r)) for r in range(layout.mesh.size))
+  return None if None in sources else sources
+
+
 def agreeing_groups(variable) -> list:
   """The groups of components (positions in ``variable.components``) that must be equal (its replicated axes).
 
@@ -915,11 +940,16 @@ def summed_on_read(variable) -> bool:
   return variable._on_read and variable.aggregation == tf.VariableAggregation.SUM  # pylint: disable=protected-access
 
 
-def spread(value, like, n: int) -> list:
-  """Per-component values of an on-read variable whose aggregate should be ``value``."""
-  value = tf.convert_to_tensor(value, dtype=like.dtype)
-  if like.aggregation == tf.VariableAggregation.SUM:
-    return [value] + [tf.zeros_like(value)] * (n - 1)
+def spread(value, variable) -> list:
+  """Per-component values of the on-read ``variable`` whose aggregate should be ``value``.
+
+  A sum's total lives on replica 0 (in a multi-client job, in that replica's process; the others' parts are 0).
+  """
+  value = tf.convert_to_tensor(value, dtype=variable.dtype)
+  n = len(variable.components)
+  if variable.aggregation == tf.VariableAggregation.SUM:
+    first = value if variable.replicas[0] == 0 else tf.zeros_like(value)
+    return [first] + [tf.zeros_like(value)] * (n - 1)
   return [value] * n
 
 
@@ -981,7 +1011,7 @@ def _initialize_in_graph(variable, value: tf.Tensor, sum_on_read: bool) -> None:
   variable._initialized = flag  # pylint: disable=protected-access  (kept alive with the variable)
   _OWNERS[id(flag.handle)] = variable
   if variable.sharding is not None:
-    pieces = mesh_lib.split(value, variable.sharding)
+    pieces = variable._local(mesh_lib.split(value, variable.sharding))  # pylint: disable=protected-access
   else:
     pieces = [value] + [tf.zeros_like(value) if sum_on_read else value] * (len(components) - 1)
 
@@ -1045,20 +1075,13 @@ def owner_of(handle):
   return _OWNERS.get(id(handle))
 
 
-ON_READ_MULTI_CLIENT = (
-    "The variable {name!r} is synchronized on read (a Keras metric's total or count), and this Replicator is one "
-    "process of a multi-client job: its value is the sum over every process's replicas, which a read in one process "
-    "cannot see, so it would be this process's part only. Not supported across processes yet. Fix: return the "
-    "values from the step and combine them with repl.reduce (every process gets the job's total), or run the job "
-    "from one client (MultiWorkerReplicator(cluster=...) without task=)."
-)
-
-
 SHARDED_MULTI_CLIENT = (
-    "The variable {name!r} has the layout {spec}, and this Replicator is one process of a multi-client job: sharded "
-    "variables are not supported across processes yet (each process holds only its own devices' pieces, and reads "
-    "from outside a step would need the others'). Fix: replicate it (no layouts key for it), or run the job from "
-    "one client (MultiWorkerReplicator(cluster=...) without task=)."
+    "The variable {name!r} has the layout {spec}, which splits it along a mesh axis that crosses processes, and this "
+    "Replicator is one process of a multi-client job: a variable whose pieces live in several processes is not "
+    "supported yet (reads from outside a step and checkpoints would need the other processes' pieces). Fix: split "
+    "it along axes within a process only (the 'device' axis of the mesh {{'worker': W, 'device': D}}: Megatron "
+    "within a worker, the batch across workers), replicate it (no layouts key for it), or run the job from one "
+    "client (MultiWorkerReplicator(cluster=...) without task=)."
 )
 
 
@@ -1234,8 +1257,6 @@ def make_creator(replicator, config, layouts, state=None):
       layout = _choose_layout(layouts, replicator.mesh, path, value.shape, reference)
       if layout is not None and on_read:
         raise _errors.VariableCreationError(SHARDED_ON_READ.format(name=path, spec=layout.spec))
-      if on_read and config.multi_client:
-        raise _errors.UnsupportedError(ON_READ_MULTI_CLIENT.format(name=path))
       if layout is not None and kwargs.get("shape") is not None and not tf.TensorShape(kwargs["shape"]).is_fully_defined():
         raise _errors.VariableCreationError(SHARDED_UNKNOWN_SHAPE.format(name=path, spec=layout.spec,
                                                                          shape=tf.TensorShape(kwargs["shape"])))
@@ -1245,14 +1266,14 @@ def make_creator(replicator, config, layouts, state=None):
       if offsets is not None:
         offsets = [offsets[r] for r in replicas]
       if layout is not None:
-        if len(replicas) < replicator.num_replicas:
+        if piece_sources(layout, replicas) is None:  # some piece on no device of this process
           raise _errors.UnsupportedError(SHARDED_MULTI_CLIENT.format(name=path, spec=layout.spec))
         with tf.device(devices[0]):  # slice where the value is; copy only the pieces
           pieces = mesh_lib.split(value, layout)
       components = []
       for i, (replica, device) in enumerate(zip(replicas, devices)):
         with tf.device(device):  # an on-read SUM variable starts with its total on replica 0
-          initial = pieces[i] if layout is not None else value
+          initial = pieces[replica] if layout is not None else value
           if sum_on_read and replica > 0:
             initial = tf.zeros_like(value)
           if offsets is not None:
@@ -1260,6 +1281,8 @@ def make_creator(replicator, config, layouts, state=None):
           components.append(new_component(initial_value=initial, **kwargs))
     variable = ReplicatedVariable(components, replicator, offsets, layout, replicas)
     variable._run_state = state  # pylint: disable=protected-access
+    if on_read and config.agree is not None:  # its value is the sum of every process's parts
+      variable._across = config.agree.total  # pylint: disable=protected-access
     variable._chosen_by = _chosen_by(layouts, path, reference)  # pylint: disable=protected-access
     variable._reference = None if reference is None else underlying(reference)  # pylint: disable=protected-access
     if deferred is not None:

@@ -34,14 +34,6 @@ STEPS_NOT_STATIC = (
 )
 
 
-MULTI_CLIENT = (
-    "This Replicator is one process of a multi-client job (MultiWorkerReplicator with task=, or from_tf_config() "
-    "under a TF_CONFIG naming this task), and the global view (view='global', Keras's fit and "
-    "enable_keras_distribution) does not run across processes yet: only the local view does. Fix: use the local "
-    "view, repl.run(step_fn, dataset) with step_fn taking each replica's batch and repl.wrap_optimizer reducing "
-    "the gradients; or drive every worker from one client (MultiWorkerReplicator(cluster=...) without task=)."
-)
-
 class GlobalView:
   """Builds and runs a Replicator's steps in the global view; owns their cache and the owners' load.
 
@@ -118,8 +110,6 @@ class GlobalView:
     a new trace); and, as in the local view, one variant per combination of
     accumulation phases of the wrapped optimizers it uses.
     """
-    if self._config.multi_client:
-      raise _errors.UnsupportedError(MULTI_CLIENT)
     specs = tree.map_structure(lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), element)
     variants = self.steps.setdefault(step_fn, {}).setdefault(str(specs), {})
     return self._state.variant(variants, lambda: _global_step.build(

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 import warnings
 from typing import Any
@@ -322,6 +323,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
   # A variable made outside the Replicator is one resource: every device's copy of a write would write it.
   written = _access.written_placeholders(graph)
   _local_step.check_writes(graph, written, replicated=lambda h: id(h) in trace.owners)
+  local = frozenset(config.local_replicas)  # the devices this process expands (every one, unless multi-client)
   given = {}
   for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
     given[placeholder.name] = _batch_layout(spec, () if i in whole else axes)
@@ -330,7 +332,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     variable = trace.owners.get(id(external))
     if variable is not None:
       given[internal.name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
-      handles[internal.name] = [c.handle for c in variable.components]
+      handles[internal.name] = _handles(variable, mesh, local)
       handle_shapes[internal.name] = variable.shape.as_list()
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
@@ -343,8 +345,14 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
                          tuple(axes), captured)
     for name, variable in captured.items():  # laid out anew: new layouts, new components
       given[name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
-      handles[name] = [c.handle for c in variable.components]
-  partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes))
+      handles[name] = _handles(variable, mesh, local)
+  # The seed of the step's unseeded random ops: one draw per build, and in a multi-client job worker 0's.
+  salt = random.SystemRandom().randrange(1, 2**31)
+  if config.agree is not None:
+    with tf.init_scope():  # (built from Keras's function too)
+      salt = int(config.agree(tf.constant(salt, tf.int64)))
+  partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes),
+                                   random_salt=salt)
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
     fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED
@@ -365,31 +373,39 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
       fed.append((f"{name}:0", value))
       return _expansion.Feed(name, value.dtype, value.shape)
 
-    inputs, local = [], {}
+    inputs, local_inputs = [], {}
     for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
       whole = tf.raw_ops.Placeholder(dtype=spec.dtype, shape=spec.shape, name=f"input_{i}")
       inputs.append(whole)
       pieces = []
       for r, device in enumerate(mesh.devices):
+        if r not in local:
+          pieces.append(None)  # another process's device
+          continue
         with tf.device(device):
           pieces.append(_expansion.local_piece(whole, given[placeholder.name], mesh, r))
-      local[placeholder.name] = pieces
+      local_inputs[placeholder.name] = pieces
     for k, (external, internal) in enumerate(graph.captures):
       if internal.name in handles:
-        local[internal.name] = [feed(h, f"handle_{k}_{r}") for r, h in enumerate(handles[internal.name])]
+        local_inputs[internal.name] = [None if h is None else feed(h, f"handle_{k}_{r}")
+                                       for r, h in enumerate(handles[internal.name])]
       else:
-        local[internal.name] = [feed(external, f"capture_{k}")] * n
-    expansion = _expansion.expand(graph, mesh, partition, local, graph.outputs, locate=_primitives.location_of,
-                                  ownership=ownership)
-  plan = rewrite.plan(expansion.records, mesh, config.lowering_for)
-  rewritten = rewrite.apply(expansion.graph_def, plan, config.lowerings)
+        local_inputs[internal.name] = [feed(external, f"capture_{k}")] * n
+    expansion = _expansion.expand(graph, mesh, partition, local_inputs, graph.outputs,
+                                  locate=_primitives.location_of, ownership=ownership,
+                                  only=None if len(local) == n else local)
+  partition_plan = rewrite.plan(expansion.records, mesh, config.lowering_for)  # what repl.explain shows
+  # Independent all-reduces across processes as one (each pays a round trip); what runs.
+  fused_def, plan = rewrite.fuse(expansion.graph_def, partition_plan, config.lowerings)
+  rewritten = rewrite.apply(fused_def, plan, config.lowerings)
   # A captured value the expansion never reads has no node (a Feed is made where it is used): nothing to feed.
   present = {node.name for node in rewritten.graph_def.node}
   fed = [(name, value) for name, value in fed if name.split(":")[0] in present]
-  report = _report(graph, partition, plan, mesh, trace, element_spec, layouts.auto, ownership)
+  report = _report(graph, partition, partition_plan, mesh, trace, element_spec, layouts.auto, ownership)
+  report.runs_as = None if plan is partition_plan else plan
   written_handles = [(f"handle_{k}_{r}:0", h) for k, (external, internal) in enumerate(graph.captures)
                      if internal.name in handles and internal.op.name in written
-                     for r, h in enumerate(handles[internal.name])]
+                     for r, h in enumerate(handles[internal.name]) if h is not None]
   graph_def, snapshot = rewritten.graph_def, None
   traced = _traced_ops(graph, expansion_graph)
   if config.atomic:
@@ -410,6 +426,11 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
 
 
 _COPY = re.compile(r"^expand/replica_\d+/(.*)$")  # rewrite._expansion's name of a device's copy of a global op
+
+
+def _handles(variable, mesh, local: frozenset) -> list:
+  """Each device's component handle of ``variable``; None for another process's device (a multi-client job)."""
+  return [_variables.component_for(variable, r).handle if r in local else None for r in range(mesh.size)]
 
 
 def _traced_ops(graph: tf.Graph, expansion_graph: tf.Graph):
@@ -438,6 +459,10 @@ STALE_OWNER = (
 
 def sharded_update(config) -> bool:
   """Whether the global view gives each optimizer update one owner per batch group (``Replicator(update=)``)."""
+  if config.multi_client:
+    if config.update == "sharded":
+      raise _errors.UnsupportedError(_optimizer.SHARDED_UPDATE_MULTI_CLIENT.format(where='Replicator(update="sharded")'))
+    return False
   if config.update == "auto":
     # As wrap_optimizer's "auto": on CPUs of one process a broadcast is a hand-over, cheaper than the repeats.
     return _optimizer.sharded_by_default(config.mesh.devices)
