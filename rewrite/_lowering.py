@@ -10,6 +10,7 @@ without touching the rewrite pass.
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import itertools
 import random
@@ -217,6 +218,7 @@ def auto(collective: Collective) -> str:
   return "hierarchical" if get("hierarchical").supports(collective) else "collective_ops"
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked of every device of a job's groups, per collective
 def task_of(device: str) -> str:
   """``/job:worker/replica:0/task:1`` for a device string of that task."""
   return tf.DeviceSpec.from_string(device).replace(device_type=None, device_index=None).to_string()

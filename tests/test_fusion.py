@@ -132,3 +132,11 @@ def test_what_does_not_fuse_stays_as_planned():
   local_records = [[dataclasses.replace(m, device=d) for m in rs] for rs, d in zip(records, cpus(2))]
   local = rewrite.plan(local_records, mesh.Mesh({"worker": 2}, cpus(2)), lambda c: "collective_ops")
   assert rewrite.fuse(graph_def, local)[1] is local  # one process: no round trip to save
+
+
+def test_the_scale_study_builds_one_process_part_with_its_collectives_fused():
+  from benchmarks import scale
+  row = scale.measure(2)  # process 0 of 2 workers x 8: 16 devices, 8 of them its own
+  assert (row["devices"], row["local_replicas"]) == (16, 8)
+  assert (row["collectives_planned"], row["collectives_run"]) == (33, 1)
+  assert row["cross_process_ops"] == 1 and row["group_sizes"] == [2]  # one op, on this process's leader device
