@@ -35,6 +35,7 @@ from replicator.core._values import PerReplica
 from replicator.integrations import _cluster
 from replicator.integrations import _collective_runtime
 from replicator.integrations import _keras_distribution
+from replicator.state import _variables
 
 DEVICE_COUNT_MISMATCH = (
     "devices_per_worker={wanted} but worker {task} ({address}) has only {found} CPU device(s). "
@@ -333,9 +334,11 @@ class MultiWorkerReplicator(Replicator):
   def checkpoint_manager(self, checkpoint, directory: str, **kwargs):
     """A checkpoint manager whose ``save`` every process calls; the process owning the variables writes.
 
-    In a multi-client job worker 0 writes the checkpoint (every variable is
-    replicated, its copy the one saved) and the other workers write nothing;
-    with one client, that client writes. ``tf.train.CheckpointManager``
+    In a multi-client job worker 0 writes the checkpoint and the other
+    workers write nothing (a variable split across processes, and a metric's
+    parts, are first read by every process together, and worker 0 writes what
+    was read); with one client, that client writes. ``save`` returns in
+    every process once the checkpoint is written (one small all-reduce). ``tf.train.CheckpointManager``
     writes the state file that names the latest checkpoint last, so a save
     cut short leaves the previous one the latest. ``restore_or_initialize()``
     restores the latest in every process, on any number of workers.
@@ -350,7 +353,11 @@ class MultiWorkerReplicator(Replicator):
       directory: the directory, the same path on every worker (a shared file system).
       **kwargs: ``tf.train.CheckpointManager``'s other arguments (``max_to_keep``, ...).
     """
-    return _checkpoints.CheckpointManager(checkpoint, directory, writer=self._task in (None, 0), **kwargs)
+    agree = self._config.agree
+    barrier = None if agree is None else (lambda: agree.any(False, "checkpoint saved"))
+    return _checkpoints.CheckpointManager(checkpoint, directory, writer=self._task in (None, 0),
+                                          gathered=lambda: _variables.values_gathered(self), barrier=barrier,
+                                          **kwargs)
 
   def preemption_handler(self, manager) -> _preemption.PreemptionHandler:
     """SIGTERM to any worker saves ``manager``'s checkpoint at the next step boundary, in every process.

@@ -252,6 +252,7 @@ class ReplicatedVariable(tf.Variable):
       self._sources = piece_sources(layout, self._replicas)
     # In a multi-client job, the sum of every process's value (an on-read variable's read); None: one process.
     self._across = None
+    self._gathered = None  # its value read by every process for a save in progress (values_gathered)
     # Per-replica additive offsets kept by writes from outside a step (random
     # seed state: each replica draws its own stream). None: no offsets.
     self._offsets = offsets
@@ -323,8 +324,6 @@ class ReplicatedVariable(tf.Variable):
     if self._on_read or layout == self._sharding:
       return
     sources = None if layout is None else piece_sources(layout, self._replicas)
-    if layout is not None and sources is None:
-      raise _errors.UnsupportedError(SHARDED_MULTI_CLIENT.format(name=self.name.split(":")[0], spec=layout.spec))
     devices = [self._replicator.devices[r] for r in self._replicas]
     with tf.init_scope(), _context.cross_replica_scope():
       with tf.device(devices[0]):
@@ -485,6 +484,8 @@ class ReplicatedVariable(tf.Variable):
 
   def _combine_components(self, read=lambda component: component.read_value()) -> tf.Tensor:
     """The value outside a step, from the components (each read with ``read``)."""
+    if self._sharding is not None and self._sources is None:  # some pieces are other processes' only
+      return self._assembled_across(read)
     if self._sharding is not None:
       with tf.device(self._components[0].device):
         return mesh_lib.assemble([read(self._components[self._home[s]]) for s in self._sources], self._sharding)
@@ -499,6 +500,20 @@ class ReplicatedVariable(tf.Variable):
       if aggregation == tf.VariableAggregation.MEAN:
         total = total / tf.cast(count, total.dtype) if total.dtype.is_floating else total // count
       return total
+
+  def _assembled_across(self, read) -> tf.Tensor:
+    """The global value of a variable whose pieces live in several processes (every process reads it at once).
+
+    Each process assembles a global-shaped tensor holding the pieces whose
+    first holder in the job is one of its replicas and zeros elsewhere; one
+    all-reduce over the workers sums them into the value.
+    """
+    with tf.device(self._components[0].device):
+      zeros = tf.zeros(self._components[0].shape, self.dtype)
+      pieces = [read(self._components[self._position[r]]) if r in self._position else zeros
+                for r in range(self._replicator.num_replicas)]
+      mine = mesh_lib.assemble(pieces, self._sharding)  # (each piece from its first holder: here, or zeros)
+      return self._across(mine, f"read {self.name.split(':')[0]}")
 
   @property
   def _whole_on_each(self) -> bool:
@@ -732,6 +747,8 @@ class ReplicatedVariable(tf.Variable):
 
   def _serialize_to_tensors(self):
     _refuse_diverged(self)
+    if self._gathered is not None:  # read by every process before this save (values_gathered)
+      return {"VARIABLE_VALUE": self._gathered}
     if not self._whole_on_each:  # the global value: restorable on any layout
       return {"VARIABLE_VALUE": self._aggregate()}
     return self._current()._serialize_to_tensors()  # pylint: disable=protected-access
@@ -900,6 +917,35 @@ def slot_reference(variable):
 def per_replica_by_design(variable) -> bool:
   """Whether each replica's copy of ``variable`` is its own value by design: on-read, or seeded apart."""
   return variable._on_read or variable._offsets is not None  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def values_gathered(replicator):
+  """Reads, in every process of a multi-client job, the variables whose value needs every process; saves use them.
+
+  A checkpoint is written by one process, but reading a variable split across
+  processes (or a metric's parts) is a collective every process must join:
+  every process calls this around the save, reads those variables here in
+  creation order (the same in every process), and the writer's save takes
+  the values read.
+  """
+  variables = [v for v in variables_of(replicator) if read_by_every_process(v)]
+  try:
+    for variable in variables:
+      with tf.init_scope():
+        variable._gathered = tf.identity(variable._aggregate())  # pylint: disable=protected-access
+    yield
+  finally:
+    for variable in variables:
+      variable._gathered = None  # pylint: disable=protected-access
+
+
+def read_by_every_process(variable) -> bool:
+  """Whether reading ``variable`` outside a step needs every process (pieces or parts in other processes)."""
+  replicated = underlying(variable)
+  if replicated is None or replicated._across is None:  # pylint: disable=protected-access
+    return False
+  return replicated._on_read or (replicated.sharding is not None and replicated._sources is None)  # pylint: disable=protected-access
 
 
 def piece_sources(layout, replicas) -> tuple[int, ...] | None:
@@ -1073,16 +1119,6 @@ def variables_of(replicator) -> list:
 def owner_of(handle):
   """The ReplicatedVariable whose component (or first-run flag) has ``handle``, or None."""
   return _OWNERS.get(id(handle))
-
-
-SHARDED_MULTI_CLIENT = (
-    "The variable {name!r} has the layout {spec}, which splits it along a mesh axis that crosses processes, and this "
-    "Replicator is one process of a multi-client job: a variable whose pieces live in several processes is not "
-    "supported yet (reads from outside a step and checkpoints would need the other processes' pieces). Fix: split "
-    "it along axes within a process only (the 'device' axis of the mesh {{'worker': W, 'device': D}}: Megatron "
-    "within a worker, the batch across workers), replicate it (no layouts key for it), or run the job from one "
-    "client (MultiWorkerReplicator(cluster=...) without task=)."
-)
 
 
 SHARDED_HANDLE = (
@@ -1266,8 +1302,6 @@ def make_creator(replicator, config, layouts, state=None):
       if offsets is not None:
         offsets = [offsets[r] for r in replicas]
       if layout is not None:
-        if piece_sources(layout, replicas) is None:  # some piece on no device of this process
-          raise _errors.UnsupportedError(SHARDED_MULTI_CLIENT.format(name=path, spec=layout.spec))
         with tf.device(devices[0]):  # slice where the value is; copy only the pieces
           pieces = mesh_lib.split(value, layout)
       components = []
@@ -1281,7 +1315,7 @@ def make_creator(replicator, config, layouts, state=None):
           components.append(new_component(initial_value=initial, **kwargs))
     variable = ReplicatedVariable(components, replicator, offsets, layout, replicas)
     variable._run_state = state  # pylint: disable=protected-access
-    if on_read and config.agree is not None:  # its value is the sum of every process's parts
+    if config.agree is not None:  # a read that needs other processes' parts (a metric's, a piece's) sums them
       variable._across = config.agree.total  # pylint: disable=protected-access
     variable._chosen_by = _chosen_by(layouts, path, reference)  # pylint: disable=protected-access
     variable._reference = None if reference is None else underlying(reference)  # pylint: disable=protected-access
