@@ -200,7 +200,7 @@ def _result(command: list[str], workers: int | None = None, devices: int = 1) ->
   return json.loads(lines[0])
 
 
-def alternate(model: str, workers: int, pairs: int, steps: int, devices: int = 1) -> dict:
+def alternate(model: str, workers: int, pairs: int, steps: int, devices: int = 1, view: str = "local") -> dict:
   """Our multi-client job and MultiWorkerMirroredStrategy's, ``pairs`` of each in turn (fresh processes each).
 
   Returns each side's step times (ms, worker 0's medians) and the ratio of each pair (ours / theirs), for the
@@ -208,8 +208,8 @@ def alternate(model: str, workers: int, pairs: int, steps: int, devices: int = 1
   """
   ours, theirs = [], []
   for _ in range(pairs):
-    ours.append(_result(["-m", "benchmarks.multiworker", "--multi-client-child", model, "--steps", str(steps)],
-                        workers=workers, devices=devices)["step_ms"])
+    ours.append(_result(["-m", "benchmarks.multiworker", "--multi-client-child", model, "--view", view, "--steps",
+                         str(steps)], workers=workers, devices=devices)["step_ms"])
     theirs.append(_result(["-m", "benchmarks.multiworker", "--mwms-child", model, "--steps", str(steps)],
                           workers=workers)["step_ms"])
   return dict(ours_ms=ours, theirs_ms=theirs, ratios=[a / b for a, b in zip(ours, theirs)])
