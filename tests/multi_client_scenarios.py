@@ -150,14 +150,7 @@ def fit(out):
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
                               keras.layers.Dense(2, name="dense_1")])
     model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"], steps_per_execution=2)
-  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
-  history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, validation_split=1 / 3, shuffle=False, verbose=0)
-  evaluated = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0)
-  predicted = model.predict(X[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
-  found = {f"final/{k}": v for k, v in _whole(model.variables + model.optimizer.variables
-                                               + model.metrics_variables).items()}
-  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), evaluated=np.array(evaluated), predicted=predicted,
-           **{f"history/{k}": np.array(v) for k, v in history.history.items()}, **initial, **found)
+  _fit_and_save(model, out)
 
 
 def keras_distribution(out):
@@ -178,22 +171,55 @@ def keras_distribution(out):
   model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
                             keras.layers.Dense(2, name="dense_1")])
   model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"], steps_per_execution=2)
-  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
   sharded = [v.path for v in model.trainable_variables if v.value.sharding is not None]
+  _fit_and_save(model, out, sharded=np.array(sharded), devices=np.array(devices))
+
+
+def _fit_and_save(model, out, **more):
+  """fit (2 epochs, a third for validation), evaluate and predict the compiled ``model``; saves what they gave."""
+  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
   history = model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, validation_split=1 / 3, shuffle=False, verbose=0)
   evaluated = model.evaluate(X, Y, batch_size=GLOBAL_BATCH, verbose=0)
   predicted = model.predict(X[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
   found = {f"final/{k}": v for k, v in _whole(model.variables + model.optimizer.variables
                                                + model.metrics_variables).items()}
   np.savez(os.path.join(out, f"worker_{repl.task}.npz"), evaluated=np.array(evaluated), predicted=predicted,
-           sharded=np.array(sharded), devices=np.array(devices),
-           **{f"history/{k}": np.array(v) for k, v in history.history.items()}, **initial, **found)
+           **{f"history/{k}": np.array(v) for k, v in history.history.items()}, **initial, **found, **more)
 
 
 def _whole(variables):
   """Every variable's value as this process reads it outside a step (a sharded one assembled from its pieces)."""
   return {v.path if hasattr(v, "path") else v.name: np.asarray(v.numpy() if hasattr(v, "numpy") else v)
           for v in variables}
+
+
+def uneven(out):
+  """Each replica's input_fn dataset: 3 batches of 4 rows on worker 0's replicas, 5 on worker 1's. Every process
+  must run the same steps (worker 0's replicas on empty batches once theirs end) and end at the same call."""
+  model, optimizer = model_and_optimizer()
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:  # a sum over the rows: an empty batch adds nothing
+      loss = tf.reduce_sum((model(x) - y) ** 2) / 4.0
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return tf.shape(x)[0]
+
+  def input_fn(ctx):
+    batches = 3 if ctx.replica_id < repl.num_replicas // 2 else 5
+    return tf.data.Dataset.from_tensor_slices((X[:4 * batches], Y[:4 * batches])).batch(4)
+
+  calls, rows, ended = 0, [], ""
+  for _ in range(10):
+    try:
+      found = repl.run(step, input_fn)
+    except replicator.EndOfInput as e:
+      ended = str(e)
+      break
+    calls += 1
+    rows.append(int(repl.reduce("sum", found)))
+  with open(os.path.join(out, f"worker_{repl.task}.txt"), "w") as f:
+    f.write(f"{calls}\n{rows}\n{ended}")
 
 
 def refusals(out):
@@ -293,6 +319,6 @@ def preempt(out):
 
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
-  {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "refusals": refusals, "dead_peer": dead_peer, "resume": resume,
+  {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "refusals": refusals, "dead_peer": dead_peer, "resume": resume,
    "preempt": preempt}[name](out)
   print("done", repl.task, flush=True)

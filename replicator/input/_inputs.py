@@ -208,9 +208,15 @@ class DatasetInputs(Source):
   def __init__(self, input_fn: Callable[[InputContext], tf.data.Dataset], devices: Sequence[str],
                host_device: str | Sequence[str], prefetch_to_device: int = 0,
                pipelines: Sequence[int] | None = None, drop_remainder: bool = False,
-               replicas: Sequence[int] | None = None):
-    """``devices`` and ``pipelines``: every replica's; ``replicas``: the ones this process runs (default: all)."""
+               replicas: Sequence[int] | None = None, agree=None):
+    """``devices`` and ``pipelines``: every replica's; ``replicas``: the ones this process runs (default: all).
+
+    ``agree``: in a multi-client job, the ``_collective_runtime.Agreement`` by
+    which every process's steps see the end of the input at the same step
+    (each process's pipelines may end at different steps); None: one process.
+    """
     self._drop_remainder = drop_remainder
+    self._agree = agree
     pipelines = tuple(range(len(devices)) if pipelines is None else pipelines)
     replicas = tuple(range(len(pipelines)) if replicas is None else replicas)
     n = max(pipelines) + 1
@@ -230,6 +236,9 @@ class DatasetInputs(Source):
         raise _errors.InputMismatchError(NOT_A_DATASET.format(replica=pipeline, found=_describe(ds)))
       datasets.append(ds)
     _check_same_specs([ds.element_spec for ds in datasets], "input_fn's datasets", check_shapes=True)
+    if agree is not None:  # no agreement a step if no process's input can end (every dataset repeated forever)
+      finite = any(int(ds.cardinality()) != int(tf.data.INFINITE_CARDINALITY) for ds in datasets)
+      self._agree = agree if agree.any(finite, "input may end") else None
     for leaf in tree.flatten(datasets[0].element_spec):
       if not isinstance(leaf, tf.TensorSpec):
         raise _errors.InputMismatchError(
@@ -258,7 +267,8 @@ class DatasetInputs(Source):
 
   @property
   def fetches_plainly(self) -> bool:
-    return not self.pads_with_empty_batches  # an uneven end runs steps on empty batches: that needs the check
+    # An uneven end runs steps on empty batches, and other processes' inputs may end first: both need the check.
+    return not self.pads_with_empty_batches and self._agree is None
 
   def fetch(self, flat_args):
     values = []
@@ -283,6 +293,8 @@ class DatasetInputs(Source):
     # Uneven input: until every pipeline has run out, one that has runs the
     # step on an empty batch (as tf.distribute does), so no row is dropped.
     has_value = tf.reduce_any(has) if self.pads_with_empty_batches else tf.reduce_all(has)
+    if self._agree is not None:  # and across processes: every process's step ends at the same step
+      has_value = self._agree.job_flag(has_value, any_=self.pads_with_empty_batches)
 
     def get():
       values = []

@@ -160,13 +160,27 @@ class Agreement:
       raise TypeError(f"Agreement.total sums numbers, not {value.dtype.name}.")
     return self._reduce(lambda: value, "Add", name, eager=tf.executing_eagerly())
 
-  def _reduce(self, mine, merge_op: str, name: str, eager: bool = True) -> tf.Tensor:
+  def job_flag(self, flag: tf.Tensor, any_: bool) -> tf.Tensor:
+    """In the function being traced: whether ``flag`` holds in any process (``any_``) or in all of them.
+
+    One op of the step, under one key for every call (calls of a step never
+    overlap): every process's step computes it at the same point, so all take
+    the same branch after it (the end of uneven input, say).
+    """
+    if len(self._leaders) < 2:
+      return flag
+    total = self._reduce(lambda: tf.cast(flag, tf.int32), "Max" if any_ else "Min", "job flag", eager=False,
+                         counted=False)
+    return tf.cast(total, tf.bool)
+
+  def _reduce(self, mine, merge_op: str, name: str, eager: bool = True, counted: bool = True) -> tf.Tensor:
     """One all-reduce (``merge_op``) of ``mine()`` over the workers' first devices, the ``name``'s next instance.
 
     ``eager``: run now, outside any function being traced (else an op of it).
+    ``counted``: the key of the ``name``'s next instance (else of ``name`` itself: the same op every time).
     """
     with (tf.init_scope() if eager else contextlib.nullcontext()), tf.device(self._leaders[self._task]):
-      key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}")
+      key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}" if counted else name)
       return tf.raw_ops.CollectiveReduceV2(
           input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
           ordering_token=[self._token], merge_op=merge_op, final_op="Id", timeout_seconds=self._timeout)

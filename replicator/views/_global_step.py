@@ -7,7 +7,9 @@
    variables' handles take their variables' layouts;
 3. expand it into one subgraph per device at local shapes, with collective
    placeholders where a layout needs communication (``rewrite._expansion``);
-4. plan and lower the placeholders (``rewrite.plan`` / ``rewrite.apply``) and
+   in a multi-client job, for this process's devices only;
+4. plan the placeholders (``rewrite.plan``), fuse independent all-reduces
+   across processes (``rewrite.fuse``), lower them (``rewrite.apply``) and
    import the result into one function, as for the local view;
 5. report what the partition does (``rewrite.PartitionReport``, what
    ``repl.explain`` returns), the variables and inputs named.

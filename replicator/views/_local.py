@@ -131,7 +131,8 @@ class LocalView:
         pipelines = [replicator.input_pipeline(r) for r in range(replicator.num_replicas)]
         hosts = self._config.input_hosts or (self._config.host,) * (max(pipelines) + 1)
         source = _inputs.DatasetInputs(input_fn, replicator.devices, list(hosts), self._config.prefetch_to_device,
-                                       pipelines, self._config.drop_remainder, self._config.local_replicas)
+                                       pipelines, self._config.drop_remainder, self._config.local_replicas,
+                                       agree=self._config.agree)
         self._sources.set(input_fn, source)
       return source
     if inputs is not None:
