@@ -162,9 +162,14 @@ def _check_command(page: str, command: str) -> None:
       unknown = set(extras.split(",")) - _extras()
       assert not unknown, f"docs/{page}: `{command}` names extras {sorted(unknown)} that setup.py does not define"
   elif words[:2] == ["python", "-m"]:
-    text = _help(words[2])
-    for flag in (w.split("=")[0] for w in words[3:] if w.startswith("--")):
-      assert flag in text, f"docs/{page}: `{command}` passes {flag}, which `python -m {words[2]} --help` lacks"
+    module, flags = words[2], words[3:]
+    text = _help(module)
+    if module == "replicator.launch" and "-m" in flags:  # what follows `-m module` is that program's
+      program = flags.index("-m") + 1
+      _check_command(page, shlex.join(["python", "-m", flags[program]] + flags[program + 1:]))
+      flags = flags[:program]
+    for flag in (w.split("=")[0] for w in flags if w.startswith("--")):
+      assert flag in text, f"docs/{page}: `{command}` passes {flag}, which `python -m {module} --help` lacks"
   else:
     assert words[0] in OTHER_COMMANDS, f"docs/{page}: `{command}`: a command this test cannot check"
 

@@ -70,7 +70,8 @@ def test_mnist_on_a_2d_mesh_with_layout_rules(mnist_data_parallel):
   assert set(dp["bytes_per_device"].values()) == {full + 10 * 4}
 
 
-def test_multi_client_example_trains_on_every_worker_like_one_device():
+@pytest.mark.parametrize("view", ["local", "global"])
+def test_multi_client_example_trains_on_every_worker_like_one_device(view):
   import io
   import os
 
@@ -78,7 +79,7 @@ def test_multi_client_example_trains_on_every_worker_like_one_device():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = io.TextIOWrapper(io.BytesIO(), write_through=True)
   err = io.TextIOWrapper(io.BytesIO(), write_through=True)
-  code = launch.launch(["-m", "examples.multi_client", "--steps", "20"], 2, 2, timeout=300, grace=5.0,
+  code = launch.launch(["-m", "examples.multi_client", "--steps", "20", "--view", view], 2, 2, timeout=300, grace=5.0,
                        env=dict(os.environ, PYTHONPATH=root), out=out, err=err)
   text = out.buffer.getvalue().decode()
   assert code == 0, err.buffer.getvalue().decode()[-3000:]
