@@ -29,6 +29,7 @@ else:
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from mse_step import mse_step  # noqa: E402  (one replica's step: mean squared error, the optimizer's update)
 
 X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
 Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
@@ -44,19 +45,6 @@ def model_and_optimizer():
                               keras.layers.Dense(2)])
     optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.05))
   return model, optimizer
-
-
-def make_step(model, optimizer):
-  """One replica's training step on ``(x, y)``: mean squared error, the wrapped optimizer; returns the loss."""
-
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-
-  return step
 
 
 def input_fn(ctx):
@@ -80,7 +68,7 @@ def train(out):
   model, optimizer = model_and_optimizer()
   initial = {f"initial/{k}": v for k, v in components(model.trainable_variables).items()}
 
-  train_step = make_step(model, optimizer)
+  train_step = mse_step(model, optimizer)
 
   def step(batch):
     return train_step(batch), tf.shape(batch[0])[0]
@@ -117,13 +105,7 @@ def train_global(out):
   initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
   sharded = [v.path for v in model.trainable_variables if v.value.sharding is not None]
 
-  @tf.function
-  def step(batch):  # written for one device
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
+  step = tf.function(mse_step(model, optimizer))  # written for one device
 
   dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
   losses = [float(global_repl.run(step, dataset)) for _ in range(STEPS)]
@@ -243,7 +225,7 @@ def dead_peer(out):
   import time
   model, optimizer = model_and_optimizer()
 
-  step = make_step(model, optimizer)
+  step = mse_step(model, optimizer)
 
   for _ in range(2):
     repl.run(step, input_fn)
@@ -280,7 +262,7 @@ def resume(out):
   # The data order depends on the step only: global batch i is the i-th (of a dataset repeated).
   dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(RESUME_BATCH).repeat().skip(start)
 
-  step = make_step(model, optimizer)
+  step = mse_step(model, optimizer)
 
   for done in range(start + 1, total + 1):
     repl.run(step, dataset)
@@ -304,7 +286,7 @@ def preempt(out):
   manager = repl.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=optimizer), os.environ["SCENARIO_CKPT"])
   dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(RESUME_BATCH).repeat()
 
-  step = make_step(model, optimizer)
+  step = mse_step(model, optimizer)
 
   with repl.preemption_handler(manager) as preemption:
     for done in range(1, 100000):

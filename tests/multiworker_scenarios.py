@@ -22,6 +22,7 @@ from replicator import testing  # noqa: E402
 replicator.virtual_cpus(1)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from mse_step import mse_step  # noqa: E402
 
 X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
 Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
@@ -34,16 +35,6 @@ def _model():
   return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
 
 
-def _step(model, optimizer):
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-  return step
-
-
 def _input_fn(ctx):
   b = GLOBAL_BATCH // ctx.num_replicas
   ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
@@ -53,7 +44,7 @@ def _input_fn(ctx):
 
 def train_equivalence():
   model = _model()  # one device, this process, before connecting
-  reference_step = tf.function(_step(model, keras.optimizers.Adam(0.05)))
+  reference_step = tf.function(mse_step(model, keras.optimizers.Adam(0.05)))
   for batch in tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH):
     reference_step(batch)
   expected = [v.numpy() for v in model.trainable_variables]
@@ -66,7 +57,7 @@ def train_equivalence():
     with repl.context():
       model = _model()
       optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.05))
-    step = _step(model, optimizer)
+    step = mse_step(model, optimizer)
     while True:
       try:
         repl.run(step, _input_fn)

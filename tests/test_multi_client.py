@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from mse_step import mse_step
 
 from replicator import launch
 
@@ -53,14 +54,8 @@ def _one_device(initial):
     v.assign(initial[f"initial/{v.path}"][0])
   optimizer = keras.optimizers.Adam(0.05)
 
-  @tf.function
-  def step(x, y):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-
-  losses = [float(step(X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]))
+  step = tf.function(mse_step(model, optimizer))
+  losses = [float(step((X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])))
             for i in range(STEPS)]
   final = {v.path: v.numpy() for v in model.variables + optimizer.variables}
   return final, losses
@@ -315,16 +310,11 @@ def test_a_job_killed_mid_run_resumes_on_one_worker_fewer_equal_to_a_run_from_it
   tf.train.Checkpoint(model=model, optimizer=optimizer).restore(str(checkpoints / "ckpt-4")).assert_consumed()
   assert int(optimizer.iterations.numpy()) == 4
 
-  @tf.function
-  def step(x, y):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
+  step = tf.function(mse_step(model, optimizer))
   batch = 12
   for i in range(4, 8):
     rows = [(i * batch + k) % len(X) for k in range(batch)]
-    step(X[rows], Y[rows])
+    step((X[rows], Y[rows]))
   expected = {v.path: v.numpy() for v in model.variables + optimizer.variables}
   for task, found in enumerate(results):
     assert {k[len("final/"):] for k in found if k.startswith("final/")} == set(expected)
