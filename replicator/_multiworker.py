@@ -148,11 +148,9 @@ def _job_mesh(m, workers: int, task: int):
     m = _keras_distribution.as_mesh(m)
   by_task = _replicas_by_task(m.devices)
   counts = sorted({len(replicas) for replicas in by_task.values()})
-  per_worker = counts[0] if len(counts) == 1 else None
-  wanted = {f"/job:{_cluster.JOB}/replica:0/task:{t}/device:CPU:{d}" for t in range(workers)
-            for d in range(per_worker or 0)}
-  if per_worker is None or set(by_task) != set(range(workers)) or {mesh_lib.canonical_name(d) for d in m.devices} \
-      != wanted:
+  per_worker = counts[0] if len(counts) == 1 else 0
+  wanted = set(_collective_runtime.device_names(workers, per_worker))  # every worker's, as the runtime makes them
+  if not per_worker or {mesh_lib.canonical_name(d) for d in m.devices} != wanted:
     found = f"{len(m.devices)} device(s), by task {sorted((k, len(v)) for k, v in by_task.items() if k is not None)}"
     if None in by_task:
       found += f", and {len(by_task[None])} not a worker's ({m.devices[by_task[None][0]]!r}...)"

@@ -157,7 +157,7 @@ def apply(graph_def: tf.compat.v1.GraphDef, plan: Plan,
   last_ordered: dict[str, str] = {}  # device -> last ordered op node name
 
   for collective in plan.collectives:
-    lowering = (lowerings or {}).get(collective.implementation) or _lowering.get(collective.implementation)
+    lowering = _lowering.of(collective, lowerings)
     for g, group in enumerate(collective.groups):
       built = tuple(r for r in group if collective.members[r] is not None)
       if not built:

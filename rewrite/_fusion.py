@@ -66,7 +66,6 @@ def fuse(graph_def: tf.compat.v1.GraphDef, plan: Plan, lowerings: Mapping | None
     order. The members' placeholder nodes become ``Identity`` nodes of their
     pieces of the fused result, so that their consumers read them unchanged.
   """
-  lowering_of = lambda c: (lowerings or {}).get(c.implementation) or _lowering.get(c.implementation)  # noqa: E731
   position = {node.name: i for i, node in enumerate(graph_def.node)}
   first_use: dict[str, int] = {}  # placeholder node -> the position of its first consumer
   members = {m.node for c in plan.collectives for m in c.present}
@@ -83,7 +82,7 @@ def fuse(graph_def: tf.compat.v1.GraphDef, plan: Plan, lowerings: Mapping | None
   buckets: list[list[Collective]] = []
   open_bucket: dict[tuple, tuple[list[Collective], list[int], int]] = {}  # key -> (bucket, first uses, bytes)
   for collective in plan.collectives:
-    if not _fusible(collective, lowering_of(collective)):
+    if not _fusible(collective, _lowering.of(collective, lowerings)):
       buckets.append([collective])
       continue
     key = (collective.implementation, collective.groups, collective.params, collective.dtype, collective.axes)

@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import random
 import threading
+from collections.abc import Mapping
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -193,6 +194,11 @@ def get(name: str) -> Lowering:
     raise _errors.ArgumentError(
         f"Unknown collective implementation {name!r}. Registered implementations: "
         f"{sorted(_REGISTRY)}. Fix: use one of those names, or 'auto'.") from None
+
+
+def of(collective: Collective, lowerings: Mapping[str, Lowering] | None = None) -> Lowering:
+  """The lowering that implements ``collective``: ``lowerings``' instance of its name, else the registered one."""
+  return (lowerings or {}).get(collective.implementation) or get(collective.implementation)
 
 
 def names() -> list[str]:
