@@ -38,7 +38,6 @@ TensorFlow 2.21.0; tests/test_keras_distribution.py fails if it changes):
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
@@ -236,6 +235,6 @@ def _initialize(job_addresses=None, num_processes=None, process_id=None):
   job = (tuple(addresses), process_id)
   if _job is not None and _job != job:
     raise _errors.ClusterConfigError(INITIALIZED_TWICE.format(new=job, old=_job))
-  devices_per_worker = int(os.environ.get("REPLICATOR_DEVICES_PER_WORKER", "1"))
+  devices_per_worker = _collective_runtime.devices_per_worker_from_environment()
   _collective_runtime.start(addresses, process_id, devices_per_worker)
   _job = job

@@ -17,7 +17,6 @@ Two modes:
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -238,7 +237,7 @@ class MultiWorkerReplicator(Replicator):
           "MultiWorkerReplicator(task=..., tasks=...): in a multi-client job every worker runs the program, so the "
           "replicas are on every worker. Fix: leave tasks out (or run one client without task=).")
     if devices_per_worker is None:
-      devices_per_worker = int(os.environ.get("REPLICATOR_DEVICES_PER_WORKER", "1"))
+      devices_per_worker = _collective_runtime.devices_per_worker_from_environment()
     if not isinstance(devices_per_worker, int) or isinstance(devices_per_worker, bool) or devices_per_worker < 1:
       raise _errors.ArgumentError(f"MultiWorkerReplicator(devices_per_worker={devices_per_worker!r}): expected a "
                                   f"positive int, the logical CPUs of each worker.")

@@ -57,6 +57,11 @@ def environment(addresses, task: int) -> dict[str, str]:
           "DTENSOR_ENABLE_HEARTBEAT": "false"}
 
 
+def devices_per_worker_from_environment() -> int:
+  """``REPLICATOR_DEVICES_PER_WORKER`` (``python -m replicator.launch --devices-per-worker`` sets it), else 1."""
+  return int(os.environ.get("REPLICATOR_DEVICES_PER_WORKER", "1"))
+
+
 def device_names(workers: int, devices_per_worker: int) -> tuple[str, ...]:
   """Every device of the job, worker by worker: ``/job:worker/replica:0/task:t/device:CPU:d``."""
   return tuple(f"/job:{JOB}/replica:0/task:{t}/device:CPU:{d}"
@@ -156,7 +161,7 @@ class Agreement:
     """
     if len(self._leaders) < 2:
       return value
-    if value.dtype == tf.bool or value.dtype not in self._DTYPES:
+    if value.dtype not in self._DTYPES:
       raise TypeError(f"Agreement.total sums numbers, not {value.dtype.name}.")
     return self._reduce(lambda: value, "Add", name, eager=tf.executing_eagerly())
 
