@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from rewrite import _functions
 from rewrite import _rules
+from rewrite import _rules_random
 
 
 def _needs_gather(have, want) -> bool:
@@ -87,7 +88,8 @@ def _try_branches(view, layouts):
     handle_shapes = {x.name: view.handle_shapes[t.name] for x, t in zip(body.inputs, args)
                      if t.name in view.handle_shapes}
     summed = {x.name for x, t in zip(body.inputs, args) if t.name in view.summed}
-    partition = view.bodies.propagate(body, view.mesh, given, handle_shapes, summed)
+    partition = view.bodies.propagate(body, view.mesh, given, handle_shapes, summed,
+                                      random_salt=_rules_random.body_salt(op, attr))
     for o in body.get_operations():
       d = partition.decisions.get(o.name)
       if d is None:

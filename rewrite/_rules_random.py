@@ -78,14 +78,30 @@ def use_salt(graph, salt: int) -> None:
   _SALTS[graph] = salt
 
 
+def _salt(graph) -> int:
+  """``graph``'s salt: the one it was given, or one drawn for it (a new trace draws new numbers, as on one device)."""
+  if graph not in _SALTS:
+    _SALTS[graph] = random.SystemRandom().randrange(1, 2**31)
+  return _SALTS[graph]
+
+
+def body_salt(op, attr: str) -> int:
+  """The salt of the body that ``op``'s function attribute ``attr`` names (an ``If``'s ``then_branch``).
+
+  Derived from the salt of ``op``'s graph, ``op``'s name and ``attr``: the
+  names a trace gives its ops are the same in every process that traces one
+  step, unlike the names of its functions (they carry a per-process counter),
+  so processes that agreed on the step's salt draw the same numbers in its
+  branches too, and a body met twice (each propagation round) gets one salt.
+  """
+  return zlib.crc32(f"{_salt(op.graph)}/{op.name}/{attr}".encode()) & 0x7FFFFFFF or 1
+
+
 @_rules.register(*_op_kinds.STATEFUL_RANDOM)
 def stateful_random(view, layouts):
   """One draw, whole on every device: an unseeded op gets a seed pair, the same on every device."""
   attrs = {}
   if view.attr("seed") == 0 and view.attr("seed2") == 0:
-    graph = view.op.graph
-    if graph not in _SALTS:  # a new trace draws new numbers, as a new trace on one device does
-      _SALTS[graph] = random.SystemRandom().randrange(1, 2**31)
-    attrs = {"seed": _SALTS[graph], "seed2": zlib.crc32(view.op.name.encode()) & 0x7FFFFFFF or 1}
+    attrs = {"seed": _salt(view.op.graph), "seed2": zlib.crc32(view.op.name.encode()) & 0x7FFFFFFF or 1}
   return _rules.Decision(inputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.inputs],
                          outputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.outputs], attrs=attrs)

@@ -303,6 +303,41 @@ def test_an_unseeded_stateful_draw_is_one_draw_on_every_device(draw):
     np.testing.assert_allclose(rows.numpy(), np.sum((x @ w.numpy()) * noise.numpy(), axis=1), rtol=1e-5, atol=1e-5)
 
 
+def test_a_branch_draws_the_same_numbers_in_every_trace_given_one_salt():
+  # Processes of a multi-client job trace the step each and agree on its salt; a tf.cond branch's draw took a salt
+  # drawn per body (its function's name differs between traces), so the processes drew different numbers there.
+  import rewrite  # pylint: disable=import-outside-toplevel
+  from rewrite import _expansion  # pylint: disable=import-outside-toplevel
+  from rewrite import _partition  # pylint: disable=import-outside-toplevel
+
+  m = mesh.Mesh({"batch": 2}, devices=cpus(2))
+  x = np.ones([8, 4], np.float32)
+
+  def fn(x):
+    draw = lambda: tf.raw_ops.RandomUniform(shape=[8, 4], dtype=tf.float32, seed=0, seed2=0)  # noqa: E731 (unseeded)
+    return tf.cond(tf.reduce_sum(x) > 0.0, lambda: x * draw(), lambda: x)
+
+  def drawn(salt):  # a new trace, propagated with `salt`, expanded for both devices and run
+    graph = tf.function(fn, autograph=False).get_concrete_function(tf.TensorSpec([8, 4])).graph
+    given = {graph.inputs[0].name: (("batch",), ())}
+    part = _partition.propagate(graph, m, given, random_salt=salt)
+    with tf.Graph().as_default():
+      placeholder = tf.raw_ops.Placeholder(dtype=tf.float32, shape=[8, 4], name="x")
+      local = {graph.inputs[0].name: [_expansion.local_piece(placeholder, given[graph.inputs[0].name], m, r)
+                                      for r in range(2)]}
+      expansion = _expansion.expand(graph, m, part, local, graph.outputs)
+    rewritten = rewrite.apply(expansion.graph_def, rewrite.plan(expansion.records, m, lambda c: "one_device"), {})
+    run = tf.function(lambda v: tf.graph_util.import_graph_def(
+        rewritten.graph_def, input_map={placeholder.name: v},
+        return_elements=[rewritten.output_name(name) for name in expansion.outputs[0]]), autograph=False)
+    return [out.numpy() for out in run(tf.constant(x))]
+
+  first, again, other = drawn(7), drawn(7), drawn(8)
+  np.testing.assert_array_equal(first[0], first[1])  # one draw on both devices
+  np.testing.assert_array_equal(first[0], again[0])  # one salt, one draw, whatever the trace
+  assert not np.array_equal(first[0], other[0])
+
+
 def test_vocabulary_parallel_cross_entropy_communicates_rows_not_logits():
   # Class-split logits were gathered ([rows, classes] per device); now the row max, the sum of exponentials
   # and the label's logit are all-reduced over "model": three [rows] vectors.
