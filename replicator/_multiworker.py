@@ -34,6 +34,7 @@ from replicator.core._values import PerReplica
 from replicator.integrations import _cluster
 from replicator.integrations import _collective_runtime
 from replicator.integrations import _keras_distribution
+from replicator.integrations import _watchdog
 from replicator.state import _variables
 
 DEVICE_COUNT_MISMATCH = (
@@ -60,11 +61,12 @@ PEER_LOST = (
 )
 
 PEER_SILENT = (
-    "A collective of this step waited {timeout:g} s (collective_timeout) for the other workers, and not all came: one "
-    "is hung, or runs another path through the program (another step, a step fewer, a different number of "
-    "collectives). Every worker accepts connections. TensorFlow's error: {error}. Fix: look at the other workers' "
-    "output for an error or a hang; make every worker run the same steps on inputs of the same structure; raise "
-    "collective_timeout if a step really takes longer; then restart the job and restore the last checkpoint."
+    "A collective of this step waited {timeout:g} s (collective_timeout={collective_timeout:g} s and a margin) for the "
+    "other workers, and not all came, though every worker came to the step: they run different collectives (inputs "
+    "of another structure, another step function), or one is stuck inside the step. Every worker accepts "
+    "connections. TensorFlow's error: {error}. Fix: look at the other workers' output for an error or a hang; make "
+    "every worker run the same steps on inputs of the same structure; raise collective_timeout if a step really "
+    "takes longer; then restart the job and restore the last checkpoint."
 )
 
 WORKER_RESTARTED = (
@@ -184,8 +186,12 @@ class MultiWorkerReplicator(Replicator):
       process connects to one cluster; replicators over different subsets of
       its workers can coexist.
     connect_timeout: seconds to wait for every worker to accept connections.
-    collective_timeout: seconds a cross-worker collective waits for its peers
-      before failing (bounds how long a dead worker can stall a step).
+    collective_timeout: seconds a step waits for its peers before failing: in a
+      multi-client job, a worker that has not come to a step this long after
+      this process did is named, dead or hung (a watchdog thread), and a
+      collective that every worker came to fails after it and a margin
+      (``max(5 s, 20%)``); with one client, a cross-worker collective fails
+      after it. 0: wait forever.
     **kwargs: other :class:`Replicator` arguments (``implementation``, ...).
 
   Raises:
@@ -247,6 +253,7 @@ class MultiWorkerReplicator(Replicator):
     if m is not None:  # the caller's mesh over the job's devices (a Keras distribution's DeviceMesh)
       m, devices_per_worker = _job_mesh(m, workers, self._task)
     devices = _collective_runtime.start(self._cluster.workers, self._task, devices_per_worker)
+    self._watchdog = _watchdog.for_job(self._cluster.workers, self._task)
     if m is None:
       m = mesh_lib.Mesh({"worker": workers, "device": devices_per_worker}, devices)
       kwargs.setdefault("batch_axes", ("worker", "device"))
@@ -269,15 +276,18 @@ class MultiWorkerReplicator(Replicator):
       for replica in range(self.num_replicas):
         hosts.setdefault(self.input_pipeline(replica), rewrite.task_of(self.devices[replica]) + "/device:CPU:0")
     agreed = self._task is not None
+    # Multi-client: the watchdog names a late worker at collective_timeout; the collectives' own timeout comes after.
+    timeout = _watchdog.backstop(self.collective_timeout) if agreed else self.collective_timeout
     config = dataclasses.replace(config, input_hosts=tuple(hosts[p] for p in range(len(hosts))), lowerings={
-        "collective_ops": rewrite.CollectiveOps(self.collective_timeout, agreed_keys=agreed),
-        "hierarchical": rewrite.Hierarchical(self.collective_timeout, agreed_keys=agreed)})
+        "collective_ops": rewrite.CollectiveOps(timeout, agreed_keys=agreed),
+        "hierarchical": rewrite.Hierarchical(timeout, agreed_keys=agreed)})
     if not agreed:
       return config
     by_task = _replicas_by_task(self.devices)
     leaders = [self.devices[by_task[t][0]] for t in range(len(by_task))]  # each worker's first device
     return dataclasses.replace(config, replicas=tuple(by_task[self._task]),
-                               agree=_collective_runtime.Agreement(leaders, self._task, self.collective_timeout))
+                               agree=_collective_runtime.Agreement(leaders, self._task, self.collective_timeout,
+                                                                   step_timeout_seconds=timeout))
 
   @classmethod
   def from_tf_config(cls, tf_config: str | None = None, **kwargs) -> "MultiWorkerReplicator":
@@ -392,18 +402,23 @@ class MultiWorkerReplicator(Replicator):
   def run(self, *args, **kwargs):
     """:meth:`Replicator.run`, reporting a lost worker as ``WorkerUnavailableError``."""
     if self._task is not None:  # a multi-client job: peers are checked when a step fails, not before each
-      try:
-        return super().run(*args, **kwargs)
-      except tf.errors.OpError as e:
-        # TensorFlow's own error says what the peer did (ours, StepFailedError, what the step was doing).
-        cause = e.__cause__ if isinstance(e.__cause__, tf.errors.OpError) else e
-        dead = [t for t in self._unreachable() if t != self._task]
-        if dead:
-          raise self._lost(dead[0], cause, PEER_LOST) from e
-        if isinstance(cause, tf.errors.DeadlineExceededError):
-          raise _errors.WorkerUnavailableError(PEER_SILENT.format(
-              timeout=self.collective_timeout, error=_errors.root_cause(cause.message).rstrip("."))) from e
-        raise
+      with self._watchdog.watching(self.collective_timeout):  # (a late worker: named, and the step aborted)
+        try:
+          return super().run(*args, **kwargs)
+        except tf.errors.OpError as e:
+          verdict = self._watchdog.verdict
+          if verdict is not None:
+            raise _errors.WorkerUnavailableError(verdict.message, verdict.task, verdict.address) from e
+          # TensorFlow's own error says what the peer did (ours, StepFailedError, what the step was doing).
+          cause = e.__cause__ if isinstance(e.__cause__, tf.errors.OpError) else e
+          dead = [t for t in self._unreachable() if t != self._task]
+          if dead:
+            raise self._lost(dead[0], cause, PEER_LOST) from e
+          if isinstance(cause, tf.errors.DeadlineExceededError):
+            raise _errors.WorkerUnavailableError(PEER_SILENT.format(
+                timeout=_watchdog.backstop(self.collective_timeout), collective_timeout=self.collective_timeout,
+                error=_errors.root_cause(cause.message).rstrip("."))) from e
+          raise
     dead = self._unreachable()
     if dead:
       raise self._lost(dead[0], tf.errors.UnavailableError(None, None, "the worker refused the connection"))

@@ -14,8 +14,9 @@ from the cluster, and initializes TensorFlow's context. So it must run before
 any TensorFlow op.
 
 DTensor's own heartbeat (a periodic all-reduce that aborts the process on a
-missed beat) is turned off: a collective that waits for a dead peer fails
-after the collective's own timeout instead (tested).
+missed beat) is turned off: a worker that does not come to a step is named
+by this library's watchdog (``_watchdog``, over the coordination service's
+key-value store) after ``collective_timeout`` (tested).
 
 Checked on TensorFlow 2.21: logical CPUs of several processes form one group
 (2 processes x 2 CPUs: an all-reduce of 4 values in 2.2 ms a call).
@@ -121,15 +122,18 @@ class Agreement:
   Args:
     leaders: each worker's first device, worker by worker.
     task: this process's worker.
-    timeout_seconds: how long a broadcast waits for the other workers.
+    timeout_seconds: how long an agreement made eagerly waits for the other workers.
+    step_timeout_seconds: how long one that is an op of a step does (default:
+      ``timeout_seconds``); the multi-client watchdog decides first.
   """
 
   _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
-  def __init__(self, leaders, task: int, timeout_seconds: float):
+  def __init__(self, leaders, task: int, timeout_seconds: float, step_timeout_seconds: float | None = None):
     self._leaders = tuple(leaders)
     self._task = task
     self._timeout = timeout_seconds
+    self._step_timeout = timeout_seconds if step_timeout_seconds is None else step_timeout_seconds
     self._keys = rewrite.AgreedKeys()
     self._group_key = self._keys.group_key(self._leaders)
     # One count per group for the whole process: two Replicators' agreements never take one key.
@@ -188,4 +192,5 @@ class Agreement:
       key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}" if counted else name)
       return tf.raw_ops.CollectiveReduceV2(
           input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
-          ordering_token=[self._token], merge_op=merge_op, final_op="Id", timeout_seconds=self._timeout)
+          ordering_token=[self._token], merge_op=merge_op, final_op="Id",
+          timeout_seconds=self._timeout if eager else self._step_timeout)

@@ -1,0 +1,167 @@
+"""A multi-client job's watchdog: a worker that does not come to a step is named, and the step fails, never hangs.
+
+Every process of a multi-client job runs the same steps in the same order.
+Each process's watchdog (one daemon thread) publishes, about once a
+``interval``, how many step calls the process has started and whether it is in
+one, in the coordination service's key-value store
+(``replicator/watchdog/<task>``). When this process has been in a step call for
+the step's ``timeout`` (``collective_timeout``), the watchdog reads the
+others': a worker that has not started this call (fewer calls started, as of
+its last publication) is late; if it does not accept connections it is dead,
+else hung or on another path through the program. The watchdog then aborts
+this process's collectives (``_tf_coordination.abort_collectives``) and keeps
+its verdict, which the step's caller raises (:attr:`Watchdog.verdict`).
+
+The collectives' own timeout (TensorFlow's, a collective that waits that long
+fails) stays for what the watchdog cannot tell apart: every worker in the
+step, and a collective still not complete (another number of collectives, a
+step longer than the timeout). It is set later than the watchdog's decision
+(:func:`backstop`): TensorFlow 2.21 sometimes crashes while it aborts a ring
+all-reduce that timed out, which the watchdog's abort does not (tested).
+
+Cost: one small write to worker 0's key-value store a second from each
+process's thread, none on the step's path (the step only counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+
+from replicator.integrations import _cluster
+from replicator.integrations import _tf_coordination
+
+KEY = "replicator/watchdog/{task}"
+
+LATE = (
+    "Worker {task} at {address} has not come to this step: this process started its step call #{call} {waited:.0f} s "
+    "ago (collective_timeout={timeout:g} s) and worker {task} has started {theirs} step call(s). It accepts "
+    "connections: it is hung, or runs another path through the program (a step fewer, an evaluation or a save the "
+    "others do not make). Fix: look at worker {task}'s output for an error or a hang; make every worker run the same "
+    "steps; raise collective_timeout if a worker really takes longer between steps; then restart the job and restore "
+    "the last checkpoint."
+)
+DEAD = (
+    "Worker {task} at {address} is unavailable: it does not accept connections (the process died, or its machine or "
+    "the network is down), and this process's step call #{call} has waited for it {waited:.0f} s "
+    "(collective_timeout={timeout:g} s). Fix: restart the job, every worker with one fewer if that machine is gone, "
+    "and restore the last checkpoint (a multi-client job cannot take a worker back in: TensorFlow's collective "
+    "runtime is formed once per process)."
+)
+
+
+def backstop(timeout: float) -> float:
+  """The collectives' own timeout for a watchdog deciding at ``timeout`` (0: none): later, by the time it takes."""
+  return 0.0 if timeout == 0 else timeout + max(5.0, 0.2 * timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """Why the watchdog aborted this process's collectives."""
+
+  task: int
+  address: str
+  message: str
+
+
+class Watchdog:
+  """One process's watchdog (see the module docstring); :func:`for_job` makes the process's one.
+
+  Args:
+    addresses: every worker's address, worker by worker.
+    task: this process's worker.
+    interval: seconds between the thread's wakes (publications and checks).
+  """
+
+  def __init__(self, addresses, task: int, interval: float = 1.0):
+    self._addresses, self._task, self._interval = tuple(addresses), task, interval
+    self._lock = threading.Lock()
+    self._calls = 0  # step calls started
+    self._inside = False
+    self._depth = 0
+    self._since = 0.0  # when the current call started (monotonic)
+    self._timeout = 0.0  # the current call's
+    self._checked = -1  # the call last checked
+    self._published = None
+    self._thread = None
+    self.verdict: Verdict | None = None
+
+  @contextlib.contextmanager
+  def watching(self, timeout: float):
+    """The body is one step call, which every worker makes; after ``timeout`` seconds (0: never) a late worker is named."""
+    with self._lock:
+      self._depth += 1
+      if self._depth == 1:  # (a step call made inside one, by the library: the outer call is the one counted)
+        self._calls += 1
+        self._inside, self._since, self._timeout = True, time.monotonic(), timeout
+      if self._thread is None and len(self._addresses) > 1:
+        self._thread = threading.Thread(target=self._loop, name="replicator-watchdog", daemon=True)
+        self._thread.start()
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._depth -= 1
+        self._inside = self._depth > 0
+
+  def _loop(self) -> None:
+    while True:
+      time.sleep(self._next_wake())
+      try:
+        self._beat()
+      except Exception:  # noqa: BLE001  (the watchdog never takes the process down; the collectives' timeout stays)
+        pass
+
+  def _next_wake(self) -> float:
+    """Seconds to the next wake: an interval, or less when the current call is due for its check sooner."""
+    with self._lock:
+      if self._inside and self._timeout > 0 and self._checked != self._calls:
+        due = self._since + self._timeout - time.monotonic()
+        return min(self._interval, max(0.01, due))
+    return self._interval
+
+  def _beat(self) -> None:
+    with self._lock:
+      state = (self._calls, self._inside)
+      call, waited, timeout = self._calls, time.monotonic() - self._since, self._timeout
+      due = self._inside and timeout > 0 and waited >= timeout and self._checked != call
+      if due:
+        self._checked = call
+    if state != self._published:
+      _tf_coordination.publish(KEY.format(task=self._task), f"{state[0]} {int(state[1])}")
+      self._published = state
+    if due and self.verdict is None:
+      verdict = self._late(call, waited, timeout)
+      if verdict is not None:
+        self.verdict = verdict
+        _tf_coordination.abort_collectives(verdict.message)
+
+  def _late(self, call: int, waited: float, timeout: float) -> Verdict | None:
+    """The first worker that has not started step call ``call`` (dead or hung), or None if every one has."""
+    for task, address in enumerate(self._addresses):
+      if task == self._task:
+        continue
+      found = _tf_coordination.read(KEY.format(task=task), timeout_seconds=1.0)
+      theirs = int(found.split()[0]) if found else 0
+      if found is not None and theirs >= call:
+        continue
+      if _cluster.probe(address, timeout=1.0) is not None:
+        return Verdict(task, address, DEAD.format(task=task, address=address, call=call, waited=waited,
+                                                  timeout=timeout))
+      if found is not None or task != 0:  # (worker 0 serves the store: unreadable but reachable tells nothing)
+        return Verdict(task, address, LATE.format(task=task, address=address, call=call, waited=waited,
+                                                  timeout=timeout, theirs=theirs))
+    return None
+
+
+_watchdogs: dict = {}
+
+
+def for_job(addresses, task: int) -> Watchdog:
+  """This process's watchdog for the job at ``addresses`` (one a process: its step calls are counted once)."""
+  key = (tuple(addresses), task)
+  if key not in _watchdogs:
+    _watchdogs[key] = Watchdog(addresses, task)
+  return _watchdogs[key]
