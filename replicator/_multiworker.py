@@ -287,7 +287,7 @@ class MultiWorkerReplicator(Replicator):
     leaders = [self.devices[by_task[t][0]] for t in range(len(by_task))]  # each worker's first device
     return dataclasses.replace(config, replicas=tuple(by_task[self._task]),
                                agree=_collective_runtime.Agreement(leaders, self._task, self.collective_timeout,
-                                                                   step_timeout_seconds=timeout))
+                                                                   watchdog=self._watchdog))
 
   @classmethod
   def from_tf_config(cls, tf_config: str | None = None, **kwargs) -> "MultiWorkerReplicator":

@@ -236,7 +236,11 @@ def dead_peer(out):
   time.sleep(1.0)
   start = time.monotonic()
   try:
-    repl.run(step, input_fn)
+    if os.environ.get("SCENARIO_AT") == "variable":  # an eager agreement: a new variable's initial value
+      with repl.context():
+        tf.Variable(tf.ones([3]))
+    else:
+      repl.run(step, input_fn)
     found = "no error"
   except Exception as e:  # noqa: BLE001  (the test checks which)
     found = f"{type(e).__name__}: {e}"

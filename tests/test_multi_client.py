@@ -238,14 +238,15 @@ def test_keras_fit_on_every_worker_equals_one_device(tmp_path, scenario):
       np.testing.assert_allclose(found[f"final/{name}"], value, err_msg=f"worker {task}: {name}", **TOLERANCE)
 
 
-def _dead_peer(tmp_path, hang: bool) -> tuple[list[str], float, str]:
+def _dead_peer(tmp_path, hang: bool, at: str = "step") -> tuple[list[str], float, str]:
   # Started without the launcher, which would stop the survivor as soon as its peer died.
   addresses = [f"localhost:{p}" for p in launch.free_ports(2)]
   logs = [open(tmp_path / f"log_{task}.txt", "w") for task in range(2)]  # pylint: disable=consider-using-with
   processes = [subprocess.Popen(
       [sys.executable, SCENARIOS, "dead_peer", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
       env=dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=launch.tf_config(addresses, task),
-               REPLICATOR_DEVICES_PER_WORKER="1", SCENARIO_COLLECTIVE_TIMEOUT="5", SCENARIO_HANG="1" if hang else ""))
+               REPLICATOR_DEVICES_PER_WORKER="1", SCENARIO_COLLECTIVE_TIMEOUT="5", SCENARIO_HANG="1" if hang else "",
+               SCENARIO_AT=at))
       for task, log in enumerate(logs)]
   try:
     processes[0].wait(timeout=90)  # it ends, as a script does, after the error (a hung worker 1 is killed below)
@@ -270,7 +271,8 @@ def test_a_dead_peer_fails_the_survivors_step_with_a_named_error_within_the_time
   # (an input_fn step: its first collective is the end-of-input agreement, whose ring waits), by the watchdog when
   # the step has waited collective_timeout: the peer has not come to it, and does not accept connections.
   assert re.search(r"step failed with UnavailableError: Collective ops is aborted by: (failed to connect|Socket "
-                   r"closed)|step call #3 has waited for it 5 s \(collective_timeout=5 s\)", found), found
+                   r"closed)|this step \(this process's call #\d+\) has waited for it 5 s \(collective_timeout=5 "
+                   r"s\)", found), found
   assert "Fix: restart the job, every worker with one fewer if that machine is gone" in found
   assert seconds < 5.0 + 3.0  # the watchdog's decision: at the timeout, within its interval (1 s) and probes
 
@@ -282,10 +284,20 @@ def test_a_hung_peer_fails_the_survivors_step_with_a_named_error_at_the_timeout(
   # Was (TensorFlow's own collective timeout): TensorFlow 2.21 crashed (SIGSEGV) in 1 run of 3 to 10 while it aborted
   # the ring all-reduce that timed out, before the named error. The watchdog aborts first, at the timeout.
   assert not found.startswith("crashed"), found
-  assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to this step: this "
-                          f"process started its step call #3 5 s ago (collective_timeout=5 s) and worker 1 has "
-                          f"started 2 step call(s). It accepts connections: it is hung"), found
+  assert re.match(rf"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to this step: this process "
+                  rf"started it 5 s ago \(its call #(\d+) of the ones every worker makes alike: steps and agreements; "
+                  rf"collective_timeout=5 s\), and worker 1 has started (\d+)\. It accepts connections: it is hung",
+                  found), found
   assert "Fix: look at worker 1's output for an error or a hang" in found
+  assert 5.0 <= seconds < 5.0 + 3.0
+
+
+def test_a_hung_peer_fails_the_survivors_agreement_with_a_named_error_at_the_timeout(tmp_path):
+  # A variable made outside a step: its initial value is worker 0's, one eager all-reduce every worker makes.
+  addresses, seconds, found = _dead_peer(tmp_path, hang=True, at="variable")
+  assert not found.startswith("crashed"), found
+  assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to the workers' "
+                          f"agreement on 'initial value': this process started it 5 s ago"), found
   assert 5.0 <= seconds < 5.0 + 3.0
 
 

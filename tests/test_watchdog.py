@@ -54,9 +54,10 @@ def test_a_worker_that_has_not_started_the_call_is_named_late_at_the_timeout(job
     waited = _until_verdict(dog)
   assert dog.verdict is not None and dog.verdict.task == 2 and dog.verdict.address == "localhost:3"
   assert 0.2 <= waited < 0.2 + 2.0  # (its interval is 0.05 s: a margin for a loaded machine)
-  assert dog.verdict.message.startswith("Worker 2 at localhost:3 has not come to this step: this process started "
-                                        "its step call #3 0 s ago (collective_timeout=0.2 s) and worker 2 has "
-                                        "started 2 step call(s). It accepts connections: it is hung")
+  assert dog.verdict.message.startswith("Worker 2 at localhost:3 has not come to this step: this process started it "
+                                        "0 s ago (its call #3 of the ones every worker makes alike: steps and "
+                                        "agreements; collective_timeout=0.2 s), and worker 2 has started 2. It "
+                                        "accepts connections: it is hung")
   assert aborts == [dog.verdict.message]  # this process's collectives aborted with it
   assert store[_watchdog.KEY.format(task=0)] == "3 1"  # its own state published
 

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 import rewrite
 from replicator.core import _errors
+from replicator.integrations import _watchdog
 
 JOB = "worker"
 
@@ -122,18 +123,20 @@ class Agreement:
   Args:
     leaders: each worker's first device, worker by worker.
     task: this process's worker.
-    timeout_seconds: how long an agreement made eagerly waits for the other workers.
-    step_timeout_seconds: how long one that is an op of a step does (default:
-      ``timeout_seconds``); the multi-client watchdog decides first.
+    timeout_seconds: how long an agreement waits for the other workers.
+    watchdog: this process's ``_watchdog.Watchdog``, or None. With one, an
+      agreement made eagerly is a call it watches (a worker late to it is
+      named: ``WorkerUnavailableError``), and the collectives' own timeout is
+      its later one (``_watchdog.backstop``), also for agreements in a step.
   """
 
   _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
-  def __init__(self, leaders, task: int, timeout_seconds: float, step_timeout_seconds: float | None = None):
+  def __init__(self, leaders, task: int, timeout_seconds: float, watchdog: _watchdog.Watchdog | None = None):
     self._leaders = tuple(leaders)
     self._task = task
     self._timeout = timeout_seconds
-    self._step_timeout = timeout_seconds if step_timeout_seconds is None else step_timeout_seconds
+    self._watchdog = watchdog
     self._keys = rewrite.AgreedKeys()
     self._group_key = self._keys.group_key(self._leaders)
     # One count per group for the whole process: two Replicators' agreements never take one key.
@@ -188,9 +191,23 @@ class Agreement:
     ``eager``: run now, outside any function being traced (else an op of it).
     ``counted``: the key of the ``name``'s next instance (else of ``name`` itself: the same op every time).
     """
+    watched = self._watchdog is not None
+    timeout = _watchdog.backstop(self._timeout) if watched else self._timeout
     with (tf.init_scope() if eager else contextlib.nullcontext()), tf.device(self._leaders[self._task]):
       key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}" if counted else name)
-      return tf.raw_ops.CollectiveReduceV2(
-          input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
-          ordering_token=[self._token], merge_op=merge_op, final_op="Id",
-          timeout_seconds=self._timeout if eager else self._step_timeout)
+
+      def reduce():
+        return tf.raw_ops.CollectiveReduceV2(
+            input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
+            ordering_token=[self._token], merge_op=merge_op, final_op="Id", timeout_seconds=timeout)
+
+      if not (eager and watched):
+        return reduce()
+      with self._watchdog.watching(self._timeout, f"the workers' agreement on {name!r}"):
+        try:
+          return reduce()
+        except tf.errors.OpError as e:
+          verdict = self._watchdog.verdict
+          if verdict is None:
+            raise
+          raise _errors.WorkerUnavailableError(verdict.message, verdict.task, verdict.address) from e

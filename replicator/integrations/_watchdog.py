@@ -1,16 +1,17 @@
 """A multi-client job's watchdog: a worker that does not come to a step is named, and the step fails, never hangs.
 
-Every process of a multi-client job runs the same steps in the same order.
-Each process's watchdog (one daemon thread) publishes, about once a
-``interval``, how many step calls the process has started and whether it is in
-one, in the coordination service's key-value store
-(``replicator/watchdog/<task>``). When this process has been in a step call for
-the step's ``timeout`` (``collective_timeout``), the watchdog reads the
-others': a worker that has not started this call (fewer calls started, as of
-its last publication) is late; if it does not accept connections it is dead,
-else hung or on another path through the program. The watchdog then aborts
-this process's collectives (``_tf_coordination.abort_collectives``) and keeps
-its verdict, which the step's caller raises (:attr:`Watchdog.verdict`).
+Every process of a multi-client job makes the same calls that meet the others,
+in the same order: steps, and eager agreements (a variable's initial value, a
+checkpoint's barrier, a preemption check). Each process's watchdog (one daemon
+thread) publishes, about once an ``interval``, how many such calls the process
+has started and whether it is in one, in the coordination service's key-value
+store (``replicator/watchdog/<task>``). When this process has been in a call
+for its ``timeout`` (``collective_timeout``), the watchdog reads the others':
+a worker that has not started this call (fewer calls started, as of its last
+publication) is late; if it does not accept connections it is dead, else hung
+or on another path through the program. The watchdog then aborts this
+process's collectives (``_tf_coordination.abort_collectives``) and keeps its
+verdict, which the call's caller raises (:attr:`Watchdog.verdict`).
 
 The collectives' own timeout (TensorFlow's, a collective that waits that long
 fails) stays for what the watchdog cannot tell apart: every worker in the
@@ -36,16 +37,16 @@ from replicator.integrations import _tf_coordination
 KEY = "replicator/watchdog/{task}"
 
 LATE = (
-    "Worker {task} at {address} has not come to this step: this process started its step call #{call} {waited:.0f} s "
-    "ago (collective_timeout={timeout:g} s) and worker {task} has started {theirs} step call(s). It accepts "
-    "connections: it is hung, or runs another path through the program (a step fewer, an evaluation or a save the "
-    "others do not make). Fix: look at worker {task}'s output for an error or a hang; make every worker run the same "
-    "steps; raise collective_timeout if a worker really takes longer between steps; then restart the job and restore "
-    "the last checkpoint."
+    "Worker {task} at {address} has not come to {what}: this process started it {waited:.0f} s ago (its call #{call} "
+    "of the ones every worker makes alike: steps and agreements; collective_timeout={timeout:g} s), and worker {task} "
+    "has started {theirs}. It accepts connections: it is hung, or runs another path through the program (a step "
+    "fewer, an evaluation or a save the others do not make). Fix: look at worker {task}'s output for an error or a "
+    "hang; make every worker run the same steps; raise collective_timeout if a worker really takes longer between "
+    "steps; then restart the job and restore the last checkpoint."
 )
 DEAD = (
     "Worker {task} at {address} is unavailable: it does not accept connections (the process died, or its machine or "
-    "the network is down), and this process's step call #{call} has waited for it {waited:.0f} s "
+    "the network is down), and {what} (this process's call #{call}) has waited for it {waited:.0f} s "
     "(collective_timeout={timeout:g} s). Fix: restart the job, every worker with one fewer if that machine is gone, "
     "and restore the last checkpoint (a multi-client job cannot take a worker back in: TensorFlow's collective "
     "runtime is formed once per process)."
@@ -83,19 +84,24 @@ class Watchdog:
     self._depth = 0
     self._since = 0.0  # when the current call started (monotonic)
     self._timeout = 0.0  # the current call's
+    self._what = ""
     self._checked = -1  # the call last checked
     self._published = None
     self._thread = None
     self.verdict: Verdict | None = None
 
   @contextlib.contextmanager
-  def watching(self, timeout: float):
-    """The body is one step call, which every worker makes; after ``timeout`` seconds (0: never) a late worker is named."""
+  def watching(self, timeout: float, what: str = "this step"):
+    """The body is one call every worker makes (a step, an agreement); after ``timeout`` s (0: never) a late one is named.
+
+    ``what`` names the call in the error ("this step"). Calls made inside one
+    (an agreement while a step is traced) are not counted.
+    """
     with self._lock:
       self._depth += 1
       if self._depth == 1:  # (a step call made inside one, by the library: the outer call is the one counted)
         self._calls += 1
-        self._inside, self._since, self._timeout = True, time.monotonic(), timeout
+        self._inside, self._since, self._timeout, self._what = True, time.monotonic(), timeout, what
       if self._thread is None and len(self._addresses) > 1:
         self._thread = threading.Thread(target=self._loop, name="replicator-watchdog", daemon=True)
         self._thread.start()
@@ -125,7 +131,7 @@ class Watchdog:
   def _beat(self) -> None:
     with self._lock:
       state = (self._calls, self._inside)
-      call, waited, timeout = self._calls, time.monotonic() - self._since, self._timeout
+      call, waited, timeout, what = self._calls, time.monotonic() - self._since, self._timeout, self._what
       due = self._inside and timeout > 0 and waited >= timeout and self._checked != call
       if due:
         self._checked = call
@@ -133,13 +139,13 @@ class Watchdog:
       _tf_coordination.publish(KEY.format(task=self._task), f"{state[0]} {int(state[1])}")
       self._published = state
     if due and self.verdict is None:
-      verdict = self._late(call, waited, timeout)
+      verdict = self._late(call, waited, timeout, what)
       if verdict is not None:
         self.verdict = verdict
         _tf_coordination.abort_collectives(verdict.message)
 
-  def _late(self, call: int, waited: float, timeout: float) -> Verdict | None:
-    """The first worker that has not started step call ``call`` (dead or hung), or None if every one has."""
+  def _late(self, call: int, waited: float, timeout: float, what: str) -> Verdict | None:
+    """The first worker that has not started call ``call`` (dead or hung), or None if every one has."""
     for task, address in enumerate(self._addresses):
       if task == self._task:
         continue
@@ -149,10 +155,10 @@ class Watchdog:
         continue
       if _cluster.probe(address, timeout=1.0) is not None:
         return Verdict(task, address, DEAD.format(task=task, address=address, call=call, waited=waited,
-                                                  timeout=timeout))
+                                                  timeout=timeout, what=what))
       if found is not None or task != 0:  # (worker 0 serves the store: unreadable but reachable tells nothing)
         return Verdict(task, address, LATE.format(task=task, address=address, call=call, waited=waited,
-                                                  timeout=timeout, theirs=theirs))
+                                                  timeout=timeout, theirs=theirs, what=what))
     return None
 
 
