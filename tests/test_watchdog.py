@@ -13,17 +13,23 @@ from replicator.integrations import _tf_coordination
 from replicator.integrations import _watchdog
 
 ADDRESSES = ["localhost:1", "localhost:2", "localhost:3"]
+Watchdog = _watchdog.Watchdog
 
 
 @pytest.fixture
 def job(monkeypatch):
-  """A stand-in job: the store (key -> value), the dead addresses, the aborts made."""
+  """A stand-in job: the store (key -> value), the dead addresses, the aborts made; its watchdogs closed after."""
   store, dead, aborts = {}, set(), []
   monkeypatch.setattr(_tf_coordination, "publish", store.__setitem__)
   monkeypatch.setattr(_tf_coordination, "read", lambda key, timeout_seconds: store.get(key))
   monkeypatch.setattr(_tf_coordination, "abort_collectives", aborts.append)
   monkeypatch.setattr(_cluster, "probe", lambda address, timeout: "refused" if address in dead else None)
-  return store, dead, aborts
+  made = []
+  monkeypatch.setattr(_watchdog, "Watchdog", lambda *args, **kwargs: made.append(Watchdog(*args, **kwargs))
+                      or made[-1])
+  yield store, dead, aborts
+  for dog in made:
+    dog.close()
 
 
 def _peers(store, calls):
@@ -73,6 +79,28 @@ def test_a_late_worker_that_refuses_connections_is_named_dead(job):
   assert "Fix: restart the job, every worker with one fewer" in dog.verdict.message and len(aborts) == 1
 
 
+def test_a_worker_that_died_inside_the_call_is_named_dead(job):
+  store, dead, aborts = job
+  _peers(store, {1: 3, 2: 3})  # both came to the call; worker 2 died in it
+  dead.add("localhost:3")
+  dog = _watchdog_in_a_call()
+  with dog.watching(0.2):
+    _until_verdict(dog)
+  assert dog.verdict.task == 2 and "is unavailable: it does not accept connections" in dog.verdict.message
+  assert len(aborts) == 1
+
+
+def test_a_dead_worker_0_is_named_without_reading_the_others(job, monkeypatch):
+  _, dead, aborts = job  # (its store is gone: every read would wait)
+  reads = []
+  monkeypatch.setattr(_tf_coordination, "read", lambda key, timeout_seconds: reads.append(key))  # None: unreadable
+  dead.add("localhost:1")
+  dog = _watchdog.Watchdog(ADDRESSES, task=1, interval=0.05)
+  with dog.watching(0.1):
+    _until_verdict(dog)
+  assert dog.verdict.task == 0 and reads == [_watchdog.KEY.format(task=0)] and len(aborts) == 1
+
+
 def test_nothing_is_decided_while_every_worker_is_in_the_call_or_before_the_timeout(job):
   store, _, aborts = job
   _peers(store, {1: 3, 2: 4})  # in this call, or past it
@@ -97,7 +125,7 @@ def test_worker_0_whose_store_cannot_be_read_is_not_accused_while_it_accepts_con
 
 
 def test_a_call_made_inside_a_call_is_not_counted():
-  dog = _watchdog.Watchdog(["localhost:1"], task=0)
+  dog = _watchdog.Watchdog(["localhost:1"], task=0)  # (one worker: no thread)
   with dog.watching(1.0):
     with dog.watching(1.0):
       pass

@@ -88,6 +88,7 @@ class Watchdog:
     self._checked = -1  # the call last checked
     self._published = None
     self._thread = None
+    self._closed = threading.Event()
     self.verdict: Verdict | None = None
 
   @contextlib.contextmanager
@@ -112,9 +113,12 @@ class Watchdog:
         self._depth -= 1
         self._inside = self._depth > 0
 
+  def close(self) -> None:
+    """Stops the thread (after its current wake); the process's watchdog runs as long as the process."""
+    self._closed.set()
+
   def _loop(self) -> None:
-    while True:
-      time.sleep(self._next_wake())
+    while not self._closed.wait(self._next_wake()):
       try:
         self._beat()
       except Exception:  # noqa: BLE001  (the watchdog never takes the process down; the collectives' timeout stays)
@@ -145,20 +149,33 @@ class Watchdog:
         _tf_coordination.abort_collectives(verdict.message)
 
   def _late(self, call: int, waited: float, timeout: float, what: str) -> Verdict | None:
-    """The first worker that has not started call ``call`` (dead or hung), or None if every one has."""
-    for task, address in enumerate(self._addresses):
-      if task == self._task:
-        continue
-      found = _tf_coordination.read(KEY.format(task=task), timeout_seconds=1.0)
-      theirs = int(found.split()[0]) if found else 0
-      if found is not None and theirs >= call:
-        continue
-      if _cluster.probe(address, timeout=1.0) is not None:
-        return Verdict(task, address, DEAD.format(task=task, address=address, call=call, waited=waited,
-                                                  timeout=timeout, what=what))
-      if found is not None or task != 0:  # (worker 0 serves the store: unreadable but reachable tells nothing)
-        return Verdict(task, address, LATE.format(task=task, address=address, call=call, waited=waited,
-                                                  timeout=timeout, theirs=theirs, what=what))
+    """The worker that keeps call ``call`` waiting: a dead one first, else one that has not started it; or None.
+
+    A dead worker may have died inside the call (its count says it came); so
+    every other worker is probed, and a dead one explains the wait whatever
+    its count. Worker 0 serves the store: when a read fails and worker 0 is
+    dead, it is named at once (no more reads to wait for).
+    """
+    def verdict(task, form, **extra):
+      address = self._addresses[task]
+      return Verdict(task, address, form.format(task=task, address=address, call=call, waited=waited,
+                                                timeout=timeout, what=what, **extra))
+
+    peers = [task for task in range(len(self._addresses)) if task != self._task]
+    found = {}
+    for task in peers:
+      found[task] = _tf_coordination.read(KEY.format(task=task), timeout_seconds=1.0)
+      if found[task] is None and self._task != 0 and _cluster.probe(self._addresses[0], timeout=1.0) is not None:
+        return verdict(0, DEAD)
+    for task in peers:
+      if _cluster.probe(self._addresses[task], timeout=1.0) is not None:
+        return verdict(task, DEAD)
+    for task in peers:
+      if found[task] is None and task == 0:
+        continue  # (worker 0 serves the store: its key unread tells nothing while it accepts connections)
+      theirs = int(found[task].split()[0]) if found[task] else 0
+      if theirs < call:
+        return verdict(task, LATE, theirs=theirs)
     return None
 
 
