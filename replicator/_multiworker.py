@@ -34,6 +34,7 @@ from replicator.core._values import PerReplica
 from replicator.integrations import _cluster
 from replicator.integrations import _collective_runtime
 from replicator.integrations import _keras_distribution
+from replicator.integrations import _tf_coordination
 from replicator.integrations import _watchdog
 from replicator.state import _variables
 
@@ -67,6 +68,14 @@ PEER_SILENT = (
     "connections. TensorFlow's error: {error}. Fix: look at the other workers' output for an error or a hang; make "
     "every worker run the same steps on inputs of the same structure; raise collective_timeout if a step really "
     "takes longer; then restart the job and restore the last checkpoint."
+)
+
+CHECKPOINT_WAIT = 600.0  # seconds a process waits for worker 0 to write its part of a checkpoint
+CHECKPOINT_SILENT = (
+    "Worker 0 at {address} has not written its part of this checkpoint within {wait:g} s (every process writes "
+    "its pieces of the variables split across processes once worker 0 has written the rest): it is dead, hung, or "
+    "did not call save. Fix: call save at the same point in every process; look at worker 0's output; then restart "
+    "the job and restore the last checkpoint (this one is not committed)."
 )
 
 WORKER_RESTARTED = (
@@ -341,13 +350,14 @@ class MultiWorkerReplicator(Replicator):
   def checkpoint_manager(self, checkpoint, directory: str, **kwargs):
     """A checkpoint manager whose ``save`` every process calls; the process owning the variables writes.
 
-    In a multi-client job worker 0 writes the checkpoint and the other
-    workers write nothing (a variable split across processes, and a metric's
-    parts, are first read by every process together, and worker 0 writes what
+    In a multi-client job worker 0 writes the checkpoint, and every other
+    worker writes its pieces of the variables split across processes, in a
+    file of its own that worker 0 then merges into the checkpoint (a metric's
+    parts are first read by every process together, and worker 0 writes what
     was read); with one client, that client writes. ``save`` returns in
     every process once the checkpoint is written (one small all-reduce). ``tf.train.CheckpointManager``
-    writes the state file that names the latest checkpoint last, so a save
-    cut short leaves the previous one the latest. ``restore_or_initialize()``
+    writes the state file that names the latest checkpoint last, after the
+    merge, so a save cut short leaves the previous one the latest. ``restore_or_initialize()``
     restores the latest in every process, on any number of workers.
 
     Examples:
@@ -361,10 +371,25 @@ class MultiWorkerReplicator(Replicator):
       **kwargs: ``tf.train.CheckpointManager``'s other arguments (``max_to_keep``, ...).
     """
     agree = self._config.agree
-    barrier = None if agree is None else (lambda: agree.any(False, "checkpoint saved"))
-    return _checkpoints.CheckpointManager(checkpoint, directory, writer=self._task in (None, 0),
-                                          gathered=lambda: _variables.values_gathered(self), barrier=barrier,
-                                          **kwargs)
+    if agree is None:  # one client: it writes everything
+      return _checkpoints.CheckpointManager(checkpoint, directory, writer=True,
+                                            gathered=lambda: _variables.values_gathered(self), **kwargs)
+    parts = _checkpoints.Parts(
+        self._task, lambda: [v for v in _variables.variables_of(self) if _variables.written_in_pieces(v)],
+        publish=_tf_coordination.publish, read=self._written_by_worker_0,
+        barrier=lambda name: agree.any(False, name))
+    return _checkpoints.CheckpointManager(checkpoint, directory, writer=self._task == 0,
+                                          gathered=lambda: _variables.values_gathered(self, pieces=True),
+                                          barrier=lambda: agree.any(False, "checkpoint saved"), parts=parts, **kwargs)
+
+  def _written_by_worker_0(self, name: str) -> str:
+    """What worker 0 published under ``name`` once its part of a checkpoint is written (waits CHECKPOINT_WAIT s)."""
+    text = _tf_coordination.read(name, CHECKPOINT_WAIT)
+    if text is None:
+      address = self._cluster.workers[0]
+      raise _errors.WorkerUnavailableError(CHECKPOINT_SILENT.format(address=address, wait=CHECKPOINT_WAIT), 0,
+                                           address)
+    return text
 
   def preemption_handler(self, manager) -> _preemption.PreemptionHandler:
     """SIGTERM to any worker saves ``manager``'s checkpoint at the next step boundary, in every process.

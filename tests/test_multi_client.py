@@ -166,7 +166,12 @@ def test_the_global_view_on_every_worker_equals_one_device(tmp_path, workers, de
   expected, losses = _one_device({k: v[None] for k, v in first.items() if k.startswith("initial/")})
   split = {"sequential/dense/kernel": 1, "sequential/dense/bias": 0, "sequential/dense_1/kernel": 0}
   assert sorted(first["sharded"].tolist()) == (sorted(split) if layout != "batch" else [])
-  # The checkpoint worker 0 wrote, read by one device: the trained values (pieces from every process).
+  # Each process wrote its own pieces of the variables split across processes (Megatron across workers): a data file
+  # a writer, merged by worker 0 before the state file; else worker 0 wrote everything. No part left over.
+  writers = workers if layout == "across" else 1
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint"] + [
+      f"ckpt-{STEPS}.data-{k:05d}-of-{writers:05d}" for k in range(writers)] + [f"ckpt-{STEPS}.index"]
+  # The checkpoint, read by one device: the trained values (each variable's pieces assembled by TensorFlow's reader).
   model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
   optimizer = keras.optimizers.Adam(0.05)
   optimizer.build(model.trainable_variables)

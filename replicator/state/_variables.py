@@ -253,6 +253,7 @@ class ReplicatedVariable(tf.Variable):
     # In a multi-client job, the sum of every process's value (an on-read variable's read); None: one process.
     self._across = None
     self._gathered = None  # its value read by every process for a save in progress (values_gathered)
+    self._pieces = None  # {slice spec: piece} this process writes for a save in progress (pieces_written)
     # Per-replica additive offsets kept by writes from outside a step (random
     # seed state: each replica draws its own stream). None: no offsets.
     self._offsets = offsets
@@ -747,6 +748,8 @@ class ReplicatedVariable(tf.Variable):
 
   def _serialize_to_tensors(self):
     _refuse_diverged(self)
+    if self._pieces is not None:  # this process's pieces of a variable split across processes (pieces_written)
+      return {"VARIABLE_VALUE": dict(self._pieces)}
     if self._gathered is not None:  # read by every process before this save (values_gathered)
       return {"VARIABLE_VALUE": self._gathered}
     if not self._whole_on_each:  # the global value: restorable on any layout
@@ -919,8 +922,52 @@ def per_replica_by_design(variable) -> bool:
   return variable._on_read or variable._offsets is not None  # pylint: disable=protected-access
 
 
+def written_in_pieces(variable) -> bool:
+  """Whether a checkpoint holds ``variable`` as pieces each written by its process (split across processes)."""
+  replicated = underlying(variable)
+  return (replicated is not None and replicated._across is not None and not replicated._on_read  # pylint: disable=protected-access
+          and replicated.sharding is not None and replicated._sources is None)  # pylint: disable=protected-access
+
+
+def own_pieces(variable) -> dict:
+  """``{slice spec: value}`` of the pieces of ``variable`` (split across processes) that this process writes.
+
+  A piece is written by the process of its first holder in the job (the
+  lowest replica holding it). A slice spec is TensorFlow's: the global shape,
+  then each dimension's ``start,length`` (``"8 4 0,4:0,4"``); a checkpoint's
+  reader assembles a variable's pieces, written in several files, into its
+  whole value.
+  """
+  v = underlying(variable)
+  shape = v.shape.as_list()
+  first = {}
+  for replica in range(v._replicator.num_replicas):  # pylint: disable=protected-access
+    first.setdefault(v.sharding.shard_index(replica), replica)
+  pieces = {}
+  for replica in sorted(first.values()):
+    if replica in v._position:  # pylint: disable=protected-access
+      begin, size = v.sharding.shard_slices(replica, shape)
+      spec = " ".join(str(n) for n in shape) + " " + ":".join(f"{b},{n}" for b, n in zip(begin, size))
+      with tf.init_scope():
+        pieces[spec] = tf.identity(v._components[v._position[replica]].read_value())  # pylint: disable=protected-access
+  return pieces
+
+
 @contextlib.contextmanager
-def values_gathered(replicator):
+def pieces_written(variables):
+  """While in it, each of ``variables`` (split across processes) saves as this process's pieces only."""
+  variables = [underlying(v) for v in variables]
+  try:
+    for variable in variables:
+      variable._pieces = own_pieces(variable)  # pylint: disable=protected-access
+    yield
+  finally:
+    for variable in variables:
+      variable._pieces = None  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def values_gathered(replicator, pieces: bool = False):
   """Reads, in every process of a multi-client job, the variables whose value needs every process; saves use them.
 
   A checkpoint is written by one process, but reading a variable split across
@@ -929,7 +976,8 @@ def values_gathered(replicator):
   creation order (the same in every process), and the writer's save takes
   the values read.
   """
-  variables = [v for v in variables_of(replicator) if read_by_every_process(v)]
+  variables = [v for v in variables_of(replicator) if read_by_every_process(v)
+               and not (pieces and written_in_pieces(v))]  # (with ``pieces``, those are written by their processes)
   try:
     for variable in variables:
       with tf.init_scope():
