@@ -249,6 +249,33 @@ def dead_peer(out):
   # Then the process ends as a script does (its collectives aborted by the watchdog: no teardown waits for the peer).
 
 
+def save_crash(out):
+  """Megatron across workers (each process writes its pieces); worker 1 dies in the second save, before writing them:
+  worker 0's save fails naming it, and the first checkpoint stays the latest (the second is not committed)."""
+  import time
+  layouts = {r"dense/kernel$": (None, "worker"), r"dense/bias$": ("worker",), r"dense_1/kernel$": ("worker", None)}
+  global_repl = replicator.MultiWorkerReplicator.from_tf_config(view="global", layouts=layouts, batch_axes=("device",),
+                                                                collective_timeout=TIMEOUT)
+  with global_repl.context():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
+                              keras.layers.Dense(2, name="dense_1")])
+    optimizer = keras.optimizers.Adam(0.05)
+    optimizer.build(model.trainable_variables)
+  directory = os.path.join(out, "checkpoints")
+  manager = global_repl.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=optimizer), directory)
+  manager.save(checkpoint_number=1)
+  if repl.task == 1:
+    tf.raw_ops.SaveV2 = lambda **kwargs: os._exit(0)  # its pieces never written: a crash in the middle of the save
+  start = time.monotonic()
+  try:
+    manager.save(checkpoint_number=2)
+    found = "no error"
+  except Exception as e:  # noqa: BLE001  (the test checks which)
+    found = f"{type(e).__name__}: {e}"
+  with open(os.path.join(out, "worker_0.txt"), "w") as f:
+    f.write(f"{time.monotonic() - start:.1f}\n{os.path.basename(tf.train.latest_checkpoint(directory))}\n{found}")
+
+
 def resume(out):
   """Trains to SCENARIO_STEPS from the latest checkpoint in SCENARIO_CKPT (if any), saving every 2 steps.
 
@@ -305,6 +332,6 @@ def preempt(out):
 
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
-  {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "refusals": refusals, "dead_peer": dead_peer, "resume": resume,
+  {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
    "preempt": preempt}[name](out)
   print("done", repl.task, flush=True)

@@ -243,12 +243,12 @@ def test_keras_fit_on_every_worker_equals_one_device(tmp_path, scenario):
       np.testing.assert_allclose(found[f"final/{name}"], value, err_msg=f"worker {task}: {name}", **TOLERANCE)
 
 
-def _dead_peer(tmp_path, hang: bool, at: str = "step") -> tuple[list[str], float, str]:
+def _dead_peer(tmp_path, hang: bool, at: str = "step", scenario: str = "dead_peer") -> tuple[list[str], float, str]:
   # Started without the launcher, which would stop the survivor as soon as its peer died.
   addresses = [f"localhost:{p}" for p in launch.free_ports(2)]
   logs = [open(tmp_path / f"log_{task}.txt", "w") for task in range(2)]  # pylint: disable=consider-using-with
   processes = [subprocess.Popen(
-      [sys.executable, SCENARIOS, "dead_peer", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
+      [sys.executable, SCENARIOS, scenario, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
       env=dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=launch.tf_config(addresses, task),
                REPLICATOR_DEVICES_PER_WORKER="1", SCENARIO_COLLECTIVE_TIMEOUT="5", SCENARIO_HANG="1" if hang else "",
                SCENARIO_AT=at))
@@ -304,6 +304,17 @@ def test_a_hung_peer_fails_the_survivors_agreement_with_a_named_error_at_the_tim
   assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to the workers' "
                           f"agreement on 'initial value': this process started it 5 s ago"), found
   assert 5.0 <= seconds < 5.0 + 3.0
+
+
+def test_a_worker_dying_in_a_save_leaves_the_previous_checkpoint_the_latest(tmp_path):
+  # Megatron across workers: each process writes its pieces; worker 1 dies before writing them in the second save.
+  addresses, seconds, found = _dead_peer(tmp_path, hang=False, scenario="save_crash")
+  latest, found = found.split("\n", 1)
+  assert latest == "ckpt-1"  # the second is not committed: no state file names it
+  assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} is unavailable: it does not accept "
+                          f"connections"), found
+  assert "the workers' agreement on 'checkpoint parts written'" in found, found
+  assert seconds < 5.0 + 3.0
 
 
 def test_a_job_killed_mid_run_resumes_on_one_worker_fewer_equal_to_a_run_from_its_checkpoint(tmp_path):
