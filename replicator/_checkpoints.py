@@ -73,6 +73,9 @@ class Parts:
       return None
 
     def merge(save_path):  # after worker 0's files are written, before the state file that commits them
+      stale = _parts_directory(save_path)  # (a save of this number cut short, maybe by another number of workers)
+      if tf.io.gfile.exists(stale):  # removed before the others, told below, write theirs
+        tf.io.gfile.rmtree(stale)
       keys = {id(_variables.underlying(obj)): key for obj, key in _checkpoint_keys.keys(root, save_path)}
       self._publish(name, json.dumps({"prefix": save_path,
                                       "keys": [keys[id(_variables.underlying(v))] for v in variables]}))

@@ -308,9 +308,15 @@ def test_a_hung_peer_fails_the_survivors_agreement_with_a_named_error_at_the_tim
 
 def test_a_worker_dying_in_a_save_leaves_the_previous_checkpoint_the_latest(tmp_path):
   # Megatron across workers: each process writes its pieces; worker 1 dies before writing them in the second save.
+  # A part left by an earlier save of the same number, cut short (by another number of workers, say), is not merged.
+  (tmp_path / "checkpoints" / "ckpt-1_parts").mkdir(parents=True)
+  tf.raw_ops.SaveV2(prefix=str(tmp_path / "checkpoints" / "ckpt-1_parts" / "part-5"), tensor_names=["stale"],
+                    shape_and_slices=[""], tensors=[tf.constant(1.0)])
   addresses, seconds, found = _dead_peer(tmp_path, hang=False, scenario="save_crash")
   latest, found = found.split("\n", 1)
   assert latest == "ckpt-1"  # the second is not committed: no state file names it
+  held = dict(tf.train.list_variables(str(tmp_path / "checkpoints" / "ckpt-1")))
+  assert "stale" not in held and [5, 8] in held.values(), held  # (the first kernel: its pieces merged)
   assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} is unavailable: it does not accept "
                           f"connections"), found
   assert "the workers' agreement on 'checkpoint parts written'" in found, found
