@@ -226,6 +226,12 @@ def dead_peer(out):
   model, optimizer = model_and_optimizer()
 
   step = mse_step(model, optimizer)
+  at = os.environ.get("SCENARIO_AT")
+  if at == "fit":  # Keras's fit in every process once (a step function of Keras's, traced and run)
+    with repl.context():
+      fitted = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+      fitted.compile(keras.optimizers.Adam(0.05), "mse")
+    fitted.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
 
   for _ in range(2):
     repl.run(step, input_fn)
@@ -236,9 +242,11 @@ def dead_peer(out):
   time.sleep(1.0)
   start = time.monotonic()
   try:
-    if os.environ.get("SCENARIO_AT") == "variable":  # an eager agreement: a new variable's initial value
+    if at == "variable":  # an eager agreement: a new variable's initial value
       with repl.context():
         tf.Variable(tf.ones([3]))
+    elif at == "fit":
+      fitted.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
     else:
       repl.run(step, input_fn)
     found = "no error"

@@ -306,6 +306,14 @@ def test_a_hung_peer_fails_the_survivors_agreement_with_a_named_error_at_the_tim
   assert 5.0 <= seconds < 5.0 + 3.0
 
 
+def test_a_hung_peer_fails_the_survivors_keras_fit_with_a_named_error_at_the_timeout(tmp_path):
+  addresses, seconds, found = _dead_peer(tmp_path, hang=True, at="fit")
+  assert not found.startswith("crashed"), found
+  assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to this Keras step: this "
+                          f"process started it 5 s ago"), found
+  assert 5.0 <= seconds < 5.0 + 3.0
+
+
 def test_a_worker_dying_in_a_save_leaves_the_previous_checkpoint_the_latest(tmp_path):
   # Megatron across workers: each process writes its pieces; worker 1 dies before writing them in the second save.
   # A part left by an earlier save of the same number, cut short (by another number of workers, say), is not merged.

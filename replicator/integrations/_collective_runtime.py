@@ -203,11 +203,25 @@ class Agreement:
 
       if not (eager and watched):
         return reduce()
-      with self._watchdog.watching(self._timeout, f"the workers' agreement on {name!r}"):
-        try:
-          return reduce()
-        except tf.errors.OpError as e:
-          verdict = self._watchdog.verdict
-          if verdict is None:
-            raise
-          raise _errors.WorkerUnavailableError(verdict.message, verdict.task, verdict.address) from e
+      with self.watched(f"the workers' agreement on {name!r}"):
+        return reduce()
+
+  @contextlib.contextmanager
+  def watched(self, what: str):
+    """The body is a call every process makes, meeting the others (a step): a worker late to it is named.
+
+    With a watchdog (see the constructor), after the timeout a late worker
+    fails the call with ``WorkerUnavailableError`` naming it (``what``: the
+    call, in the message); without one, the body runs as it is.
+    """
+    if self._watchdog is None:
+      yield
+      return
+    with self._watchdog.watching(self._timeout, what):
+      try:
+        yield
+      except tf.errors.OpError as e:
+        verdict = self._watchdog.verdict
+        if verdict is None:
+          raise
+        raise _errors.WorkerUnavailableError(verdict.message, verdict.task, verdict.address) from e

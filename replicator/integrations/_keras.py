@@ -210,14 +210,15 @@ class KerasStrategy(tf.distribute.Strategy):
       replicated = _variables.underlying(variable)
       if replicated is not None:
         _variables.single_stream(replicated)
-    _wrap_function(extended.global_view, extended.replicator_config.atomic, model, fn)
+    _wrap_function(extended.global_view, extended.replicator_config.atomic, model, fn,
+                   extended.replicator_config.agree)
     return run_global(extended.global_view, fn, args[0])
 
 
 _FUNCTIONS = {"train_step": "train_function", "test_step": "test_function"}  # predict writes no variable
 
 
-def _wrap_function(global_view, atomic: bool, model, fn) -> None:
+def _wrap_function(global_view, atomic: bool, model, fn, agree=None) -> None:
   """Wraps the Keras function that calls ``fn`` (``model.train_function``, ``test_function``), once.
 
   Keras calls its function through the model's attribute
@@ -230,7 +231,10 @@ def _wrap_function(global_view, atomic: bool, model, fn) -> None:
     values back before the error leaves it;
   * batches of unknown size given from Python (``_keras_batches``): each call
     starts a group of steps, which the iterator needs to end the data the way
-    Keras's loop expects.
+    Keras's loop expects;
+  * in a multi-client job (``agree``, the processes' ``Agreement``): each call
+    is one the watchdog watches, as ``repl.run``'s are (a worker late to it is
+    named).
 
   This runs while Keras traces its function, inside its first call: a failure
   of that call is undone at the start of the next step instead
@@ -246,12 +250,13 @@ def _wrap_function(global_view, atomic: bool, model, fn) -> None:
     _restore.release()  # a restore before this step is over: the values it kept to undo itself go
     if isinstance(iterator, _keras_batches.Iterator):
       iterator.begin_call()
-    try:
-      return function(iterator, *args, **kwargs)
-    except tf.errors.OpError as e:
-      if atomic and not isinstance(e, tf.errors.OutOfRangeError):  # the end of the data: nothing ran
-        global_view.restore_failed()
-      raise
+    with agree.watched("this Keras step") if agree is not None else contextlib.nullcontext():
+      try:
+        return function(iterator, *args, **kwargs)
+      except tf.errors.OpError as e:
+        if atomic and not isinstance(e, tf.errors.OutOfRangeError):  # the end of the data: nothing ran
+          global_view.restore_failed()
+        raise
 
   wrapped._replicator_wraps = True  # pylint: disable=protected-access
   setattr(model, name, wrapped)
