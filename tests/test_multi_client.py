@@ -297,20 +297,15 @@ def test_a_hung_peer_fails_the_survivors_step_with_a_named_error_at_the_timeout(
   assert 5.0 <= seconds < 5.0 + 3.0
 
 
-def test_a_hung_peer_fails_the_survivors_agreement_with_a_named_error_at_the_timeout(tmp_path):
-  # A variable made outside a step: its initial value is worker 0's, one eager all-reduce every worker makes.
-  addresses, seconds, found = _dead_peer(tmp_path, hang=True, at="variable")
+@pytest.mark.parametrize("at, what", [("variable", "the workers' agreement on 'initial value'"),
+                                      ("fit", "this Keras step")])
+def test_a_hung_peer_fails_the_survivors_other_calls_with_a_named_error_at_the_timeout(tmp_path, at, what):
+  # A variable made outside a step (its initial value is worker 0's: one eager all-reduce every worker makes), and a
+  # call of Keras's fit function: calls every worker makes, watched as steps are.
+  addresses, seconds, found = _dead_peer(tmp_path, hang=True, at=at)
   assert not found.startswith("crashed"), found
-  assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to the workers' "
-                          f"agreement on 'initial value': this process started it 5 s ago"), found
-  assert 5.0 <= seconds < 5.0 + 3.0
-
-
-def test_a_hung_peer_fails_the_survivors_keras_fit_with_a_named_error_at_the_timeout(tmp_path):
-  addresses, seconds, found = _dead_peer(tmp_path, hang=True, at="fit")
-  assert not found.startswith("crashed"), found
-  assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to this Keras step: this "
-                          f"process started it 5 s ago"), found
+  assert found.startswith(f"WorkerUnavailableError: Worker 1 at {addresses[1]} has not come to {what}: this process "
+                          f"started it 5 s ago"), found
   assert 5.0 <= seconds < 5.0 + 3.0
 
 
