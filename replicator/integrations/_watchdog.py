@@ -79,7 +79,7 @@ class Watchdog:
   def __init__(self, addresses, task: int, interval: float = 1.0):
     self._addresses, self._task, self._interval = tuple(addresses), task, interval
     self._lock = threading.Lock()
-    self._calls = 0  # step calls started
+    self._calls = 0  # calls started (steps, agreements)
     self._inside = False
     self._depth = 0
     self._since = 0.0  # when the current call started (monotonic)
@@ -100,7 +100,7 @@ class Watchdog:
     """
     with self._lock:
       self._depth += 1
-      if self._depth == 1:  # (a step call made inside one, by the library: the outer call is the one counted)
+      if self._depth == 1:  # (a call made inside one, by the library: the outer call is the one counted)
         self._calls += 1
         self._inside, self._since, self._timeout, self._what = True, time.monotonic(), timeout, what
       if self._thread is None and len(self._addresses) > 1:
