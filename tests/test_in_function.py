@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from mse_step import mse_step
 
 import mesh
 import replicator
@@ -35,20 +36,9 @@ def _model():
   return model, keras.optimizers.Adam(0.05)
 
 
-def _step(model, opt):
-  def step_fn(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-
-  return step_fn
-
-
 def _one_device(batches):
   model, opt = _model()
-  step_fn = _step(model, opt)
+  step_fn = mse_step(model, opt)
   losses = [float(step_fn(b)) for b in batches]
   return model, opt, losses
 
@@ -73,7 +63,7 @@ def test_the_tutorials_loop_a_python_loop_calling_a_tf_function_step_equals_one_
   reference = _one_device(list(_dataset()))
   repl = replicator.Replicator(cpus(4))
   model, opt = _replicated(repl)
-  train_step = _step(model, opt)
+  train_step = mse_step(model, opt)
 
   @tf.function
   def distributed_train_step(batch):
@@ -91,7 +81,7 @@ def test_next_of_an_iterator_inside_the_function_and_loops_of_steps_there():
   reference = _one_device(list(_dataset()))
   repl = replicator.Replicator(cpus(2))
   model, opt = _replicated(repl)
-  train_step = _step(model, opt)
+  train_step = mse_step(model, opt)
 
   @tf.function
   def one_step(iterator):
@@ -166,7 +156,7 @@ def test_the_global_view_inside_a_function_equals_one_device_and_calling_from_py
   m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
   repl = replicator.Replicator(mesh=m, view="global", layouts=LAYOUTS)
   model, opt = _replicated(repl)
-  train_step = _step(model, opt)
+  train_step = mse_step(model, opt)
 
   @tf.function
   def train(iterator, steps):
@@ -186,7 +176,7 @@ def test_the_global_view_inside_a_function_equals_one_device_and_calling_from_py
   # A distributed dataset's PerReplica is joined back into the global batch (one part per input pipeline).
   repl2 = replicator.Replicator(mesh=m, view="global", layouts=LAYOUTS)
   model2, opt2 = _replicated(repl2)
-  step2 = _step(model2, opt2)
+  step2 = mse_step(model2, opt2)
 
   @tf.function
   def train_distributed(batch):
