@@ -427,13 +427,12 @@ class MultiWorkerReplicator(Replicator):
   def run(self, *args, **kwargs):
     """:meth:`Replicator.run`, reporting a lost worker as ``WorkerUnavailableError``."""
     if self._task is not None:  # a multi-client job: peers are checked when a step fails, not before each
-      with self._watchdog.watching(self.collective_timeout):  # (a late worker: named, and the step aborted)
+      with self._config.agree.watched("this step"):  # (a late worker: named, and the step aborted)
         try:
           return super().run(*args, **kwargs)
         except tf.errors.OpError as e:
-          verdict = self._watchdog.verdict
-          if verdict is not None:
-            raise _errors.WorkerUnavailableError(verdict.message, verdict.task, verdict.address) from e
+          if self._watchdog.verdict is not None:
+            raise  # (named by the watchdog, as watched raises it)
           # TensorFlow's own error says what the peer did (ours, StepFailedError, what the step was doing).
           cause = e.__cause__ if isinstance(e.__cause__, tf.errors.OpError) else e
           dead = [t for t in self._unreachable() if t != self._task]

@@ -924,9 +924,7 @@ def per_replica_by_design(variable) -> bool:
 
 def written_in_pieces(variable) -> bool:
   """Whether a checkpoint holds ``variable`` as pieces each written by its process (split across processes)."""
-  replicated = underlying(variable)
-  return (replicated is not None and replicated._across is not None and not replicated._on_read  # pylint: disable=protected-access
-          and replicated.sharding is not None and replicated._sources is None)  # pylint: disable=protected-access
+  return read_by_every_process(variable) and not underlying(variable)._on_read  # (split, not a metric's parts)  # pylint: disable=protected-access
 
 
 def own_pieces(variable) -> dict:
