@@ -22,6 +22,7 @@ from replicator.core import _primitives
 from replicator.core._values import PerReplica
 from replicator.guarantees import _run_state
 from replicator.input import _distributed_dataset
+from replicator.input import _process_shards
 from replicator.integrations import _keras
 from replicator.integrations import _keras_distribution
 from replicator.state import _layout_state
@@ -435,7 +436,16 @@ class Replicator(_collective_methods.CollectiveMethods):
     """
     pipelines = [self.input_pipeline(r) for r in range(self.num_replicas)]  # every replica's
     mine = [pipelines[r] for r in self._config.local_replicas]  # (a multi-client job's process: its own)
-    return _distributed_dataset.DistributedDataset(dataset, mine, self._config.host, prefetch, max(pipelines) + 1)
+    shard = None
+    if (self._config.multi_client and isinstance(dataset, tf.data.Dataset)
+        and _process_shards.policy(dataset) in _process_shards.SHARDED):  # each process reads its own shard
+      by_process: dict = {}
+      for replica, device in enumerate(self.devices):
+        by_process.setdefault(rewrite.task_of(device), []).append(pipelines[replica])
+      shard = _process_shards.shard_of(list(by_process.values()), mine,
+                                       _process_shards.POLICY(_process_shards.policy(dataset)).name)
+    return _distributed_dataset.DistributedDataset(dataset, mine, self._config.host, prefetch, max(pipelines) + 1,
+                                                   shard=shard, agree=self._config.agree)
 
   def explain(self, step_fn: Callable, input_fn: Callable | None = None, *,
               inputs: Any = None) -> rewrite.Plan | rewrite.PartitionReport:

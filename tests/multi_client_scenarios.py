@@ -204,6 +204,135 @@ def uneven(out):
     f.write(f"{calls}\n{rows}\n{ended}")
 
 
+SHARD_FILES = (24, 24, 32, 16)  # rows a file: the shards of 2 processes (files 0, 2 and 1, 3) end at different steps
+
+
+def write_shard_files(directory):
+  """The rows of X, Y (with their index) in TFRecord files of SHARD_FILES rows; their names, in order."""
+  names, start = [], 0
+  for f, rows in enumerate(SHARD_FILES):
+    names.append(os.path.join(directory, f"rows_{f}.tfrecord"))
+    with tf.io.TFRecordWriter(names[-1]) as writer:
+      for i in range(start, start + rows):
+        writer.write(tf.io.serialize_tensor(tf.constant(np.concatenate([[i], X[i], Y[i]]), tf.float32)).numpy())
+    start += rows
+  return names
+
+
+def with_policy(dataset, policy):
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = policy
+  return dataset.with_options(options)
+
+
+def sharded(out):
+  """A dataset of global batches of 16 rows, sharded by file (its auto_shard_policy FILE): each process reads its own
+  files, its replicas take its rows, until both shards have ended; then HINT sharding of data in memory; then what
+  cannot be sharded says why."""
+  keras.utils.set_random_seed(100 + repl.task)
+  with repl.context():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.05), reduction="sum")
+  initial = {f"initial/{k}": v for k, v in components(model.trainable_variables).items()}
+
+  def step(batch):
+    ids, x, y = batch[:, 0], batch[:, 1:6], batch[:, 6:]
+    with tf.GradientTape() as tape:  # the global batch's mean: a replica's sum over the global batch's rows
+      loss = tf.reduce_sum((model(x) - y) ** 2) / (GLOBAL_BATCH * 2.0)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return tf.cast(ids, tf.int32)
+
+  directory = os.path.join(out, f"files_{repl.task}")
+  os.makedirs(directory)
+  files = tf.data.Dataset.from_tensor_slices(write_shard_files(directory))
+  dataset = files.interleave(tf.data.TFRecordDataset, cycle_length=1).map(
+      lambda s: tf.ensure_shape(tf.io.parse_tensor(s, tf.float32), [8])).batch(GLOBAL_BATCH)
+  dataset = with_policy(dataset, tf.data.experimental.AutoShardPolicy.FILE)
+  rows, ended = [], ""
+  while True:
+    try:
+      ids = repl.run(step, dataset)
+    except replicator.EndOfInput as e:
+      ended = str(e)
+      break
+    rows.append([np.asarray(v).tolist() for v in ids.values])  # this process's replicas' rows
+  found = {f"final/{k}": v for k, v in components(model.variables + optimizer.variables).items()}
+
+  hint = tf.data.Dataset.range(96).shard(tf.data.experimental.SHARD_HINT, tf.data.experimental.SHARD_HINT)
+  hint_rows = [np.asarray(v).tolist() for v in next(iter(repl.distribute_dataset(with_policy(
+      hint.map(lambda i: i * 10).batch(GLOBAL_BATCH), tf.data.experimental.AutoShardPolicy.HINT)))).values]
+  errors = []
+  for policy in (tf.data.experimental.AutoShardPolicy.FILE,  # on data in memory
+                 tf.data.experimental.AutoShardPolicy.HINT):  # without a hint
+    try:
+      repl.distribute_dataset(with_policy(tf.data.Dataset.range(96).batch(GLOBAL_BATCH), policy))
+    except replicator.InputMismatchError as e:
+      errors.append(str(e))
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), rows=np.array(repr(rows)), ended=ended,
+           hint_rows=np.array(repr(hint_rows)), errors=np.array(errors), **initial, **found)
+
+
+def sharded_global(out):
+  """The global view on a dataset sharded by file (FILE, 2 x 2, data parallel): each process reads its own files, 8
+  rows of each 16-row global batch; the step sees the whole batch. Three steps in one call, then one a call."""
+  global_repl = replicator.MultiWorkerReplicator.from_tf_config(view="global", collective_timeout=60.0)
+  keras.utils.set_random_seed(100 + repl.task)
+  with global_repl.context():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam(0.05)
+    optimizer.build(model.trainable_variables)
+  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
+  train_step = mse_step(model, optimizer)
+
+  @tf.function
+  def step(batch):
+    return train_step((batch[:, 1:6], batch[:, 6:])), tf.cast(batch[:, 0], tf.int32)
+
+  directory = os.path.join(out, f"files_{repl.task}")
+  os.makedirs(directory)
+  files = tf.data.Dataset.from_tensor_slices(write_shard_files(directory))
+  dataset = with_policy(files.interleave(tf.data.TFRecordDataset, cycle_length=1).map(
+      lambda s: tf.ensure_shape(tf.io.parse_tensor(s, tf.float32), [8])).batch(GLOBAL_BATCH, drop_remainder=True),
+      tf.data.experimental.AutoShardPolicy.FILE)
+  _, ids = global_repl.run(step, dataset, steps=3, all_steps=True)
+  rows = np.asarray(ids).tolist()
+  ended = ""
+  while True:
+    try:
+      rows.append(np.asarray(global_repl.run(step, dataset)[1]).tolist())
+    except replicator.EndOfInput as e:
+      ended = str(e)
+      break
+  found = {f"final/{k}": v for k, v in _whole(model.variables + optimizer.variables).items()}
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), rows=np.array(rows), ended=ended, **initial, **found)
+
+
+def fit_sharded(out):
+  """Keras's fit on a dataset sharded by file (FILE, 2 x 2), repeated, 4 steps an epoch; then fit on the dataset
+  not repeated, which Keras's loop cannot end in every process at once: refused, saying so."""
+  keras.utils.set_random_seed(100 + repl.task)
+  with repl.context():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
+                              keras.layers.Dense(2, name="dense_1")])
+    model.compile(keras.optimizers.Adam(0.05), "mse", steps_per_execution=2)
+  initial = {f"initial/{v.path}": np.asarray(v.numpy()) for v in model.trainable_variables}
+  directory = os.path.join(out, f"files_{repl.task}")
+  os.makedirs(directory)
+  files = tf.data.Dataset.from_tensor_slices(write_shard_files(directory))
+  rows = files.interleave(tf.data.TFRecordDataset, cycle_length=1).map(
+      lambda s: tf.ensure_shape(tf.io.parse_tensor(s, tf.float32), [8]))
+  dataset = rows.map(lambda r: (r[1:6], r[6:])).batch(GLOBAL_BATCH, drop_remainder=True)
+  model.fit(with_policy(dataset.repeat(), tf.data.experimental.AutoShardPolicy.FILE), epochs=1, steps_per_epoch=4,
+            verbose=0)
+  found = {f"final/{v.path}": np.asarray(v.numpy()) for v in model.variables + model.optimizer.variables}
+  try:
+    model.fit(with_policy(dataset, tf.data.experimental.AutoShardPolicy.FILE), epochs=1, verbose=0)
+    refused = ""
+  except replicator.UnsupportedError as e:
+    refused = str(e)
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), refused=refused, **initial, **found)
+
+
 def refusals(out):
   """What does not run across processes yet says so, and what instead."""
   found = []
@@ -340,6 +469,7 @@ def preempt(out):
 
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
-  {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
+  {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "sharded": sharded, "sharded_global": sharded_global, "fit_sharded": fit_sharded,
+   "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
    "preempt": preempt}[name](out)
   print("done", repl.task, flush=True)

@@ -29,6 +29,7 @@ SCENARIOS = os.path.join(ROOT, "tests", "multi_client_scenarios.py")
 X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
 Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
 GLOBAL_BATCH, STEPS = 16, 4
+SHARD_FILES = (24, 24, 32, 16)  # multi_client_scenarios.SHARD_FILES
 # Float32 sums in another order (4 replicas' means, then their mean, against one mean of 16 rows) moved the
 # 4-step Adam weights by at most 3e-7 here; the bound leaves room.
 TOLERANCE = dict(rtol=1e-5, atol=2e-6)
@@ -49,14 +50,18 @@ def _launch(tmp_path, scenario: str, workers: int, devices: int, suffix: str = "
 
 def _one_device(initial):
   """The same steps on one device, from worker 0's initial weights: final variables by path, and the losses."""
+  return _one_device_on(initial, [np.arange(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH) for i in range(STEPS)])
+
+
+def _one_device_on(initial, batches):
+  """Steps on one device on the rows ``batches`` of X, Y, from worker 0's initial weights: final variables, losses."""
   model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
   for v in model.trainable_variables:
     v.assign(initial[f"initial/{v.path}"][0])
   optimizer = keras.optimizers.Adam(0.05)
 
   step = tf.function(mse_step(model, optimizer))
-  losses = [float(step((X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])))
-            for i in range(STEPS)]
+  losses = [float(step((X[rows], Y[rows]))) for rows in batches]
   final = {v.path: v.numpy() for v in model.variables + optimizer.variables}
   return final, losses
 
@@ -145,6 +150,101 @@ def test_input_that_ends_first_in_one_process_ends_every_process_at_the_same_ste
     assert int(calls) == 5
     assert rows == "[16, 16, 16, 8, 8]"  # the job's rows a step (repl.reduce): 4 replicas x 4, then worker 1's only
     assert ended.startswith("The input is exhausted")
+
+
+def test_a_dataset_sharded_by_file_is_read_by_each_process_in_its_own_files(tmp_path):
+  """auto_shard_policy FILE on 2 x 2: process 0 reads files 0 and 2 (56 rows), process 1 files 1 and 3 (40 rows), 8
+  rows a step each (the global batch is 16), its replicas 4 each; after process 1's fifth step its replicas run on
+  empty batches until process 0's shard ends too. Every row is read once, by the process of its file; the training
+  equals one device given, each step, the rows the processes read (compared in every process, slots included)."""
+  results = _launch(tmp_path, "sharded", 2, 2)
+  starts = np.cumsum((0,) + SHARD_FILES)
+  file_of = {i: f for f in range(len(SHARD_FILES)) for i in range(starts[f], starts[f + 1])}
+  steps = [eval(str(r["rows"])) for r in results]  # pylint: disable=eval-used  (lists of ints, written by repr)
+  assert [len(s) for s in steps] == [7, 7]  # both processes ran 7 steps, and ended at the same call
+  for task, (found, rows) in enumerate(zip(results, steps)):
+    assert str(found["ended"]).startswith("The input is exhausted")
+    read = [i for step in rows for replica in step for i in replica]
+    assert {file_of[i] for i in read} == {task, task + 2}, task  # its own files only
+    assert all(len(replica) == (4 if k < (7 if task == 0 else 5) else 0) for k, step in enumerate(rows)
+               for replica in step), rows
+  assert sorted(i for rows in steps for step in rows for replica in step for i in replica) == list(range(96))
+  # HINT: the pipeline's shard(SHARD_HINT, SHARD_HINT) becomes the process's shard (data in memory).
+  assert eval(str(results[0]["hint_rows"])) == [[0, 20, 40, 60], [80, 100, 120, 140]]  # pylint: disable=eval-used
+  assert eval(str(results[1]["hint_rows"])) == [[10, 30, 50, 70], [90, 110, 130, 150]]  # pylint: disable=eval-used
+  errors = results[0]["errors"].tolist()
+  assert errors[0].startswith("The dataset's auto_shard_policy=FILE asks each process of the multi-client job to read "
+                              "its own shard, but tf.data could not shard it: Found an unshardable source dataset")
+  assert "FILE sharding needs a pipeline that reads files" in errors[0]
+  assert "the pipeline has no shard hint. HINT sharding needs dataset.shard(" in errors[1]
+  # One device, each step on the rows both processes read then (process 0's replicas first).
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+  first = results[0]
+  for v in model.trainable_variables:
+    v.assign(first[f"initial/{v.path}"][0])
+  optimizer = keras.optimizers.Adam(0.05)
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum((model(x) - y) ** 2) / (GLOBAL_BATCH * 2.0)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+  for k in range(7):
+    ids = [i for rows in steps for replica in rows[k] for i in replica]
+    step(X[ids], Y[ids])
+  for task, found in enumerate(results):
+    for v in model.variables + optimizer.variables:
+      for copy in found[f"final/{v.path}"]:
+        np.testing.assert_allclose(copy, v.numpy(), err_msg=f"worker {task}: {v.path}", **TOLERANCE)
+
+
+def test_the_global_view_reads_a_dataset_sharded_by_file_in_each_process(tmp_path):
+  """FILE sharding in the global view (2 x 2, data parallel): each process's 8 rows of a 16-row global batch are its
+  files' (its shard batched by 16 with drop_remainder: 48 and 32 rows, so 6 and 4 shares of 8); the epoch ends for
+  both at the shorter shard's end (4 steps: three in one call, then one). The step's output of the whole batch (ids)
+  shows both processes' rows, never the padding; the training equals one device on those batches."""
+  results = _launch(tmp_path, "sharded_global", 2, 2)
+  starts = np.cumsum((0,) + SHARD_FILES)
+  file_of = {i: f for f in range(len(SHARD_FILES)) for i in range(starts[f], starts[f + 1])}
+  rows = results[0]["rows"]
+  assert rows.shape == (4, GLOBAL_BATCH)
+  for found in results:
+    np.testing.assert_array_equal(found["rows"], rows)  # every process has the whole batch's ids
+    assert str(found["ended"]).startswith("The input is exhausted")
+  assert {file_of[i] for i in rows[:, :8].ravel()} == {0, 2} and {file_of[i] for i in rows[:, 8:].ravel()} == {1, 3}
+  assert len(set(rows.ravel())) == rows.size  # no row twice (and no padding: row 0 is file 0's, read once)
+  initial = {k: v[None] for k, v in results[0].items() if k.startswith("initial/")}
+  expected, _ = _one_device_on(initial, [rows[k] for k in range(4)])
+  for task, found in enumerate(results):
+    for name, value in expected.items():
+      np.testing.assert_allclose(found[f"final/{name}"], value, err_msg=f"worker {task}: {name}", **TOLERANCE)
+
+
+def test_keras_fit_reads_a_dataset_sharded_by_file_in_each_process(tmp_path):
+  """Keras's fit on a FILE-sharded, repeated dataset (2 x 2, steps_per_epoch=4, steps_per_execution=2): each step's
+  global batch is process 0's next 8 rows (files 0 and 2, batched by 16 with drop_remainder) and process 1's (files 1
+  and 3); equal to one device on those batches. Not repeated, fit is refused: the shards would end apart."""
+  results = _launch(tmp_path, "fit_sharded", 2, 2)
+  starts = np.cumsum((0,) + SHARD_FILES)
+  streams = []
+  for task in range(2):
+    rows = np.concatenate([np.arange(starts[f], starts[f + 1]) for f in (task, task + 2)])
+    streams.append(rows[:len(rows) // GLOBAL_BATCH * GLOBAL_BATCH])
+  batches = [np.concatenate([stream[k * 8:(k + 1) * 8] for stream in streams]) for k in range(4)]
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
+                            keras.layers.Dense(2, name="dense_1")])
+  model.compile(keras.optimizers.Adam(0.05), "mse")
+  for v in model.trainable_variables:
+    v.assign(results[0][f"initial/{v.path}"])
+  for rows in batches:
+    model.train_on_batch(X[rows], Y[rows])
+  for task, found in enumerate(results):
+    for v in model.variables + model.optimizer.variables:
+      np.testing.assert_allclose(found[f"final/{v.path}"], v.numpy(), err_msg=f"worker {task}: {v.path}", **TOLERANCE)
+    assert str(found["refused"]).startswith("Keras's fit/evaluate on a dataset that each process of the multi-client "
+                                            "job reads in its own shard")
+    assert "Fix: repeat the dataset (dataset.repeat()) and pass steps_per_epoch=" in str(found["refused"])
 
 
 def test_what_does_not_run_across_processes_yet_says_so(tmp_path):

@@ -12,6 +12,7 @@ from replicator.core import _errors
 from replicator.core import _tf_types
 from replicator.core._values import PerReplica
 from replicator.input import _inputs
+from replicator.input import _process_shards
 
 NO_BATCH_DIMENSION = (
     "distribute_dataset needs every element leaf to have a batch dimension (rank >= 1) to split "
@@ -78,13 +79,13 @@ class DistributedIterator(_tf_types.Iterator):
   without failing. AutoGraph stages ``for batch in iterator:`` as a loop.
   """
 
-  def __init__(self, iterator, pipelines: tuple[int, ...], host_device: str, element_spec,
-               num_pipelines: int | None = None):
-    self._iterator = iterator  # a tf.data iterator over the global batches
-    self._pipelines = pipelines
+  def __init__(self, iterator, parts: tuple[int, ...], host_device: str, element_spec,
+               num_parts: int | None = None):
+    self._iterator = iterator  # a tf.data iterator over the global batches (or this process's shard's batches)
+    self._parts_taken = parts  # which part of a batch each replica takes
     self._host = host_device
     self._element_spec = element_spec
-    self._num_pipelines = max(pipelines) + 1 if num_pipelines is None else num_pipelines
+    self._num_parts = max(parts) + 1 if num_parts is None else num_parts
 
   @property
   def element_spec(self):
@@ -112,13 +113,13 @@ class DistributedIterator(_tf_types.Iterator):
 
   def _parts(self, element) -> PerReplica:
     with tf.device(self._host):
-      parts = split(element, self._num_pipelines)
-    return PerReplica([parts[p] for p in self._pipelines])
+      parts = split(element, self._num_parts)
+    return PerReplica([parts[p] for p in self._parts_taken])
 
   # TensorFlow's nest protocol (public by duck type, TF 2.21's `CustomNestProtocol`): as a tf.function's argument
   # the iterator is its tf.data iterator (a resource), one trace for every iterator of the same dataset spec.
   def __tf_flatten__(self):
-    return (self._pipelines, self._host, self._element_spec, self._num_pipelines), (self._iterator,)
+    return (self._parts_taken, self._host, self._element_spec, self._num_parts), (self._iterator,)
 
   @classmethod
   def __tf_unflatten__(cls, metadata, components):
@@ -156,17 +157,23 @@ class DistributedDataset(_tf_types.Iterable):
   along the other mesh axes get the same part.
 
   In one process of a multi-client job, every process reads the global
-  batches and keeps its own replicas' parts.
+  batches and keeps its own replicas' parts; or, if the dataset's options
+  ask for it (``auto_shard_policy`` ``FILE`` or ``HINT``), reads its own
+  shard of the dataset in batches of its share of the global batch, split
+  over its own replicas (``_process_shards``).
 
   Attributes:
     num_replicas: how many replicas take a part (in this process).
-    pipelines: for each of those replicas, which part it takes.
+    pipelines: for each of those replicas, which part of the global batch it takes.
     num_pipelines: how many parts each global batch is split into.
     host_device: where the global batches are read and split.
+    shard: ``(shards, index)``: this process reads shard ``index`` of ``shards``
+      (batches of its own rows only); None: every global batch.
+    source: the dataset of global batches given (the global view partitions it).
   """
 
   def __init__(self, dataset: tf.data.Dataset, pipelines, host_device: str, prefetch: int = 2,
-               num_pipelines: int | None = None):
+               num_pipelines: int | None = None, shard: tuple[int, int] | None = None, agree=None):
     if not isinstance(dataset, tf.data.Dataset):
       raise _errors.ArgumentTypeError(f"distribute_dataset needs a tf.data.Dataset of global batches, found {type(dataset).__name__}.")
     self.pipelines = tuple(range(pipelines)) if isinstance(pipelines, int) else tuple(pipelines)
@@ -177,21 +184,32 @@ class DistributedDataset(_tf_types.Iterable):
       if not isinstance(leaf, tf.TensorSpec):
         raise _errors.InputMismatchError(
             f"distribute_dataset feeds dense tensors only, found {type(leaf).__name__}.")
+    self.shard = shard
+    self.source = dataset  # the dataset of global batches given
+    # The shards may end at different steps: repl.run's steps agree on the end (unless no shard can end).
+    finite = _process_shards.is_finite(dataset)
+    if shard is None:  # every global batch, split into one part a pipeline
+      self.num_parts, self.parts = self.num_pipelines, self.pipelines
+    else:  # this process's batches, split into one part for each of its pipelines
+      mine, self.parts = _inputs.own_pipelines(self.pipelines)
+      self.num_parts = len(mine)
+      dataset = _process_shards.process_dataset(dataset, *shard, parts=self.num_pipelines, own=mine)
+    self.agree = agree if shard is not None and agree is not None and agree.any(finite, "input may end") else None
     self._dataset = _inputs.without_autotune_thread(dataset.prefetch(prefetch))
     flat = tree.flatten(dataset.element_spec)
-    parts = self.num_pipelines if _even_parts([leaf.shape for leaf in flat], self.num_pipelines) else None
+    parts = self.num_parts if _even_parts([leaf.shape for leaf in flat], self.num_parts) else None
     self.element_spec = tree.map_structure(lambda spec: _replica_spec(spec, parts), dataset.element_spec)
 
   @property
   def dataset(self) -> tf.data.Dataset:
-    """The dataset of global batches."""
+    """The dataset of global batches (with ``shard``: of this process's batches)."""
     return self._dataset
 
   def __iter__(self) -> DistributedIterator:
     """An iterator giving a ``PerReplica`` of per-replica batches for each global batch (Python or tf.function)."""
     with tf.device(self.host_device):
-      return DistributedIterator(iter(self._dataset), self.pipelines, self.host_device, self.element_spec,
-                                 self.num_pipelines)
+      return DistributedIterator(iter(self._dataset), self.parts, self.host_device, self.element_spec,
+                                 self.num_parts)
 
   def reduce(self, initial_state, reduce_fn):
     """``reduce_fn(state, batch)`` over every batch, in a ``tf.while_loop``: how AutoGraph stages a ``for`` loop.
@@ -225,9 +243,16 @@ class GlobalBatchInputs(_inputs.Source):
   def __init__(self, distributed: DistributedDataset):
     self.distributed = weakref.ref(distributed)
     self.key = ("dataset", tuple(tree.flatten(distributed.element_spec)), str(distributed.element_spec))
-    self._n = distributed.num_pipelines
+    self._n = distributed.num_parts
     self.pipelines = distributed.pipelines
-    self._mine, self.slots = _inputs.own_pipelines(self.pipelines)  # the parts this process's replicas take
+    self._mine, self.slots = _inputs.own_pipelines(distributed.parts)  # the parts this process's replicas take
+    self._agree = distributed.agree  # this process reads its own shard: the job agrees on the end
+    # Batches of rows of static shapes: a process whose shard has ended runs its replicas on empty batches.
+    self._pads = self._agree is not None and all(spec.shape[1:].is_fully_defined()
+                                                 for spec in tree.flatten(distributed.element_spec))
+    if self._pads:  # (an empty batch has no rows: the step takes batches of any size)
+      self.element_specs = tuple(tf.TensorSpec([None] + spec.shape[1:].as_list(), spec.dtype)
+                                 for spec in self.element_specs)
     self._host = distributed.host_device
     with tf.device(self._host):
       self._iterator = iter(distributed.dataset)
@@ -244,7 +269,9 @@ class GlobalBatchInputs(_inputs.Source):
     parts = split(element, self._n)
     return [t for p in self._mine for t in tree.flatten(parts[p])]
 
-  fetches_plainly = True
+  @property
+  def fetches_plainly(self) -> bool:
+    return self._agree is None  # every process reads the same batches: their ends come at the same step
 
   def fetch(self, flat_args):
     with tf.device(self._host):
@@ -254,9 +281,16 @@ class GlobalBatchInputs(_inputs.Source):
     host = self._host
     with tf.device(host):
       optional = self._iterator.get_next_as_optional()
+    has_value = optional.has_value()
+    if self._agree is not None:  # this process's shard may end before or after the others'
+      has_value = self._agree.job_flag(has_value, any_=self._pads)
 
     def get():
       with tf.device(host):
-        return self._split_flat(optional.get_value())
+        if not self._pads:
+          return self._split_flat(optional.get_value())
+        specs = [spec for _ in self._mine for spec in tree.flatten(self.structures[0])]
+        return tf.cond(optional.has_value(), lambda: self._split_flat(optional.get_value()),
+                       lambda: [_inputs.empty(spec) for spec in specs])
 
-    return optional.has_value(), get
+    return has_value, get

@@ -305,7 +305,7 @@ class DatasetInputs(Source):
             values.extend(tree.flatten(o.get_value()))
           else:
             values.extend(tf.cond(o.has_value(), lambda o=o: tree.flatten(o.get_value()),
-                                  lambda specs=specs: [_empty(spec) for spec in specs]))
+                                  lambda specs=specs: [empty(spec) for spec in specs]))
       return values
 
     return has_value, get
@@ -317,7 +317,7 @@ def own_pipelines(pipelines) -> tuple[list[int], tuple[int, ...]]:
   return mine, tuple(mine.index(p) for p in pipelines)
 
 
-def _empty(spec: tf.TensorSpec) -> tf.Tensor:
+def empty(spec: tf.TensorSpec) -> tf.Tensor:
   """An empty batch (no rows) of elements of ``spec``."""
   return tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype)
 

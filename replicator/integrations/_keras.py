@@ -98,6 +98,13 @@ RUN_EAGERLY = (
     "(the default); to debug a step, run it with repl.run and print inside it with tf.print."
 )
 # Where Keras 3's TensorFlow trainer calls strategy.run (keras/src/backend/tensorflow/trainer.py, 3.15).
+SHARDED_END = (
+    "Keras's fit/evaluate on a dataset that each process of the multi-client job reads in its own shard (its "
+    "auto_shard_policy is FILE or HINT): the shards can end at different steps, and Keras's loop ends a process's "
+    "epoch at the end of its own shard, while the others wait for it in their next step. Fix: repeat the dataset "
+    "(dataset.repeat()) and pass steps_per_epoch= (and validation_steps=) to fit, or run the loop with repl.run, "
+    "whose steps agree on the end, or leave the policy at AUTO (every process reads every global batch)."
+)
 KERAS_CALLERS = ("one_step_on_data", "one_step_on_data_distributed")
 KERAS_STEPS = ("train_step", "test_step")  # steps that train or evaluate (predict_step: per example)
 
@@ -168,6 +175,11 @@ def _extended_class():
       return False  # Keras's optimizers then update each variable directly
 
     def _experimental_distribute_dataset(self, dataset, options):
+      shard = self.global_view.shard_for(dataset, keep=False)
+      if shard is not None:  # a multi-client job's process reads its own shard (the dataset's sharding policy)
+        if shard.agree is not None:
+          raise _errors.UnsupportedError(SHARDED_END)
+        return shard.dataset
       # Keras's epoch iterator: batches of unknown size reach Keras's step one at a time, at their shapes.
       if not _keras_batches.static(dataset.element_spec):
         return _keras_batches.ConcreteBatches(dataset)

@@ -21,6 +21,7 @@ from replicator.core import _errors
 from replicator.core import _values
 from replicator.core import _weak
 from replicator.input import _distributed_dataset
+from replicator.input import _process_shards
 from replicator.views import _global_step
 from replicator.views import _in_function
 
@@ -65,9 +66,12 @@ class GlobalView:
     """``steps`` steps of ``step_fn`` on the next global batches of ``dataset`` (or on ``inputs``)."""
     replicator = self._replicator
     if isinstance(dataset, _distributed_dataset.DistributedDataset):
-      dataset = dataset.dataset  # its global batches: the partitioner splits them
+      dataset = dataset.source  # its global batches: the partitioner splits them
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
+    shard = self.shard_for(dataset) if inputs is None else None
+    if shard is not None:  # this process reads its own shard (a multi-client job, the dataset's sharding policy)
+      return self._run_shard(step_fn, dataset, shard, steps, all_steps)
     if inputs is not None and dataset is None:  # one global batch, given: one step
       if steps > 1 or all_steps:
         raise _errors.ArgumentError(ONE_BATCH.format(steps=steps))
@@ -81,6 +85,41 @@ class GlobalView:
       return self._state.execute(step, lambda stop: (step(tree.flatten(element)), 1), loop=False)
     return self._state.execute(step, lambda stop: step.run_steps(iterator, element, steps, all_steps, stop),
                                loop=True)
+
+  def shard_for(self, dataset, keep: bool = True) -> _process_shards.PaddedShard | None:
+    """This process's shard of ``dataset``, if it is read in shards (a multi-client job, the dataset's policy).
+
+    ``keep``: kept on the dataset for the epoch (``repl.run``'s), else a new one (Keras's, which iterates it).
+    """
+    config = self._config
+    if not (config.multi_client and isinstance(dataset, tf.data.Dataset)
+            and _process_shards.policy(dataset) in _process_shards.SHARDED):
+      return None
+    shards = _weak.attached(dataset, "_replicator_global_shard") if keep else {}  # goes with the dataset
+    shard = shards.get(self._replicator)
+    if shard is None:
+      replicator = self._replicator
+      pipelines = [replicator.input_pipeline(r) for r in range(replicator.num_replicas)]
+      by_process: dict = {}
+      for replica, device in enumerate(replicator.devices):
+        by_process.setdefault(rewrite.task_of(device), []).append(pipelines[replica])
+      own = [pipelines[r] for r in config.local_replicas]
+      shard = shards[replicator] = _process_shards.PaddedShard(dataset, list(by_process.values()), own,
+                                                               max(pipelines) + 1, config.agree)
+    return shard
+
+  def _run_shard(self, step_fn: Callable, dataset, shard: _process_shards.PaddedShard, steps: int, all_steps: bool):
+    """Up to ``steps`` steps on this process's shard; every process's steps agree on the end of the input."""
+    step = self.step_for(step_fn, shard.dataset.element_spec)
+    if steps > 1 and step.accumulating:
+      raise _errors.ArgumentError(_errors.ACCUMULATING_STEPS.format(steps=steps))
+    flag = None if shard.agree is None else lambda has: shard.agree.job_flag(has, any_=False)
+    result = self._state.execute(
+        step, lambda stop: step.run_steps(shard.iterator, None, steps, all_steps, stop, job_flag=flag), loop=True)
+    if self._state.steps_run == 0:  # a shard has ended: the epoch ends in every process (the next call: another)
+      _weak.attached(dataset, "_replicator_global_shard").pop(self._replicator, None)
+      raise _errors.EndOfInput(_errors.END_OF_DATASET)
+    return result
 
   def run_in_function(self, step_fn: Callable, inputs):
     """One step of ``step_fn`` called from the ``tf.function`` being traced (``_in_function``)."""

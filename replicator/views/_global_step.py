@@ -178,21 +178,25 @@ class GlobalStep:
     flat = self._run(self.concrete(specs), flat_args)
     return tree.unflatten_as(self.structure, list(flat))
 
-  def run_steps(self, iterator, element, steps: int, all_steps: bool = False, stop=None):
+  def run_steps(self, iterator, element, steps: int, all_steps: bool = False, stop=None, job_flag=None):
     """Up to ``steps`` steps in one graph call, on ``element`` then the next batches of ``iterator``.
 
     Returns the last step's results (``all_steps``: every step's, stacked
     along a new leading dimension) and the number of steps run (fewer at the
     end of the dataset). The call is all or nothing: if a step fails, none of
     its steps' writes stay (``atomic``). ``stop``: a ``_interrupt.StopFlag``
-    read before each step after the first.
+    read before each step after the first. ``element`` None: every step's
+    batch from ``iterator`` (zero steps at its end); ``job_flag(has_value)``:
+    whether every process has a next batch (a multi-client job's shards).
     """
-    loop = self.loops.get((steps, all_steps))
+    first_given = element is not None
+    loop = self.loops.get((steps, all_steps, first_given, job_flag is not None))
     if loop is None:
+      arrays_kept = all_steps or not first_given  # the loop carries TensorArrays (else the last outputs)
 
       def keep(kept, i, outputs):
         """What the loop carries of a step's ``outputs``: the outputs, or ``kept`` arrays with them written at ``i``."""
-        return [a.write(i, o) for a, o in zip(kept, outputs)] if all_steps else list(outputs)
+        return [a.write(i, o) for a, o in zip(kept, outputs)] if arrays_kept else list(outputs)
 
       snapshot = self.snapshot.for_call(False) if self.snapshot is not None else None
 
@@ -206,6 +210,7 @@ class GlobalStep:
         def body(i, more, *kept):
           del more
           optional = it.get_next_as_optional()
+          has_value = optional.has_value() if job_flag is None else job_flag(optional.has_value())
 
           def step():
             return [tf.constant(True)] + keep(kept, i, self._import(tree.flatten(optional.get_value()), captured))
@@ -213,19 +218,28 @@ class GlobalStep:
           def stop():
             return [tf.constant(False)] + list(kept)
 
-          more, *kept = tf.cond(optional.has_value(), step, stop)
+          more, *kept = tf.cond(has_value, step, stop)
           return [i + tf.cast(more, tf.int32), more] + kept
 
-        outputs = list(self._import(first, captured))
-        arrays = [tf.TensorArray(o.dtype, size=0, dynamic_size=True, element_shape=o.shape) for o in outputs]
-        count, more, *kept = tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + keep(arrays, 0, outputs))
-        results = [count, more] + ([a.stack() for a in kept] if all_steps else kept)
+        traced = tree.flatten(self.structure)
+        arrays = [tf.TensorArray(o.dtype, size=0, dynamic_size=True, element_shape=o.shape) for o in traced]
+        if first_given:
+          outputs = list(self._import(first, captured))
+          count, more, *kept = tf.while_loop(cond, body, [tf.constant(1), tf.constant(True)] + keep(arrays, 0, outputs))
+        else:
+          count, more, *kept = tf.while_loop(cond, body, [tf.constant(0), tf.constant(True)] + arrays)
+        if all_steps:
+          kept = [a.stack() for a in kept]
+        elif not first_given:  # the last step's outputs (none at the end of the input)
+          kept = [tf.cond(count > 0, lambda a=a: a.read(count - 1), lambda o=o: tf.zeros([0], o.dtype))
+                  for a, o in zip(kept, traced)]
+        results = [count, more] + kept
         if snapshot is not None:
           snapshot.release(_atomic.function_ops(results))
         return results
 
-      loop = self.loops[(steps, all_steps)] = tf.function(run, autograph=False)
-    count, _, *flat = self._run(loop, (tree.flatten(element), iterator))
+      loop = self.loops[(steps, all_steps, first_given, job_flag is not None)] = tf.function(run, autograph=False)
+    count, _, *flat = self._run(loop, (tree.flatten(element) if first_given else [], iterator))
     return tree.unflatten_as(self.structure, flat), int(count)
 
 
