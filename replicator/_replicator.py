@@ -439,10 +439,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     shard = None
     if (self._config.multi_client and isinstance(dataset, tf.data.Dataset)
         and _process_shards.policy(dataset) in _process_shards.SHARDED):  # each process reads its own shard
-      by_process: dict = {}
-      for replica, device in enumerate(self.devices):
-        by_process.setdefault(rewrite.task_of(device), []).append(pipelines[replica])
-      shard = _process_shards.shard_of(list(by_process.values()), mine,
+      shard = _process_shards.shard_of(_process_shards.by_process(self.devices, pipelines), mine,
                                        _process_shards.POLICY(_process_shards.policy(dataset)).name)
     return _distributed_dataset.DistributedDataset(dataset, mine, self._config.host, prefetch, max(pipelines) + 1,
                                                    shard=shard, agree=self._config.agree)

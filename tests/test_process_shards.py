@@ -48,6 +48,13 @@ def batches(dataset):
   return [b.numpy().tolist() for b in dataset]
 
 
+def test_the_parts_each_process_takes_are_grouped_by_its_task():
+  devices = [f"/job:worker/replica:0/task:{t}/device:CPU:{d}" for t in range(2) for d in range(2)]
+  assert _process_shards.by_process(devices, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+  assert _process_shards.by_process(devices, [0, 0, 1, 1]) == [[0, 0], [1, 1]]  # Megatron within a worker
+  assert _process_shards.by_process(devices, [0, 1, 0, 1]) == [[0, 1], [0, 1]]  # Megatron across workers
+
+
 def test_processes_taking_the_same_parts_read_one_shard():
   assert _process_shards.shard_of([[0, 1], [2, 3]], [0, 1], "FILE") == (2, 0)
   assert _process_shards.shard_of([[2, 3], [0, 1]], [0, 1], "FILE") == (2, 0)  # ordered by their parts

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 import tree
 
+import rewrite
 from replicator.core import _errors
 
 POLICY = tf.data.experimental.AutoShardPolicy
@@ -70,6 +71,14 @@ FIX_HINT = ("HINT sharding needs dataset.shard(tf.data.experimental.SHARD_HINT, 
 def policy(dataset: tf.data.Dataset):
   """The dataset's own ``experimental_distribute.auto_shard_policy`` (``AUTO`` unless set)."""
   return dataset.options().experimental_distribute.auto_shard_policy
+
+
+def by_process(devices: Sequence[str], pipelines: Sequence[int]) -> list[list[int]]:
+  """The parts of the global batch each process's replicas take (``pipelines``: every replica's), by process."""
+  parts: dict = {}
+  for device, pipeline in zip(devices, pipelines):
+    parts.setdefault(rewrite.task_of(device), []).append(pipeline)
+  return list(parts.values())
 
 
 def shard_of(pipelines_by_process: Sequence[Sequence[int]], own: Sequence[int], policy_name: str) -> tuple[int, int]:

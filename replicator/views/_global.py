@@ -91,21 +91,19 @@ class GlobalView:
 
     ``keep``: kept on the dataset for the epoch (``repl.run``'s), else a new one (Keras's, which iterates it).
     """
-    config = self._config
-    if not (config.multi_client and isinstance(dataset, tf.data.Dataset)
-            and _process_shards.policy(dataset) in _process_shards.SHARDED):
+    config, replicator = self._config, self._replicator
+    if not (config.multi_client and isinstance(dataset, tf.data.Dataset)):
       return None
     shards = _weak.attached(dataset, "_replicator_global_shard") if keep else {}  # goes with the dataset
-    shard = shards.get(self._replicator)
-    if shard is None:
-      replicator = self._replicator
+    if replicator in shards:  # (None: read whole; the policy is read once an epoch, 34 us)
+      return shards[replicator]
+    shard = None
+    if _process_shards.policy(dataset) in _process_shards.SHARDED:
       pipelines = [replicator.input_pipeline(r) for r in range(replicator.num_replicas)]
-      by_process: dict = {}
-      for replica, device in enumerate(replicator.devices):
-        by_process.setdefault(rewrite.task_of(device), []).append(pipelines[replica])
       own = [pipelines[r] for r in config.local_replicas]
-      shard = shards[replicator] = _process_shards.PaddedShard(dataset, list(by_process.values()), own,
-                                                               max(pipelines) + 1, config.agree)
+      shard = _process_shards.PaddedShard(dataset, _process_shards.by_process(replicator.devices, pipelines), own,
+                                          max(pipelines) + 1, config.agree)
+    shards[replicator] = shard
     return shard
 
   def _run_shard(self, step_fn: Callable, dataset, shard: _process_shards.PaddedShard, steps: int, all_steps: bool):
