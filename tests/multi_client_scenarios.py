@@ -240,7 +240,7 @@ def sharded(out):
     with tf.GradientTape() as tape:  # the global batch's mean: a replica's sum over the global batch's rows
       loss = tf.reduce_sum((model(x) - y) ** 2) / (GLOBAL_BATCH * 2.0)
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return tf.cast(ids, tf.int32)
+    return tf.cast(ids, tf.int32), tf.shape(batch)[0]  # (a static size would be a constant here)
 
   directory = os.path.join(out, f"files_{repl.task}")
   os.makedirs(directory)
@@ -251,11 +251,12 @@ def sharded(out):
   rows, ended = [], ""
   while True:
     try:
-      ids = repl.run(step, dataset)
+      ids, sizes = repl.run(step, dataset)
     except replicator.EndOfInput as e:
       ended = str(e)
       break
     rows.append([np.asarray(v).tolist() for v in ids.values])  # this process's replicas' rows
+    assert [int(n) for n in sizes.values] == [len(r) for r in rows[-1]], (sizes, rows[-1])
   found = {f"final/{k}": v for k, v in components(model.variables + optimizer.variables).items()}
 
   hint = tf.data.Dataset.range(96).shard(tf.data.experimental.SHARD_HINT, tf.data.experimental.SHARD_HINT)

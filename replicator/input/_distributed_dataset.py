@@ -250,9 +250,6 @@ class GlobalBatchInputs(_inputs.Source):
     # Batches of rows of static shapes: a process whose shard has ended runs its replicas on empty batches.
     self._pads = self._agree is not None and all(spec.shape[1:].is_fully_defined()
                                                  for spec in tree.flatten(distributed.element_spec))
-    if self._pads:  # (an empty batch has no rows: the step takes batches of any size)
-      self.element_specs = tuple(tf.TensorSpec([None] + spec.shape[1:].as_list(), spec.dtype)
-                                 for spec in self.element_specs)
     self._host = distributed.host_device
     with tf.device(self._host):
       self._iterator = iter(distributed.dataset)
@@ -261,6 +258,9 @@ class GlobalBatchInputs(_inputs.Source):
     flat = tree.flatten(distributed.element_spec)
     self.counts = (len(flat),) * n
     self.element_specs = tuple(flat) * n
+    if self._pads:  # (an empty batch has no rows: the step takes batches of any size)
+      self.element_specs = tuple(tf.TensorSpec([None] + spec.shape[1:].as_list(), spec.dtype)
+                                 for spec in self.element_specs)
 
   def end_message(self) -> str:
     return _errors.END_OF_DATASET  # a dataset of global batches, not an input_fn
