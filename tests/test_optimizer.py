@@ -51,6 +51,33 @@ def test_fused_gradients_equal_unfused(bucket_bytes):
     assert len(sizes) == 6
 
 
+def test_a_bucket_of_4_mb_or_more_is_reduced_in_two_parts_the_last_gradients_first():
+  """A 64 MB bucket of three 600 x 600 layers' gradients (4.3 MB): the last two layers' (they exist first in the
+  backward pass) are reduced first, then the first layer's; the training equals reducing every gradient alone."""
+  found = {}
+  for bucket_bytes in (64 << 20, None):
+    repl = replicator.Replicator(cpus(2))
+    with repl.context():
+      keras.utils.set_random_seed(0)
+      model = keras.Sequential([keras.Input((600,))] + [keras.layers.Dense(600, activation="tanh") for _ in range(3)])
+      optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.01), bucket_bytes=bucket_bytes, update="replicated")
+
+    def step(x, model=model, optimizer=optimizer):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(x) ** 2)
+      optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    inputs = replicator.PerReplica(np.split(np.random.RandomState(0).randn(8, 600).astype(np.float32), 2))
+    for _ in range(2):
+      repl.run(step, inputs=inputs)
+    sizes = [c.shape.num_elements() for c in repl.explain(step, inputs=inputs).collectives if c.kind == "all_reduce"]
+    found[bucket_bytes] = [v.numpy() for v in model.trainable_variables], sizes
+  assert found[64 << 20][1] == [2 * (600 * 600 + 600), 600 * 600 + 600]
+  assert len(found[None][1]) == 6
+  for a, b in zip(found[64 << 20][0], found[None][0]):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_default_buckets_fuse_small_gradients_only():
   # wrap_optimizer's default (1 MB): a 1.4 MB kernel keeps its own all-reduce; the bias and the small layer
   # after it share one. Under the sharded update a bucket holds one owner's gradients and is reduced for it.
