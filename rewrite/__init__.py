@@ -26,7 +26,9 @@ from rewrite._apply import apply
 from rewrite._collective_ops import ordering_token
 from rewrite._errors import CollectiveMismatchError
 from rewrite._errors import RewriteError
+from rewrite._fusion import OVERLAP_BYTES
 from rewrite._fusion import fuse
+from rewrite._fusion import overlap_split
 from rewrite._lowering import AgreedKeys
 from rewrite._lowering import Lowering
 from rewrite._lowering import LoweringContext
@@ -57,6 +59,7 @@ del _collective_ops, _hierarchical, _one_device
 
 __all__ = (
     "KINDS",
+    "OVERLAP_BYTES",
     "AgreedKeys",
     "Collective",
     "CollectiveMismatchError",
@@ -78,6 +81,7 @@ __all__ = (
     "lowering_names",
     "merge_reads",
     "ordering_token",
+    "overlap_split",
     "plan",
     "register_lowering",
     "renamed_tensor",

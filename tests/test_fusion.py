@@ -121,6 +121,29 @@ def test_all_three_fuse_when_none_depends_on_another():
   assert [c.shape.as_list() for c in fused.collectives] == [[3 + 4 + 3]]
 
 
+def test_a_large_bucket_is_two_the_values_made_first_reduced_first(monkeypatch):
+  """With OVERLAP_BYTES at 8 bytes, the three independent all-reduces (12, 16 and 12 bytes a replica) are two: the
+  first two (28 bytes, half or more of the 40) before the third; the same results as unfused."""
+  monkeypatch.setattr(rewrite._fusion, "OVERLAP_BYTES", 8)  # pylint: disable=protected-access
+  concrete, records = _step(depends=False)
+  plan = _plan(records)
+  graph_def, fused = rewrite.fuse(concrete.graph.as_graph_def(), plan)
+  assert [c.shape.as_list() for c in fused.collectives] == [[3 + 4], [3]]
+  x = tf.constant([1.0, 2.0, 3.0])
+  y = tf.constant([[1.0, -1.0], [0.5, 2.0]])
+  np.testing.assert_allclose(_run_locally(graph_def, fused, concrete, x, y),
+                             _run_locally(concrete.graph.as_graph_def(), plan, concrete, x, y), rtol=1e-6)
+
+
+def test_overlap_split_takes_half_the_bytes_first_and_keeps_small_buckets_whole():
+  mb = 1 << 20
+  assert rewrite.overlap_split([1024, 4 * mb, 16384, 4 * mb]) == 3  # a wide MLP's gradients, in backward order
+  assert rewrite.overlap_split([4 * mb, 4 * mb]) == 1
+  assert rewrite.overlap_split([8 * mb, 1024]) == 1  # at least one value left for the second part
+  assert rewrite.overlap_split([64 * 1024] * 16) == 16  # 1 MB: one all-reduce
+  assert rewrite.overlap_split([8 * mb]) == 1
+
+
 def test_what_does_not_fuse_stays_as_planned():
   concrete, records = _step(ops=("sum", "max", "sum"), depends=False)
   graph_def = concrete.graph.as_graph_def()

@@ -792,7 +792,7 @@ def fused_broadcast(ctx, values: list[tf.Tensor], source: int, axes: tuple[str, 
   return _unfuse(values, buckets, received)
 
 
-# A bucket of at least twice this many bytes is reduced in two parts, the
+# A bucket of at least twice rewrite.OVERLAP_BYTES is reduced in two parts, the
 # gradients of its last variables first: in the backward pass they exist first,
 # and their all-reduce then runs while the first variables' gradients are
 # computed (one more collective, whose round trip the overlap must pay for).
@@ -803,7 +803,6 @@ def fused_broadcast(ctx, values: list[tf.Tensor], source: int, axes: tuple[str, 
 # 253.8-267.3 against 234.5-267.8 (247.3-258.9, 2 runs). The deep MLP's 1 MB in
 # two parts cost 1-2 ms at 2 workers, 6 ms at 4 and 20 ms at 8 (one more round
 # trip, nothing to overlap): below this size a bucket stays whole.
-OVERLAP_BYTES = 2 << 20
 
 
 def _buckets(values: list[tf.Tensor], bucket_bytes: int | None, keys: list[Any]) -> list[list[int]]:
@@ -811,25 +810,20 @@ def _buckets(values: list[tf.Tensor], bucket_bytes: int | None, keys: list[Any])
 
   A tensor without a static shape, or larger than ``bucket_bytes``, is a
   bucket of its own; None or 0: every tensor is. A bucket of at least
-  ``2 * OVERLAP_BYTES`` is two: its last tensors (half its bytes or more)
-  first, then the others (see ``OVERLAP_BYTES``).
+  ``2 * rewrite.OVERLAP_BYTES`` is two: its last tensors (half its bytes or
+  more) first, then the others (``rewrite.overlap_split``).
   """
   buckets = _filled(values, bucket_bytes, keys)
   return [part for bucket in buckets for part in _overlapped(values, bucket)]
 
 
 def _overlapped(values: list[tf.Tensor], bucket: list[int]) -> list[list[int]]:
-  """``bucket`` as one, or as two (its last tensors first) if it holds ``2 * OVERLAP_BYTES`` or more."""
+  """``bucket`` as one, or as two (its last tensors first) if it holds ``2 * rewrite.OVERLAP_BYTES`` or more."""
   if len(bucket) < 2:  # (a bucket of several tensors: each of a static shape)
     return [bucket]
-  sizes = [values[i].shape.num_elements() * values[i].dtype.size for i in bucket]
-  if sum(sizes) < 2 * OVERLAP_BYTES:
-    return [bucket]
-  tail = len(bucket) - 1
-  while sum(sizes[tail:]) * 2 < sum(sizes):
-    tail -= 1
-  tail = max(tail, 1)
-  return [bucket[tail:], bucket[:tail]]
+  last_first = [values[i].shape.num_elements() * values[i].dtype.size for i in reversed(bucket)]
+  k = rewrite.overlap_split(last_first)
+  return [bucket[len(bucket) - k:], bucket[:len(bucket) - k]] if k < len(bucket) else [bucket]
 
 
 def _filled(values: list[tf.Tensor], bucket_bytes: int | None, keys: list[Any]) -> list[list[int]]:
