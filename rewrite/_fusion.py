@@ -33,13 +33,15 @@ from rewrite._plan import Plan
 
 SCOPE = "replicator_fused"
 DEFAULT_BUCKET_BYTES = 64 << 20  # as MultiWorkerMirroredStrategy packs (its default pack size)
-# A bucket of at least twice this many bytes is reduced in two parts, the values that exist first (in the backward
-# pass: the last layers' gradients) first; their all-reduce then runs while the others are computed. One more
-# collective, whose round trip the overlap must pay for. The global view's wide MLP (8.4 MB of gradients) in a
-# multi-client job on loopback workers, two parts against one (2 alternated runs): 4 x 1 129.8 and 117.6 ms against
-# 137.6 and 132.5 (MultiWorkerMirroredStrategy 124.2 and 120.9), 2 x 2 82.3 and 85.1 against 85.9 and 88.1; the
-# local view's, and a deep MLP's 1 MB (which two parts slow), in replicator/state/_optimizer.py.
 OVERLAP_BYTES = 2 << 20
+"""A bucket of at least twice this many bytes is reduced in two parts, the values that exist first (in the backward
+pass: the last layers' gradients) first; their all-reduce then runs while the others are computed. One more
+collective, whose round trip the overlap must pay for. The global view's wide MLP (8.4 MB of gradients) in a
+multi-client job on loopback workers, two parts against one (2 alternated runs): 4 x 1 129.8 and 117.6 ms against
+137.6 and 132.5 (MultiWorkerMirroredStrategy 124.2 and 120.9), 2 x 2 82.3 and 85.1 against 85.9 and 88.1; the
+local view's, and a deep MLP's 1 MB (which two parts slow), in replicator/state/_optimizer.py.
+"""
+
 _NUMBERS = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
