@@ -61,8 +61,10 @@ def overlap_split(sizes) -> int:
     >>> overlap_split([65536] * 16)
     16
   """
+  if len(sizes) < 2:
+    return len(sizes)
   total = sum(sizes)
-  if len(sizes) < 2 or total < 2 * OVERLAP_BYTES:
+  if total < 2 * OVERLAP_BYTES:
     return len(sizes)
   done = 0
   for k, size in enumerate(sizes):
@@ -156,6 +158,8 @@ def fuse(graph_def: tf.compat.v1.GraphDef, plan: Plan, lowerings: Mapping | None
 
 
 def _parts(bucket: list[Collective]) -> list[list[Collective]]:
+  if len(bucket) < 2:  # (fused buckets hold collectives of static shapes; others are alone)
+    return [bucket]
   k = overlap_split([c.nbytes for c in bucket])
   return [bucket[:k], bucket[k:]] if k < len(bucket) else [bucket]
 
