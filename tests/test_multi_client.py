@@ -210,6 +210,7 @@ def test_the_global_view_reads_a_dataset_sharded_by_file_in_each_process(tmp_pat
   rows = results[0]["rows"]
   assert rows.shape == (4, GLOBAL_BATCH)
   for found in results:
+    assert str(found["explained"]) == "PartitionReport"
     np.testing.assert_array_equal(found["rows"], rows)  # every process has the whole batch's ids
     assert str(found["ended"]).startswith("The input is exhausted")
   assert {file_of[i] for i in rows[:, :8].ravel()} == {0, 2} and {file_of[i] for i in rows[:, 8:].ravel()} == {1, 3}

@@ -138,6 +138,9 @@ class GlobalView:
     if not isinstance(dataset, tf.data.Dataset):
       raise _errors.ArgumentError(_global_step.NOT_DATASET.format(what=type(dataset).__name__,
                                                                   axes=self._replicator.batch_axes))
+    if self._config.multi_client and _process_shards.policy(dataset) in _process_shards.SHARDED:
+      # Read in shards: the step of its global batches' shape, from the spec (a shard hint cannot be read unsharded).
+      return self.step_for(step_fn, dataset.element_spec).report
     return self.step_for(step_fn, next(iter(dataset))).report
 
   def step_for(self, step_fn: Callable, element) -> _global_step.GlobalStep:
