@@ -97,7 +97,6 @@ RUN_EAGERLY = (
     "Replicator builds each step as one graph for all replicas. Fix: compile with run_eagerly=False "
     "(the default); to debug a step, run it with repl.run and print inside it with tf.print."
 )
-# Where Keras 3's TensorFlow trainer calls strategy.run (keras/src/backend/tensorflow/trainer.py, 3.15).
 SHARDED_END = (
     "Keras's fit/evaluate on a dataset that each process of the multi-client job reads in its own shard (its "
     "auto_shard_policy is FILE or HINT): the shards can end at different steps, and Keras's loop ends a process's "
@@ -105,6 +104,7 @@ SHARDED_END = (
     "(dataset.repeat()) and pass steps_per_epoch= (and validation_steps=) to fit, or run the loop with repl.run, "
     "whose steps agree on the end, or leave the policy at AUTO (every process reads every global batch)."
 )
+# Where Keras 3's TensorFlow trainer calls strategy.run (keras/src/backend/tensorflow/trainer.py, 3.15).
 KERAS_CALLERS = ("one_step_on_data", "one_step_on_data_distributed")
 KERAS_STEPS = ("train_step", "test_step")  # steps that train or evaluate (predict_step: per example)
 
