@@ -83,7 +83,8 @@ def train(out):
   summed_rows = int(repl.reduce("sum", rows))
   found = {f"final/{k}": v for k, v in components(model.variables + optimizer.variables).items()}
   np.savez(os.path.join(out, f"worker_{repl.task}.npz"), losses=np.array(losses), gathered=gathered,
-           summed_rows=summed_rows, replicas=np.array(repl.local_replicas), **initial, **found)
+           summed_rows=summed_rows, replicas=np.array(repl.local_replicas),
+           intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(), **initial, **found)
 
 
 def train_global(out):

@@ -72,6 +72,8 @@ def test_training_on_every_worker_equals_one_device(tmp_path, workers, devices):
   n = workers * devices
   for task, found in enumerate(results):
     assert found["replicas"].tolist() == list(range(task * devices, (task + 1) * devices))
+    # Each process's logical CPUs share its cores (TensorFlow's default with one device a worker).
+    assert int(found["intra_op_threads"]) == (max(1, os.cpu_count() // devices) if devices > 1 else 0)
   # Every process's replicas start from worker 0's draw (each process seeded its own).
   first = results[0]
   for found in results:
