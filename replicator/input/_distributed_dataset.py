@@ -186,15 +186,14 @@ class DistributedDataset(_tf_types.Iterable):
             f"distribute_dataset feeds dense tensors only, found {type(leaf).__name__}.")
     self.shard = shard
     self.source = dataset  # the dataset of global batches given
-    # The shards may end at different steps: repl.run's steps agree on the end (unless no shard can end).
-    finite = _process_shards.is_finite(dataset)
+    self.agree = None  # with a shard: the agreement on the end repl.run's steps make (the shards may end apart)
     if shard is None:  # every global batch, split into one part a pipeline
       self.num_parts, self.parts = self.num_pipelines, self.pipelines
     else:  # this process's batches, split into one part for each of its pipelines
       mine, self.parts = _inputs.own_pipelines(self.pipelines)
       self.num_parts = len(mine)
       dataset = _process_shards.process_dataset(dataset, *shard, parts=self.num_pipelines, own=mine)
-    self.agree = agree if shard is not None and agree is not None and agree.any(finite, "input may end") else None
+      self.agree = _process_shards.end_agreement(self.source, agree)  # (after what may refuse the dataset)
     self._dataset = _inputs.without_autotune_thread(dataset.prefetch(prefetch))
     flat = tree.flatten(dataset.element_spec)
     parts = self.num_parts if _even_parts([leaf.shape for leaf in flat], self.num_parts) else None

@@ -128,9 +128,13 @@ def global_batch_size(dataset: tf.data.Dataset, name: str) -> int:
   return batch
 
 
-def is_finite(dataset: tf.data.Dataset) -> bool:
-  """Whether ``dataset`` can end (not repeated forever); its shards then can (tf.data's rewrite hides it)."""
-  return int(dataset.cardinality()) != int(tf.data.INFINITE_CARDINALITY)
+def end_agreement(dataset: tf.data.Dataset, agree):
+  """``agree`` if the processes' shards of ``dataset`` may end (at different steps), else None (one process, or none
+  can end: repeated forever, which its shards hide from ``cardinality``). Every process calls it at the same point."""
+  if agree is None:
+    return None
+  finite = int(dataset.cardinality()) != int(tf.data.INFINITE_CARDINALITY)
+  return agree if agree.any(finite, "input may end") else None
 
 
 def _has_shard_hint(dataset: tf.data.Dataset) -> bool:
@@ -150,8 +154,9 @@ def _has_shard_hint(dataset: tf.data.Dataset) -> bool:
 def process_dataset(dataset: tf.data.Dataset, shards: int, index: int, parts: int,
                     own: Sequence[int]) -> tf.data.Dataset:
   """This process's shard of ``dataset`` (sharded by its own policy), in batches of its share of the global batch."""
-  name = POLICY(policy(dataset)).name
-  if policy(dataset) == POLICY.HINT and not _has_shard_hint(dataset):  # else every process would read every row
+  chosen = policy(dataset)
+  name = POLICY(chosen).name
+  if chosen == POLICY.HINT and not _has_shard_hint(dataset):  # else every process would read every row
     raise _errors.InputMismatchError(UNSHARDABLE.format(policy=name, why="the pipeline has no shard hint",
                                                         fix=FIX_HINT))
   batch = global_batch_size(dataset, name)
@@ -161,12 +166,12 @@ def process_dataset(dataset: tf.data.Dataset, shards: int, index: int, parts: in
   try:
     variant = tf.raw_ops.AutoShardDataset(
         input_dataset=tf.data.experimental.to_variant(rebatched), num_workers=shards, index=index,
-        auto_shard_policy=int(policy(dataset)), num_replicas=0, output_types=[s.dtype for s in flat],
+        auto_shard_policy=int(chosen), num_replicas=0, output_types=[s.dtype for s in flat],
         output_shapes=[s.shape for s in flat])
   except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
     why = e.message.split(": goo.gle")[0].split("}}")[-1].strip()
     raise _errors.InputMismatchError(UNSHARDABLE.format(
-        policy=name, why=why, fix=FIX_FILE if policy(dataset) == POLICY.FILE else FIX_HINT)) from None
+        policy=name, why=why, fix=FIX_FILE if chosen == POLICY.FILE else FIX_HINT)) from None
   return tf.data.experimental.from_variant(variant, rebatched.element_spec).with_options(dataset.options())
 
 
@@ -226,8 +231,7 @@ class PaddedShard:
     shard = process_dataset(dataset, shards, index, parts, own)
     structure = shard.element_spec
     self.dataset = shard.map(lambda *e: tree.unflatten_as(structure, list(pad(*tree.flatten(e)))))
-    finite = is_finite(dataset)
-    self.agree = agree if agree is not None and agree.any(finite, "input may end") else None
+    self.agree = end_agreement(dataset, agree)
     self._iterator = None
 
   @property
