@@ -267,6 +267,7 @@ class MultiWorkerReplicator(Replicator):
       m = mesh_lib.Mesh({"worker": workers, "device": devices_per_worker}, devices)
       kwargs.setdefault("batch_axes", ("worker", "device"))
     super().__init__(mesh=m, **kwargs)
+    _collective_runtime.seed_alike(self._config.agree)  # every process reads the same batches, shuffled or not
 
   @property
   def task(self) -> int | None:

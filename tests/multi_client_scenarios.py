@@ -127,13 +127,42 @@ def train_global(out):
 
 
 def fit(out):
-  """Keras's own loop in every process: compile in the context, fit (validation, metrics), evaluate, predict."""
+  """Keras's own loop in every process: compile in the context, fit (validation, metrics), evaluate, predict.
+
+  First, before the program sets a seed, Keras's default ``shuffle=True`` and an unseeded ``dataset.shuffle``.
+  """
+  shuffled = _shuffled()
   keras.utils.set_random_seed(100 + repl.task)
   with repl.context():
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense"),
                               keras.layers.Dense(2, name="dense_1")])
     model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"], steps_per_execution=2)
-  _fit_and_save(model, out)
+  _fit_and_save(model, out, **shuffled)
+
+
+SHUFFLED_ROWS = np.random.RandomState(2).rand(64, 3).astype(np.float32) + 1.0
+
+
+def _shuffled():
+  """Two epochs of a model whose kernel sums the rows it is given (SGD of -mean(x @ kernel)), shuffled each epoch.
+
+  Each process keeps its replicas' rows of the global batches it reads: unless every process shuffles alike, some
+  rows are trained on twice and others never, and the kernel is not 2 x the rows' sum / the batch.
+  """
+  zeros = np.zeros((len(SHUFFLED_ROWS), 1), np.float32)
+  kernels = {}
+  for how in ("arrays", "dataset"):
+    with repl.context():
+      model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros",
+                                                                       name="summed")], name=f"shuffled_{how}")
+      model.compile(keras.optimizers.SGD(1.0), lambda y, predicted: -tf.reduce_mean(predicted))
+    if how == "arrays":  # Keras's default shuffle=True
+      model.fit(SHUFFLED_ROWS, zeros, batch_size=GLOBAL_BATCH, epochs=2, verbose=0)
+    else:
+      dataset = tf.data.Dataset.from_tensor_slices((SHUFFLED_ROWS, zeros)).shuffle(len(zeros)).batch(GLOBAL_BATCH)
+      model.fit(dataset, epochs=2, verbose=0)
+    kernels[f"shuffled/{how}"] = model.layers[0].kernel.numpy()
+  return kernels
 
 
 def keras_distribution(out):

@@ -4,7 +4,7 @@ What the multi-client mode builds on, checked with real processes on loopback:
 collectives whose group spans every worker's logical CPUs give the reduction
 over all of them (a hand-derived sum); TensorFlow used before the runtime
 starts is a named error; a peer that died makes the survivor's next collective
-fail within the collective's timeout, never hang.
+fail within the collective's timeout, never hang. In-process: the seed that makes unseeded shuffles alike.
 """
 
 import io
@@ -116,3 +116,27 @@ def test_a_dead_peer_fails_the_survivors_collective_within_its_timeout(tmp_path)
   *_, kind, seconds = line.split()
   assert kind in ("DeadlineExceededError", "UnavailableError", "InternalError", "AbortedError"), line
   assert float(seconds) < 5.0 + 10.0, line  # the timeout and a margin for this loaded machine: never a hang
+
+
+def test_seed_alike_gives_every_process_worker_0s_draw_unless_the_program_set_a_seed():
+  """What makes an unseeded shuffle alike in every process (tests/test_multi_client.py: Keras's fit with real
+  processes). A stand-in agreement returns "worker 0's" value; every call agrees, set seed or not (every process
+  makes the same agreements)."""
+  import tensorflow as tf
+
+  agreed = []
+
+  def agree(value, name):
+    agreed.append(name)
+    return tf.constant(1234, tf.int64)
+
+  try:
+    tf.random.set_seed(None)
+    assert _collective_runtime.seed_alike(agree) == 1234
+    assert tf.compat.v1.random.get_seed(None)[0] == 1234
+    tf.random.set_seed(7)  # the program's own
+    assert _collective_runtime.seed_alike(agree) is None
+    assert tf.compat.v1.random.get_seed(None)[0] == 7
+    assert agreed == ["random seed", "random seed"]
+  finally:
+    tf.random.set_seed(None)

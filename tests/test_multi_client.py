@@ -315,10 +315,17 @@ def test_keras_fit_on_every_worker_equals_one_device(tmp_path, scenario):
 
   "fit": the model compiled in repl.context(). "keras_distribution": code written for Keras's distribution
   API (initialize, list_devices, a DeviceMesh over every process's devices, ModelParallel splitting the hidden
-  layer over each worker's devices) after replicator.enable_keras_distribution().
+  layer over each worker's devices) after replicator.enable_keras_distribution(). "fit" first trains with Keras's
+  default shuffle and an unseeded dataset.shuffle: every process must read the same shuffled batches.
   """
   results = _launch(tmp_path, scenario, 2, 2)
   first = results[0]
+  if scenario == "fit":  # shuffled alike in every process: each row once an epoch (order-independent sum)
+    rows = np.random.RandomState(2).rand(64, 3).astype(np.float32) + 1.0
+    for task, found in enumerate(results):
+      for how in ("arrays", "dataset"):  # (each process shuffling its own way: off by 0.05-0.2)
+        np.testing.assert_allclose(found[f"shuffled/{how}"].ravel(), 2 * rows.sum(0) / GLOBAL_BATCH, atol=1e-4,
+                                   err_msg=f"worker {task}: {how}")
   if scenario == "keras_distribution":
     for found in results:
       assert found["devices"].tolist() == [f"/job:worker/replica:0/task:{t}/device:CPU:{d}" for t in range(2)

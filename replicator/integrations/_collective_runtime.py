@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import random
 
 import tensorflow as tf
 
@@ -158,16 +159,16 @@ class Agreement:
       return bool(flag)
     return bool(self._reduce(lambda: tf.constant(int(bool(flag))), "Max", name).numpy())
 
-  def __call__(self, value: tf.Tensor) -> tf.Tensor:
+  def __call__(self, value: tf.Tensor, name: str = "initial value") -> tf.Tensor:
     """``value`` as worker 0 has it (eager; the same shape in every process)."""
     if len(self._leaders) < 2:
       return value
     dtype = value.dtype
     if dtype == tf.bool:
-      return tf.cast(self(tf.cast(value, tf.int32)), tf.bool)
+      return tf.cast(self(tf.cast(value, tf.int32), name), tf.bool)
     if dtype not in self._DTYPES:
       return value  # strings and the like: left as each process made them
-    return self._reduce(lambda: value if self._task == 0 else tf.zeros_like(value), "Add", "initial value")
+    return self._reduce(lambda: value if self._task == 0 else tf.zeros_like(value), "Add", name)
 
   def total(self, value: tf.Tensor, name: str) -> tf.Tensor:
     """The sum of every process's ``value`` (an on-read variable's read; every process reads it at the same point).
@@ -234,3 +235,25 @@ class Agreement:
         if verdict is None:
           raise
         raise _errors.WorkerUnavailableError(verdict.message, verdict.task, verdict.address) from e
+
+
+def seed_alike(agree: Agreement) -> int | None:
+  """Gives TensorFlow's global random seed worker 0's fresh draw in every process, unless the program set one.
+
+  Every process reads a dataset of global batches whole and keeps its
+  replicas' rows, so every process must read the same batches: an unseeded
+  shuffle (``dataset.shuffle(n)``, Keras's ``fit(x, y)`` with its default
+  ``shuffle=True``) would draw another order in each process, and a step
+  would train on some rows twice and others never, silently. With one global
+  seed, a random op without its own seed takes its seeds from it and its
+  position in the program, alike in every process; a fresh draw a job keeps
+  runs different from each other. A seed the program set (before the
+  Replicator: ``keras.utils.set_random_seed``) is left as it is. The seed
+  (None: left) is returned. Every process calls it, at the same point.
+  """
+  draw = tf.constant(random.SystemRandom().randrange(1, 2**31), tf.int64)
+  seed = int(agree(draw, "random seed"))  # (always: every process makes the same agreements)
+  if tf.compat.v1.random.get_seed(None) != (None, None):
+    return None
+  tf.random.set_seed(seed)
+  return seed
