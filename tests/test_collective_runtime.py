@@ -79,6 +79,29 @@ def test_a_group_over_every_workers_devices_reduces_over_all_of_them(tmp_path, w
       assert f"[worker {task}] sum {instance} {json.dumps(expected)}" in out, out
 
 
+def test_an_agreement_gives_every_process_worker_0s_value_of_every_dtype(tmp_path):
+  """``Agreement(value)`` (a variable's initial value): worker 0's value in each of 3 processes, by a broadcast;
+  every dtype a variable can have (bfloat16 crosses as half), a scalar; a string stays each process's own."""
+  code, out, err = _run(tmp_path, """
+      leaders = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(W)]
+      agree = _collective_runtime.Agreement(leaders, task, 60.0)
+      found = {}
+      for dtype in (tf.bool, tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.int32, tf.int64):
+        mine = tf.cast(tf.reshape(tf.range(6) * (task + 1) + task, [2, 3]), dtype)
+        found[dtype.name] = tf.cast(agree(mine), tf.float64).numpy().tolist()
+      found["scalar"] = float(agree(tf.constant(1.5 + task)))
+      found["string"] = agree(tf.constant(f"task {task}")).numpy().decode()
+      print("found", json.dumps(found, sort_keys=True))
+      """, 3, 1)
+  assert code == 0, err[-3000:]
+  zero = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # worker 0's: range(6) * 1 + 0
+  for task in range(3):
+    found = json.loads(out.split(f"[worker {task}] found ", 1)[1].splitlines()[0])
+    expected = {name: zero for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64")}
+    expected.update(bool=[[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]], scalar=1.5, string=f"task {task}")
+    assert found == expected, (task, found)
+
+
 def test_tensorflow_used_before_the_runtime_starts_is_a_named_error(tmp_path):
   script = tmp_path / "early.py"
   script.write_text(textwrap.dedent("""

@@ -141,6 +141,7 @@ class Agreement:
   """
 
   _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+  _BROADCAST_DTYPES = (tf.bool, tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
   def __init__(self, leaders, task: int, timeout_seconds: float, watchdog: _watchdog.Watchdog | None = None):
     self._leaders = tuple(leaders)
@@ -160,15 +161,27 @@ class Agreement:
     return bool(self._reduce(lambda: tf.constant(int(bool(flag))), "Max", name).numpy())
 
   def __call__(self, value: tf.Tensor, name: str = "initial value") -> tf.Tensor:
-    """``value`` as worker 0 has it (eager; the same shape in every process)."""
+    """``value`` as worker 0 has it (eager; the same shape in every process).
+
+    A broadcast from worker 0, which TensorFlow runs as a tree over the
+    workers (log2 W hops; an all-reduce's ring takes 2 (W - 1)).
+    """
     if len(self._leaders) < 2:
       return value
     dtype = value.dtype
-    if dtype == tf.bool:
-      return tf.cast(self(tf.cast(value, tf.int32), name), tf.bool)
-    if dtype not in self._DTYPES:
+    if dtype == tf.bfloat16:  # (the broadcast ops take 16-bit floats as half)
+      return tf.bitcast(self(tf.bitcast(value, tf.float16), name), tf.bfloat16)
+    if dtype not in self._BROADCAST_DTYPES:
       return value  # strings and the like: left as each process made them
-    return self._reduce(lambda: value if self._task == 0 else tf.zeros_like(value), "Add", name)
+
+    def broadcast(key, timeout):
+      common = dict(group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
+                    timeout_seconds=timeout)
+      if self._task == 0:
+        return tf.raw_ops.CollectiveBcastSendV2(input=value, **common)
+      return tf.raw_ops.CollectiveBcastRecvV2(shape=tf.shape(value), T=dtype, **common)
+
+    return self._collective(broadcast, name)
 
   def total(self, value: tf.Tensor, name: str) -> tf.Tensor:
     """The sum of every process's ``value`` (an on-read variable's read; every process reads it at the same point).
@@ -196,7 +209,17 @@ class Agreement:
     return tf.cast(total, tf.bool)
 
   def _reduce(self, mine, merge_op: str, name: str, eager: bool = True, counted: bool = True) -> tf.Tensor:
-    """One all-reduce (``merge_op``) of ``mine()`` over the workers' first devices, the ``name``'s next instance.
+    """One all-reduce (``merge_op``) of ``mine()`` over the workers' first devices, the ``name``'s next instance."""
+
+    def reduce(key, timeout):
+      return tf.raw_ops.CollectiveReduceV2(
+          input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
+          ordering_token=[self._token], merge_op=merge_op, final_op="Id", timeout_seconds=timeout)
+
+    return self._collective(reduce, name, eager, counted)
+
+  def _collective(self, op, name: str, eager: bool = True, counted: bool = True) -> tf.Tensor:
+    """``op(key, timeout)``, a collective over the workers' first devices under the ``name``'s next instance key.
 
     ``eager``: run now, outside any function being traced (else an op of it).
     ``counted``: the key of the ``name``'s next instance (else of ``name`` itself: the same op every time).
@@ -205,16 +228,10 @@ class Agreement:
     timeout = _watchdog.backstop(self._timeout) if watched else self._timeout
     with (tf.init_scope() if eager else contextlib.nullcontext()), tf.device(self._leaders[self._task]):
       key = self._keys.named_key(self._group_key, f"{name} #{next(self._count)}" if counted else name)
-
-      def reduce():
-        return tf.raw_ops.CollectiveReduceV2(
-            input=mine(), group_size=len(self._leaders), group_key=self._group_key, instance_key=key,
-            ordering_token=[self._token], merge_op=merge_op, final_op="Id", timeout_seconds=timeout)
-
       if not (eager and watched):
-        return reduce()
+        return op(key, timeout)
       with self.watched(f"the workers' agreement on {name!r}"):
-        return reduce()
+        return op(key, timeout)
 
   @contextlib.contextmanager
   def watched(self, what: str):
