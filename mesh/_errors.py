@@ -38,3 +38,11 @@ class DeviceError(MeshError):
 
 class LayoutError(MeshError):
   """A layout cannot be used: unknown or reused mesh axes, or dimensions that do not divide."""
+
+
+# replicator re-exports these four, and they print as its errors do (replicator.ArgumentError, not
+# mesh._errors.ArgumentError) in every program, whether or not it has imported replicator; mesh's own print as
+# mesh.MeshError (mesh/__init__.py).
+for _error in (ReplicatorError, ArgumentError, ArgumentTypeError, UnsupportedError):
+  _error.__module__ = "replicator"
+del _error

@@ -16,6 +16,10 @@ killed in the middle of a save leaves the previous checkpoint the latest.
 
 Every process restores from the same directory (a file system every worker
 reaches); replicated variables restore into any number of workers and any mesh.
+A committed checkpoint that no longer reads (a file truncated or corrupted
+after the commit, or deleted) raises :class:`replicator.CheckpointDamagedError`
+naming the file and the earlier checkpoint to restore instead; checkpoint files
+that no state file commits are named in a warning, not restored.
 """
 
 from __future__ import annotations
@@ -24,12 +28,40 @@ import contextlib
 import itertools
 import json
 import os
+import re
+import warnings
 from typing import Callable
 
 import tensorflow as tf
 
 from replicator import _checkpoint_keys
+from replicator.core import _errors
 from replicator.state import _variables
+
+STATE_FILE = "checkpoint"  # tf.train.CheckpointManager's commit marker, in the directory
+
+DAMAGED = (
+    "The latest committed checkpoint {checkpoint} (named by the state file {state}) cannot be restored: {damage}. "
+    "{fallback}")
+FALL_BACK = (
+    "{found} Fix: restore it in place of restore_or_initialize(), in every process: "
+    "checkpoint.restore({previous!r}) (or catch replicator.CheckpointDamagedError and call "
+    "checkpoint.restore(e.previous)); training goes on from there, and the next save commits a new latest checkpoint.")
+NO_FALL_BACK = (
+    "{none}. Fix: put back an intact copy of the damaged file, or start from scratch: move {directory} aside, and "
+    "restore_or_initialize() finds no checkpoint.")
+UNCOMMITTED = (
+    "Checkpoint files in {directory} are ignored: no state file ({state}) commits them, so restore_or_initialize() "
+    "starts from scratch. Found: {found}. Files without a state file are a save cut short before its commit (in a "
+    "multi-client job: other workers' pieces under a '<prefix>_parts' folder that worker 0 had not merged yet, and "
+    "worker 0's own files of that save, which lack those pieces), or checkpoint files copied without their state file. "
+    "{fix}")
+UNCOMMITTED_FIX = (
+    "Fix: if {prefix} (the newest) is known complete, restore it in place of restore_or_initialize(), in every "
+    "process: checkpoint.restore({prefix!r}) (or copy its state file along with it); otherwise delete the files.")
+UNCOMMITTED_PARTS_ONLY = (
+    "None of them is a checkpoint of its own (only a save's parts, no '<prefix>.index' in the folder itself): there is "
+    "nothing to restore. Fix: delete them (a save of that number writes them anew).")
 
 
 class Parts:
@@ -151,9 +183,136 @@ class CheckpointManager:
     return path
 
   def restore_or_initialize(self) -> str | None:
-    """Restores the latest checkpoint if there is one (every process); its path, or None."""
-    latest = self.latest_checkpoint
-    if latest is None:
+    """Restores the latest committed checkpoint if there is one (every process); its path, or None.
+
+    The latest committed checkpoint is the one the directory's state file
+    (``checkpoint``) names. If it does not read (a file of it truncated,
+    corrupted or deleted after it was committed), this raises
+    :class:`replicator.CheckpointDamagedError` naming the file and the newest
+    earlier checkpoint of the state file's list that reads whole (its
+    ``previous``), to restore instead with ``checkpoint.restore``.
+
+    Without a state file nothing is restored (training starts from scratch);
+    if checkpoint files are there all the same (``*.index``, ``*.data-*``,
+    also under a save's ``<prefix>_parts`` or ``<prefix>_temp`` folder), a
+    ``RuntimeWarning`` names them: a save cut short before its commit, or
+    files copied without their state file, and none is restored unasked. With
+    a state file, files it does not list (a newer save cut short before its
+    commit, which the next save of that number writes over) are normal and
+    pass without a warning.
+    """
+    state = tf.train.get_checkpoint_state(self._directory)
+    if state is None:
+      _warn_uncommitted(self._directory)
       return None
-    self._checkpoint.restore(latest).expect_partial()
+    latest = state.model_checkpoint_path
+    try:
+      self._checkpoint.restore(latest).expect_partial()
+    except (IndexError, tf.errors.OpError) as e:  # (IndexError: TensorFlow's reader, on a truncated data file)
+      damage = _damage(latest)
+      if damage is None:  # the files read whole: not theirs to explain
+        raise
+      raise _damaged(self._directory, state, damage) from e
     return latest
+
+
+def _damaged(directory: str, state, damage: tuple[tuple[str, ...], str]) -> _errors.CheckpointDamagedError:
+  """The error for the latest checkpoint of ``state``, which ``damage`` (:func:`_damage`) keeps from reading."""
+  latest = state.model_checkpoint_path
+  files, what = damage
+  if len(files) == 1:
+    named = f"its {_kind(latest, files[0])} {files[0]} {what}"
+  else:  # several data files missing, or one of them damaged (TensorFlow does not say which)
+    named = f"{'its' if what.startswith('are') else 'one of its'} data files ({', '.join(files)}) {what}"
+  earlier = [path for path in state.all_model_checkpoint_paths if path != latest][::-1]
+  previous, skipped = None, []
+  for path in earlier:
+    found = _damage(path)
+    if found is None:
+      previous = path
+      break
+    skipped.append(f"{os.path.basename(path)}, whose {_kind(path, found[0][0])} {found[1]}")
+  if previous is not None:
+    found = (f"The previous committed checkpoint, {previous}, reads whole." if not skipped else
+             f"The previous committed checkpoint that reads whole is {previous} (those between are damaged too: "
+             f"{'; '.join(skipped)}).")
+    text = FALL_BACK.format(found=found, previous=previous)
+  else:
+    listed = ", ".join(os.path.basename(path) for path in state.all_model_checkpoint_paths) or os.path.basename(latest)
+    none = (f"The earlier committed checkpoints are damaged too ({'; '.join(skipped)})" if skipped else
+            f"There is no earlier committed checkpoint to fall back to (the state file lists {listed})")
+    text = NO_FALL_BACK.format(none=none, directory=directory)
+  message = DAMAGED.format(checkpoint=latest, state=os.path.join(directory, STATE_FILE), damage=named, fallback=text)
+  return _errors.CheckpointDamagedError(message, files=files, checkpoint=latest, previous=previous)
+
+
+def _kind(prefix: str, path: str) -> str:
+  return ("index file" if path == f"{prefix}.index" else "data files" if path == f"{prefix}.data-*" else
+          "data file" if ".data-" in path else "file")
+
+
+def _damage(prefix: str) -> tuple[tuple[str, ...], str] | None:
+  """Why the checkpoint at ``prefix`` does not read: (the file or files at fault, what is wrong); None if it reads.
+
+  Reads every tensor (one at a time): called only once a restore failed.
+  """
+  index = f"{prefix}.index"
+  if not tf.io.gfile.exists(index):
+    return (index,), "is missing"
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+  except (IndexError, ValueError, tf.errors.OpError) as e:
+    return (index,), _what(e)
+  data = sorted(tf.io.gfile.glob(f"{prefix}.data-*"))
+  counts = {int(m.group(1)) for m in (re.search(r"-of-(\d+)$", path) for path in data) if m}
+  missing = [f"{prefix}.data-{i:05d}-of-{n:05d}" for n in counts for i in range(n)]
+  missing = [path for path in missing if path not in data]
+  if missing:
+    return tuple(missing), "is missing" if len(missing) == 1 else "are missing"
+  for key in sorted(reader.get_variable_to_shape_map()):
+    try:
+      reader.get_tensor(key)
+    except (IndexError, ValueError, tf.errors.OpError) as e:  # the file: named by TensorFlow, or its shard's number
+      named = re.findall(r"(?:^|\s)(\S+\.data-\d+-of-\d+)", str(e))
+      shard = re.search(r"\bshard (\d+)\b", str(e))
+      at = named or [path for path in data if shard and re.search(rf"\.data-0*{shard.group(1)}-of-", path)]
+      return tuple(dict.fromkeys(at or data or [f"{prefix}.data-*"])), _what(e)
+  return None if data else ((f"{prefix}.data-*",), "are missing")
+
+
+def _what(error: BaseException) -> str:
+  """What a reader's error says of a file: truncated, corrupted, missing or unreadable, with TensorFlow's reason."""
+  reason = _errors.root_cause(str(error)) or type(error).__name__
+  if re.search(r"less bytes|too short|truncated|end of file", reason, re.I):
+    what = "is truncated"
+  elif re.search(r"checksum|corrupt", reason, re.I):
+    what = "is corrupted"
+  elif isinstance(error, tf.errors.NotFoundError) or "No such file" in reason:
+    what = "is missing"
+  else:
+    what = "does not read"
+  return f"{what} (TensorFlow: {reason})"
+
+
+def _uncommitted(directory: str) -> list[str]:
+  """The checkpoint files in ``directory`` and its saves' part folders, relative to it, in order of their numbers."""
+  patterns = [os.path.join(directory, folder, name) for folder in ("", "*_parts", "*_temp")
+              for name in ("*.index", "*.data-*")]
+  found = {os.path.relpath(path, directory) for pattern in patterns for path in tf.io.gfile.glob(pattern)}
+  return sorted(found, key=_numbers)
+
+
+def _numbers(name: str) -> list:
+  return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _warn_uncommitted(directory: str) -> None:
+  found = _uncommitted(directory)
+  if not found:
+    return
+  prefixes = [name[:-len(".index")] for name in found if os.sep not in name and name.endswith(".index")]
+  fix = (UNCOMMITTED_FIX.format(prefix=os.path.join(directory, prefixes[-1])) if prefixes else
+         UNCOMMITTED_PARTS_ONLY)
+  shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+  warnings.warn(UNCOMMITTED.format(directory=directory, state=os.path.join(directory, STATE_FILE), found=shown,
+                                   fix=fix), RuntimeWarning, stacklevel=3)

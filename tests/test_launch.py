@@ -118,6 +118,26 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
   assert "[worker 0] task 0 saves and exits" in out and "[worker 1] task 1 saves and exits" in out
 
 
+def test_python_dash_m_replicator_launch_starts_without_a_runtime_warning_or_tensorflow(tmp_path):
+  # `python -m replicator.launch` imports the package `replicator` first; it imported replicator.launch on the way
+  # (replicator.testing did), and runpy then warned on every start: "RuntimeWarning: 'replicator.launch' found in
+  # sys.modules after import of package 'replicator', but prior to execution of 'replicator.launch'". And it imported
+  # the whole library, TensorFlow with it: 2.8-2.9 s to a worker's first line, and TensorFlow's banner; now 0.08 s.
+  script = _script(tmp_path, "print('ran')")
+  process = subprocess.run([sys.executable, "-X", "importtime", "-W", "default", "-m", "replicator.launch",
+                            "--workers", "1", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert process.returncode == 0, process.stderr
+  assert process.stdout == "[worker 0] ran\n"
+  assert "RuntimeWarning" not in process.stderr and "found in sys.modules" not in process.stderr, process.stderr
+  # -X importtime: a line "import time: self [us] | cumulative | module" per import of the launcher's (a worker's
+  # own lines, were there any, would be led by "[worker 0] ").
+  launcher = [line for line in process.stderr.splitlines() if not line.startswith("[worker ")]
+  imported = [line.rsplit("|", 1)[-1].strip() for line in launcher if line.startswith("import time:")]
+  assert "replicator" in imported, process.stderr[-3000:]  # the package itself: these are the launcher's imports
+  heavy = [m for m in imported if m.split(".")[0] in ("tensorflow", "keras", "numpy", "mesh", "rewrite")]
+  assert not heavy, f"the launcher imported {heavy[:10]}: expected the standard library and replicator only"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "0", "x.py"], "--workers 0: expected the number of worker processes, at least 1."),
     (["--workers", "2", "--devices-per-worker", "0", "x.py"], "--devices-per-worker 0: expected at least 1"),

@@ -110,6 +110,27 @@ class EndOfInput(ReplicatorError, StopIteration):
   """``repl.run`` found no more input: the epoch is over."""
 
 
+class CheckpointDamagedError(ReplicatorError, RuntimeError):
+  """The latest committed checkpoint cannot be restored: a file of it is missing, truncated or corrupted.
+
+  Raised by the checkpoint manager's ``restore_or_initialize()``
+  (:meth:`replicator.MultiWorkerReplicator.checkpoint_manager`); its
+  ``__cause__`` is TensorFlow's error. The message names the file, what is
+  wrong with it, and the earlier committed checkpoint to restore instead.
+
+  Attributes:
+    files: the damaged file (or the data files, one of which is, when TensorFlow does not tell which).
+    checkpoint: the damaged checkpoint's path prefix (``.../ckpt-7``).
+    previous: the newest earlier checkpoint the state file lists that reads whole (its path prefix), or None.
+  """
+
+  def __init__(self, message: str, files=(), checkpoint: str | None = None, previous: str | None = None):
+    super().__init__(message)
+    self.files = tuple(files)
+    self.checkpoint = checkpoint
+    self.previous = previous
+
+
 class ClusterConfigError(ReplicatorError, ValueError):
   """A cluster specification or TF_CONFIG is malformed or inconsistent."""
 
@@ -126,6 +147,15 @@ class WorkerUnavailableError(ReplicatorError, RuntimeError):
     super().__init__(message)
     self.task = task
     self.address = address
+
+
+# Printed as replicator.VariableCreationError (their public name), not replicator.core._errors.VariableCreationError;
+# set here, not in replicator/__init__.py, which imports this module only when one of its names is first used.
+for _error in (CheckpointDamagedError, ClusterConfigError, CollectiveInControlFlowError, EndOfInput, InputMismatchError,
+               OutputMismatchError, ReplicaContextError, ReplicaInvarianceError, ReplicasDivergedError, StepFailedError,
+               UnreplicatedStateError, VariableCreationError, WorkerUnavailableError):
+  _error.__module__ = "replicator"
+del _error
 
 
 def root_cause(message: str) -> str:
