@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 import tree
 
@@ -56,6 +58,55 @@ NO_BATCH_AXES = (
 
 # repl.reduce's ops: each reduces a stack (or concatenation) of the replicas' values along an axis.
 REDUCERS = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max, "min": tf.reduce_min}
+
+AXIS_TYPE = (
+    "repl.{name}(..., axis={axis!r}): axis must be {expected}, found {found}. Fix: pass a dimension of the "
+    "values as an int (axis=0: the first; axis=-1: the last)."
+)
+AXIS_OUT_OF_RANGE = (
+    "repl.{name}(..., axis={axis}) is out of range: {path} have rank {rank} (shape {shape}{scalars}), "
+    "so axis must be in [{low}, {high}). Fix: pass an axis in [{low}, {high}) (a negative one counts from the "
+    "last dimension){extra}."
+)
+SCALAR_AXIS = (
+    "repl.reduce(..., axis={axis}): {path} are scalars (rank 0), which have no dimension to reduce "
+    "along; an int axis needs values of rank >= 1. Fix: pass axis=None (the default: the replicas' scalars "
+    "combined), or return values of rank >= 1 from the step."
+)
+
+
+def _shape(value) -> tf.TensorShape:
+  return tf.TensorShape(value.shape if hasattr(value, "shape") else np.shape(value))
+
+
+def check_axis(name: str, axis, per_replica) -> None:
+  """Refuses ``repl.<name>(per_replica, axis=axis)`` (reduce or gather) before anything runs, unless valid.
+
+  Valid: an int in ``[-rank, rank)`` for every value (gather stacks scalars, so there they count as rank 1), or
+  None for reduce.
+  """
+  if axis is None and name == "reduce":
+    return
+  if not isinstance(axis, numbers.Integral) or isinstance(axis, bool):
+    expected = "None or an int" if name == "reduce" else "an int"
+    raise _errors.ArgumentTypeError(AXIS_TYPE.format(name=name, axis=axis, expected=expected,
+                                                     found=type(axis).__name__))
+  axis = int(axis)
+  for path, leaf in tree.flatten_with_path(per_replica):
+    values = leaf.values if isinstance(leaf, PerReplica) else (leaf,) if isinstance(leaf, tf.Tensor) else ()
+    for value in values:
+      shape = _shape(value)
+      if shape.rank is None:
+        continue  # known only when it runs: TensorFlow checks it
+      where = f"the values at {'/'.join(str(p) for p in path)}" if path else "the values"
+      if shape.rank == 0 and name == "reduce":
+        raise _errors.ArgumentError(SCALAR_AXIS.format(axis=axis, path=where))
+      rank = max(shape.rank, 1)  # gather stacks scalars into a vector
+      if not -rank <= axis < rank:
+        raise _errors.ArgumentError(AXIS_OUT_OF_RANGE.format(
+            name=name, axis=axis, path=where, rank=shape.rank, shape=tuple(shape.as_list()), low=-rank, high=rank,
+            scalars=", scalars: stacked into a vector" if shape.rank == 0 else "",
+            extra=", or axis=None to combine the replicas elementwise only" if name == "reduce" else ""))
 
 
 def _check_view(view: str) -> str:
@@ -522,6 +573,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     if op not in _primitives.REDUCE_OPS:
       raise _errors.ArgumentError(f"repl.reduce(op={op!r}): op must be one of {_primitives.REDUCE_OPS} "
                                   f"(or tf.distribute.ReduceOp.SUM / MEAN).")
+    check_axis("reduce", axis, per_replica)
     reducer = REDUCERS[op]
 
     def one(leaves):
@@ -535,6 +587,7 @@ class Replicator(_collective_methods.CollectiveMethods):
 
   def gather(self, per_replica, axis: int = 0):
     """Concatenates ``PerReplica`` values (or a nest of them) along ``axis``."""
+    check_axis("gather", axis, per_replica)
 
     def one(leaves):
       with tf.device(self._config.host):

@@ -80,10 +80,16 @@ def train(out):
     loss, rows = repl.run(step, input_fn)
     losses.append(float(repl.reduce("mean", loss)))
   gathered = repl.gather(loss).numpy()
+  refused = []  # an axis out of range: refused in every process before a step runs (the job's steps still agree)
+  for bad in (lambda: repl.gather(loss, axis=1), lambda: repl.reduce("sum", loss, axis=0)):
+    try:
+      bad()
+    except replicator.ArgumentError as e:
+      refused.append(str(e))
   summed_rows = int(repl.reduce("sum", rows))
   found = {f"final/{k}": v for k, v in components(model.variables + optimizer.variables).items()}
   np.savez(os.path.join(out, f"worker_{repl.task}.npz"), losses=np.array(losses), gathered=gathered,
-           summed_rows=summed_rows, replicas=np.array(repl.local_replicas),
+           summed_rows=summed_rows, refused=np.array(refused), replicas=np.array(repl.local_replicas),
            intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(), **initial, **found)
 
 

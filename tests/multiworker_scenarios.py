@@ -179,6 +179,28 @@ def restarted_worker():
     return outcomes
 
 
+def failing_device():
+  """A step across both workers fails on replica 1's device only (a NaN made there): the error names its worker."""
+  with testing.local_cluster(2, devices_per_worker=1) as cluster:
+    repl = replicator.MultiWorkerReplicator(cluster=cluster.spec)
+    with repl.context():
+      v = tf.Variable(tf.zeros([2]))
+
+    def step():
+      nan_on_replica_1 = tf.math.log(1.0 - tf.cast(repl.replica_id, tf.float32)) * 0.0  # -inf * 0
+      x = tf.debugging.check_numerics(tf.ones([2]) + nan_on_replica_1, "made on replica 1")
+      v.assign_add(repl.all_reduce(x, "sum"))
+      return tf.reduce_sum(v)
+
+    try:
+      repl.run(step)
+      outcome = dict(error=None)
+    except replicator.StepFailedError as e:
+      outcome = dict(error="StepFailedError", message=str(e), devices=list(e.devices))
+    outcome.update(addresses=list(cluster.addresses), after=v.numpy().tolist())
+    return outcome
+
+
 if __name__ == "__main__":
   result = globals()[sys.argv[1]]()
   print("RESULT " + json.dumps(result), flush=True)

@@ -143,6 +143,23 @@ def test_batch_only_sums_gradients_over_batch_without_gathers():
   assert kinds == {("all_reduce", ("batch",)): 5, ("broadcast", ("batch",)): 4}
 
 
+def test_a_dataset_and_inputs_together_are_refused_with_both_ways_to_pass_one():
+  # Was: "repl.run(step_fn, inputs=...) in the global view takes a tf.data.Dataset of global batches" (it takes
+  # inputs= too: one global batch).
+  repl = _global_repl(None)
+  batch = next(iter(_dataset()))
+  with pytest.raises(replicator.ArgumentError, match=re.escape(
+      "repl.run(step_fn, dataset, inputs=...) in the global view got two inputs for one step: a dataset and inputs=. "
+      "It takes one: a tf.data.Dataset of global batches (the next batch each call) or one global batch as inputs= "
+      "(one step). Fix: pass one of them, repl.run(step_fn, dataset) or repl.run(step_fn, inputs=batch).")):
+    repl.run(lambda b: b[0], _dataset(), inputs=batch)
+  with pytest.raises(replicator.ArgumentError, match=r"got two inputs for one step: a dataset and inputs="):
+    repl.run(lambda b: b[0], repl.distribute_dataset(_dataset()), inputs=batch)
+  with pytest.raises(replicator.ArgumentError, match=r"repl.run\(step_fn, function, inputs=...\) .* a function and "):
+    repl.run(lambda b: b[0], lambda ctx: _dataset(), inputs=batch)
+  assert repl.run(lambda b: tf.reduce_sum(b[0]), inputs=batch).shape == []  # either alone runs
+
+
 def test_local_view_is_the_default():
   assert replicator.Replicator(devices=cpus(2))._config.view == "local"  # pylint: disable=protected-access
   with pytest.raises(replicator.ArgumentError, match=r"view='both': expected \"local\""):

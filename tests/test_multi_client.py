@@ -94,6 +94,10 @@ def test_training_on_every_worker_equals_one_device(tmp_path, workers, devices):
     np.testing.assert_allclose(found["gathered"].mean(), losses[-1], **TOLERANCE)
     np.testing.assert_array_equal(found["gathered"], results[0]["gathered"])
     assert int(found["summed_rows"]) == GLOBAL_BATCH  # repl.reduce("sum") of each replica's rows
+    refused = found["refused"].tolist()  # an axis out of range, as in one process: refused before a step runs
+    assert len(refused) == 2 and refused[0].startswith("repl.gather(..., axis=1) is out of range: the values have "
+                                                       "rank 0 (shape (), scalars: stacked into a vector)")
+    assert refused[1].startswith("repl.reduce(..., axis=0): the values are scalars (rank 0)")
 
 
 def _consecutive_free_ports(n: int) -> int:

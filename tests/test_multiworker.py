@@ -70,6 +70,16 @@ def test_collectives_across_workers_against_numpy():
   assert result["collective_ops_plan"] == ["collective_ops"]
 
 
+def test_a_step_failing_on_one_device_names_its_worker_and_address():
+  result = _scenario("failing_device")
+  assert result["error"] == "StepFailedError", result
+  device = "/job:worker/replica:0/task:1/device:CPU:0"
+  assert result["devices"] == [device]
+  assert result["message"].startswith(f"The step failed on {device} (worker 1 at {result['addresses'][1]}) at "), result
+  assert "made on replica 1" in result["message"] and "No variable was written" in result["message"]
+  assert result["after"] == [0.0, 0.0]
+
+
 def test_killing_a_worker_gives_the_named_error_within_the_timeout():
   result = _scenario("kill_mid_step")
   assert result["error"] == "WorkerUnavailableError", result

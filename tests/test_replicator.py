@@ -145,6 +145,48 @@ def test_gather_and_nested_reduce():
   np.testing.assert_allclose(repl.reduce("sum", out)["b"][0].numpy(), [[30.0]])
 
 
+def test_gather_and_reduce_take_negative_axes_as_tensorflow_does():
+  repl = replicator.Replicator(cpus(2))
+  out = repl.run(lambda x: x, inputs=replicator.PerReplica([np.ones([2, 3]), np.ones([2, 3]) * 2]))
+  assert repl.gather(out, axis=-1).shape == [2, 6] and repl.gather(out, axis=-2).shape == [4, 3]
+  np.testing.assert_allclose(repl.reduce("sum", out, axis=-2).numpy(), [6.0, 6.0, 6.0])
+  assert repl.gather(repl.run(lambda: tf.constant(1.0)), axis=-1).shape == [2]  # scalars: stacked
+
+
+@pytest.mark.parametrize("op, values, axis, message", [
+    ("gather", "x", 2, "repl.gather(..., axis=2) is out of range: the values at x/0 have rank 2 (shape (2, 3)), so "
+     "axis must be in [-2, 2). Fix: pass an axis in [-2, 2) (a negative one counts from the last dimension)."),
+    ("gather", "x", -3, "repl.gather(..., axis=-3) is out of range: the values at x/0 have rank 2"),
+    ("gather", "loss", 1, "repl.gather(..., axis=1) is out of range: the values have rank 0 (shape (), scalars: "
+     "stacked into a vector), so axis must be in [-1, 1)."),
+    ("sum", "x", 2, "repl.reduce(..., axis=2) is out of range: the values at x/0 have rank 2 (shape (2, 3)), so axis "
+     "must be in [-2, 2). Fix: pass an axis in [-2, 2) (a negative one counts from the last dimension), or axis=None "
+     "to combine the replicas elementwise only."),
+    ("mean", "both", 0, "repl.reduce(..., axis=0): the values at loss are scalars (rank 0), which have no dimension to "
+     "reduce along; an int axis needs values of rank >= 1. Fix: pass axis=None (the default: the replicas' scalars "
+     "combined), or return values of rank >= 1 from the step."),
+])
+def test_an_axis_out_of_range_is_refused_before_anything_runs(op, values, axis, message):
+  # Was TensorFlow's "ConcatOp : Expected concatenating dimensions in the range [-2, 2), but got 2".
+  repl = replicator.Replicator(cpus(2))
+  out = repl.run(lambda x: {"x": (x,), "loss": tf.reduce_sum(x)},
+                 inputs=replicator.PerReplica([np.ones([2, 3]), np.ones([2, 3])]))
+  values = {"x": {"x": out["x"]}, "loss": out["loss"], "both": out}[values]
+  with pytest.raises(replicator.ArgumentError, match=re.escape(message)):
+    repl.gather(values, axis=axis) if op == "gather" else repl.reduce(op, values, axis=axis)
+
+
+def test_an_axis_that_is_no_int_is_refused():
+  repl = replicator.Replicator(cpus(2))
+  out = repl.run(lambda: tf.ones([2]))
+  with pytest.raises(replicator.ArgumentTypeError, match=re.escape(
+      "repl.gather(..., axis=None): axis must be an int, found NoneType. Fix: pass a dimension of the values as an "
+      "int (axis=0: the first; axis=-1: the last).")):
+    repl.gather(out, axis=None)
+  with pytest.raises(replicator.ArgumentTypeError, match=r"repl.reduce\(..., axis='0'\): axis must be None or an int"):
+    repl.reduce("sum", out, axis="0")
+
+
 def test_explain_lists_collectives_without_running():
   repl = replicator.Replicator(cpus(4))
   with repl.context():

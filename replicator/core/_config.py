@@ -39,6 +39,8 @@ class Config:
       process: its own devices'); empty: every replica.
     agree: in a multi-client job, ``agree(value)`` returns worker 0's
       ``value`` in every process (variables' initial values); None: one process.
+    workers: the cluster's worker addresses by task (a multi-worker
+      Replicator's), which name a failing device's worker; empty: none.
   """
 
   mesh: Any
@@ -56,6 +58,7 @@ class Config:
   input_hosts: tuple[str, ...] = ()
   replicas: tuple[int, ...] = ()
   agree: Any = None
+  workers: tuple[str, ...] = ()
 
   @property
   def local_replicas(self) -> tuple[int, ...]:

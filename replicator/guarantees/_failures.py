@@ -15,6 +15,7 @@ own class (``except tf.errors.InvalidArgumentError`` still catches a failed
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Callable
 
 import tensorflow as tf
@@ -132,9 +133,25 @@ def locator(graph: tf.Graph, strip_replica: bool, plan=None) -> Callable[[str], 
   return locate
 
 
+def device_name(device: str, workers: Sequence[str] = ()) -> str:
+  """How a failure names ``device``: ``device:CPU:0`` in this process, a worker's device whole with its worker.
+
+  A worker's: ``/job:worker/replica:0/task:1/device:CPU:0 (worker 1 at host:port)``, the address from
+  ``workers`` (the cluster's addresses by task) if it has the task.
+  """
+  spec = tf.DeviceSpec.from_string(device)
+  if spec.job in (None, "localhost") or spec.task is None:
+    return spec.to_string().rsplit("/", 1)[-1] or device
+  address = f" at {workers[spec.task]}" if 0 <= spec.task < len(workers) else ""
+  return f"{spec.to_string()} ({spec.job} {spec.task}{address})"
+
+
 def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str] | None] | None,
-                devices: tuple[str, ...], restored: bool) -> Exception:
-  """The one-line error to raise (``from error``) for ``error``, a failed call of a step on ``devices``."""
+                devices: tuple[str, ...], restored: bool, workers: Sequence[str] = ()) -> Exception:
+  """The one-line error to raise (``from error``) for ``error``, a failed call of a step on ``devices``.
+
+  ``workers``: the cluster's worker addresses by task (a multi-worker Replicator's), to name a device's worker.
+  """
   first, nodes = parse(error.message)
   first = " ".join(first.split())
   node = nodes[0] if nodes else None
@@ -149,7 +166,7 @@ def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str
   failed = tuple(devices[r] for r in replicas if r < len(devices)) if replicas is not None else ()
   on = ""
   if failed:
-    names = ", ".join(tf.DeviceSpec.from_string(d).to_string().rsplit("/", 1)[-1] or d for d in failed)
+    names = ", ".join(device_name(d, workers) for d in failed)
     on = f" on {names}"
   state = NOTHING_WRITTEN + NOTHING_WRITTEN_INPUT if restored else MAY_BE_TORN
   if found is not None and " #" in found[0] and _SHAPES.search(first):  # a collective of the rewrite: say why
@@ -170,7 +187,8 @@ def step_failed(error: tf.errors.OpError, locate: Callable[[str], tuple[str, str
   return result
 
 
-def after_failure(error: tf.errors.OpError, snapshot, written, locate, devices: tuple[str, ...]) -> Exception:
+def after_failure(error: tf.errors.OpError, snapshot, written, locate, devices: tuple[str, ...],
+                  workers: Sequence[str] = ()) -> Exception:
   """After a call of a step failed with ``error``: restores what it wrote (``snapshot``), and the error to raise.
 
   Returns ``error`` itself for the end of the input (``OutOfRangeError``: the
@@ -186,4 +204,4 @@ def after_failure(error: tf.errors.OpError, snapshot, written, locate, devices: 
   if found:
     return _errors.ReplicasDivergedError(
         _consistency.DIVERGED.format(error=_errors.root_cause(error.message), **_consistency.describe(found)), found)
-  return step_failed(error, locate, devices, snapshot is not None)
+  return step_failed(error, locate, devices, snapshot is not None, workers)

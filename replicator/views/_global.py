@@ -29,6 +29,11 @@ ONE_BATCH = (
     "repl.run(step_fn, inputs=..., steps={steps}) in the global view: inputs= is one global batch, for one step. "
     "Fix: pass the dataset of global batches, repl.run(step_fn, dataset, steps={steps}), or call repl.run once a batch."
 )
+TWO_SOURCES = (
+    "repl.run(step_fn, {what}, inputs=...) in the global view got two inputs for one step: {found} and inputs=. "
+    "It takes one: a tf.data.Dataset of global batches (the next batch each call) or one global batch as inputs= "
+    "(one step). Fix: pass one of them, repl.run(step_fn, dataset) or repl.run(step_fn, inputs=batch)."
+)
 STEPS_NOT_STATIC = (
     "repl.run(steps={steps}) in the global view loops over global batches of one static shape, but the dataset's "
     "elements are {spec}. Fix: batch it with drop_remainder=True."
@@ -166,9 +171,13 @@ class GlobalView:
 
 def _next_batch(replicator, dataset, inputs, steps: int):
   """The next global batch of ``dataset`` and its iterator (kept on the dataset, and going with it)."""
-  if inputs is not None or not isinstance(dataset, tf.data.Dataset):
-    what = "inputs=..." if inputs is not None else type(dataset).__name__
-    raise _errors.ArgumentError(_global_step.NOT_DATASET.format(what=what, axes=replicator.batch_axes))
+  if inputs is not None:
+    what = "dataset" if isinstance(dataset, tf.data.Dataset) else type(dataset).__name__
+    article = "an" if what[:1].lower() in "aeiou" else "a"
+    raise _errors.ArgumentError(TWO_SOURCES.format(what=what, found=f"{article} {what}"))
+  if not isinstance(dataset, tf.data.Dataset):
+    raise _errors.ArgumentError(_global_step.NOT_DATASET.format(what=type(dataset).__name__,
+                                                                axes=replicator.batch_axes))
   if steps > 1 and not all(s.shape.is_fully_defined() for s in tree.flatten(dataset.element_spec)):
     raise _errors.ArgumentError(STEPS_NOT_STATIC.format(steps=steps, spec=dataset.element_spec))
   iterators = _weak.attached(dataset, "_replicator_global_iterator")  # goes with the dataset

@@ -125,6 +125,7 @@ class GlobalStep:
   loops: dict = dataclasses.field(default_factory=dict)  # steps k -> tf.function of k steps over an iterator
   snapshot: _atomic.AllOrNothing | None = None  # all-or-nothing calls: what they keep of the written components
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
+  workers: tuple = ()  # the cluster's worker addresses by task (Config.workers): a failure names a device's worker
   written: _consistency.Written | None = None  # replicated components the step writes (atomic=False: checked)
 
   def _import(self, args, captured: dict) -> list:
@@ -162,7 +163,8 @@ class GlobalStep:
     try:
       return function(*args)
     except tf.errors.OpError as e:
-      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, tuple(self.plan.devices))
+      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, tuple(self.plan.devices),
+                                      self.workers)
       if error is e:  # the end of the input: the caller's
         raise
       raise error from e
@@ -438,7 +440,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
                     for per_device in expansion.outputs],  # all whole
       structure=structure["value"], accumulating=tuple(trace.accumulating), snapshot=snapshot,
       written=_consistency.Written([h for _, h in written_handles]),
-      locate=_failures.locator(graph, strip_replica=True, plan=plan))
+      locate=_failures.locator(graph, strip_replica=True, plan=plan), workers=config.workers)
 
 
 _COPY = re.compile(r"^expand/replica_\d+/(.*)$")  # rewrite._expansion's name of a device's copy of a global op

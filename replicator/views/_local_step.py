@@ -97,6 +97,7 @@ class CompiledStep:
   written: _consistency.Written | None = None  # replicated state the step writes
   snapshot: _atomic.AllOrNothing | None = None  # all-or-nothing calls: what they keep of the written components
   locate: Any = None  # failing node name -> (traced op, user location) (_failures.locator)
+  workers: tuple = ()  # the cluster's worker addresses by task (Config.workers): a failure names a device's worker
   replicas: tuple = ()  # the replicas this process runs, whose outputs the step returns
   _executables: dict = dataclasses.field(default_factory=dict)
 
@@ -221,7 +222,8 @@ class CompiledStep:
     try:
       flat = function(*args)
     except tf.errors.OpError as e:
-      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, tuple(self.plan.devices))
+      error = _failures.after_failure(e, self.snapshot, self.written, self.locate, tuple(self.plan.devices),
+                                      self.workers)
       if error is e:  # the end of the input
         raise _errors.EndOfInput(self.source.end_message()) from None
       raise error from e
@@ -387,7 +389,7 @@ def build(replicator, config: _config.Config, creator: Callable, step_fn: Callab
       output_dtypes=[t.dtype for t in scratch.outputs], output_shapes=[t.shape for t in scratch.outputs],
       structure=outputs[0], tensor_leaves=[t is not None for t in flat0], source=source, replicas=replicas,
       accumulating=tuple(sorted(accumulating, key=id)), written=written_state, snapshot=snapshot,
-      locate=_failures.locator(scratch.graph, strip_replica=False, plan=plan))
+      locate=_failures.locator(scratch.graph, strip_replica=False, plan=plan), workers=config.workers)
 
 
 _REPLICA = re.compile(r"^replica_(\d+)/")
