@@ -44,6 +44,7 @@ import weakref
 import tensorflow as tf
 
 from replicator.core import _errors
+from replicator.integrations import _cluster
 from replicator.integrations import _collective_runtime
 from replicator.integrations import _keras_distribution
 
@@ -77,10 +78,11 @@ NOT_ENABLED = (
 _lock = threading.Lock()
 _installed = False  # Keras patched (enable_keras_distribution)
 _job: tuple | None = None  # (addresses, process id) once keras.distribution.initialize started the runtime
+_connect_timeout = 30.0  # seconds keras.distribution.initialize waits for the other workers (enable_keras_distribution)
 _replicators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # distribution -> its Replicator
 
 
-def enable_keras_distribution() -> None:
+def enable_keras_distribution(connect_timeout: float = 30.0) -> None:
   """Makes Keras's distribution API distribute on TensorFlow: one added line for code written for it.
 
   After this call, a ``keras.distribution.DataParallel`` or ``ModelParallel``
@@ -92,8 +94,12 @@ def enable_keras_distribution() -> None:
   runs its step with ``distribution_replicator().run(step_fn, dataset)``.
   Layout map keys are matched as Keras 3.15 matches them (``re.fullmatch``),
   a shorter layout padded with ``None``. ``keras.distribution.get_device_count``
-  and ``distribute_tensor`` work; ``initialize`` (several processes) is refused.
-  Call it once, before setting a distribution; later calls do nothing. On a
+  and ``distribute_tensor`` work; ``keras.distribution.initialize()`` makes
+  this process one worker of a multi-client job (every worker runs the
+  script), waiting ``connect_timeout`` seconds at most for the other workers
+  to come (else ``replicator.WorkerUnavailableError``, naming them).
+  Call it once, before setting a distribution; later calls do nothing but
+  take the new ``connect_timeout``. On a
   Keras backend other than TensorFlow it does nothing (Keras distributes).
   See the guide "From Keras's distribution API on JAX".
 
@@ -107,7 +113,8 @@ def enable_keras_distribution() -> None:
     >>> len(layer.kernel.value.components)  # one copy a device
     2
   """
-  global _installed
+  global _installed, _connect_timeout
+  _connect_timeout = _cluster.check_timeout("connect_timeout", connect_timeout, allow_zero=False)
   with _lock:
     if _installed:
       return
@@ -236,5 +243,5 @@ def _initialize(job_addresses=None, num_processes=None, process_id=None):
   if _job is not None and _job != job:
     raise _errors.ClusterConfigError(INITIALIZED_TWICE.format(new=job, old=_job))
   devices_per_worker = _collective_runtime.devices_per_worker_from_environment()
-  _collective_runtime.start(addresses, process_id, devices_per_worker)
+  _collective_runtime.start(addresses, process_id, devices_per_worker, _connect_timeout)
   _job = job

@@ -28,6 +28,7 @@ from replicator import _checkpoints
 from replicator import _preemption
 from replicator._replicator import REDUCERS
 from replicator._replicator import Replicator
+from replicator._replicator import check_axis
 from replicator.core import _context
 from replicator.core import _errors
 from replicator.core._values import PerReplica
@@ -223,7 +224,7 @@ class MultiWorkerReplicator(Replicator):
     self._task = None if task is None else self._cluster.check_task(task)
     self._combiners: dict = {}  # reduce/gather's steps in a multi-client job, by what they combine
     if self._task is not None:
-      self._start_multi_client(devices_per_worker, tasks, kwargs)
+      self._start_multi_client(devices_per_worker, tasks, connect_timeout, kwargs)
       return
     self._tasks = tuple(range(len(self._cluster.workers)) if tasks is None else
                         [self._cluster.check_task(t) for t in tasks])
@@ -245,7 +246,7 @@ class MultiWorkerReplicator(Replicator):
     kwargs.setdefault("batch_axes", ("worker", "device"))
     super().__init__(mesh=m, **kwargs)
 
-  def _start_multi_client(self, devices_per_worker, tasks, kwargs) -> None:
+  def _start_multi_client(self, devices_per_worker, tasks, connect_timeout: float, kwargs) -> None:
     """This process as worker ``self._task`` of a job whose every worker runs this program."""
     if tasks is not None:
       raise _errors.ArgumentError(
@@ -261,7 +262,7 @@ class MultiWorkerReplicator(Replicator):
     m = kwargs.pop("mesh", None)
     if m is not None:  # the caller's mesh over the job's devices (a Keras distribution's DeviceMesh)
       m, devices_per_worker = _job_mesh(m, workers, self._task)
-    devices = _collective_runtime.start(self._cluster.workers, self._task, devices_per_worker)
+    devices = _collective_runtime.start(self._cluster.workers, self._task, devices_per_worker, connect_timeout)
     self._watchdog = _watchdog.for_job(self._cluster.workers, self._task)
     if m is None:
       m = mesh_lib.Mesh({"worker": workers, "device": devices_per_worker}, devices)
@@ -288,7 +289,8 @@ class MultiWorkerReplicator(Replicator):
     agreed = self._task is not None
     # Multi-client: the watchdog names a late worker at collective_timeout; the collectives' own timeout comes after.
     timeout = _watchdog.backstop(self.collective_timeout) if agreed else self.collective_timeout
-    config = dataclasses.replace(config, input_hosts=tuple(hosts[p] for p in range(len(hosts))), lowerings={
+    config = dataclasses.replace(config, input_hosts=tuple(hosts[p] for p in range(len(hosts))),
+                                 workers=tuple(self._cluster.workers), lowerings={
         "collective_ops": rewrite.CollectiveOps(timeout, agreed_keys=agreed),
         "hierarchical": rewrite.Hierarchical(timeout, agreed_keys=agreed)})
     if not agreed:
@@ -479,6 +481,7 @@ class MultiWorkerReplicator(Replicator):
     if isinstance(op, tf.distribute.ReduceOp):
       op = op.value.lower()
     super().reduce(op, None)  # checks op (and nothing else)
+    check_axis("reduce", axis, per_replica)
     if axis is None:
       return self._across_processes(("reduce", op), lambda x: self.all_reduce(x, op), per_replica, "reduce")
     reducer = REDUCERS[op]
@@ -491,6 +494,7 @@ class MultiWorkerReplicator(Replicator):
     """:meth:`Replicator.gather`; in a multi-client job of every process's replicas (each process gets it)."""
     if self._task is None:
       return super().gather(per_replica, axis)
+    check_axis("gather", axis, per_replica)
 
     def gather(x):
       return self.all_gather(tf.expand_dims(x, 0) if x.shape.rank == 0 else x, concat_dimension=axis)

@@ -110,7 +110,7 @@ def test_tensorflow_used_before_the_runtime_starts_is_a_named_error(tmp_path):
       import tensorflow as tf
       tf.constant(1.0) + 1.0  # TensorFlow starts here
       try:
-        _collective_runtime.start(["localhost:1", "localhost:2"], 0, 1)
+        _collective_runtime.start(["localhost:1", "localhost:2"], 0, 1, connect_timeout=1.0)
       except replicator.ClusterConfigError as e:
         print("refused:", e)
       """))
@@ -123,6 +123,7 @@ def test_a_dead_peer_fails_the_survivors_collective_within_its_timeout(tmp_path)
   code, out, err = _run(tmp_path, """
       all_sum(1, 60.0)  # both alive: the group is resolved
       if task == 1:
+        time.sleep(1.0)  # (worker 0 may still be reading worker 1's part of the first all-reduce)
         print("worker 1 leaves", flush=True)
         os._exit(0)
       time.sleep(2.0)
