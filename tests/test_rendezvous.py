@@ -25,7 +25,7 @@ from replicator.integrations import _rendezvous
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "start_scenarios.py")
 TIMEOUT = 4.0  # connect_timeout in the processes
-SLACK = 5.0  # seconds past the timeout a process may take to say why it stops (2-3.5 s seen on a loaded machine)
+SLACK = 5.0  # seconds past the timeout a process may take to say why it stops (asking a port's holder waits 2 s)
 WALL = 120.0  # seconds a test waits for its processes (their imports, on a loaded machine, included)
 
 
