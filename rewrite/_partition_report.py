@@ -195,6 +195,7 @@ class PartitionReport:
     layout_search: with automatic layouts, the search that chose them
       (``rewrite._search.Result``: every assignment tried, its estimate and
       bytes a device); None otherwise.
+    memory_report: set by ``repl.explain``: makes :attr:`memory` on first use.
     runs_as: the plan that runs, if :func:`rewrite.fuse` made some of
       :attr:`plan`'s collectives one; None if it is :attr:`plan`.
   """
@@ -209,6 +210,12 @@ class PartitionReport:
   work: cost_model.Work | None = None
   layout_search: Any = None
   runs_as: Plan | None = None
+  memory_report: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  @property
+  def memory(self):
+    """What each device holds in the step (``rewrite._memory.MemoryReport``), if ``repl.explain`` made the report."""
+    return None if self.memory_report is None else self.memory_report()
 
   @classmethod
   def from_partition(cls, graph: tf.Graph, partition, plan: Plan, mesh_shape: Mapping[str, int], *,
@@ -357,6 +364,8 @@ class PartitionReport:
                    f"{', '.join(f'{c.shape[0]:,}' for c in fused)} element(s).")
     if self.layout_search is not None:
       lines += _search_lines(self.layout_search)
+    if self.memory_report is not None:
+      lines += ["", str(self.memory)]
     return "\n".join(lines)
 
 

@@ -106,6 +106,13 @@ class Plan:
 
   collectives: tuple[Collective, ...]
   devices: tuple[str, ...]
+  # repl.explain's: a callable giving the step's memory report (``rewrite._memory.MemoryReport``), made on first use.
+  memory_report: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  @property
+  def memory(self):
+    """The step's memory report (``rewrite._memory.MemoryReport``) if ``repl.explain`` made the plan, else None."""
+    return None if self.memory_report is None else self.memory_report()
 
   @property
   def num_replicas(self) -> int:
@@ -137,6 +144,8 @@ class Plan:
       lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
       if j == 0:
         lines.append("  ".join("-" * w for w in widths))
+    if self.memory_report is not None:
+      lines += ["", str(self.memory)]
     return "\n".join(lines)
 
 

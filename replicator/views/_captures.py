@@ -106,6 +106,10 @@ class Captures:
       check.attr["shape"].shape.CopyFrom(shapes[_node_of(node.input[0])])
     return result
 
+  def items(self) -> list[tuple[str, tf.Tensor]]:
+    """Every ``(step graph tensor name, eager value)`` pair, as given."""
+    return list(self._values.items())
+
   @property
   def num_inputs(self) -> int:
     """How many tensors a call passes for these captures."""

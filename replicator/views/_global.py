@@ -24,6 +24,7 @@ from replicator.input import _distributed_dataset
 from replicator.input import _process_shards
 from replicator.views import _global_step
 from replicator.views import _in_function
+from replicator.views import _memory_report as _memory
 
 ONE_BATCH = (
     "repl.run(step_fn, inputs=..., steps={steps}) in the global view: inputs= is one global batch, for one step. "
@@ -145,8 +146,16 @@ class GlobalView:
                                                                   axes=self._replicator.batch_axes))
     if self._config.multi_client and _process_shards.policy(dataset) in _process_shards.SHARDED:
       # Read in shards: the step of its global batches' shape, from the spec (a shard hint cannot be read unsharded).
-      return self.step_for(step_fn, dataset.element_spec).report
-    return self.step_for(step_fn, next(iter(dataset))).report
+      step = self.step_for(step_fn, dataset.element_spec)
+    else:
+      step = self.step_for(step_fn, next(iter(dataset)))
+    if step.report.memory_report is None:
+      step.report.memory_report = _memory.later(step, self._replicator, self._config, "global")
+    return step.report
+
+  def memory(self, step_fn: Callable, dataset, inputs):
+    """The memory report of the step for the dataset's global batches (``rewrite._memory.MemoryReport``)."""
+    return self.explain(step_fn, dataset, inputs).memory
 
   def step_for(self, step_fn: Callable, element) -> _global_step.GlobalStep:
     """The global-view step of ``step_fn`` for global batches shaped like ``element`` (built once).

@@ -12,6 +12,7 @@ the same interface: ``run``, ``run_in_function``, ``explain``.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from replicator.input import _distributed_dataset
 from replicator.input import _inputs
 from replicator.views import _in_function
 from replicator.views import _local_step
+from replicator.views import _memory_report as _memory
 
 NEW_STEP_OBJECTS = (
     "repl.run has built a step for {count} different objects of the same step function {name} "
@@ -90,8 +92,16 @@ class LocalView:
     return _values.combine(step.call_in_graph(source.call_args()))
 
   def explain(self, step_fn: Callable, input_fn, inputs):
-    """The rewrite plan of the step the next ``run`` would call."""
-    return self.step(step_fn, input_fn, inputs)[0].plan
+    """The rewrite plan of the step the next ``run`` would call (its ``memory``: the step's memory report)."""
+    step = self.step(step_fn, input_fn, inputs)[0]
+    if step.plan.memory_report is None:
+      step.plan = dataclasses.replace(step.plan, memory_report=_memory.later(step, self._replicator, self._config,
+                                                                               "local"))
+    return step.plan
+
+  def memory(self, step_fn: Callable, input_fn, inputs):
+    """The memory report of the step the next ``run`` would call (``rewrite._memory.MemoryReport``)."""
+    return self.explain(step_fn, input_fn, inputs).memory
 
   def step(self, step_fn: Callable, input_fn, inputs):
     """The built step of ``step_fn`` for this input source and the next accumulation phases, and the source."""
