@@ -479,6 +479,9 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
   saved_rows: list[SavedTensor] = []
   saved_buffers: dict[str, set] = collections.defaultdict(set)
   backward = [is_backward(node.name) for node in nodes]
+  for i in order[::-1]:  # (readers first) a collective the rewrite made for backward ops alone is theirs
+    if nodes[i].name.startswith(_apply.PREFIX + "/") and readers[i] and all(backward[r] for r in readers[i]):
+      backward[i] = True
   for i in order:
     node = nodes[i]
     if backward[i] or node.op in CONSTANTS:

@@ -214,6 +214,13 @@ def test_fsdp_keeps_the_gathered_kernels_for_backward():
   for device in report.devices:  # a quarter of every variable and slot
     assert device.variable_bytes == sum(replicator.bytes_per_device(model.variables + optimizer.variables).values()) // 4
   kinds = [s.kind for s in report.saved_on("CPU:2")]
-  # Each kernel but the first is gathered whole for its product, and kept for the gradient of its input.
-  gathered = [s for s in report.saved_on("CPU:2") if s.kind == "communicated" and s.shape == (H, H)]
-  assert len(gathered) == LAYERS - 1 and kinds.count("input") == 1
+  # The forward products run on the row-split kernels (the activations split by features, [-, batch]): no kernel
+  # is gathered for the forward pass, and the forward pass saves no gathered kernel. The gradients of the
+  # activations gather each kernel but the first whole; nothing orders those gathers after the forward pass, so
+  # they run as soon as the variables are read, and are held until the backward pass reads them: live at the
+  # forward pass's peak, though the forward pass does not save them.
+  assert "communicated" not in kinds and kinds.count("input") == 1
+  assert kinds.count("activation") == LAYERS
+  device = report.device("CPU:0")
+  gathered = [t for t in device.live_at_peak if t.op_type == "ConcatV2" and t.bytes == H * H * 4]
+  assert len(gathered) == LAYERS - 1 and "gradient_tape" not in device.peak_op  # (the peak: in the forward pass)
