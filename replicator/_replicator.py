@@ -516,7 +516,7 @@ class Replicator(_collective_methods.CollectiveMethods):
 
     Builds (and caches) the step like :meth:`explain`, without running it,
     and reads its graph: the local view's per-replica graph, the global
-    view's partition. Returns a ``rewrite._memory.MemoryReport`` (``print`` it
+    view's partition. Returns a :class:`rewrite.MemoryReport` (``print`` it
     for tables); per device (``report.devices``):
 
     * ``variable_bytes``: the variables and optimizer slots it holds;

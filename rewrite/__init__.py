@@ -12,6 +12,8 @@ one (each collective op across processes pays a round trip).
 
 :class:`PartitionReport` says what a partition of a global graph does (the
 global view's ``repl.explain``): layouts, collectives by op, relayouts, fallbacks.
+:func:`analyze_memory` says what a step's graph holds per device (``repl.memory``):
+a :class:`MemoryReport` of saved-for-backward tensors and the peak of live bytes.
 :func:`merge_reads` merges a rewritten step's reads that no execution could
 tell apart, so that Grappler can fold what follows them.
 
@@ -37,6 +39,11 @@ from rewrite._lowering import get as get_lowering
 from rewrite._lowering import names as lowering_names
 from rewrite._lowering import register as register_lowering
 from rewrite._lowering import task_of
+from rewrite._memory import DeviceMemory
+from rewrite._memory import LiveTensor
+from rewrite._memory import MemoryReport
+from rewrite._memory import SavedTensor
+from rewrite._memory import analyze as analyze_memory
 from rewrite._partition_report import PartitionReport
 from rewrite._placeholders import KINDS
 from rewrite._placeholders import Placeholder
@@ -64,15 +71,20 @@ __all__ = (
     "Collective",
     "CollectiveMismatchError",
     "CollectiveOps",
+    "DeviceMemory",
     "Hierarchical",
+    "LiveTensor",
     "Lowering",
     "LoweringContext",
+    "MemoryReport",
     "OneDevice",
     "PartitionReport",
     "Placeholder",
     "Plan",
     "RewriteError",
     "Rewritten",
+    "SavedTensor",
+    "analyze_memory",
     "apply",
     "auto_lowering",
     "emit",

@@ -154,7 +154,7 @@ class GlobalView:
     return step.report
 
   def memory(self, step_fn: Callable, dataset, inputs):
-    """The memory report of the step for the dataset's global batches (``rewrite._memory.MemoryReport``)."""
+    """The memory report of the step for the dataset's global batches (``rewrite.MemoryReport``)."""
     return self.explain(step_fn, dataset, inputs).memory
 
   def step_for(self, step_fn: Callable, element) -> _global_step.GlobalStep:

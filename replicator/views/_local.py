@@ -100,7 +100,7 @@ class LocalView:
     return step.plan
 
   def memory(self, step_fn: Callable, input_fn, inputs):
-    """The memory report of the step the next ``run`` would call (``rewrite._memory.MemoryReport``)."""
+    """The memory report of the step the next ``run`` would call (``rewrite.MemoryReport``)."""
     return self.explain(step_fn, input_fn, inputs).memory
 
   def step(self, step_fn: Callable, input_fn, inputs):

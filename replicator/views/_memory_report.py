@@ -1,7 +1,7 @@
 """The memory report of a built step (``repl.memory``, and the memory section of ``repl.explain``).
 
 The views build a step's ``GraphDef`` (the local view's per-replica graph,
-the global view's partition); :func:`rewrite._memory.analyze` reads it. What this
+the global view's partition); :func:`rewrite.analyze_memory` reads it. What this
 module adds is what only the Replicator knows: the bytes of the variables and
 optimizer slots each device holds (the components of the variables the step
 captures), each op's user source line, and in the global view each tensor's
@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 
 import mesh as mesh_lib
+import rewrite
 from replicator.state import _variables
-from rewrite import _memory
 from rewrite import _partition_report
 
 _COPY = re.compile(r"^expand/replica_\d+/(.*):(\d+)$")  # rewrite._expansion's name of a device's copy
@@ -85,7 +85,7 @@ def later(step, replicator, config, view: str) -> Once:
     layout = layouts.get(f"{copy.group(1)}:{copy.group(2)}") if copy is not None else None
     return _partition_report.format_layout(layout) if layout is not None else ""
 
-  return Once(lambda: _memory.analyze(
+  return Once(lambda: rewrite.analyze_memory(
       graph_def, base_bytes=variable_bytes(captures), variable_shapes=variable_shapes(captures),
       device_of=mesh_lib.canonical_name, describe=_located(locate), layout_of=layout_of, outputs=outputs,
       devices=devices, view=view, notes=(VARIABLES_NOTE,)))
