@@ -43,6 +43,7 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._values import PerReplica
   from replicator.input._inputs import InputContext
   from replicator.integrations._batch_norm import CrossReplicaBatchNorm
+  from replicator.integrations._remat import remat
   from replicator.state._optimizer import ReplicatedOptimizer
   from replicator.state._variables import ReplicatedVariable
   from replicator.state._variables import bytes_per_device
@@ -79,6 +80,7 @@ __all__ = (
     "current",
     "distribution_replicator",
     "enable_keras_distribution",
+    "remat",
     "testing",
     "virtual_cpus",
 )
@@ -103,14 +105,15 @@ _MODULES = {
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),
+    "replicator.integrations._remat": ("remat",),
     "replicator.state._optimizer": ("ReplicatedOptimizer",),
     "replicator.state._variables": ("ReplicatedVariable", "bytes_per_device"),
 }
 _MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
 # What importing the package did for the program before any name was used, done at the first use of any: the
-# Keras registration of CrossReplicaBatchNorm ("replicator>CrossReplicaBatchNorm", which keras.saving.load_model
-# looks up).
-_AT_FIRST_USE = ("replicator.integrations._batch_norm",)
+# Keras registrations of CrossReplicaBatchNorm and of replicator.remat's layer ("replicator>CrossReplicaBatchNorm",
+# "replicator>Remat", which keras.saving.load_model looks up).
+_AT_FIRST_USE = ("replicator.integrations._batch_norm", "replicator.integrations._remat")
 
 
 def __getattr__(name: str):

@@ -47,6 +47,7 @@ from replicator.core import _errors
 from replicator.integrations import _cluster
 from replicator.integrations import _collective_runtime
 from replicator.integrations import _keras_distribution
+from replicator.integrations import _remat
 
 UNSUPPORTED_DISTRIBUTION = (
     "keras.distribution.set_distribution({found}): replicator distributes keras.distribution.DataParallel and "
@@ -93,7 +94,9 @@ def enable_keras_distribution(connect_timeout: float = 30.0) -> None:
   ``evaluate`` and ``predict`` run on every device of the mesh. A custom loop
   runs its step with ``distribution_replicator().run(step_fn, dataset)``.
   Layout map keys are matched as Keras 3.15 matches them (``re.fullmatch``),
-  a shorter layout padded with ``None``. ``keras.distribution.get_device_count``
+  a shorter layout padded with ``None``. ``keras.RematScope`` and
+  ``keras.remat`` rematerialize as :func:`replicator.remat` does (on
+  TensorFlow Keras's own fails inside ``fit``). ``keras.distribution.get_device_count``
   and ``distribute_tensor`` work; ``keras.distribution.initialize()`` makes
   this process one worker of a multi-client job (every worker runs the
   script), waiting ``connect_timeout`` seconds at most for the other workers
@@ -124,6 +127,7 @@ def enable_keras_distribution(connect_timeout: float = 30.0) -> None:
 
     if keras.backend.backend() != "tensorflow":
       return  # Keras on JAX (or torch) distributes itself
+    _remat.install()  # keras.RematScope / keras.remat: replicator.remat (integrations/_remat.py)
     original = distribution_lib.set_distribution
 
     def set_distribution(value):

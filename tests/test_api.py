@@ -20,7 +20,8 @@ def test_replicator_public_names():
       "ReplicatedOptimizer", "ReplicatedVariable", "Replicator", "ReplicatorError",
       "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "calibrate", "ArgumentError",
       "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus", "enable_keras_distribution", "distribution_replicator",
-      "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "CheckpointDamagedError", "testing"}
+      "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "CheckpointDamagedError", "testing",
+      "remat"}
   for name in replicator.__all__:
     assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"
 

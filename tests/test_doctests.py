@@ -10,7 +10,8 @@ import replicator
 
 MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator.core._collective_methods",
            "replicator.core._values",
-           "replicator.input._inputs", "replicator.core._context", "replicator.core._errors"]
+           "replicator.input._inputs", "replicator.core._context", "replicator.core._errors",
+           "replicator.integrations._remat"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -25,6 +25,9 @@ arrays whose rows ``batch_size`` does not divide) are handed to Keras's step
 one concrete batch at a time (``_keras_batches``): full batches are split
 over the batch axes, a short last batch is taken whole by every device.
 
+Making the strategy also makes ``keras.RematScope`` and ``keras.remat``
+rematerialize as ``replicator.remat`` does (``_remat.install``).
+
 The strategy is TensorFlow's default strategy with these overrides (its
 class is taken from the default strategy object, no private import). Outside
 Keras's trainer, ``strategy.run`` raises: custom loops call ``repl.run``.
@@ -54,6 +57,7 @@ from replicator.core import _errors
 from replicator.core import _primitives
 from replicator.core import _tf_distribute
 from replicator.integrations import _keras_batches
+from replicator.integrations import _remat
 from replicator.state import _restore
 from replicator.state import _variables
 
@@ -201,6 +205,7 @@ class KerasStrategy(tf.distribute.Strategy):
     global _EXTENDED
     if _EXTENDED is None:
       _EXTENDED = _extended_class()
+    _remat.install()  # keras.RematScope and keras.remat rematerialize as replicator.remat does (see _remat)
     super().__init__(_EXTENDED(self, config, creator, global_view))
 
   def run(self, fn, args=(), kwargs=None, options=None):  # pylint: disable=unused-argument
