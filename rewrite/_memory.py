@@ -7,7 +7,9 @@ returns a :class:`MemoryReport`:
 * **saved for backward**: every tensor made by a forward op and read by a
   backward op (an op under a ``gradient_tape/`` or ``gradients/`` name scope,
   where ``tf.GradientTape`` and ``tf.gradients`` put the ops of the gradient
-  functions), other than by its shape alone (``Shape``, ``Size``, ``Rank``) or
+  functions; an op that reads a backward op's tensor, such as the tape's sum
+  of a tensor's gradients; a collective the rewrite made for backward ops
+  alone), other than by its shape alone (``Shape``, ``Size``, ``Rank``) or
   a constant. A read of a variable (``ReadVariableOp``) is listed apart: on
   CPU it is the variable's own buffer, no new bytes.
 * **the peak**: a liveness pass in one topological order of the graph: by
@@ -479,6 +481,9 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
   saved_rows: list[SavedTensor] = []
   saved_buffers: dict[str, set] = collections.defaultdict(set)
   backward = [is_backward(node.name) for node in nodes]
+  for i in order:  # an op reading a backward op's tensor is of the backward pass too (the tape's sums of gradients)
+    if not backward[i] and any(backward[source] for source, _ in inputs[i]):
+      backward[i] = True
   for i in order[::-1]:  # (readers first) a collective the rewrite made for backward ops alone is theirs
     if nodes[i].name.startswith(_apply.PREFIX + "/") and readers[i] and all(backward[r] for r in readers[i]):
       backward[i] = True

@@ -48,6 +48,10 @@ import tensorflow as tf
 from replicator.core import _errors
 from replicator.core import _tf_op_callbacks
 
+# The name scope of the recomputation: under ``gradient_tape``, as ``tf.GradientTape`` puts the ops of the gradient
+# functions (so ``repl.memory`` counts the recomputed forward as backward ops, and the block's inputs as saved).
+BACKWARD_SCOPE = "gradient_tape/"
+
 NOT_CALLABLE = (
     "replicator.remat(fn) takes a function (or a Keras layer); found {found!r} of type {kind}. Fix: pass the "
     "function that computes the block, e.g. `block = replicator.remat(block)` or `@replicator.remat` above its def."
@@ -162,7 +166,7 @@ def remat(fn: Callable, *, ambient: Callable[[], Callable[[], contextlib.Abstrac
       def backward(*gradients, variables=None):
         variables = list(variables or ())
         gradients = [tf.zeros_like(flat[i]) if g is None else g for i, g in zip(outputs, gradients)]
-        with tf.name_scope(scope):
+        with tf.name_scope(BACKWARD_SCOPE + scope):  # (the backward pass's ops, named as the tape names its own)
           tied = _after(tensors, gradients)
           written = record.written_variables()
           before = [tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype) for handle, dtype in written]
