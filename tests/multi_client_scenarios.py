@@ -490,6 +490,21 @@ def resume(out):
 RESUME_BATCH = 12  # divides over 2, 3 and 4 replicas
 
 
+def restore_damaged(out):
+  """restore_or_initialize() of SCENARIO_CKPT, whose latest checkpoint a test damaged: what each process raised."""
+  model, optimizer = model_and_optimizer()
+  optimizer.build(model.trainable_variables)
+  manager = repl.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=optimizer), os.environ["SCENARIO_CKPT"],
+                                    max_to_keep=10)
+  try:
+    manager.restore_or_initialize()
+    found = "no error"
+  except replicator.CheckpointDamagedError as e:
+    found = f"{type(e).__name__}\n{os.path.basename(e.previous or '')}\n{e}"
+  with open(os.path.join(out, f"worker_{repl.task}.txt"), "w") as f:
+    f.write(found)
+
+
 def preempt(out):
   """Trains until a SIGTERM to any worker; then every worker saves (worker 0 writes) and exits 0 at one step."""
   import time
@@ -515,5 +530,5 @@ if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
   {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "sharded": sharded, "sharded_global": sharded_global, "fit_sharded": fit_sharded,
    "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
-   "preempt": preempt}[name](out)
+   "restore_damaged": restore_damaged, "preempt": preempt}[name](out)
   print("done", repl.task, flush=True)

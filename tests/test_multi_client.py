@@ -440,6 +440,21 @@ def test_a_worker_dying_in_a_save_leaves_the_previous_checkpoint_the_latest(tmp_
   assert seconds < 5.0 + 3.0
 
 
+def test_a_damaged_checkpoint_is_named_in_every_process_with_the_one_to_fall_back_to(tmp_path):
+  checkpoints = tmp_path / "checkpoints"
+  first, second = tmp_path / "first", tmp_path / "second"
+  first.mkdir()
+  second.mkdir()
+  _launch(first, "resume", 2, 1, env=dict(SCENARIO_CKPT=str(checkpoints), SCENARIO_STEPS="4"))  # ckpt-2, ckpt-4
+  data = checkpoints / "ckpt-4.data-00000-of-00001"
+  data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated after the commit
+  found = _launch(second, "restore_damaged", 2, 1, suffix="txt", env=dict(SCENARIO_CKPT=str(checkpoints)))
+  for text in found:
+    kind, previous, message = text.split("\n", 2)
+    assert (kind, previous) == ("CheckpointDamagedError", "ckpt-2"), text
+    assert f"its data file {data} is truncated" in message and str(checkpoints / "ckpt-2") in message, message
+
+
 def test_a_job_killed_mid_run_resumes_on_one_worker_fewer_equal_to_a_run_from_its_checkpoint(tmp_path):
   checkpoints = tmp_path / "checkpoints"
   first, second = tmp_path / "first", tmp_path / "second"
