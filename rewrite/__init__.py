@@ -54,6 +54,7 @@ from rewrite._plan import plan
 from rewrite._reads import merge_reads
 from rewrite._reads import renamed_tensor
 from rewrite._reads import small_reads
+from rewrite._shaped_reads import shape_reads
 
 for _error in (CollectiveMismatchError, RewriteError):  # printed as rewrite.RewriteError, not rewrite._errors...
   _error.__module__ = __name__
@@ -97,6 +98,7 @@ __all__ = (
     "plan",
     "register_lowering",
     "renamed_tensor",
+    "shape_reads",
     "small_reads",
     "task_of",
 )

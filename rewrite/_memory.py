@@ -46,6 +46,7 @@ from typing import Any
 import tensorflow as tf
 
 from rewrite import _apply
+from rewrite import _shaped_reads
 
 ORDERS = {
     "ready": ("ops run one at a time as their inputs become ready, the first ready first (as TensorFlow's executor "
@@ -297,26 +298,8 @@ def output_specs(graph_def, variable_shapes: Mapping[str, Any] | None = None
   shape) gives its reads theirs (each read followed by an ``EnsureShape`` of
   that shape under the read's name, in the imported copy only).
   """
-  shapes = {_source(name)[0]: tf.TensorShape(shape) for name, shape in (variable_shapes or {}).items()}
-  if shapes:
-    copy = type(graph_def)()
-    copy.CopyFrom(graph_def)
-    del copy.node[:]
-    taken = {node.name for node in graph_def.node}
-    for node in graph_def.node:
-      added = copy.node.add()
-      added.CopyFrom(node)
-      if node.op != "ReadVariableOp" or not node.input or _source(node.input[0])[0] not in shapes:
-        continue
-      read = node.name + "/memory_read"
-      while read in taken:
-        read += "_"
-      taken.add(read)
-      added.name = read
-      check = copy.node.add(name=node.name, op="EnsureShape", input=[read], device=node.device)
-      check.attr["T"].CopyFrom(node.attr["dtype"])
-      check.attr["shape"].shape.CopyFrom(shapes[_source(node.input[0])[0]].as_proto())
-    graph_def = copy
+  graph_def = _shaped_reads.shape_reads(graph_def, {_source(name)[0]: shape
+                                                    for name, shape in (variable_shapes or {}).items()})
   graph = tf.Graph()
   with graph.as_default():
     tf.graph_util.import_graph_def(graph_def, name="")

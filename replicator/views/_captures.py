@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+import rewrite
 from replicator.state import _variables
 
 
@@ -74,7 +75,8 @@ class Captures:
     read the check): the nodes keep their order, which is the order in which
     the function importing them makes its ops, and so the order in which it
     sequences the uses of each variable (a check appended at the end moved
-    the ops using the reads after it, and a Keras step lost its updates).
+    the ops using the reads after it, and a Keras step lost its updates;
+    ``rewrite.shape_reads``).
     """
     shapes = {}
     for _, names, _ in self.stacks:
@@ -82,29 +84,7 @@ class Captures:
         component = _variables.component_of(self._values[name])  # the Replicator's variables: their shapes
         if _shape_checked(component):
           shapes[_node_of(name)] = component.shape.as_proto()
-    if not shapes:
-      return graph_def
-    result = type(graph_def)()
-    result.CopyFrom(graph_def)
-    del result.node[:]
-    taken = {node.name for node in graph_def.node}
-    for node in graph_def.node:
-      copy = result.node.add()
-      copy.CopyFrom(node)
-      if node.op != "ReadVariableOp" or _node_of(node.input[0]) not in shapes:
-        continue
-      read = node.name + "/replicator_read"
-      while read in taken:
-        read += "_"
-      taken.add(read)
-      copy.name = read
-      check = result.node.add(name=node.name, op="EnsureShape", input=[read], device=node.device)
-      # With the read, on the variable's device: a read has none in the GraphDef (the placer puts it with
-      # its resource), and an unplaced check went to the default device, a send and a receive each.
-      check.attr["_class"].list.s.append(b"loc:@" + read.encode())
-      check.attr["T"].CopyFrom(node.attr["dtype"])
-      check.attr["shape"].shape.CopyFrom(shapes[_node_of(node.input[0])])
-    return result
+    return rewrite.shape_reads(graph_def, shapes)
 
   def items(self) -> list[tuple[str, tf.Tensor]]:
     """Every ``(step graph tensor name, eager value)`` pair, as given."""
