@@ -490,6 +490,30 @@ def resume(out):
 RESUME_BATCH = 12  # divides over 2, 3 and 4 replicas
 
 
+def memory(out):
+  """The memory report of one process's device in the global view, and the allocator's peak over its steps."""
+  global_repl = replicator.MultiWorkerReplicator.from_tf_config(view="global", collective_timeout=TIMEOUT)
+  width, rows = 1024, 1024
+  with global_repl.context():
+    model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
+                                                        for _ in range(3)] + [keras.layers.Dense(width)])
+    optimizer = keras.optimizers.Adam(1e-3)
+  step = mse_step(model, optimizer)
+  batch = tuple(np.random.RandomState(i).randn(rows, width).astype(np.float32) for i in range(2))
+  data = tf.data.Dataset.from_tensors(batch).repeat()
+  report = global_repl.memory(step, data)
+  [device] = report.devices  # this process's one device
+  global_repl.run(step, data)  # the first step: the optimizer's slots
+  ratios = []
+  for _ in range(4):
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    global_repl.run(step, data)
+    ratios.append((before + device.step_peak_bytes) / tf.config.experimental.get_memory_info("CPU:0")["peak"])
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), ratios=np.array(ratios), device=device.device,
+           saved=device.saved_bytes, variables=device.variable_bytes)
+
+
 def restore_damaged(out):
   """restore_or_initialize() of SCENARIO_CKPT, whose latest checkpoint a test damaged: what each process raised."""
   model, optimizer = model_and_optimizer()
@@ -530,5 +554,5 @@ if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
   {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "sharded": sharded, "sharded_global": sharded_global, "fit_sharded": fit_sharded,
    "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
-   "restore_damaged": restore_damaged, "preempt": preempt}[name](out)
+   "restore_damaged": restore_damaged, "memory": memory, "preempt": preempt}[name](out)
   print("done", repl.task, flush=True)

@@ -440,6 +440,18 @@ def test_a_worker_dying_in_a_save_leaves_the_previous_checkpoint_the_latest(tmp_
   assert seconds < 5.0 + 3.0
 
 
+def test_the_memory_report_of_each_process_against_its_allocator(tmp_path):
+  # 2 workers x 1 device: each process's allocator is its device's, so the report's peak is compared per device
+  # (the median of 4 steps within 10%, each within 20%, as in tests/test_memory_report.py).
+  results = _launch(tmp_path, "memory", 2, 1)
+  for task, found in enumerate(results):
+    assert str(found["device"]) == f"/job:worker/replica:0/task:{task}/device:CPU:0"
+    # Data parallel: each device keeps its 512 rows of the input, 3 ReLU outputs and the loss's difference.
+    assert int(found["saved"]) == 5 * 512 * 1024 * 4
+    ratios = sorted(found["ratios"])
+    assert abs(ratios[len(ratios) // 2] - 1) <= 0.10 and all(abs(r - 1) <= 0.20 for r in ratios), ratios
+
+
 def test_a_damaged_checkpoint_is_named_in_every_process_with_the_one_to_fall_back_to(tmp_path):
   checkpoints = tmp_path / "checkpoints"
   first, second = tmp_path / "first", tmp_path / "second"
