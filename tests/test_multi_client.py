@@ -441,15 +441,17 @@ def test_a_worker_dying_in_a_save_leaves_the_previous_checkpoint_the_latest(tmp_
 
 
 def test_the_memory_report_of_each_process_against_its_allocator(tmp_path):
-  # 2 workers x 1 device: each process's allocator is its device's, so the report's peak is compared per device
-  # (the median of 4 steps within 10%, each within 20%, as in tests/test_memory_report.py).
+  # 2 workers x 1 device: each process's allocator is its device's, so the report's peak is compared per device.
+  # Measured: 0.90-0.98 of the allocator's peak (the median step 0.92-0.96): the cross-process all-reduce's buffers
+  # (TensorFlow's collective runtime, outside the graph) are not in the report. Bound: the median within 15%, each
+  # step within 20%.
   results = _launch(tmp_path, "memory", 2, 1)
   for task, found in enumerate(results):
     assert str(found["device"]) == f"/job:worker/replica:0/task:{task}/device:CPU:0"
     # Data parallel: each device keeps its 512 rows of the input, 3 ReLU outputs and the loss's difference.
     assert int(found["saved"]) == 5 * 512 * 1024 * 4
     ratios = sorted(found["ratios"])
-    assert abs(ratios[len(ratios) // 2] - 1) <= 0.10 and all(abs(r - 1) <= 0.20 for r in ratios), ratios
+    assert abs(ratios[len(ratios) // 2] - 1) <= 0.15 and all(abs(r - 1) <= 0.20 for r in ratios), ratios
 
 
 def test_a_damaged_checkpoint_is_named_in_every_process_with_the_one_to_fall_back_to(tmp_path):
