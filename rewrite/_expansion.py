@@ -17,6 +17,7 @@ traced), renamed, placed and rewired.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import numpy as np
@@ -447,6 +448,13 @@ class _Comm:
 
 
 _PREFIX = "expand"  # the copies' names: expand/replica_<r>/<op name in the global graph>
+_COPY = re.compile(rf"^{_PREFIX}/replica_\d+/(.*)$")
+
+
+def global_name(name: str) -> str | None:
+  """The global graph's name of a device's copy (a node's or a tensor's name, ``expand/replica_<r>/...``); else None."""
+  copy = _COPY.match(name)
+  return copy.group(1) if copy is not None else None
 
 
 def _split(ref: str) -> tuple[str, str]:

@@ -159,7 +159,7 @@ class MemoryReport:
   """What each device holds in a step: variables, tensors saved for backward, and the peak of live bytes.
 
   ``print`` it for tables; :meth:`summary` gives JSON-able dicts. Figures are
-  bytes on one device. See ``rewrite._memory`` for what is and is not counted.
+  bytes on one device. See :func:`rewrite.analyze_memory` for what is and is not counted.
 
   Attributes:
     devices: one :class:`DeviceMemory` per device, in the order given.

@@ -214,7 +214,7 @@ class PartitionReport:
 
   @property
   def memory(self):
-    """What each device holds in the step (``rewrite._memory.MemoryReport``), if ``repl.explain`` made the report."""
+    """What each device holds in the step (:class:`rewrite.MemoryReport`), if ``repl.explain`` made the report."""
     return None if self.memory_report is None else self.memory_report()
 
   @classmethod

@@ -106,12 +106,12 @@ class Plan:
 
   collectives: tuple[Collective, ...]
   devices: tuple[str, ...]
-  # repl.explain's: a callable giving the step's memory report (``rewrite._memory.MemoryReport``), made on first use.
+  # repl.explain's: a callable giving the step's memory report (:class:`rewrite.MemoryReport`), made on first use.
   memory_report: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def memory(self):
-    """The step's memory report (``rewrite._memory.MemoryReport``) if ``repl.explain`` made the plan, else None."""
+    """The step's memory report (:class:`rewrite.MemoryReport`) if ``repl.explain`` made the plan, else None."""
     return None if self.memory_report is None else self.memory_report()
 
   @property

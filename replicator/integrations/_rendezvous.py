@@ -143,9 +143,13 @@ def _ask(address: str, message: dict, timeout: float) -> tuple[dict | None, str]
   except OSError as e:
     return None, e.strerror or type(e).__name__
   if answer is None:
-    grpc = _cluster.speaks_grpc(address, timeout)
-    return None, GRPC if grpc else "it answers in another protocol"
+    return None, _other_protocol(address, timeout)
   return answer, ""
+
+
+def _other_protocol(address: str, timeout: float) -> str:
+  """What answers at ``address`` instead of a process of this job: a gRPC server (TensorFlow's?), or another."""
+  return GRPC if _cluster.speaks_grpc(address, timeout) else "it answers in another protocol"
 
 
 def _wildcard(host: str) -> tuple[int, str]:
@@ -306,7 +310,7 @@ def _report(addresses, task: int, devices: int, deadline: float, timeout: float)
         continue
       if welcome is None:
         raise _errors.ClusterConfigError(NOT_WORKER_0.format(address=address, what=(
-            GRPC if _cluster.speaks_grpc(address, 1.0) else "it answers in another protocol")))
+            _other_protocol(address, 1.0))))
       try:  # the verdict, once every worker came (worker 0's deadline is about this one's)
         verdict = _receive(connection, deadline - time.monotonic() + 5.0)
       except OSError as e:
@@ -386,8 +390,10 @@ def _chair(listener: socket.socket, addresses, devices: int, deadline: float, ti
         fail("ClusterConfigError", OTHER_CLUSTER.format(task=task, who=_describe(message), ours=list(addresses),
                                                         theirs=message.get("cluster")))
       elif task in waiting or task in told or task == 0:
-        first = _describe(waiting[task][1] if task in waiting else me) if task in waiting or task == 0 else \
-            "another process (told already)"
+        if task in waiting:
+          first = _describe(waiting[task][1])
+        else:
+          first = _describe(me) if task == 0 else "another process (told already)"
         fail("ClusterConfigError", TWICE.format(task=task, address=addresses[task], first=first,
                                                 second=_describe(message), last=workers - 1))
       else:

@@ -443,9 +443,6 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
       locate=_failures.locator(graph, strip_replica=True, plan=plan), workers=config.workers)
 
 
-_COPY = re.compile(r"^expand/replica_\d+/(.*)$")  # rewrite._expansion's name of a device's copy of a global op
-
-
 def _handles(variable, mesh, local: frozenset) -> list:
   """Each device's component handle of ``variable``; None for another process's device (a multi-client job)."""
   return [_variables.component_for(variable, r).handle if r in local else None for r in range(mesh.size)]
@@ -457,8 +454,8 @@ def _traced_ops(graph: tf.Graph, expansion_graph: tf.Graph):
   ops = {op.name: op for op in graph.get_operations()}
 
   def traced(name: str):
-    copy = _COPY.match(name)
-    return ops.get(copy.group(1)) if copy is not None else made.get(name)
+    original = _expansion.global_name(name)
+    return ops.get(original) if original is not None else made.get(name)
 
   return traced
 

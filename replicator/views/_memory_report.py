@@ -10,14 +10,11 @@ layout.
 
 from __future__ import annotations
 
-import re
-
 import mesh as mesh_lib
 import rewrite
 from replicator.state import _variables
+from rewrite import _expansion
 from rewrite import _partition_report
-
-_COPY = re.compile(r"^expand/replica_\d+/(.*):(\d+)$")  # rewrite._expansion's name of a device's copy
 
 VARIABLES_NOTE = ("variables+slots: the components of the Replicator's variables the step reads or writes, on their "
                   "devices (a variable made outside the Replicator is not counted)")
@@ -81,8 +78,8 @@ def later(step, replicator, config, view: str) -> Once:
   layouts = step.partition.layouts if view == "global" else {}
 
   def layout_of(tensor: str) -> str:
-    copy = _COPY.match(tensor)
-    layout = layouts.get(f"{copy.group(1)}:{copy.group(2)}") if copy is not None else None
+    original = _expansion.global_name(tensor)
+    layout = layouts.get(original) if original is not None else None
     return _partition_report.format_layout(layout) if layout is not None else ""
 
   return Once(lambda: rewrite.analyze_memory(
