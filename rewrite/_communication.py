@@ -87,13 +87,14 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
     source = layouts.get(name)
     if source is None or target is None or source == target or len(source) != len(target):
       return
-    # An op's input is relayouted once per layout (later consumers reuse it, for free); a returned output each time
-    # (the step's outputs are relayouted apart from its ops' inputs).
-    if not returned and (name, target) in done:
+    # An op's input is relayouted once per layout (later consumers reuse it, for free; a variable's read again for
+    # the backward pass: _relayout.reuse_key); a returned output each time (the step's outputs apart).
+    key = _relayout.reuse_key(t, target, op.name)
+    if not returned and key in done:
       steps = _relayout.Steps()
     else:
       if not returned:
-        done.add((name, target))
+        done.add(key)
       steps = _relayout.steps(source, target, t.shape.as_list() if t.shape.rank is not None else None, group)
     yield Relayout(t, source, target, op, index, returned, steps)
     where, op_name = " to return it" if returned else f" (input {index})", op.name

@@ -33,6 +33,7 @@ import re
 import tensorflow as tf
 
 from rewrite import _communication
+from rewrite import _recompute
 
 _CONTRACTIONS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
                  "Conv2DBackpropInput", "Conv2DBackpropFilter", "DepthwiseConv2dNative",
@@ -208,7 +209,8 @@ class _Op:
     self.outputs = tuple((t, t.name) for t in op.outputs)
 
 
-def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, memo: dict | None = None) -> Work:
+def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, memo: dict | None = None,
+         recomputed=()) -> Work:
   """What each device does for ``partition`` of ``graph``: ops, flops, bytes and collectives.
 
   Args:
@@ -219,6 +221,9 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
     ownership: the sharded update's owners (``_partition_owners.Ownership``): their broadcasts, if any.
     memo: a dict kept between calls on one graph and mesh (a layout search's): each tensor's bytes in each
       layout, and each contraction's flops in each decision, are computed once.
+    recomputed: blocks rematerialized (``rewrite._recompute.Block``): their internal saved tensors live
+      until their last forward reader and again from their block's first backward reader to their last
+      reader; their recomputed ops run twice.
   """
   memo = {} if memo is None else memo
   mesh_shape = dict(mesh_shape)
@@ -229,6 +234,15 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
     if found is None:
       found = memo[key] = _nbytes(t, layout, mesh_shape)
     return found
+
+  def cost(op, decision) -> tuple[float, float]:  # (flops, bytes) of one op
+    if op.contraction:
+      key = (op.name, id(decision))
+      if key not in memo:
+        memo[key] = (_flops(op.op, decision, mesh_shape), decision)  # (the decision kept: its id stays its own)
+      return memo[key][0], 0.0
+    return 0.0, (sum(size_of(t, name, layouts.get(name)) for t, name, _ in op.inputs)
+                 + sum(size_of(t, name, layouts.get(name)) for t, name in op.outputs))
 
   devices = math.prod(mesh_shape.values()) if mesh_shape else 1
   layouts = partition.layouts
@@ -246,18 +260,52 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
         for _, name, _ in op.inputs[:len(op.outputs)]:
           last[name] = max([last.get(name, -1)] + ends)
   last = memo["last use"]
+  remade: dict[int, list] = {}  # index -> (bytes, its last reader) of the recomputed tensors made there
+  ends = {}  # a recomputed block's internal saved tensor -> its last forward reader
+  twice = []  # the recomputed ops, again
+  if recomputed:
+    if "backward" not in memo:
+      backward = _recompute.backward_ops([op.op for op in every])
+      memo["backward"] = [op.name in backward for op in every]
+      memo["index"] = {op.name: i for i, op in enumerate(every)}
+      forward_last, backward_first = {}, {}
+      for i, op in enumerate(every):
+        for _, name, _ in op.inputs:
+          if memo["backward"][i]:
+            backward_first.setdefault(name, i)
+          else:
+            forward_last[name] = i
+      memo["forward last"], memo["backward first"] = forward_last, backward_first
+    if "tensors" not in memo:
+      memo["tensors"] = {name: t for op in every for t, name in op.outputs}
+    index, tensors = memo["index"], memo["tensors"]
+    for block in recomputed:
+      starts = [memo["backward first"][t] for t in block.saved if t in memo["backward first"]]
+      if not starts:
+        continue
+      start = min(starts)
+      for t in block.saved:
+        ends[t] = memo["forward last"].get(t, index.get(t.rpartition(":")[0], 0))
+        remade.setdefault(start, []).append((size_of(tensors[t], t, layouts.get(t)) if t in tensors else 0,
+                                             last.get(t, start)))
+      twice += [every[index[name]] for name in block.recomputed if name in index]
   live, peak, freed = 0, 0, {}
   broadcasts = ownership.broadcasts if ownership is not None else {}
   for index, op in enumerate(every):
+    for size, end in remade.get(index, ()):  # a recomputed block's saved tensors, made again before this op
+      live += size
+      peak = max(peak, live)
+      freed[max(end, index)] = freed.get(max(end, index), 0) + size
     decision = partition.decisions.get(op.name)
     if decision is None:
+      live -= freed.pop(index, 0)
       continue
     if not op.free:
       made = kept = 0
       for t, name in op.outputs:
         size = size_of(t, name, layouts.get(name))
         made += size
-        end = last.get(name, -1)
+        end = ends.get(name, last.get(name, -1)) if ends else last.get(name, -1)
         if end > index:
           kept += size
           freed[end] = freed.get(end, 0) + size
@@ -270,14 +318,16 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
                                           size_of(t, name, layouts.get(name)), op.name))
     if not op.free:
       ops += 1
-      if op.contraction:
-        key = (op.name, id(decision))
-        if key not in memo:
-          memo[key] = (_flops(op.op, decision, mesh_shape), decision)  # (the decision kept: its id stays its own)
-        flops += memo[key][0]
-      else:
-        nbytes += sum(size_of(t, name, layouts.get(name)) for t, name, _ in op.inputs)
-        nbytes += sum(size_of(t, name, layouts.get(name)) for t, name in op.outputs)
+      f, b = cost(op, decision)
+      flops += f
+      nbytes += b
+  for op in twice:
+    decision = partition.decisions.get(op.name)
+    if decision is not None and not op.free:
+      ops += 1
+      f, b = cost(op, decision)
+      flops += f
+      nbytes += b
   for event in _communication.walk(graph, partition, outputs, mesh_shape, memo["walked"]):
     if isinstance(event, _communication.Needed):
       size = size_of(event.tensor, event.tensor.name, event.layout) if event.tensor is not None else 0

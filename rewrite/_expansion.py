@@ -320,7 +320,7 @@ class _Expander:
             x = self._local(r, t)
           want = decision.inputs[i] if i < len(decision.inputs) else None
           if want is not None and t.dtype != tf.resource and want != layouts[t.name]:
-            key = (t.name, r, want)  # one relayout per tensor, device and layout, whatever its consumers
+            key = (r, _relayout.reuse_key(t, want, op.name))  # one per tensor, device and layout, mostly
             if key not in self._relayouts:
               self._relayouts[key] = self.relayout(r, x, layouts[t.name], want, t.shape.as_list(), op)
             x = self._relayouts[key]
@@ -451,10 +451,32 @@ _PREFIX = "expand"  # the copies' names: expand/replica_<r>/<op name in the glob
 _COPY = re.compile(rf"^{_PREFIX}/replica_\d+/(.*)$")
 
 
+_MADE = re.compile(r"^replica_(\d+)/(.*)$")  # the ops a rule makes for a copy, in Python: replica_<r>/<op name>/...
+
+
 def global_name(name: str) -> str | None:
   """The global graph's name of a device's copy (a node's or a tensor's name, ``expand/replica_<r>/...``); else None."""
   copy = _COPY.match(name)
   return copy.group(1) if copy is not None else None
+
+
+def made_for(name: str, names) -> tuple[str, str] | None:
+  """(the prefix of its device's copies, the global op) of a node made for a global op in ``names``, else None.
+
+  A node made for a global op is its copy (``expand/replica_<r>/<op>``) or an op its rule made in Python
+  (``replica_<r>/<op>/...``).
+  """
+  copy = _COPY.match(name)
+  if copy is not None:
+    return (name[:len(name) - len(copy.group(1))], copy.group(1)) if copy.group(1) in names else None
+  made = _MADE.match(name)
+  if made is None:
+    return None
+  parts = made.group(2).split("/")
+  for k in range(len(parts) - 1, 0, -1):
+    if "/".join(parts[:k]) in names:
+      return f"{_PREFIX}/replica_{made.group(1)}/", "/".join(parts[:k])
+  return None
 
 
 def _split(ref: str) -> tuple[str, str]:

@@ -64,9 +64,10 @@ VARIABLE_READS = frozenset({"ReadVariableOp"})  # on CPU a read is the variable'
 CONSTANTS = frozenset({"Const", "HostConst"})
 SLICES = frozenset({"Slice", "StridedSlice", "Split", "SplitV"})  # of the step's input: its pieces
 # Elementwise ops whose kernels write into an input's buffer when nothing else reads it (TensorFlow's
-# forward_input_or_allocate_output): the common unary and binary ones, and their gradients'.
+# forward_input_or_allocate_output): the common unary and binary ones, and their gradients'; BiasAdd's kernel
+# forwards its input 0 too (and Grappler fuses a Conv2D's or MatMul's BiasAdd into it: one buffer either way).
 FORWARDING = frozenset({
-    "Abs", "Add", "AddN", "AddV2", "Ceil", "Cos", "Div", "DivNoNan", "Elu", "EluGrad", "Exp",
+    "Abs", "Add", "AddN", "AddV2", "BiasAdd", "BiasAddV1", "Ceil", "Cos", "Div", "DivNoNan", "Elu", "EluGrad", "Exp",
     "Floor", "Gelu", "GeluGrad", "Inv", "Log", "Log1p", "LeakyRelu", "LeakyReluGrad", "Maximum", "Minimum", "Mul",
     "MulNoNan", "Neg", "Pow", "RealDiv", "Reciprocal", "Relu", "Relu6", "Relu6Grad", "ReluGrad", "Round", "Rsqrt",
     "RsqrtGrad", "Selu", "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin", "Softplus", "SoftplusGrad", "Sqrt",

@@ -378,13 +378,20 @@ def _cost(row: RelayoutRow) -> str:
 
 def _search_lines(result) -> list[str]:
   """The automatic layouts' search: each assignment tried (a move from the best so far)."""
+  held = result.bytes_per_device - result.activation_bytes
   lines = [f"\nAutomatic layouts ({len(result.tried)} assignments tried in {result.search_seconds:.1f} s; the chosen "
-           f"one is estimated at {result.seconds * 1e3:.2f} ms a step, {result.bytes_per_device:,} bytes/device of "
-           "variables and slots; each row changes one group's layout, or every group's dimension of one size, from "
-           "the best so far):"]
+           f"one is estimated at {result.seconds * 1e3:.2f} ms a step, {result.bytes_per_device:,} bytes/device: "
+           f"{held:,} of variables and slots, {result.activation_bytes:,} of the step's tensors at their peak; each "
+           "row changes one group's layout, or every group's dimension of one size, from the best so far):"]
+  remat = any(t.remat for t in result.tried)
   rows = [(t.group, format_layout(t.layout) if t.layout else "-", f"{t.seconds * 1e3:.3f} ms",
-           f"{t.bytes_per_device:,}", "yes" if t.fits else "no") for t in result.tried]
-  lines += _table(("group", "layout tried", "estimated step", "bytes/device", "fits"), rows)
+           f"{t.bytes_per_device:,}", "yes" if t.fits else "no") + ((str(len(t.remat)),) if remat else ())
+          for t in result.tried]
+  lines += _table(("group", "layout tried", "estimated step", "bytes/device", "fits")
+                  + (("blocks rematerialized",) if remat else ()), rows)
+  if result.remat:
+    lines.append(f"Rematerialized to fit the memory budget: {len(result.remat)} block(s), their activations "
+                 f"computed again in the backward pass (in the estimate above): {', '.join(result.remat)}.")
   fitting = [t for t in result.tried if t.fits]
   others = sorted((t for t in fitting if t.seconds > result.seconds), key=lambda t: t.seconds)
   why = f"Chosen: the lowest estimate of the {len(fitting)} assignment(s) that fit"

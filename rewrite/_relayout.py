@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rewrite import _memory
+
 
 @dataclasses.dataclass(frozen=True)
 class Steps:
@@ -52,3 +54,16 @@ def steps(have, want, global_shape, axis_size) -> Steps:
         break
   gathered = tuple((d, tuple(c)) for d, (c, w) in enumerate(zip(current, want)) if c and c != w)
   return Steps(tuple(moved), gathered)
+
+
+def reuse_key(tensor, target, consumer: str) -> tuple:
+  """What a relayout of ``tensor`` to ``target`` for the op ``consumer`` is shared by .
+
+  One relayout per tensor and layout serves every consumer after the first, except a variable's read
+  relayouted for the backward pass: the backward pass makes its own (an FSDP kernel gathered again for its
+  gradient, as PyTorch's FSDP and ZeRO-3 do, instead of the forward pass's gathered kernel held through the
+  step; ``rewrite._deferred`` makes it wait for the backward pass). One more collective a step, a layer's
+  kernel less held from the forward pass to the backward pass.
+  """
+  backward = tensor.op.type == "ReadVariableOp" and _memory.is_backward(consumer)
+  return (tensor.name, target, backward)

@@ -85,6 +85,7 @@ class Scored:
     group: the group whose choice changed; or a joint move's description
       (``dimensions of size 512 over 'model' (2 groups)``), or ``start``.
     layout: the group's layout tried (empty for a joint move or a start).
+    remat: the blocks ``evaluate`` rematerialized for it to fit (their scopes).
   """
 
   group: str
@@ -92,6 +93,7 @@ class Scored:
   seconds: float
   bytes_per_device: int
   fits: bool
+  remat: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,7 @@ class Result:
     tried: every evaluated assignment, in order.
     search_seconds: how long the search took.
     activation_bytes: of ``bytes_per_device``, the step's tensors' (what ``evaluate`` adds).
+    remat: the blocks rematerialized with the chosen layouts (what ``evaluate`` chose for them).
   """
 
   layouts: dict
@@ -114,6 +117,7 @@ class Result:
   tried: tuple
   search_seconds: float
   activation_bytes: int = 0
+  remat: tuple = ()
 
 
 class BudgetError(ValueError):
@@ -217,7 +221,8 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
     variables: name -> :class:`Variable`.
     mesh_shape: axis name -> size.
     evaluate: an assignment (name -> layout, every variable) -> its estimated seconds, or (its estimated
-      seconds, the bytes of the step's tensors a device holds besides the variables).
+      seconds, the bytes of the step's tensors a device holds besides the variables), or (those, and the
+      blocks it rematerialized to get there).
     batch_axes: the mesh axes the batch is split over.
     memory_per_device: the bytes a device may hold: variables (and their copies), what ``evaluate`` adds and
       ``held_besides``; None: no limit.
@@ -251,16 +256,15 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
     key = tuple(sorted(choice.items()))
     if key not in cache:
       layouts = assignment(choice)
-      seconds = evaluate(layouts)
-      seconds, activations = seconds if isinstance(seconds, tuple) else (seconds, 0)
+      seconds, activations, remat = _evaluated(evaluate(layouts))
       memory = bytes_per_device(variables, layouts, mesh_shape) + activations
       fits = memory_per_device is None or memory + held_besides <= memory_per_device
-      cache[key] = (seconds, memory, fits, activations)
-      tried.append(Scored(label, layout, *cache[key][:3]))
+      cache[key] = (seconds, memory, fits, activations, remat)
+      tried.append(Scored(label, layout, *cache[key][:3], remat))
     return cache[key]
 
   def rank(r):  # fitting ones by time (then bytes); the others by bytes, to move towards the budget
-    seconds, memory, fits, _ = r
+    seconds, memory, fits = r[:3]
     return (0, seconds, memory) if fits else (1, memory, seconds)
 
   def better(a, b):
@@ -291,13 +295,12 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
     return choice, best
 
   if not order:
-    seconds = evaluate({})
-    seconds, activations = seconds if isinstance(seconds, tuple) else (seconds, 0)
+    seconds, activations, remat = _evaluated(evaluate({}))
     if memory_per_device is not None and activations + held_besides > memory_per_device:
       raise BudgetError(f"The step's tensors take {activations:,} bytes a device (and the variables "
                         f"{held_besides:,}), above memory_per_device={memory_per_device:,}, and it has no variable "
                         "large enough to split. Fix: raise memory_per_device or use a smaller batch.")
-    return Result({}, seconds, activations, (), time.perf_counter() - start, activations)
+    return Result({}, seconds, activations, (), time.perf_counter() - start, activations, remat)
   choice, best = None, None
   for seed in _seeds(options, mesh_shape, batch_axes):
     found, result = descend(seed)
@@ -313,6 +316,18 @@ def search(variables: Mapping[str, Variable], mesh_shape: Mapping[str, int], eva
     raise BudgetError(
         f"No layout found keeps a device within memory_per_device={memory_per_device:,} bytes: the smallest "
         f"footprint found is {smallest:,} bytes ({held:,} of variables and their optimizer slots, {smallest - held:,} "
-        f"of the step's tensors at their peak), the largest variables {largest}. Fix: raise memory_per_device, "
+        f"of the step's tensors at their peak{_with_remat(best[4])}), the largest variables {largest}. Fix: raise "
+        "memory_per_device, "
         "use a larger mesh or a smaller batch, or split the variables over more axes.")
-  return Result(assignment(choice), best[0], best[1], tuple(tried), time.perf_counter() - start, best[3])
+  return Result(assignment(choice), best[0], best[1], tuple(tried), time.perf_counter() - start, best[3], best[4])
+
+
+def _evaluated(found) -> tuple[float, int, tuple]:
+  """(seconds, the step's tensors' bytes, the blocks rematerialized) of what ``evaluate`` returned."""
+  if not isinstance(found, tuple):
+    return found, 0, ()
+  return (found + (0, ()))[:2] + ((found[2] if len(found) > 2 else ()),)
+
+
+def _with_remat(remat: tuple) -> str:
+  return f", with {len(remat)} block(s) rematerialized" if remat else ""

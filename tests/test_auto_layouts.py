@@ -156,3 +156,91 @@ def test_automatic_layouts_need_the_global_view_and_a_budget_needs_them():
   with pytest.raises(replicator.ArgumentError, match=r"memory_per_device=1000\) bounds the layouts a search "
                      r"chooses, but layouts=None were given\. Fix: pass layouts='auto'"):
     replicator.Replicator(mesh=mesh.Mesh(MESH, devices=cpus(4)), view="global", memory_per_device=1000)
+
+
+ROWS, WIDTH, BLOCKS = 1024, 64, 4  # activations dominate: 512 rows a device, each block's 4x-wide hidden layer
+
+
+class _Block(keras.layers.Layer):
+  """A residual feed-forward block: Dense(4 x width, relu), Dropout, Dense(width), residual, LayerNormalization."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.up = keras.layers.Dense(4 * WIDTH, activation="relu")
+    self.drop = keras.layers.Dropout(0.25, seed=3)
+    self.down = keras.layers.Dense(WIDTH)
+    self.norm = keras.layers.LayerNormalization()
+
+  def call(self, x, training=None):
+    return self.norm(x + self.down(self.drop(self.up(x), training=training)))
+
+
+def _blocks_model():
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input((WIDTH,))] + [_Block(name=f"block{i}") for i in range(BLOCKS)]
+                          + [keras.layers.Dense(16, name="head")])
+
+
+def _blocks_data(reverse=False):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, ROWS, WIDTH)).astype("float32")
+  y = rng.integers(0, 16, size=(3, ROWS)).astype("int32")
+  if reverse:
+    x, y = x[:, ::-1], y[:, ::-1]
+  return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def _blocks_one_device(reverse=False):
+  with tf.device(cpus(2)[0]):
+    model, optimizer = _blocks_model(), keras.optimizers.Adam(1e-2)
+  step = tf.function(keras_step(model, optimizer))
+  losses = [float(step(batch)) for batch in _blocks_data(reverse)]
+  return model, optimizer, losses
+
+
+def _blocks_auto(budget):
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2}, devices=cpus(2)), view="global", layouts="auto",
+                               memory_per_device=budget)
+  with repl.context():
+    model, optimizer = _blocks_model(), keras.optimizers.Adam(1e-2)
+  step = keras_step(model, optimizer)
+  return repl, model, optimizer, step
+
+
+def test_a_budget_only_remat_meets_rematerializes_blocks_and_trains_as_on_one_device():
+  one, one_opt, expected = _blocks_one_device()
+  other, other_opt, _ = _blocks_one_device(reverse=True)
+  noise = max(float(np.max(np.abs(a.numpy() - b.numpy())))
+              for a, b in zip(one.weights + one_opt.variables, other.weights + other_opt.variables))
+  unbounded, _, _, step = _blocks_auto(None)
+  unbounded.explain(step, _blocks_data())
+  free = unbounded._layouts.auto.result  # pylint: disable=protected-access
+  assert not free.remat
+  # Splitting the variables (FSDP: the batch axis is the mesh's only one) saves at most their half, far less
+  # than half the step's tensors: only rematerialization gets there.
+  budget = free.bytes_per_device - free.activation_bytes // 2
+  repl, model, optimizer, step = _blocks_auto(budget)
+  plan = repl.explain(step, _blocks_data())
+  result = repl._layouts.auto.result  # pylint: disable=protected-access
+  assert 0 < len(result.remat) < BLOCKS and result.bytes_per_device <= budget
+  assert f"Rematerialized to fit the memory budget: {len(result.remat)} block(s)" in str(plan)
+  # The built step, as the memory report reads it: a rematerialized block keeps its output only (the next block's
+  # input), the others their internal tensors as well (hand-derived: the hidden layer, its Dropout mask and output,
+  # the residual sum, LayerNormalization's product, three per-row statistics; 512 rows a device).
+  rows = ROWS // 2
+  internal = rows * (4 * WIDTH * 4 * 2 + 4 * WIDTH + WIDTH * 4 * 2) + 3 * rows * 4
+  output = rows * WIDTH * 4
+  for device in ("CPU:0", "CPU:1"):
+    saved = plan.memory.saved_on(device)
+    for i in range(BLOCKS):
+      scope = f"/block{i}"
+      kept = sum(s.bytes for s in saved if s.kind == "activation" and scope in s.tensor)
+      rematerialized = any(scope.strip("/") in name.rpartition("/")[2] for name in result.remat)
+      assert kept == (output if rematerialized else internal + output), (i, kept)
+  # The search's estimate of the step's tensors at their peak, against the report's liveness (ops in the graph's
+  # order there; as the executor makes them ready here).
+  for device in plan.memory.devices:
+    assert abs(device.step_peak_bytes / result.activation_bytes - 1) < 0.10
+  losses = [float(repl.run(step, _blocks_data())) for _ in range(3)]
+  np.testing.assert_allclose(losses, expected, atol=10 * noise + 1e-7)
+  assert_every_copy(model.weights + optimizer.variables, one.weights + one_opt.variables, atol=10 * noise + 1e-7)

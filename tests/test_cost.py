@@ -133,3 +133,39 @@ def test_splitting_the_hidden_layers_costs_less_compute_a_device_than_replicatin
   assert split.flops < replicated.flops  # the hidden layers' products on half the units a device
   assert len(split.collectives) > len(replicated.collectives)
   assert split.estimate(machine).compute_seconds < replicated.estimate(machine).compute_seconds
+
+
+def test_a_rematerialized_block_frees_its_saved_tensors_and_runs_its_forward_ops_twice():
+  # Three blocks of u = relu(h @ w) [512, 256] and h' = h + u @ v [512, 64] under a tape: each keeps relu for
+  # the backward pass (internal), and its input h (the block before it: kept).
+  from rewrite import _recompute  # pylint: disable=import-outside-toplevel
+
+  def fn(x, w0, v0, w1, v1, w2, v2):
+    weights = [(w0, v0), (w1, v1), (w2, v2)]
+    with tf.GradientTape() as tape:
+      tape.watch(weights)
+      h = x
+      for i, (w, v) in enumerate(weights):
+        with tf.name_scope(f"block{i}"):
+          h = h + tf.matmul(tf.nn.relu(tf.matmul(h, w)), v)
+      loss = tf.reduce_sum(h)
+    return tape.gradient(loss, weights)
+
+  specs = [tf.TensorSpec([512, 64])] + [tf.TensorSpec([64, 256]), tf.TensorSpec([256, 64])] * 3
+  graph = tf.function(fn, autograph=False).get_concrete_function(*specs).graph
+  m = mesh.Mesh({"batch": 1}, devices=cpus(1))
+  part = _partition.propagate(graph, m, {t.name: ((),) * 2 for t in graph.inputs})
+  blocks = _recompute.blocks(graph)
+  assert [b.scope for b in blocks] == ["block0", "block1", "block2"]
+  plain = _cost.work(graph, part, {"batch": 1}, graph.outputs)
+  every = _cost.work(graph, part, {"batch": 1}, graph.outputs, recomputed=blocks)
+  one = _cost.work(graph, part, {"batch": 1}, graph.outputs, recomputed=blocks[:1])
+  relu = 512 * 256 * 4
+  # Two of three relus are no longer held through the forward pass at its end (the last block's, recomputed at
+  # once, is made as before); the first block's alone, one.
+  assert plain.peak_bytes - every.peak_bytes >= 2 * relu
+  assert plain.peak_bytes - one.peak_bytes >= relu
+  # Again: each block's first product (2 x 512 x 64 x 256 flops), which the relu needs; not the second (its sum
+  # with h is the next block's input, kept).
+  assert every.flops - plain.flops == 3 * (2 * 512 * 64 * 256)
+  assert every.ops > plain.ops

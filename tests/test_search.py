@@ -119,3 +119,16 @@ def test_a_joint_move_another_split_blocks_is_tried_with_that_group_replicated()
   assert result.seconds == 6 and not split(result.layouts["p"]) and split(result.layouts["q"])
   released = [t for t in result.tried if t.group == "dimensions of size 16 over 'model' (2 groups), p replicated"]
   assert released and released[0].seconds == 6
+
+
+def test_what_evaluate_rematerialized_is_kept_with_the_assignment():
+  variables, evaluate = _mlp()
+
+  def with_remat(layouts):  # a fixed remat choice, reported back with each assignment
+    seconds = evaluate(layouts)
+    seconds = seconds[0] if isinstance(seconds, tuple) else seconds
+    return seconds, 1000, ("block0",)
+
+  result = _search.search(variables, MESH, with_remat, batch_axes=("batch",))
+  assert result.remat == ("block0",) and all(t.remat == ("block0",) for t in result.tried)
+  assert result.activation_bytes == 1000

@@ -30,6 +30,7 @@ from replicator.core import _gc
 from replicator.state import _variables
 from rewrite import _cost
 from rewrite import _partition
+from rewrite import _recompute
 from rewrite import _search
 
 SMALL = 0.01  # variables below this fraction of the largest one's bytes stay replicated
@@ -97,6 +98,23 @@ def _following(companions: dict, layouts: dict) -> dict:
   return {name: layouts[leader][-rank:] for name, (leader, rank) in companions.items() if leader in layouts}
 
 
+def remat_order(graph) -> list:
+  """The blocks the search may rematerialize (``rewrite._recompute.blocks``), in the order it takes them.
+
+  The most bytes saved first; of equal ones, the first in the step (every transformer block saves as much: the
+  first ones are taken).
+  """
+  found = _recompute.blocks(graph)
+  sizes = {}
+  for block in found:
+    total = 0
+    for name in block.saved:
+      t = graph.get_tensor_by_name(name)
+      total += (t.shape.num_elements() or 0) * t.dtype.size if t.shape.is_fully_defined() else 0
+    sizes[block.scope] = total
+  return sorted(found, key=lambda b: -sizes[b.scope])
+
+
 def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes,
            variables: dict) -> None:
   """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner.
@@ -128,16 +146,44 @@ def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, s
     path = _path(v)
     searched[name] = _search.Variable(tuple(v.shape.as_list()), sizes[name], group_of(path),
                                       copies=1 + slots.get(id(v), 0))
+  shapes: dict[str, set] = {}
+  for v in searched.values():
+    shapes.setdefault(v.group, set()).add(v.shape)
+  for name, v in searched.items():  # one path for variables of several shapes (a block's two Dense kernels,
+    if len(shapes[v.group]) > 1:    # when the path keeps the block's name only): a group per shape
+      searched[name] = dataclasses.replace(v, group=f"{v.group} {list(v.shape)}")
   companions = _companions(small, {name: variables[name] for name in searched})  # (in the budget: counted whole)
 
   propagate, memo = _partition.propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True), {}
-
-  def evaluate(layouts: dict) -> tuple[float, int]:  # (seconds, the step's tensors' bytes at their peak)
-    partition = propagate({**given, **layouts, **_following(companions, layouts)})
-    work = _cost.work(graph, partition, mesh.shape, graph.outputs, memo=memo)
-    return work.estimate(machine).seconds, int(work.peak_bytes)
-
   budget = auto.memory_per_device
+  blocks = remat_order(graph) if budget is not None else []
+
+  def evaluate(layouts: dict) -> tuple[float, int, tuple]:
+    """(seconds, the step's tensors' bytes at their peak, the blocks rematerialized for them to fit)."""
+    partition = propagate({**given, **layouts, **_following(companions, layouts)})
+    priced = {}
+
+    def priced_with(k: int):  # the first k blocks rematerialized
+      if k not in priced:
+        work = _cost.work(graph, partition, mesh.shape, graph.outputs, memo=memo, recomputed=blocks[:k])
+        priced[k] = (work.estimate(machine).seconds, int(work.peak_bytes))
+      return priced[k]
+
+    seconds, peak = priced_with(0)
+    room = None if budget is None else budget - fixed_bytes - _search.bytes_per_device(searched, layouts, mesh.shape)
+    if room is None or peak <= room or not blocks:
+      return seconds, peak, ()
+    low, high = 1, len(blocks)  # the fewest blocks that fit (the peak falls as blocks are added)
+    if priced_with(high)[1] > room:
+      return (*priced_with(high), tuple(b.scope for b in blocks))
+    while low < high:
+      middle = (low + high) // 2
+      if priced_with(middle)[1] <= room:
+        high = middle
+      else:
+        low = middle + 1
+    return (*priced_with(low), tuple(b.scope for b in blocks[:low]))
+
   if budget is not None and budget < fixed_bytes:
     raise _errors.ArgumentError(
         f"Replicator(layouts='auto', memory_per_device={budget:,}): the variables that stay replicated (small "
@@ -148,7 +194,7 @@ def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, s
                               held_besides=fixed_bytes)
   except _search.BudgetError as e:
     raise _errors.ArgumentError(f"Replicator(layouts='auto', memory_per_device={budget:,}): {e}") from None
-  chosen, relaid = {}, {}
+  chosen, relaid, ambiguous = {}, {}, set()
   for name, layout in result.layouts.items():
     v = variables[name]
     path = _path(v)
@@ -156,7 +202,10 @@ def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, s
     v.relayout(layout, chosen_by=f"auto ({searched[name].group})")
     relaid[id(v)] = v
     if not layout.is_fully_replicated:  # one key per group: any number where the path has one (every block)
-      chosen[key_of(path)] = layout.spec
+      key = key_of(path)
+      if chosen.get(key, layout.spec) != layout.spec:  # variables of several shapes and layouts: not by path
+        ambiguous.add(key)
+      chosen[key] = layout.spec
   for name, layout in _following(companions, result.layouts).items():  # biases as their kernels
     v, leader = variables[name], variables[companions[name][0]]
     layout = mesh_lib.Layout(layout, mesh)
@@ -168,6 +217,7 @@ def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, s
     reference = _variables.slot_reference(v)
     if reference is not None and id(reference) in relaid and v.shape == reference.shape:
       v.relayout(reference.sharding, chosen_by=f"as {reference.name.split(':')[0]} (a slot)")
+  chosen = {key: spec for key, spec in chosen.items() if key not in ambiguous}
   layouts.chosen(mesh_lib.LayoutMap(chosen) if chosen else None)
   followed = {name: _search.Variable(tuple(variables[name].shape.as_list()), sizes[name], "",
                                      copies=1 + slots.get(id(variables[name]), 0)) for name in companions}

@@ -48,7 +48,9 @@ from rewrite import _expansion
 from rewrite import _partition
 from rewrite import _partition_owners
 from rewrite import _partition_report
+from rewrite import _deferred
 from rewrite import _propagation
+from rewrite import _recompute
 
 NOT_DATASET = (
     "repl.run(step_fn, {what}) in the global view takes a tf.data.Dataset of global batches (each "
@@ -412,9 +414,19 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     expansion = _expansion.expand(graph, mesh, partition, local_inputs, graph.outputs,
                                   locate=_primitives.location_of, ownership=ownership,
                                   only=None if len(local) == n else local)
-  partition_plan = rewrite.plan(expansion.records, mesh, config.lowering_for)  # what repl.explain shows
+  expanded, records = expansion.graph_def, expansion.records
+  if auto is not None and auto.result is not None and auto.result.remat:  # blocks the search rematerialized
+    chosen = [b for b in _recompute.blocks(graph) if b.scope in auto.result.remat]
+    position = {op.name: i for i, op in enumerate(graph.get_operations())}
+    rematerialized = _recompute.rematerialize(expanded, chosen, records=records, position=position)
+    expanded, records = rematerialized.graph_def, rematerialized.records
+  # A gather for the backward pass alone (an FSDP kernel's) runs as the backward pass nears it, not at the start;
+  # a random draw of the forward pass as its layer runs (rewrite._deferred).
+  deferred = _deferred.defer(expanded, records)
+  expanded, _ = _deferred.defer_draws(deferred.graph_def)
+  partition_plan = rewrite.plan(deferred.records, mesh, config.lowering_for)  # what repl.explain shows
   # Independent all-reduces across processes as one (each pays a round trip); what runs.
-  fused_def, plan = rewrite.fuse(expansion.graph_def, partition_plan, config.lowerings)
+  fused_def, plan = rewrite.fuse(expanded, partition_plan, config.lowerings)
   rewritten = rewrite.apply(fused_def, plan, config.lowerings)
   # A captured value the expansion never reads has no node (a Feed is made where it is used): nothing to feed.
   present = {node.name for node in rewritten.graph_def.node}

@@ -1,0 +1,92 @@
+"""A step's backward pass in its ``GraphDef``: which nodes are of it, and when it reaches a node.
+
+Two rewrites make work wait for the backward pass instead of running it as
+soon as its inputs exist (TensorFlow's executor runs any op whose inputs are
+ready): a rematerialized block's recomputation (``rewrite._recompute``), and a
+collective that gathers a forward value for the backward pass alone, such as
+an FSDP kernel's all-gather (``rewrite._deferred``). Both wait on the same
+nodes, :meth:`Flow.triggers`: the backward nodes that make the other inputs of
+the readers (the gradient arriving at a layer), of which none depends on the
+readers.
+
+A node is of the backward pass as ``rewrite._memory`` counts it: under a
+``gradient_tape``/``gradients`` name scope, or reading a tensor of such a node
+(the tape's sums of gradients, an optimizer's update).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+from rewrite import _memory
+
+
+def node_of(ref: str) -> str:
+  """``"^a"``, ``"a:1"``, ``"a"`` -> ``"a"``."""
+  return ref.lstrip("^").partition(":")[0]
+
+
+class Flow:
+  """The nodes of a ``GraphDef`` (changed in place), their readers and which of them are backward."""
+
+  def __init__(self, graph_def):
+    self.graph_def = graph_def
+    self.nodes = {node.name: node for node in graph_def.node}
+    self.readers: dict[str, set[str]] = collections.defaultdict(set)
+    for node in graph_def.node:
+      for ref in node.input:
+        self.readers[node_of(ref)].add(node.name)
+    self.backward: set[str] = set()
+    listed = list(graph_def.node)
+    for i in _memory.topological_order(graph_def, "created"):
+      node = listed[i]
+      if _memory.is_backward(node.name) or any(node_of(ref) in self.backward for ref in node.input
+                                                 if not ref.startswith("^")):
+        self.backward.add(node.name)
+
+  def data_readers(self, name: str) -> list[str]:
+    """The nodes reading an output of ``name`` (not by a control edge), in name order."""
+    return sorted(r for r in self.readers.get(name, ()) if any(
+        node_of(ref) == name for ref in self.nodes[r].input if not ref.startswith("^")))
+
+  def after(self, names: Iterable[str]) -> set[str]:
+    """``names`` and every node that depends on one of them."""
+    found, stack = set(), list(names)
+    while stack:
+      name = stack.pop()
+      if name not in found:
+        found.add(name)
+        stack += [r for r in self.readers.get(name, ()) if r not in found]
+    return found
+
+  def triggers(self, consumers: Iterable[str], besides: Iterable[str] = ()) -> list[str]:
+    """The backward nodes making the data inputs of ``consumers`` that depend on none of them (nor ``besides``).
+
+    Work given a control input on each waits until the backward pass reaches the consumers: the gradient
+    arriving at them exists. Empty: nothing of the backward pass precedes them.
+    """
+    consumers = list(consumers)
+    besides = set(besides)
+    after = self.after(consumers)
+    return sorted({node_of(ref) for r in consumers for ref in self.nodes[r].input if not ref.startswith("^")
+                   and node_of(ref) in self.backward and node_of(ref) not in after
+                   and node_of(ref) not in besides})
+
+  def add(self, node) -> None:
+    """Adds ``node`` (a ``NodeDef``) to the graph."""
+    added = self.graph_def.node.add()
+    added.CopyFrom(node)
+    self.nodes[added.name] = added
+    for ref in added.input:
+      self.readers[node_of(ref)].add(added.name)
+
+  def rewire(self, name: str, refs: list[str]) -> None:
+    """Sets the inputs of node ``name`` to ``refs``."""
+    node = self.nodes[name]
+    for ref in node.input:
+      self.readers[node_of(ref)].discard(name)
+    del node.input[:]
+    node.input.extend(refs)
+    for ref in refs:
+      self.readers[node_of(ref)].add(name)
