@@ -34,21 +34,33 @@ class Flow:
     self.graph_def = graph_def
     self.nodes = {node.name: node for node in graph_def.node}
     self.readers: dict[str, set[str]] = collections.defaultdict(set)
+    data: dict[str, list[str]] = collections.defaultdict(list)  # node -> the nodes reading an output of it
+    seeds = []
     for node in graph_def.node:
       for ref in node.input:
-        self.readers[node_of(ref)].add(node.name)
-    self.backward: set[str] = set()
-    listed = list(graph_def.node)
-    for i in _memory.topological_order(graph_def, "created"):
-      node = listed[i]
-      if _memory.is_backward(node.name) or any(node_of(ref) in self.backward for ref in node.input
-                                                 if not ref.startswith("^")):
-        self.backward.add(node.name)
+        source = node_of(ref)
+        self.readers[source].add(node.name)
+        if not ref.startswith("^"):
+          data[source].append(node.name)
+      if "gradient" in node.name and _memory.is_backward(node.name):
+        seeds.append(node.name)
+    self._data = data
+    self.backward = self.closure(seeds)
+
+  def closure(self, seeds: Iterable[str]) -> set[str]:
+    """``seeds`` and every node reading (by a data edge) an output of one, transitively."""
+    stack = list(seeds)
+    found = set(stack)
+    while stack:
+      for r in self._data.get(stack.pop(), ()):
+        if r not in found:
+          found.add(r)
+          stack.append(r)
+    return found
 
   def data_readers(self, name: str) -> list[str]:
     """The nodes reading an output of ``name`` (not by a control edge), in name order."""
-    return sorted(r for r in self.readers.get(name, ()) if any(
-        node_of(ref) == name for ref in self.nodes[r].input if not ref.startswith("^")))
+    return sorted(set(self._data.get(name, ())))
 
   def after(self, names: Iterable[str]) -> set[str]:
     """``names`` and every node that depends on one of them."""
@@ -80,13 +92,19 @@ class Flow:
     self.nodes[added.name] = added
     for ref in added.input:
       self.readers[node_of(ref)].add(added.name)
+      if not ref.startswith("^"):
+        self._data[node_of(ref)].append(added.name)
 
   def rewire(self, name: str, refs: list[str]) -> None:
     """Sets the inputs of node ``name`` to ``refs``."""
     node = self.nodes[name]
     for ref in node.input:
       self.readers[node_of(ref)].discard(name)
+      if not ref.startswith("^") and name in self._data.get(node_of(ref), ()):
+        self._data[node_of(ref)].remove(name)
     del node.input[:]
     node.input.extend(refs)
     for ref in refs:
       self.readers[node_of(ref)].add(name)
+      if not ref.startswith("^"):
+        self._data[node_of(ref)].append(name)

@@ -32,7 +32,6 @@ import dataclasses
 import tensorflow as tf
 
 from rewrite import _backward
-from rewrite import _memory
 
 # The scope of the Identity a deferred collective reads its input through: under gradient_tape, so that the memory
 # report counts it with the backward pass (and what it reads as saved for it).
@@ -54,12 +53,13 @@ class Deferred:
   deferred: tuple[str, ...]
 
 
-def defer(graph_def, records) -> Deferred:
+def defer(graph_def, records, draws: bool = False) -> Deferred:
   """``graph_def`` with each collective of the backward pass alone waiting for it (see the module).
 
   Args:
     graph_def: a global view's expansion, its collectives as placeholders.
     records: per device its placeholders' records (``rewrite._placeholders.Placeholder``), or None.
+    draws: also make the forward pass's random draws wait (:func:`defer_draws`, on the same graph).
   """
   out = tf.compat.v1.GraphDef()
   out.CopyFrom(graph_def)
@@ -90,10 +90,13 @@ def defer(graph_def, records) -> Deferred:
       identity.input.append(record.input)
       identity.input.extend("^" + t for t in early)
       flow.add(identity)
+      flow.backward.add(identity.name)
       replaced[record.node] = dataclasses.replace(record, input=f"{identity.name}:0")
       deferred.append(record.node)
   new_records = [None if device_records is None else [replaced.get(r.node, r) for r in device_records]
                  for device_records in records]
+  if draws and any(node.op in RANDOM for node in out.node):
+    defer_draws(out, flow)
   return Deferred(out, new_records, tuple(deferred))
 
 
@@ -110,19 +113,11 @@ _LOOK_AHEAD = 16  # readers followed from a draw to the first one that meets the
 
 def _data_nodes(flow: _backward.Flow) -> set[str]:
   """The nodes that depend on the step's data: its inputs' placeholders, collectives' results (not handles)."""
-  found = set()
-  listed = list(flow.graph_def.node)
-  for i in _memory.topological_order(flow.graph_def, "created"):
-    node = listed[i]
-    if node.op == "Placeholder":
-      if node.attr["dtype"].type != tf.resource.as_datatype_enum:
-        found.add(node.name)
-    elif any(_backward.node_of(ref) in found for ref in node.input if not ref.startswith("^")):
-      found.add(node.name)
-  return found
+  return flow.closure(node.name for node in flow.graph_def.node if node.op == "Placeholder"
+                      and node.attr["dtype"].type != tf.resource.as_datatype_enum)
 
 
-def defer_draws(graph_def) -> tuple[tf.compat.v1.GraphDef, int]:
+def defer_draws(graph_def, flow: _backward.Flow | None = None) -> tuple[tf.compat.v1.GraphDef, int]:
   """``graph_def`` with each forward random draw waiting for the activation it meets; and how many wait.
 
   A draw's inputs (its seeds, its shape) exist when the step starts, so TensorFlow's executor makes every
@@ -130,11 +125,15 @@ def defer_draws(graph_def) -> tuple[tf.compat.v1.GraphDef, int]:
   with ``repl.memory`` on four rematerialized blocks with Dropout: the four draws were the peak). A draw gets
   control inputs on the nodes making the data inputs of its first readers that meet the step's data (the
   activation a Dropout masks; readers of the forward pass only), of which none depends on the draw: it is made
-  as its layer runs.
+  as its layer runs. ``flow``: the graph's (changed in place), if the caller has one; else ``graph_def`` is copied.
   """
-  out = tf.compat.v1.GraphDef()
-  out.CopyFrom(graph_def)
-  flow = _backward.Flow(out)
+  if flow is None:
+    if not any(node.op in RANDOM for node in graph_def.node):
+      return graph_def, 0
+    out = tf.compat.v1.GraphDef()
+    out.CopyFrom(graph_def)
+    flow = _backward.Flow(out)
+  out = flow.graph_def
   data = _data_nodes(flow)
   count = 0
   for name in [n.name for n in out.node if n.op in RANDOM and n.name not in flow.backward and n.name not in data]:

@@ -422,8 +422,8 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     expanded, records = rematerialized.graph_def, rematerialized.records
   # A gather for the backward pass alone (an FSDP kernel's) runs as the backward pass nears it, not at the start;
   # a random draw of the forward pass as its layer runs (rewrite._deferred).
-  deferred = _deferred.defer(expanded, records)
-  expanded, _ = _deferred.defer_draws(deferred.graph_def)
+  deferred = _deferred.defer(expanded, records, draws=True)
+  expanded = deferred.graph_def
   partition_plan = rewrite.plan(deferred.records, mesh, config.lowering_for)  # what repl.explain shows
   # Independent all-reduces across processes as one (each pays a round trip); what runs.
   fused_def, plan = rewrite.fuse(expanded, partition_plan, config.lowerings)
