@@ -21,6 +21,9 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator._multiworker import MultiWorkerReplicator
   from replicator._replicator import Replicator
   from replicator.core._context import current
+  from replicator.core._sequence import sequence_positions
+  from replicator.core._sequence import shard_sequence
+  from replicator.core._sequence import unshard_sequence
   from replicator.core._errors import ArgumentError
   from replicator.core._errors import ArgumentTypeError
   from replicator.core._errors import CheckpointDamagedError
@@ -81,7 +84,10 @@ __all__ = (
     "distribution_replicator",
     "enable_keras_distribution",
     "remat",
+    "sequence_positions",
+    "shard_sequence",
     "testing",
+    "unshard_sequence",
     "virtual_cpus",
 )
 
@@ -102,6 +108,7 @@ _MODULES = {
         "OutputMismatchError", "ReplicaContextError", "ReplicaInvarianceError", "ReplicasDivergedError",
         "ReplicatorError", "StepFailedError", "UnreplicatedStateError", "UnsupportedError", "VariableCreationError",
         "WorkerUnavailableError"),
+    "replicator.core._sequence": ("sequence_positions", "shard_sequence", "unshard_sequence"),
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),

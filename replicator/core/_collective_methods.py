@@ -12,7 +12,9 @@ import tensorflow as tf
 
 from replicator.core import _context
 from replicator.core import _errors
+from replicator.core import _halo
 from replicator.core import _primitives
+from replicator.core import _ring_attention
 
 
 @_context.no_autograph
@@ -165,6 +167,75 @@ class CollectiveMethods:
     """
     ctx = _primitives.require_context(self, "permute")
     return _primitives.permute(ctx, x, perm, self._axes(axis), _primitives.user_location())
+
+  def halo_exchange(self, x, *, axis=None, dim: int, width, periodic: bool = False):
+    """``x``, a tile of a dimension split over ``axis``, extended by its neighbours' boundary rows along ``dim``.
+
+    Each member gets ``before`` rows of its predecessor's tile (group position minus one) before its own and
+    ``after`` rows of its successor's after it (``width``: an int for both, or ``(before, after)``); the first
+    and last members get zeros there (a ``"SAME"`` convolution's padding), or, with ``periodic``, the other
+    end's rows. Two point-to-point ``permute``s of the boundary rows; their gradients flow back the same way.
+    A ``"VALID"`` convolution of the extended tile is then the tile of the whole image's ``"SAME"``
+    convolution (an odd kernel ``k`` at stride 1: ``width=(k - 1) // 2``). Split over two axes, exchange the
+    rows, then the columns of the result (the corners come with it).
+
+    Examples:
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> def step_fn():
+      ...   tile = tf.fill([2], repl.replica_id + 1)     # rows [1, 1] on device 0, [2, 2] on device 1
+      ...   return repl.halo_exchange(tile, dim=0, width=1)
+      >>> [t.numpy().tolist() for t in repl.run(step_fn)]
+      [[0, 1, 1, 2], [1, 2, 2, 0]]
+
+    Args:
+      x: a tensor, this member's tile.
+      axis: mesh axis name or tuple of names that split the dimension (default: all).
+      dim: the tensor dimension split over ``axis``.
+      width: rows wanted from each neighbour: an int, or ``(before, after)``.
+      periodic: whether the first and last members are neighbours.
+    """
+    ctx = _primitives.require_context(self, "halo_exchange")
+    return _halo.halo_exchange(ctx, x, dim, width, self._axes(axis), periodic, _primitives.user_location())
+
+  def ring_attention(self, q, k, v, *, axis=None, causal: bool = False, order: str = "contiguous",
+                     key_mask=None, scale=None):
+    """Attention over a sequence split over ``axis``: this member's queries against every member's keys.
+
+    ``q``, ``k``, ``v``: this member's tokens, ``[batch, tokens, heads, head size]``; the result is this
+    member's rows of ``softmax(q k^T * scale + mask) v`` over the whole sequence. The key and value blocks
+    travel around the ring of members (``permute``, point to point), each member folding each block into an
+    online softmax: no member holds or gathers the scores of the whole sequence (a member's scores are
+    ``1 / P`` of one device's), and the gradients ride the ring back. Masks are built from global positions
+    (``order``: which tokens each member holds, see :func:`replicator.sequence_positions`), so a causal mask
+    means what it means on one device in either order; ``order="zigzag"`` balances causal work.
+
+    Examples:
+      >>> import numpy as np
+      >>> repl = Replicator(devices=["cpu:0", "cpu:1"])
+      >>> x = np.random.default_rng(0).normal(size=(1, 4, 1, 2)).astype("float32")   # 4 tokens, 1 head
+      >>> def step_fn():
+      ...   mine = replicator.shard_sequence(x, repl.replica_id, 2)   # 2 tokens each
+      ...   return repl.ring_attention(mine, mine, mine, causal=True)
+      >>> out = replicator.unshard_sequence(list(repl.run(step_fn)))
+      >>> scores = np.einsum("bqhd,bkhd->bhqk", x, x) / np.sqrt(2) + np.triu(np.full((4, 4), -1e9), 1)
+      >>> weights = np.exp(scores - scores.max(-1, keepdims=True))
+      >>> expected = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), x)
+      >>> bool(np.allclose(out, expected, atol=1e-6))
+      True
+
+    Args:
+      q: this member's queries, ``[batch, tokens, heads, head size]``.
+      k: its keys, ``[batch, tokens, heads, head size]`` (the same tokens).
+      v: its values, ``[batch, tokens, heads, value size]``.
+      axis: mesh axis name or tuple of names the sequence is split over (default: all).
+      causal: whether a query attends only to keys at its position or before (global positions).
+      order: ``"contiguous"`` or ``"zigzag"``: which tokens each member holds.
+      key_mask: optional ``[batch, tokens]`` booleans, True where this member's keys may be attended.
+      scale: the scores' factor (default ``head size ** -0.5``).
+    """
+    ctx = _primitives.require_context(self, "ring_attention")
+    return _ring_attention.ring_attention(ctx, q, k, v, self._axes(axis), causal, order, key_mask, scale,
+                                          _primitives.user_location())
 
   def axis_index(self, axis=None) -> tf.Tensor:
     """This replica's position in its group along ``axis``: an int32 scalar tensor.

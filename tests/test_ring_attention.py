@@ -1,0 +1,92 @@
+"""repl.ring_attention: a split sequence's attention, against one device's, in float64 as the truth.
+
+Tolerance: the one-device attention in float32 against the same in float64
+(its reorder floor, measured in each case); the ring's float32 result may be
+at most twice as far from float64 (and 1e-6).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import mesh
+import replicator
+
+B, S, H, D, P = 2, 32, 2, 8, 4
+
+
+def _attention(q, k, v, causal, key_mask):
+  """One device: softmax(q k^T / sqrt(D) + mask) v, the mask added as Keras's softmax adds it."""
+  scores = tf.einsum("bqhd,bkhd->bhqk", q, k) * tf.cast(D ** -0.5, q.dtype)
+  if causal:
+    scores += tf.constant(np.triu(np.full((S, S), -1e9), 1), q.dtype)
+  if key_mask is not None:
+    scores += tf.where(key_mask, 0., -1e9)[:, None, None, :].numpy().astype(q.dtype.as_numpy_dtype)
+  return tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores), v)
+
+
+def _one_device(values, causal, key_mask, dtype):
+  q, k, v, w = (tf.constant(x.astype(dtype)) for x in values)
+  with tf.GradientTape() as tape:
+    tape.watch([q, k, v])
+    out = _attention(q, k, v, causal, key_mask)
+    loss = tf.reduce_sum(out * w)
+  return [t.numpy() for t in [out, *tape.gradient(loss, [q, k, v])]]
+
+
+def _values(seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.normal(size=(B, S, H, D)).astype(np.float32) for _ in range(4)]  # q, k, v and the loss's weights
+
+
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order, causal, padded):
+  values = _values()
+  key_mask = None
+  if padded:  # the last 5 tokens of the second sequence are padding
+    key_mask = np.ones((B, S), bool)
+    key_mask[1, -5:] = False
+  truth = _one_device(values, causal, key_mask, np.float64)
+  single = _one_device(values, causal, key_mask, np.float32)
+  floor = [np.max(np.abs(a - b)) for a, b in zip(single, truth)]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": P}, devices=cpus(P)))
+
+  def step():
+    index = int(tf.get_static_value(repl.axis_index("seq")))
+    q, k, v, w = (replicator.shard_sequence(x, index, P, order=order) for x in values)
+    mask = None if key_mask is None else replicator.shard_sequence(key_mask, index, P, order=order)
+    with tf.GradientTape() as tape:
+      tape.watch([q, k, v])
+      out = repl.ring_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask)
+      loss = tf.reduce_sum(out * w)
+    return [out, *tape.gradient(loss, [q, k, v])]
+
+  results = repl.run(step)
+  for which, (per_device, expected, noise) in enumerate(zip(results, truth, floor)):
+    whole = replicator.unshard_sequence([t.numpy() for t in per_device], order=order).numpy()
+    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6, (which, np.max(np.abs(whole - expected)), noise)
+
+
+def test_the_zigzag_order_balances_the_causal_scores_each_device_needs():
+  # The scores a device's queries need under a causal mask (the unmasked ones), from the positions it holds:
+  # contiguous, device i needs (2i + 1) / (2P) of its block row; zigzag, every device the same.
+  def needed(order):
+    rows = [replicator.sequence_positions(S, i, P, order) for i in range(P)]
+    return [int(sum((r[:, None] >= np.arange(S)[None, :]).sum() for r in [row])) for row in rows]
+
+  contiguous, zigzag = needed("contiguous"), needed("zigzag")
+  block = S // P
+  assert contiguous == [sum(q + 1 for q in range(i * block, (i + 1) * block)) for i in range(P)]  # 36 ... 228
+  assert zigzag == [S * (S + 1) // 2 // P] * P
+
+
+def test_shapes_that_do_not_agree_are_named():
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": 2}, devices=cpus(2)))
+  q = tf.zeros([1, 4, 2, 8])
+  with pytest.raises(replicator.ArgumentError, match=r"expected \[batch, tokens, heads, head size\]"):
+    repl.run(lambda: repl.ring_attention(tf.zeros([4, 8]), q, q, axis="seq"))
+  with pytest.raises(replicator.ArgumentError, match=r"do not agree.*Fix: repeat grouped key/value heads"):
+    repl.run(lambda: repl.ring_attention(q, tf.zeros([1, 4, 1, 8]), tf.zeros([1, 4, 1, 8]), axis="seq"))
