@@ -90,3 +90,36 @@ def test_shapes_that_do_not_agree_are_named():
     repl.run(lambda: repl.ring_attention(tf.zeros([4, 8]), q, q, axis="seq"))
   with pytest.raises(replicator.ArgumentError, match=r"do not agree.*Fix: repeat grouped key/value heads"):
     repl.run(lambda: repl.ring_attention(q, tf.zeros([1, 4, 1, 8]), tf.zeros([1, 4, 1, 8]), axis="seq"))
+
+
+def test_the_backward_pass_keeps_a_devices_tokens_not_its_scores():
+  # One device keeps the softmax's output, [B, H, S, S]; the ring keeps a device's q, k, v, output and the log
+  # of its queries' softmax denominators (FlashAttention's backward recomputes the scores block by block).
+  length = 256
+  rng = np.random.default_rng(0)
+  values = [rng.normal(size=(1, length, H, D)).astype(np.float32) for _ in range(3)]
+
+  def one_step(batch):
+    q, k, v = batch
+    with tf.GradientTape() as tape:
+      tape.watch([q, k, v])
+      scores = tf.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+      loss = tf.reduce_sum(tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores), v) ** 2)
+    return tape.gradient(loss, [q, k, v])
+
+  one = replicator.Replicator(devices=cpus(1)).memory(one_step, inputs=tuple(values)).device()
+  assert one.saved_bytes >= H * length * length * 4
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": P}, devices=cpus(P)))
+
+  def step(batch):
+    index = int(tf.get_static_value(repl.axis_index("seq")))
+    q, k, v = (replicator.shard_sequence(x, index, P, order="zigzag") for x in values)
+    with tf.GradientTape() as tape:
+      tape.watch([q, k, v])
+      loss = tf.reduce_sum(repl.ring_attention(q, k, v, axis="seq", causal=True, order="zigzag") ** 2)
+    return tape.gradient(loss, [q, k, v])
+
+  tokens = length // P
+  for device in repl.memory(step, inputs=(tf.zeros([1]),)).devices:
+    assert device.saved_bytes == 4 * tokens * H * D * 4 + H * tokens * 4, device
+    assert device.saved_bytes <= one.saved_bytes / P

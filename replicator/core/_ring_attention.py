@@ -7,9 +7,8 @@ the key block it holds, folds the block into a running (online) softmax, and
 passes the block on to the next device (``permute``, point to point): after
 ``P`` steps every query has met every key. Nothing of size ``S x S`` is ever
 gathered; a device computes and keeps for its backward pass the scores of
-its queries against the sequence, ``S^2 / P`` of one device's, and the ``P``
-key and value blocks it saw. The gradients ride the ring back (the gradient
-of a ``permute`` is the reverse ``permute``).
+its queries against the sequence (``S^2 / P`` of one device's) one block at a
+time, and keeps none of them for the backward pass (below).
 
 Masks are computed from global positions (``_sequence.sequence_positions`` of the
 block's device of origin, known while the step is built), so causal attention
@@ -24,10 +23,14 @@ order balances the useful ones (for a later skip that keeps the order). ``key_ma
 with its keys. Masked scores get ``-1e9`` added, as Keras's softmax does, so
 the result equals one device's attention with the same mask.
 
-The running maximum is only there for the exponentials' range: the result
-does not depend on it, so it is taken under ``stop_gradient`` (Ring
-Attention's ``max_score``), and the backward pass keeps no second copy of
-the scores for it.
+The backward pass is FlashAttention's, around the ring a second time (Ring
+Attention's custom VJP): the forward pass keeps the device's queries, keys,
+values, output and the log of each query's softmax denominator, nothing of
+the scores; each step of the backward pass recomputes the scores of the
+block it holds, adds to the queries' gradient, and passes the block on with
+its keys' and values' gradients, which reach their device after the last
+step. A device's saved bytes are then a few times its tokens' (not ``S^2 /
+P``), for one more pass of score products.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ import numpy as np
 import tensorflow as tf
 
 from replicator.core import _errors
+from replicator.core import _gradient_registry
 from replicator.core import _primitives
 from replicator.core import _sequence
 
+# The backward pass's ops' name scope: under gradient_tape, where repl.memory looks for a backward pass.
+BACKWARD_SCOPE = "gradient_tape/ring_attention"
 MASKED = -1e9  # added to a masked score (Keras's softmax adds the same; -3e4 in float16, its range)
 
 
@@ -74,28 +80,69 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   mine = _sequence.sequence_positions(length, index, count, order)
   scale = float(q.shape[3]) ** -0.5 if scale is None else float(scale)
   ring = [(i, (i + 1) % count) for i in range(count)]
-  block = (k, v) if key_mask is None else (k, v, tf.cast(key_mask, tf.bool))
-  shape = tf.shape(q)
-  running_max = tf.fill([shape[0], shape[2], tokens], tf.constant(-np.inf, q.dtype))  # [batch, heads, queries]
-  total = tf.zeros([shape[0], shape[2], tokens], q.dtype)
-  out = tf.zeros_like(q)
-  for step in range(count):
-    origin = (index - step) % count  # the device whose keys this block holds
-    keys = _sequence.sequence_positions(length, origin, count, order)
-    allowed = mine[:, None] >= keys[None, :] if causal else None
-    # every block, masked ones too (see the module: a skipped block changes the backward pass's order)
-    kb, vb = block[0], block[1]
+  mask = None if key_mask is None else tf.cast(key_mask, tf.bool)
+
+  def send(*tensors):
+    return tuple(_primitives.permute(ctx, t, ring, axes, location) for t in tensors)
+
+  def scores_of(q, kb, maskb, step):  # [batch, heads, queries, keys], masked
+    keys = _sequence.sequence_positions(length, (index - step) % count, count, order)
     scores = tf.einsum("bqhd,bkhd->bhqk", q, kb) * tf.cast(scale, q.dtype)
-    if allowed is not None:  # (on every block, all-allowed ones too: the same ops on every device)
-      scores += tf.constant(np.where(allowed, 0.0, _masked(q.dtype)), q.dtype)
-    if key_mask is not None:
-      scores += tf.where(block[2], tf.constant(0, q.dtype), tf.constant(_masked(q.dtype), q.dtype))[:, None, None, :]
-    new_max = tf.stop_gradient(tf.maximum(running_max, tf.reduce_max(scores, axis=-1)))
-    weights = tf.exp(scores - new_max[..., None])
-    rescale = tf.exp(running_max - new_max)
-    total = total * rescale + tf.reduce_sum(weights, axis=-1)
-    out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.einsum("bhqk,bkhd->bqhd", weights, vb)
-    running_max = new_max
-    if step < count - 1:
-      block = tuple(_primitives.permute(ctx, t, ring, axes, location) for t in block)
-  return out / tf.transpose(total, [0, 2, 1])[..., None]
+    if causal:  # (on every block, all-allowed ones too: the same ops on every device)
+      scores += tf.constant(np.where(mine[:, None] >= keys[None, :], 0.0, _masked(q.dtype)), q.dtype)
+    if maskb is not None:
+      scores += tf.where(maskb, tf.constant(0, q.dtype), tf.constant(_masked(q.dtype), q.dtype))[:, None, None, :]
+    return scores
+
+  @tf.custom_gradient
+  def attention(q, k, v):
+    shape = tf.shape(q)
+    running_max = tf.fill([shape[0], shape[2], tokens], tf.constant(-np.inf, q.dtype))  # [batch, heads, queries]
+    total = tf.zeros([shape[0], shape[2], tokens], q.dtype)
+    out = tf.zeros_like(q)
+    kb, vb, maskb = k, v, mask
+    for step in range(count):
+      scores = scores_of(q, kb, maskb, step)
+      new_max = tf.maximum(running_max, tf.reduce_max(scores, axis=-1))
+      weights = tf.exp(scores - new_max[..., None])
+      rescale = tf.exp(running_max - new_max)
+      total = total * rescale + tf.reduce_sum(weights, axis=-1)
+      out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.einsum("bhqk,bkhd->bqhd", weights, vb)
+      running_max = new_max
+      if step < count - 1:
+        kb, vb = send(kb, vb)
+        maskb = None if maskb is None else send(maskb)[0]
+    out = out / tf.transpose(total, [0, 2, 1])[..., None]
+    logsumexp = running_max + tf.math.log(total)  # [batch, heads, queries]
+
+    def grad(dout):
+      with tf.name_scope(BACKWARD_SCOPE):  # (TensorFlow's tape does not scope a custom gradient's ops)
+        return backward(dout)
+
+    def backward(dout):
+      # FlashAttention's backward, around the ring again: each block's scores recomputed from q and the block,
+      # dq summed here, each block's dk and dv carried with it and home after the last step.
+      delta = tf.transpose(tf.reduce_sum(dout * out, axis=-1), [0, 2, 1])  # [batch, heads, queries]
+      dq = tf.zeros_like(q)
+      kb, vb, maskb = k, v, mask
+      dk, dv = tf.zeros_like(k), tf.zeros_like(v)
+      for step in range(count):
+        probabilities = tf.exp(scores_of(q, kb, maskb, step) - logsumexp[..., None])
+        dv += tf.einsum("bhqk,bqhd->bkhd", probabilities, dout)
+        dp = tf.einsum("bqhd,bkhd->bhqk", dout, vb)
+        ds = probabilities * (dp - delta[..., None]) * tf.cast(scale, q.dtype)
+        dq += tf.einsum("bhqk,bkhd->bqhd", ds, kb)
+        dk += tf.einsum("bhqk,bqhd->bkhd", ds, q)
+        if step < count - 1:
+          kb, vb, dk, dv = send(kb, vb, dk, dv)
+          maskb = None if maskb is None else send(maskb)[0]
+      dk, dv = send(dk, dv)  # home: the last block came from the next device
+      return dq, dk, dv
+
+    return out, grad
+
+  result = attention(q, k, v)
+  name = _gradient_registry.gradient_name(result)
+  if name:
+    ctx.gradient_names.append(name)
+  return result
