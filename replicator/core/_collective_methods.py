@@ -15,6 +15,7 @@ from replicator.core import _errors
 from replicator.core import _halo
 from replicator.core import _primitives
 from replicator.core import _ring_attention
+from replicator.core import _ulysses_attention
 
 
 @_context.no_autograph
@@ -236,6 +237,20 @@ class CollectiveMethods:
     ctx = _primitives.require_context(self, "ring_attention")
     return _ring_attention.ring_attention(ctx, q, k, v, self._axes(axis), causal, order, key_mask, scale,
                                           _primitives.user_location())
+
+  def ulysses_attention(self, q, k, v, *, axis=None, causal: bool = False, order: str = "contiguous",
+                        key_mask=None, scale=None):
+    """:meth:`ring_attention`'s result by DeepSpeed-Ulysses's exchange: the sequence split traded for the heads'.
+
+    An all-to-all over ``axis`` gives each member every token of ``heads / P`` of the heads; it computes their
+    attention whole, and a second all-to-all returns its tokens of every head. Two all-to-alls a call, whatever
+    the sequence's length (the ring passes ``P - 1`` blocks); each member holds its heads' scores, ``1 / P``
+    of one device's. The heads must divide over the axis (a named error otherwise). Arguments as
+    :meth:`ring_attention`'s.
+    """
+    ctx = _primitives.require_context(self, "ulysses_attention")
+    return _ulysses_attention.ulysses_attention(ctx, q, k, v, self._axes(axis), causal, order, key_mask, scale,
+                                                _primitives.user_location())
 
   def axis_index(self, axis=None) -> tf.Tensor:
     """This replica's position in its group along ``axis``: an int32 scalar tensor.

@@ -48,18 +48,19 @@ BACKWARD_SCOPE = "gradient_tape/ring_attention"
 MASKED = -1e9  # added to a masked score (Keras's softmax adds the same; -3e4 in float16, its range)
 
 
-def _masked(dtype) -> float:
+def masked(dtype) -> float:
   return -3e4 if dtype == tf.float16 else MASKED
 
 
-def _check(q, k, v, location: str) -> None:
+def check(q, k, v, location: str, call: str = "repl.ring_attention") -> None:
+  """Raises a named error unless q, k, v are ``[batch, tokens, heads, head size]`` and agree."""
   for name, t in (("q", q), ("k", k), ("v", v)):
     if t.shape.rank != 4:
-      raise _errors.ArgumentError(f"repl.ring_attention at {location}: {name} has shape {t.shape}; expected "
+      raise _errors.ArgumentError(f"{call} at {location}: {name} has shape {t.shape}; expected "
                                   "[batch, tokens, heads, head size] (a device's tokens). Fix: reshape it "
                                   "(Keras's MultiHeadAttention and KerasHub's layers use this layout).")
   if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2] or q.shape[3] != k.shape[3] or q.shape[2] != k.shape[2]:
-    raise _errors.ArgumentError(f"repl.ring_attention at {location}: q {q.shape}, k {k.shape}, v {v.shape} do not "
+    raise _errors.ArgumentError(f"{call} at {location}: q {q.shape}, k {k.shape}, v {v.shape} do not "
                                 "agree: k and v need the same tokens and heads, q and k the same heads and head "
                                 "size. Fix: repeat grouped key/value heads to the query heads first.")
 
@@ -68,7 +69,7 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
                    location: str):
   """Attention of this device's queries over the whole split sequence (see the module)."""
   q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
-  _check(q, k, v, location)
+  check(q, k, v, location)
   mesh = ctx.replicator.mesh
   count, index = mesh.axis_size(axes), mesh.axis_index(ctx.replica_id, axes)
   tokens = q.shape[1]
@@ -89,9 +90,9 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
     keys = _sequence.sequence_positions(length, (index - step) % count, count, order)
     scores = tf.einsum("bqhd,bkhd->bhqk", q, kb) * tf.cast(scale, q.dtype)
     if causal:  # (on every block, all-allowed ones too: the same ops on every device)
-      scores += tf.constant(np.where(mine[:, None] >= keys[None, :], 0.0, _masked(q.dtype)), q.dtype)
+      scores += tf.constant(np.where(mine[:, None] >= keys[None, :], 0.0, masked(q.dtype)), q.dtype)
     if maskb is not None:
-      scores += tf.where(maskb, tf.constant(0, q.dtype), tf.constant(_masked(q.dtype), q.dtype))[:, None, None, :]
+      scores += tf.where(maskb, tf.constant(0, q.dtype), tf.constant(masked(q.dtype), q.dtype))[:, None, None, :]
     return scores
 
   @tf.custom_gradient
