@@ -40,10 +40,11 @@ def _values(seed=0):
   return [rng.normal(size=(B, S, H, D)).astype(np.float32) for _ in range(4)]  # q, k, v and the loss's weights
 
 
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
 @pytest.mark.parametrize("order", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order, causal, padded):
+def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order, causal, padded, exchange):
   values = _values()
   key_mask = None
   if padded:  # the last 5 tokens of the second sequence are padding
@@ -60,7 +61,7 @@ def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order,
     mask = None if key_mask is None else replicator.shard_sequence(key_mask, index, P, order=order)
     with tf.GradientTape() as tape:
       tape.watch([q, k, v])
-      out = repl.ring_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask)
+      out = repl.ring_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask, exchange=exchange)
       loss = tf.reduce_sum(out * w)
     return [out, *tape.gradient(loss, [q, k, v])]
 
@@ -123,3 +124,20 @@ def test_the_backward_pass_keeps_a_devices_tokens_not_its_scores():
   for device in repl.memory(step, inputs=(tf.zeros([1]),)).devices:
     assert device.saved_bytes == 4 * tokens * H * D * 4 + H * tokens * 4, device
     assert device.saved_bytes <= one.saved_bytes / P
+
+
+def test_auto_is_the_ring_in_one_process_and_the_all_gather_across_processes():
+  from replicator.core import _ring_attention  # pylint: disable=import-outside-toplevel
+  one = mesh.Mesh({"seq": 2}, devices=cpus(2))
+  assert _ring_attention.exchange_for(one, 0, ("seq",), "auto") == "ring"
+
+
+  class Workers:  # a mesh of two worker processes' devices (a real one needs a cluster: test_multi_client's)
+    devices = ("/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0")
+
+    def groups(self, axes):
+      return ((0, 1),)
+
+  assert _ring_attention.exchange_for(Workers(), 1, ("seq",), "auto") == "all_gather"
+  with pytest.raises(replicator.ArgumentError, match=r"exchange='p2p'\): expected one of"):
+    _ring_attention.exchange_for(one, 0, ("seq",), "p2p")

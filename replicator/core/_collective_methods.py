@@ -199,7 +199,7 @@ class CollectiveMethods:
     return _halo.halo_exchange(ctx, x, dim, width, self._axes(axis), periodic, _primitives.user_location())
 
   def ring_attention(self, q, k, v, *, axis=None, causal: bool = False, order: str = "contiguous",
-                     key_mask=None, scale=None):
+                     key_mask=None, scale=None, exchange: str = "auto"):
     """Attention over a sequence split over ``axis``: this member's queries against every member's keys.
 
     ``q``, ``k``, ``v``: this member's tokens, ``[batch, tokens, heads, head size]``; the result is this
@@ -233,10 +233,14 @@ class CollectiveMethods:
       order: ``"contiguous"`` or ``"zigzag"``: which tokens each member holds.
       key_mask: optional ``[batch, tokens]`` booleans, True where this member's keys may be attended.
       scale: the scores' factor (default ``head size ** -0.5``).
+      exchange: how the blocks travel: ``"ring"`` (``P - 1`` point-to-point steps), ``"all_gather"`` (one
+        all-gather of the keys and values; their gradients reduce-scattered home), or ``"auto"``: the ring in
+        one process, the all-gather where the axis spans worker processes (TensorFlow's collectives have no
+        point-to-point send: a permute there is an all-gather, ``P - 1`` times the ring's bytes).
     """
     ctx = _primitives.require_context(self, "ring_attention")
     return _ring_attention.ring_attention(ctx, q, k, v, self._axes(axis), causal, order, key_mask, scale,
-                                          _primitives.user_location())
+                                          _primitives.user_location(), exchange)
 
   def ulysses_attention(self, q, k, v, *, axis=None, causal: bool = False, order: str = "contiguous",
                         key_mask=None, scale=None):

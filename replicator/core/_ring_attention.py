@@ -65,13 +65,35 @@ def check(q, k, v, location: str, call: str = "repl.ring_attention") -> None:
                                 "size. Fix: repeat grouped key/value heads to the query heads first.")
 
 
+EXCHANGES = ("auto", "ring", "all_gather")
+
+
+def _spans_processes(mesh, replica: int, axes) -> bool:
+  """Whether the group of ``replica`` along ``axes`` has devices of more than one task (worker process)."""
+  def task(device: str) -> str:
+    return tf.DeviceSpec.from_string(device).replace(device_type=None, device_index=None).to_string()
+  group = next(g for g in mesh.groups(axes) if replica in g)
+  return len({task(mesh.devices[r]) for r in group}) > 1
+
+
+def exchange_for(mesh, replica: int, axes, exchange: str) -> str:
+  """The exchange ``"auto"`` means: the ring in one process; across processes, where a permute is an all-gather
+  (TensorFlow's collectives have no point-to-point send), one all-gather of the keys and values."""
+  if exchange not in EXCHANGES:
+    raise _errors.ArgumentError(f"repl.ring_attention(exchange={exchange!r}): expected one of {EXCHANGES}.")
+  if exchange != "auto":
+    return exchange
+  return "all_gather" if _spans_processes(mesh, replica, axes) else "ring"
+
+
 def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str, key_mask, scale,
-                   location: str):
+                   location: str, exchange: str = "auto"):
   """Attention of this device's queries over the whole split sequence (see the module)."""
   q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
   check(q, k, v, location)
   mesh = ctx.replicator.mesh
   count, index = mesh.axis_size(axes), mesh.axis_index(ctx.replica_id, axes)
+  exchange = exchange_for(mesh, ctx.replica_id, axes, exchange)
   tokens = q.shape[1]
   if tokens is None or k.shape[1] != tokens:
     raise _errors.ArgumentError(
@@ -86,8 +108,8 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   def send(*tensors):
     return tuple(_primitives.permute(ctx, t, ring, axes, location) for t in tensors)
 
-  def scores_of(q, kb, maskb, step):  # [batch, heads, queries, keys], masked
-    keys = _sequence.sequence_positions(length, (index - step) % count, count, order)
+  def scores_of(q, kb, maskb, origin):  # [batch, heads, queries, keys] of the block of device `origin`, masked
+    keys = _sequence.sequence_positions(length, origin, count, order)
     scores = tf.einsum("bqhd,bkhd->bhqk", q, kb) * tf.cast(scale, q.dtype)
     if causal:  # (on every block, all-allowed ones too: the same ops on every device)
       scores += tf.constant(np.where(mine[:, None] >= keys[None, :], 0.0, masked(q.dtype)), q.dtype)
@@ -95,24 +117,37 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
       scores += tf.where(maskb, tf.constant(0, q.dtype), tf.constant(masked(q.dtype), q.dtype))[:, None, None, :]
     return scores
 
+  def blocks(k, v):
+    """(keys, values, key mask, device of origin) of each block, in the order this device meets them."""
+    if exchange == "all_gather":  # every device's keys and values at once, in device order
+      gathered = [_primitives.all_gather(ctx, t, 1, axes, location) for t in (k, v)]
+      if mask is not None:
+        gathered.append(tf.cast(_primitives.all_gather(ctx, tf.cast(mask, tf.int8), 1, axes, location), tf.bool))
+      for j in range(count):
+        piece = [t[:, j * tokens:(j + 1) * tokens] for t in gathered]
+        yield piece[0], piece[1], piece[2] if mask is not None else None, j
+      return
+    kb, vb, maskb = k, v, mask
+    for step in range(count):
+      yield kb, vb, maskb, (index - step) % count
+      if step < count - 1:
+        kb, vb = send(kb, vb)
+        maskb = None if maskb is None else send(maskb)[0]
+
   @tf.custom_gradient
   def attention(q, k, v):
     shape = tf.shape(q)
     running_max = tf.fill([shape[0], shape[2], tokens], tf.constant(-np.inf, q.dtype))  # [batch, heads, queries]
     total = tf.zeros([shape[0], shape[2], tokens], q.dtype)
     out = tf.zeros_like(q)
-    kb, vb, maskb = k, v, mask
-    for step in range(count):
-      scores = scores_of(q, kb, maskb, step)
+    for kb, vb, maskb, origin in blocks(k, v):
+      scores = scores_of(q, kb, maskb, origin)
       new_max = tf.maximum(running_max, tf.reduce_max(scores, axis=-1))
       weights = tf.exp(scores - new_max[..., None])
       rescale = tf.exp(running_max - new_max)
       total = total * rescale + tf.reduce_sum(weights, axis=-1)
       out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.einsum("bhqk,bkhd->bqhd", weights, vb)
       running_max = new_max
-      if step < count - 1:
-        kb, vb = send(kb, vb)
-        maskb = None if maskb is None else send(maskb)[0]
     out = out / tf.transpose(total, [0, 2, 1])[..., None]
     logsumexp = running_max + tf.math.log(total)  # [batch, heads, queries]
 
@@ -120,20 +155,31 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
       with tf.name_scope(BACKWARD_SCOPE):  # (TensorFlow's tape does not scope a custom gradient's ops)
         return backward(dout)
 
+    def block_grads(dout, delta, kb, vb, maskb, origin):
+      probabilities = tf.exp(scores_of(q, kb, maskb, origin) - logsumexp[..., None])
+      dp = tf.einsum("bqhd,bkhd->bhqk", dout, vb)
+      ds = probabilities * (dp - delta[..., None]) * tf.cast(scale, q.dtype)
+      return (tf.einsum("bhqk,bkhd->bqhd", ds, kb), tf.einsum("bhqk,bqhd->bkhd", ds, q),
+              tf.einsum("bhqk,bqhd->bkhd", probabilities, dout))
+
     def backward(dout):
-      # FlashAttention's backward, around the ring again: each block's scores recomputed from q and the block,
-      # dq summed here, each block's dk and dv carried with it and home after the last step.
+      # FlashAttention's backward: each block's scores recomputed from q and the block. Around the ring, each
+      # block's dk and dv are carried with it and home after the last step; after an all-gather, they are
+      # summed into their devices' pieces (a reduce-scatter).
       delta = tf.transpose(tf.reduce_sum(dout * out, axis=-1), [0, 2, 1])  # [batch, heads, queries]
       dq = tf.zeros_like(q)
+      if exchange == "all_gather":
+        dks, dvs = [], []
+        for kb, vb, maskb, origin in blocks(k, v):
+          dq_block, dk, dv = block_grads(dout, delta, kb, vb, maskb, origin)
+          dq, dks, dvs = dq + dq_block, dks + [dk], dvs + [dv]
+        return dq, *(_primitives.reduce_scatter(ctx, tf.concat(d, axis=1), "sum", 1, axes, location)
+                     for d in (dks, dvs))
       kb, vb, maskb = k, v, mask
       dk, dv = tf.zeros_like(k), tf.zeros_like(v)
       for step in range(count):
-        probabilities = tf.exp(scores_of(q, kb, maskb, step) - logsumexp[..., None])
-        dv += tf.einsum("bhqk,bqhd->bkhd", probabilities, dout)
-        dp = tf.einsum("bqhd,bkhd->bhqk", dout, vb)
-        ds = probabilities * (dp - delta[..., None]) * tf.cast(scale, q.dtype)
-        dq += tf.einsum("bhqk,bkhd->bqhd", ds, kb)
-        dk += tf.einsum("bhqk,bqhd->bkhd", ds, q)
+        dq_block, dk_block, dv_block = block_grads(dout, delta, kb, vb, maskb, (index - step) % count)
+        dq, dk, dv = dq + dq_block, dk + dk_block, dv + dv_block
         if step < count - 1:
           kb, vb, dk, dv = send(kb, vb, dk, dv)
           maskb = None if maskb is None else send(maskb)[0]
