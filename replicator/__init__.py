@@ -21,9 +21,6 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator._multiworker import MultiWorkerReplicator
   from replicator._replicator import Replicator
   from replicator.core._context import current
-  from replicator.core._sequence import sequence_positions
-  from replicator.core._sequence import shard_sequence
-  from replicator.core._sequence import unshard_sequence
   from replicator.core._errors import ArgumentError
   from replicator.core._errors import ArgumentTypeError
   from replicator.core._errors import CheckpointDamagedError
@@ -43,6 +40,9 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._errors import UnsupportedError
   from replicator.core._errors import VariableCreationError
   from replicator.core._errors import WorkerUnavailableError
+  from replicator.core._sequence import sequence_positions
+  from replicator.core._sequence import shard_sequence
+  from replicator.core._sequence import unshard_sequence
   from replicator.core._values import PerReplica
   from replicator.input._inputs import InputContext
   from replicator.integrations._batch_norm import CrossReplicaBatchNorm

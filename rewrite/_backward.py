@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 
+import tensorflow as tf
+
 from rewrite import _memory
 
 
@@ -94,6 +96,17 @@ class Flow:
       self.readers[node_of(ref)].add(added.name)
       if not ref.startswith("^"):
         self._data[node_of(ref)].append(added.name)
+
+  def waiting(self, name: str, ref: str, dtype, device: str, triggers: Iterable[str]) -> str:
+    """Adds an ``Identity`` named ``name`` of tensor ``ref`` with control inputs on ``triggers``, of the
+    backward pass: its output, ``ref``'s value once the triggers ran (a collective reading it waits so)."""
+    node = tf.compat.v1.NodeDef(name=name, op="Identity", device=device)
+    node.attr["T"].type = tf.as_dtype(dtype).as_datatype_enum
+    node.input.append(ref)
+    node.input.extend("^" + t for t in triggers)
+    self.add(node)
+    self.backward.add(name)
+    return f"{name}:0"
 
   def rewire(self, name: str, refs: list[str]) -> None:
     """Sets the inputs of node ``name`` to ``refs``."""

@@ -75,7 +75,7 @@ def defer(graph_def, records, draws: bool = False) -> Deferred:
       if readers and all(r in flow.backward for r in readers):
         by_device[record.device].append((min(position[r] for r in readers), record, readers))
   replaced, deferred = {}, []
-  for device, found in by_device.items():
+  for found in by_device.values():
     found.sort(key=lambda entry: entry[0])
     previous: list[str] = []
     for _, record, readers in found:
@@ -85,13 +85,8 @@ def defer(graph_def, records, draws: bool = False) -> Deferred:
       after = flow.after(readers)
       early = previous if previous and not any(t in after for t in previous) else own
       previous = own
-      identity = tf.compat.v1.NodeDef(name=f"{DEFERRED}/{record.node}", op="Identity", device=record.device)
-      identity.attr["T"].type = record.dtype.as_datatype_enum
-      identity.input.append(record.input)
-      identity.input.extend("^" + t for t in early)
-      flow.add(identity)
-      flow.backward.add(identity.name)
-      replaced[record.node] = dataclasses.replace(record, input=f"{identity.name}:0")
+      waited = flow.waiting(f"{DEFERRED}/{record.node}", record.input, record.dtype, record.device, early)
+      replaced[record.node] = dataclasses.replace(record, input=waited)
       deferred.append(record.node)
   new_records = [None if device_records is None else [replaced.get(r.node, r) for r in device_records]
                  for device_records in records]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -123,7 +124,7 @@ def _block(scope: str, ops: Sequence[tf.Operation], backward: set[str], saved: d
   prefix = scope + "/"
   inside = {op.name for op in ops if op.name.startswith(prefix) and op.name not in backward}
   internal = []
-  for name, t in saved.items():
+  for t in saved.values():
     if t.op.name not in inside or not _cloneable(t.op):
       continue
     if all(r.name in inside or r.name in backward for r in t.consumers()):
@@ -242,12 +243,7 @@ def rematerialize(graph_def, chosen: Iterable[Block], made_for=None, records=Non
       rename = {name: f"{key}{RECOMPUTE_SCOPE}/{name[len(key):] if name.startswith(key) else name}"
                 for name in here}
 
-      def renamed(ref: str) -> str:
-        node = _backward.node_of(ref)
-        if node not in rename:
-          return ref
-        port = ref.partition(":")[2]
-        return ("^" if ref.startswith("^") else "") + rename[node] + (f":{port}" if port else "")
+      renamed = functools.partial(_renamed, rename)
 
       again = {}  # a forward collective's placeholder -> the recomputation's own
       for name in here:
@@ -278,21 +274,25 @@ def rematerialize(graph_def, chosen: Iterable[Block], made_for=None, records=Non
   return Rematerialized(out, tuple(done), tuple(skipped), records)
 
 
+def _renamed(rename: dict, ref: str) -> str:
+  """``ref`` (a data or control input) naming its node's copy, if ``rename`` has one."""
+  node = _backward.node_of(ref)
+  if node not in rename:
+    return ref
+  port = ref.partition(":")[2]
+  return ("^" if ref.startswith("^") else "") + rename[node] + (f":{port}" if port else "")
+
+
 def _again(flow: _backward.Flow, record, key: str, triggers: list[str]):
   """A copy of ``record``'s placeholder for the recomputation, its input waiting for ``triggers``: (node, record)."""
   name = f"{key}{RECOMPUTE_SCOPE}/{record.node[len(key):] if record.node.startswith(key) else record.node}"
-  waiting = tf.compat.v1.NodeDef(name=f"{name}/waits", op="Identity", device=record.device)
-  waiting.attr["T"].type = record.dtype.as_datatype_enum
-  waiting.input.append(record.input)
-  waiting.input.extend("^" + t for t in triggers)
-  flow.add(waiting)
-  flow.backward.add(waiting.name)
+  waited = flow.waiting(f"{name}/waits", record.input, record.dtype, record.device, triggers)
   node = tf.compat.v1.NodeDef()
   node.CopyFrom(flow.nodes[record.node])
   node.name = name
   flow.add(node)
   flow.backward.add(name)
-  return name, dataclasses.replace(record, node=name, input=f"{waiting.name}:0")
+  return name, dataclasses.replace(record, node=name, input=waited)
 
 
 def _gathered(ref: str, again: dict) -> str:

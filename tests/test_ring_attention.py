@@ -40,35 +40,42 @@ def _values(seed=0):
   return [rng.normal(size=(B, S, H, D)).astype(np.float32) for _ in range(4)]  # q, k, v and the loss's weights
 
 
+def assert_split_attention_equals_one_device(attend, values, order, causal, key_mask, axis_size=P):
+  """``attend(q, k, v, key_mask)`` on each device's tokens, then gathered: one device's attention and its three
+  gradients (of sum(out * w)), within twice the float32 floor of a float64 truth."""
+  truth = _one_device(values, causal, key_mask, np.float64)
+  floor = [np.max(np.abs(a - b)) for a, b in zip(_one_device(values, causal, key_mask, np.float32), truth)]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": axis_size}, devices=cpus(axis_size)))
+
+  def step():
+    index = int(tf.get_static_value(repl.axis_index("seq")))
+    q, k, v, w = (replicator.shard_sequence(x, index, axis_size, order=order) for x in values)
+    mask = None if key_mask is None else replicator.shard_sequence(key_mask, index, axis_size, order=order)
+    with tf.GradientTape() as tape:
+      tape.watch([q, k, v])
+      out = attend(repl, q, k, v, mask)
+      loss = tf.reduce_sum(out * w)
+    return [out, *tape.gradient(loss, [q, k, v])]
+
+  for which, (per_device, expected, noise) in enumerate(zip(repl.run(step), truth, floor)):
+    whole = replicator.unshard_sequence([t.numpy() for t in per_device], order=order).numpy()
+    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6, (which, np.max(np.abs(whole - expected)), noise)
+
+
 @pytest.mark.parametrize("exchange", ["ring", "all_gather"])
 @pytest.mark.parametrize("order", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order, causal, padded, exchange):
-  values = _values()
   key_mask = None
   if padded:  # the last 5 tokens of the second sequence are padding
     key_mask = np.ones((B, S), bool)
     key_mask[1, -5:] = False
-  truth = _one_device(values, causal, key_mask, np.float64)
-  single = _one_device(values, causal, key_mask, np.float32)
-  floor = [np.max(np.abs(a - b)) for a, b in zip(single, truth)]
-  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": P}, devices=cpus(P)))
 
-  def step():
-    index = int(tf.get_static_value(repl.axis_index("seq")))
-    q, k, v, w = (replicator.shard_sequence(x, index, P, order=order) for x in values)
-    mask = None if key_mask is None else replicator.shard_sequence(key_mask, index, P, order=order)
-    with tf.GradientTape() as tape:
-      tape.watch([q, k, v])
-      out = repl.ring_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask, exchange=exchange)
-      loss = tf.reduce_sum(out * w)
-    return [out, *tape.gradient(loss, [q, k, v])]
+  def attend(repl, q, k, v, mask):
+    return repl.ring_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask, exchange=exchange)
 
-  results = repl.run(step)
-  for which, (per_device, expected, noise) in enumerate(zip(results, truth, floor)):
-    whole = replicator.unshard_sequence([t.numpy() for t in per_device], order=order).numpy()
-    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6, (which, np.max(np.abs(whole - expected)), noise)
+  assert_split_attention_equals_one_device(attend, _values(), order, causal, key_mask)
 
 
 def test_the_zigzag_order_balances_the_causal_scores_each_device_needs():

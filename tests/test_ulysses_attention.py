@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
-from test_ring_attention import _one_device
+from test_ring_attention import assert_split_attention_equals_one_device
 
 import mesh
 import replicator
@@ -25,23 +25,11 @@ def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order,
   if padded:
     key_mask = np.ones((B, S), bool)
     key_mask[0, -7:] = False
-  truth = _one_device(values, causal, key_mask, np.float64)
-  floor = [np.max(np.abs(a - b)) for a, b in zip(_one_device(values, causal, key_mask, np.float32), truth)]
-  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": P}, devices=cpus(P)))
 
-  def step():
-    index = int(tf.get_static_value(repl.axis_index("seq")))
-    q, k, v, w = (replicator.shard_sequence(x, index, P, order=order) for x in values)
-    mask = None if key_mask is None else replicator.shard_sequence(key_mask, index, P, order=order)
-    with tf.GradientTape() as tape:
-      tape.watch([q, k, v])
-      out = repl.ulysses_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask)
-      loss = tf.reduce_sum(out * w)
-    return [out, *tape.gradient(loss, [q, k, v])]
+  def attend(repl, q, k, v, mask):
+    return repl.ulysses_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask)
 
-  for which, (per_device, expected, noise) in enumerate(zip(repl.run(step), truth, floor)):
-    whole = replicator.unshard_sequence([t.numpy() for t in per_device], order=order).numpy()
-    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6, (which, np.max(np.abs(whole - expected)), noise)
+  assert_split_attention_equals_one_device(attend, values, order, causal, key_mask)
 
 
 def test_heads_the_axis_does_not_divide_are_named():
