@@ -30,8 +30,22 @@ the global view with a Megatron layout (heads and feed-forward units over
   Logical CPUs share one allocator, so on the 2x2 mesh the measured peak is
   set against the sum of the four devices' step peaks.
 
-The process configures 4 logical CPUs (``replicator.virtual_cpus(4)``).
-``--quick`` (about 20 s): tiny models, 3 timed rounds (too small for the allocator: its figures move by 0.25 MiB).
+Each configuration's variants are measured in fresh processes, run by the
+parent, which reads one JSON line from each (``python -m benchmarks.memory
+--one KEY --part plain|remat|timing``, KEY one of :data:`CONFIGS`; ``--one
+KEY`` alone runs :func:`measure` in its process): the report and the
+allocator's peaks of each variant in a process of its own, its first and
+only model; plain and remat's step times, which must share their rounds,
+in a third. TensorFlow's BFC allocator counts a tensor's whole chunk, and
+splits a free chunk only when it is at least twice the request: in a
+process where other models ran, a 4 MiB tensor can land in a free chunk of
+up to 8 MiB left by them and count as that (the conv net read 1.03-1.23 of
+the report after the MLP and the transformer, 1.00 alone).
+:func:`measure` runs both variants in the calling process (the test's).
+
+Each process configures 4 logical CPUs (``replicator.virtual_cpus(4)``).
+``--quick`` (about 2 minutes, most of it 12 processes starting): tiny models, 3 timed rounds (too small for the
+allocator: it sees only allocations of 256 KiB or more under oneDNN, and its figures move by 0.25 MiB).
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -194,31 +209,111 @@ class Setup:
     return peaks
 
 
-def measure(label: str, name: str, sizes: dict, make_repl, rounds: int, layouts=None, global_view=False) -> dict:
-  """Both variants of one model (plain, remat): reports per device, measured peaks, interleaved step times."""
+def measure_variant(name: str, sizes: dict, make_repl, remat: bool, layouts=None,
+                    global_view=False) -> tuple[dict, Setup]:
+  """One variant: its report per device, the loss of its first step, and the allocator's peaks right after it.
+
+  The allocator's peaks depend on what the process ran before (see the module's docstring): run in a fresh
+  process (``--part``) for figures of this model alone.
+  """
   import numpy as np
 
+  s = Setup(make_repl(), name, sizes, remat, layouts, global_view)
+  loss = s.call()
+  measured = s.measured_peaks()
+  step_peaks = [d.step_peak_bytes for d in s.report.devices]
+  return dict(
+      devices=[dict(device=d.device, variable_bytes=d.variable_bytes, saved_bytes=d.saved_bytes,
+                    peak_bytes=d.peak_bytes, step_peak_bytes=d.step_peak_bytes, peak_op=d.peak_op)
+               for d in s.report.devices],
+      input_bytes=s.input_bytes,
+      # what the allocator should see above "current": every device's step peak, the inputs already held
+      expected_measured_bytes=sum(step_peaks) - s.input_bytes,
+      measured_peak_bytes=measured, measured_peak_median=float(np.median(measured)) if measured else None,
+      loss_after_build=loss, build_seconds=s.build_seconds), s
+
+
+def time_variants(setups: dict, rounds: int) -> dict:
+  """Plain and remat (``setups``: remat -> Setup, each built and called once) timed in the same rounds."""
   from benchmarks import _timing
-  setups = {remat: Setup(make_repl(), name, sizes, remat, layouts, global_view) for remat in (False, True)}
-  losses = {remat: s.call() for remat, s in setups.items()}
-  result = dict(label=label, model=name, sizes=sizes, variants={})
   times = _timing.interleaved({remat: s.call for remat, s in setups.items()}, rounds=rounds, warmup=1,
                               budget_seconds=60)
-  for remat, s in setups.items():
-    measured = s.measured_peaks()
-    step_peaks = [d.step_peak_bytes for d in s.report.devices]
-    result["variants"]["remat" if remat else "plain"] = dict(
-        devices=[dict(device=d.device, variable_bytes=d.variable_bytes, saved_bytes=d.saved_bytes,
-                      peak_bytes=d.peak_bytes, step_peak_bytes=d.step_peak_bytes, peak_op=d.peak_op)
-                 for d in s.report.devices],
-        input_bytes=s.input_bytes,
-        # what the allocator should see above "current": every device's step peak, the inputs already held
-        expected_measured_bytes=sum(step_peaks) - s.input_bytes,
-        measured_peak_bytes=measured, measured_peak_median=float(np.median(measured)) if measured else None,
-        loss_after_build=losses[remat], build_seconds=s.build_seconds,
-        step_seconds=times[remat], step=_timing.summary(times[remat]))
-  result["remat_over_plain"] = _timing.paired_ratio(times[True], times[False])
+  return dict(step_seconds={"remat" if remat else "plain": t for remat, t in times.items()},
+              remat_over_plain=_timing.paired_ratio(times[True], times[False]))
+
+
+def _assemble(label: str, name: str, sizes: dict, variants: dict, timing: dict) -> dict:
+  from benchmarks import _timing
+  result = dict(label=label, model=name, sizes=sizes, variants={})
+  for variant in ("plain", "remat"):
+    seconds = timing["step_seconds"][variant]
+    result["variants"][variant] = dict(variants[variant], step_seconds=seconds, step=_timing.summary(seconds))
+  result["remat_over_plain"] = timing["remat_over_plain"]
   return result
+
+
+def measure(label: str, name: str, sizes: dict, make_repl, rounds: int, layouts=None, global_view=False) -> dict:
+  """Both variants of one model (plain, remat) in this process: reports per device, measured peaks, step times.
+
+  The remat variant's allocator peaks come after the plain one's build and steps in the same allocator
+  (:func:`measure_fresh` gives each variant a process of its own).
+  """
+  variants, setups = {}, {}
+  for remat in (False, True):
+    variants["remat" if remat else "plain"], setups[remat] = measure_variant(name, sizes, make_repl, remat, layouts,
+                                                                             global_view)
+  return _assemble(label, name, sizes, variants, time_variants(setups, rounds))
+
+
+# -- fresh processes ------------------------------------------------------------------------------------------------
+
+# --one KEY -> (label, model, on the 2x2 Megatron mesh in the global view)
+CONFIGS = {"mlp": ("mlp, 1 device", "mlp", False), "transformer": ("transformer, 1 device", "transformer", False),
+           "conv": ("conv, 1 device", "conv", False),
+           "transformer-2x2": ("transformer, 2x2 Megatron (global view)", "transformer", True)}
+PARTS = ("plain", "remat", "timing")
+RESULT = "MEMORY-RESULT "  # the child's line of JSON on stdout
+
+
+def _child(key: str, part: str | None, quick: bool, rounds: int) -> dict:
+  """Configuration ``key`` in this (fresh) process: a variant's figures, both variants' times, or (no part) all."""
+  devices = replicator.virtual_cpus(DEVICES)  # before TensorFlow runs an op
+  import mesh
+
+  label, name, on_mesh = CONFIGS[key]
+  sizes = SIZES[name][1 if quick else 0]
+  if on_mesh:
+    m = mesh.Mesh({"batch": 2, "model": 2}, devices=devices[:4])
+    make_repl, layouts = lambda: replicator.Replicator(mesh=m, view="global", batch_axes=("batch",)), MEGATRON
+  else:
+    make_repl, layouts = lambda: replicator.Replicator(devices=["/device:CPU:0"]), None
+  if part is None:
+    return measure(label, name, sizes, make_repl, rounds, layouts, on_mesh)
+  if part in ("plain", "remat"):
+    return measure_variant(name, sizes, make_repl, part == "remat", layouts, on_mesh)[0]
+  setups = {remat: Setup(make_repl(), name, sizes, remat, layouts, on_mesh) for remat in (False, True)}
+  losses = {"remat" if remat else "plain": s.call() for remat, s in setups.items()}
+  return dict(time_variants(setups, rounds), loss_after_build=losses)
+
+
+def _in_child(key: str, part: str, quick: bool, rounds: int) -> dict:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  command = [sys.executable, "-m", "benchmarks.memory", "--one", key, "--part", part, "--rounds", str(rounds)]
+  done = subprocess.run(command + (["--quick"] if quick else []), cwd=root, capture_output=True, text=True,
+                        check=False)
+  lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+  if done.returncode or not lines:
+    raise RuntimeError(f"{' '.join(command[1:])} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+                       f"{done.stderr[-3000:]}")
+  return json.loads(lines[-1][len(RESULT):])
+
+
+def measure_fresh(key: str, quick: bool, rounds: int) -> dict:
+  """:func:`measure`'s result for configuration ``key``, each variant and the timing in a fresh process."""
+  label, name, _ = CONFIGS[key]
+  variants = {part: _in_child(key, part, quick, rounds) for part in ("plain", "remat")}
+  timing = _in_child(key, "timing", quick, rounds)
+  return _assemble(label, name, SIZES[name][1 if quick else 0], variants, timing)
 
 
 def rows(results: list[dict]) -> list[list[str]]:
@@ -252,25 +347,25 @@ def main(argv=None):
   parser.add_argument("--models", default="mlp,transformer,conv")
   parser.add_argument("--no-mesh", action="store_true", help="skip the 2x2 Megatron transformer")
   parser.add_argument("--json", default=None, help="write every sample and summary here")
+  parser.add_argument("--one", choices=sorted(CONFIGS),
+                      help="(a child process) measure this configuration alone, print its result as JSON")
+  parser.add_argument("--part", choices=PARTS, help="(with --one) only this variant, or the timing of both")
   args = parser.parse_args(argv)
-  devices = replicator.virtual_cpus(DEVICES)  # before TensorFlow runs an op
-  import mesh
+  rounds = 3 if args.quick else args.rounds
+  if args.one:
+    print(RESULT + json.dumps(_child(args.one, args.part, args.quick, rounds)), flush=True)
+    return
   from benchmarks import _timing
 
-  rounds = 3 if args.quick else args.rounds
+  names = args.models.split(",")
+  unknown = [n for n in names if n not in SIZES]
+  if unknown:
+    parser.error(f"unknown models {unknown}; expected some of {sorted(SIZES)}")
+  keys = names + (["transformer-2x2"] if not args.no_mesh and "transformer" in names else [])
   start, load = time.perf_counter(), os.getloadavg()
   results = []
-  for name in args.models.split(","):
-    sizes = SIZES[name][1 if args.quick else 0]
-    results.append(measure(f"{name}, 1 device", name, sizes,
-                           lambda: replicator.Replicator(devices=["/device:CPU:0"]), rounds))
-    print(_timing.table(HEADER, rows(results[-1:])), flush=True)
-  if not args.no_mesh and "transformer" in args.models.split(","):
-    sizes = SIZES["transformer"][1 if args.quick else 0]
-    m = mesh.Mesh({"batch": 2, "model": 2}, devices=devices[:4])
-    results.append(measure("transformer, 2x2 Megatron (global view)", "transformer", sizes,
-                           lambda: replicator.Replicator(mesh=m, view="global", batch_axes=("batch",)), rounds,
-                           layouts=MEGATRON, global_view=True))
+  for key in keys:
+    results.append(measure_fresh(key, args.quick, rounds))
     print(_timing.table(HEADER, rows(results[-1:])), flush=True)
   seconds = time.perf_counter() - start
   print(f"\n{_timing.table(HEADER, rows(results), 'lllrrrrrrrr')}\n\n{seconds:.0f} s")
@@ -282,6 +377,7 @@ def main(argv=None):
       commit = ""
     with open(args.json, "w") as f:
       json.dump(dict(results=results, quick=args.quick, rounds=rounds, seconds=seconds,
+                     processes="fresh: each variant's report and allocator peaks, and each configuration's timing",
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                      machine=dict(cpus=os.cpu_count(), platform=platform.platform()), commit=commit,
                      load_average=dict(start=load, end=os.getloadavg())), f, indent=1)
