@@ -179,7 +179,10 @@ class Replicator(_collective_methods.CollectiveMethods):
       layouts").
     memory_per_device: with ``layouts="auto"``, the bytes a device may hold:
       its variables, their optimizer slots and the step's tensors at their
-      peak (None: no limit); a layout that needs more is not chosen.
+      peak (None: no limit); a layout that needs more is not chosen, or is
+      made to fit by rematerializing the fewest blocks of the step (their
+      activations computed again in the backward pass; ``explain`` names
+      them).
     drop_remainder: when the replicas' ``input_fn`` datasets have different
       lengths, end the epoch as soon as one runs out, dropping the rows left
       on the others. By default (False) the epoch ends when every dataset has
