@@ -33,7 +33,7 @@ setup(
     long_description=_readme(),
     long_description_content_type="text/markdown",
     packages=["replicator", "replicator.core", "replicator.guarantees", "replicator.input", "replicator.integrations",
-              "replicator.state", "replicator.views", "rewrite", "mesh"],
+              "replicator.state", "replicator.views", "rewrite", "rewrite.rules", "mesh"],
     package_data={"replicator": ["py.typed"], "rewrite": ["py.typed"], "mesh": ["py.typed"]},
     python_requires=PYTHON,
     license="Apache-2.0",

@@ -28,7 +28,7 @@ from rewrite import _partition_owners
 from rewrite import _placeholders
 from rewrite import _propagation
 from rewrite import _relayout
-from rewrite import _rules
+from rewrite.rules import _base
 
 # Ops that pass their inputs through unchanged at run time: not copied, their outputs are their inputs
 # (MobileNetV2's step has 1,500 per device; the runtime would remove them, at a cost in the first call).
@@ -394,7 +394,7 @@ class _Expander:
         continue
       x = self._local(r, t)
       if replicated and t.dtype != tf.resource:
-        x = self.relayout(r, x, self.partition.layouts[t.name], _rules.replicated(t.shape.rank),
+        x = self.relayout(r, x, self.partition.layouts[t.name], _base.replicated(t.shape.rank),
                           t.shape.as_list(), t.op)
       values.append(x)
     return values
@@ -583,7 +583,7 @@ def expand_on_device(graph: tf.Graph, mesh, partition: _propagation.Partition, r
     expander.run(local_inputs)
     pieces = [expander.output(t, replicated=False)[0] for t in graph.outputs]
     if outputs is not None:
-      pieces = [x if want is None or isinstance(want, _rules.Contents) or t.dtype == tf.resource
+      pieces = [x if want is None or isinstance(want, _base.Contents) or t.dtype == tf.resource
                 else expander.relayout(r, x, partition.layouts[t.name], want, t.shape.as_list(), t.op)
                 for x, t, want in zip(pieces, graph.outputs, outputs)]
     expansion = expander.finish([[x] for x in pieces])

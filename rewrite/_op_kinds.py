@@ -1,7 +1,7 @@
 """Kinds of TensorFlow ops the partitioner treats apart, by type name (TF 2.21's op registrations).
 
 Kept apart from the rules that handle them, so that the rule registry
-(``_rules``), the rules (``_rules_effects``, ``_rules_random``) and the
+(``rules._base``), the rules (``rules._effects``, ``rules._random``) and the
 propagation (``_propagation``) all read the same lists without importing each
 other.
 """

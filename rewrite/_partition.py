@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from rewrite import _expansion
 from rewrite import _propagation
-from rewrite import _rules
-from rewrite import _rules_random
+from rewrite.rules import _base
+from rewrite.rules import _random
 
 
 def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None,
@@ -26,11 +26,11 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
               batch_axes: tuple = (), random_salt: int | None = None) -> _propagation.Partition:
   """Layouts for every tensor of ``graph``: :func:`_propagation.propagate`, function bodies by :data:`BODIES`.
 
-  ``random_salt``: the seed the graph's unseeded stateful random ops get (``_rules_random``); None: one drawn
+  ``random_salt``: the seed the graph's unseeded stateful random ops get (``rules._random``); None: one drawn
   at random for the graph. Processes of one job that expand one graph each must pass the same.
   """
   if random_salt is not None:
-    _rules_random.use_salt(graph, random_salt)
+    _random.use_salt(graph, random_salt)
   return _propagation.propagate(graph, mesh, given, handle_shapes, summed, data, batch_axes, bodies=BODIES)
 
 
@@ -40,4 +40,4 @@ def propagator(graph: tf.Graph, mesh, handle_shapes: dict | None = None, summed:
   return _propagation.Propagator(graph, mesh, handle_shapes, summed, data, batch_axes, alike, bodies=BODIES)
 
 
-BODIES = _rules.Bodies(propagate=propagate, expand_on_device=_expansion.expand_on_device)  # what the rules for If use
+BODIES = _base.Bodies(propagate=propagate, expand_on_device=_expansion.expand_on_device)  # what the rules for If use

@@ -2,7 +2,7 @@
 
 :func:`propagate` gives every tensor of a traced global graph (static global
 shapes) a layout, op by op, from the layouts of its inputs (the step's
-arguments and the variables' handles) and the op's rule (``_rules_*``
+arguments and the variables' handles) and the op's rule (the ``rewrite.rules``
 modules). An op without a rule runs replicated on gathered inputs (a
 *fallback*, recorded). The context the rules see and the decisions remembered
 are ``_propagation_context``'s; the per-device graphs are ``_expansion``'s.
@@ -17,20 +17,20 @@ import tensorflow as tf
 from rewrite import _op_kinds
 from rewrite import _propagation_context
 from rewrite import _relayout
-from rewrite import _rules
-from rewrite import _rules_contraction  # noqa: F401  (registers rules)
-from rewrite import _rules_control_flow  # noqa: F401
-from rewrite import _rules_convolution  # noqa: F401
-from rewrite import _rules_effects  # noqa: F401
-from rewrite import _rules_elementwise  # noqa: F401
-from rewrite import _rules_gather  # noqa: F401
-from rewrite import _rules_random  # noqa: F401
-from rewrite import _rules_reduction  # noqa: F401
-from rewrite import _rules_resource  # noqa: F401
-from rewrite import _rules_scatter  # noqa: F401
-from rewrite import _rules_segment  # noqa: F401
-from rewrite import _rules_shape  # noqa: F401
 from rewrite._propagation_context import NOT_SOURCE  # (compared once an op a pass)
+from rewrite.rules import _base
+from rewrite.rules import _contraction  # noqa: F401  (registers rules)
+from rewrite.rules import _control_flow  # noqa: F401
+from rewrite.rules import _convolution  # noqa: F401
+from rewrite.rules import _effects  # noqa: F401
+from rewrite.rules import _elementwise  # noqa: F401
+from rewrite.rules import _gather  # noqa: F401
+from rewrite.rules import _random  # noqa: F401
+from rewrite.rules import _reduction  # noqa: F401
+from rewrite.rules import _resource  # noqa: F401
+from rewrite.rules import _scatter  # noqa: F401
+from rewrite.rules import _segment  # noqa: F401
+from rewrite.rules import _shape  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class Partition:
 
   Attributes:
     layouts: tensor name -> layout (per dimension, the mesh axes it is split over).
-    decisions: op name -> the rule's :class:`_rules.Decision`.
+    decisions: op name -> the rule's :class:`_base.Decision`.
     fallbacks: names of ops that ran replicated for want of a rule.
   """
 
@@ -66,7 +66,7 @@ MAX_ROUNDS = 8
 
 def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None,
               summed: frozenset = frozenset(), data: frozenset = frozenset(),
-              batch_axes: tuple = (), *, bodies: _rules.Bodies) -> Partition:
+              batch_axes: tuple = (), *, bodies: _base.Bodies) -> Partition:
   """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
 
   Forward, each op's rule gives its outputs' layouts from its inputs'.
@@ -121,7 +121,7 @@ class Propagator:
   """
 
   def __init__(self, graph: tf.Graph, mesh, handle_shapes: dict | None = None, summed: frozenset = frozenset(),
-               data: frozenset = frozenset(), batch_axes: tuple = (), alike: bool = False, *, bodies: _rules.Bodies):
+               data: frozenset = frozenset(), batch_axes: tuple = (), alike: bool = False, *, bodies: _base.Bodies):
     dead = _dead(graph)
     self._ops = [op for op in ordered(graph) if op.name not in dead]
     self._mesh, self._handle_shapes, self._summed = mesh, handle_shapes or {}, frozenset(summed)
@@ -220,7 +220,7 @@ def _dead(graph) -> set:
   return {op.name for op in ops if op.name not in live}
 
 
-def _decide(op, context, ins, wants, record=None) -> _rules.Decision:
+def _decide(op, context, ins, wants, record=None) -> _base.Decision:
   record = record or context.record(op)
   outs = tuple([wants.get(name) for name in record.outputs]) if wants else ()
   key = (record.kind, _key(ins), _key(outs)) if record.variant else (record.kind, tuple(ins), outs)
@@ -232,15 +232,15 @@ def _decide(op, context, ins, wants, record=None) -> _rules.Decision:
 
 def _key(layouts) -> tuple:
   """``layouts`` as a key: a variant's contents told apart from a layout (``Contents(()) == ()``)."""
-  return tuple((x, True) if isinstance(x, _rules.Contents) else x for x in layouts)
+  return tuple((x, True) if isinstance(x, _base.Contents) else x for x in layouts)
 
 
-def _decide_anew(op, context, ins, wants) -> _rules.Decision:
-  rule = _rules.get(op.type)
-  view = _rules.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
-                       context.value, context.summed, bodies=context.bodies)
+def _decide_anew(op, context, ins, wants) -> _base.Decision:
+  rule = _base.get(op.type)
+  view = _base.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
+                      context.value, context.summed, bodies=context.bodies)
   if rule is None:
-    return _rules.fallback(view, ins)
+    return _base.fallback(view, ins)
   decision = _apply(rule, view, ins)
   if decision.fallback:  # the rule cannot split it so (a dimension of unknown size): without the weights' batch axes?
     again = _apply(rule, view, _without(view, context, ins, context.data_axes)) if context.data else decision
@@ -248,18 +248,18 @@ def _decide_anew(op, context, ins, wants) -> _rules.Decision:
   return _weights_stay(rule, view, context, ins, _data_first(rule, view, context, ins, decision))
 
 
-def _apply(rule, view, ins) -> _rules.Decision:
+def _apply(rule, view, ins) -> _base.Decision:
   op = view.op
   try:
     decision = rule(view, ins)
-  except _rules.UnknownRank:  # a shape of unknown rank (from a batch of unknown size): the whole value
-    return _rules.fallback(view, ins)
+  except _base.UnknownRank:  # a shape of unknown rank (from a batch of unknown size): the whole value
+    return _base.fallback(view, ins)
   if _splits_unknown(op.inputs, decision.inputs) or _splits_unknown(op.outputs, decision.outputs):
-    return _rules.fallback(view, ins)  # a dimension of unknown size cannot be split into pieces
+    return _base.fallback(view, ins)  # a dimension of unknown size cannot be split into pieces
   return decision
 
 
-def _data_first(rule, view, context, ins, decision) -> _rules.Decision:
+def _data_first(rule, view, context, ins, decision) -> _base.Decision:
   """``decision``, or the rule's decision with a weight gathered where ``decision`` gathers the batch.
 
   Rules settle two operands split over one mesh axis on different dimensions
@@ -284,10 +284,10 @@ def _data_first(rule, view, context, ins, decision) -> _rules.Decision:
       lost |= _moved(have, need) & context.data_axes
   if any(t.name in context.data for t in view.op.inputs):
     own = {a for t, have in zip(view.op.inputs, ins) if t.name in context.data and _is_layout(have)
-           for a in _rules.axes_in(have)}
+           for a in _base.axes_in(have)}
     for t, layout in zip(view.op.outputs, decision.outputs):
       if _is_layout(layout) and t.shape.rank is not None and None in t.shape.as_list():
-        lost |= (_rules.axes_in(layout) & context.data_axes) - own
+        lost |= (_base.axes_in(layout) & context.data_axes) - own
   if not lost:
     return decision
   stripped = _without(view, context, ins, lost)
@@ -302,7 +302,7 @@ def _data_first(rule, view, context, ins, decision) -> _rules.Decision:
   return again
 
 
-def _weights_stay(rule, view, context, ins, decision) -> _rules.Decision:
+def _weights_stay(rule, view, context, ins, decision) -> _base.Decision:
   """``decision``, or one that moves the data to a weight split over the data's axis instead of gathering it.
 
   Expert parallelism (GShard's dispatch): experts' stacked kernels ``[experts,
@@ -328,7 +328,7 @@ def _weights_stay(rule, view, context, ins, decision) -> _rules.Decision:
   if not lost:
     return decision
   data_axes = {a for t, have in zip(view.op.inputs, ins) if t.name in context.data and _is_layout(have)
-               for a in _rules.axes_in(have)}
+               for a in _base.axes_in(have)}
   lost &= data_axes
   if not lost:
     return decision
@@ -373,13 +373,13 @@ def _moved(have, need) -> set:
 
 
 def _is_layout(layout) -> bool:
-  return layout is not None and not isinstance(layout, _rules.Contents)
+  return layout is not None and not isinstance(layout, _base.Contents)
 
 
 def _data_axes(given: dict, data: frozenset, batch_axes: tuple = ()) -> frozenset:
   """The batch axes: ``batch_axes``, else the axes the step's data inputs ``data`` are split over."""
   return frozenset(batch_axes) or frozenset(
-      a for name in data if _is_layout(given.get(name)) for a in _rules.axes_in(given[name]))
+      a for name in data if _is_layout(given.get(name)) for a in _base.axes_in(given[name]))
 
 
 def _derived(ops, data: frozenset) -> frozenset:
@@ -394,7 +394,7 @@ def _derived(ops, data: frozenset) -> frozenset:
 def _splits_unknown(tensors, layouts) -> bool:
   """Whether a layout splits a dimension whose size is unknown (a batch of any size, taken whole)."""
   for t, layout in zip(tensors, layouts):
-    if layout is None or isinstance(layout, _rules.Contents) or t.shape.rank is None or t.dtype == tf.resource:
+    if layout is None or isinstance(layout, _base.Contents) or t.shape.rank is None or t.dtype == tf.resource:
       continue
     if any(axes and n is None for n, axes in zip(t.shape.as_list(), layout)):
       return True
@@ -404,7 +404,7 @@ def _splits_unknown(tensors, layouts) -> bool:
 def _inputs_of(op, layouts, context, record=None):
   found = [layouts.get(name, _UNSET) for name in (record or context.record(op)).inputs]
   if _UNSET in found:  # (rare: an input no op before gave a layout)
-    found = [_rules.replicated(_rules.rank_of(t)) if f is _UNSET else f for f, t in zip(found, op.inputs)]
+    found = [_base.replicated(_base.rank_of(t)) if f is _UNSET else f for f, t in zip(found, op.inputs)]
   return found
 
 

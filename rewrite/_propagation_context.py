@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 SOURCES = ("Placeholder", "Const")  # ops whose one output takes a layout of its own (given, or replicated)
 
@@ -21,7 +21,7 @@ MAX_FOLDED_ELEMENTS = 64
 class Context:
   """What rules see besides the op: the mesh, the variables' shapes, constant shape arithmetic, function bodies.
 
-  ``bodies`` (``_rules.Bodies``): how a rule partitions and expands the body of
+  ``bodies`` (``rules._base.Bodies``): how a rule partitions and expands the body of
   a function its op calls (an ``If``'s branches).
   """
 
@@ -95,7 +95,7 @@ class Record:
 
   def __init__(self, op, kind):
     self.name = op.name
-    self.source = _rules.replicated(_rules.rank_of(op.outputs[0])) if op.type in SOURCES else NOT_SOURCE
+    self.source = _base.replicated(_base.rank_of(op.outputs[0])) if op.type in SOURCES else NOT_SOURCE
     self.inputs = tuple(t.name for t in op.inputs)
     self.outputs = tuple(t.name for t in op.outputs)
     self.data_inputs = tuple(None if t.dtype == tf.resource else t.name for t in op.inputs)  # (handles: None)

@@ -204,7 +204,7 @@ STRICT_MESSAGE = (
     "Replicator(strict=True): the global view has no layout rule for 1 op(s) whose inputs are split; each "
     "would gather its inputs and run on whole values on every device:\n"
     "  Roll (Roll, at {where}): input layouts [batch, -], [], []\n"
-    "Fix: add a layout rule for the op type (rewrite/_rules_*.py), keep the op's inputs replicated (leave the "
+    "Fix: add a layout rule for the op type (rewrite/rules/_*.py), keep the op's inputs replicated (leave the "
     "variables they come from out of the layouts), or pass Replicator(strict=False) to run it on gathered "
     "inputs, with a warning.")
 

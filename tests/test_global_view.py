@@ -19,7 +19,7 @@ import replicator
 import rewrite
 from rewrite import _expansion
 from rewrite import _partition
-from rewrite import _rules
+from rewrite.rules import _base
 
 LAYOUTS = {
     "batch": None,
@@ -336,7 +336,7 @@ def test_the_keras_mlp_step_is_covered():
   for op_type in ("MatMul", "BiasAdd", "BiasAddGrad", "Relu", "ReluGrad", "SparseSoftmaxCrossEntropyWithLogits",
                   "Sum", "Prod", "Reshape", "Tile", "ExpandDims", "IdentityN", "DivNoNan", "Pow", "Sqrt",
                   "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
-    assert op_type in _rules.covered()
+    assert op_type in _base.covered()
 
 
 def test_backward_pass_tiles_locally_what_consumers_want_split():

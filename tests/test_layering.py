@@ -176,6 +176,8 @@ def test_no_module_imports_itself_through_others():
 
 # The packages as layers, lowest first: a module imports modules of its own package and of those below it only.
 # replicator's top-level modules are its API (the Replicator, MultiWorkerReplicator, the Keras hooks, calibrate).
+# A sub-package not listed is of its package's layer: rewrite.rules (the global view's layout rules) is rewrite's,
+# its rules using rewrite's modules (_op_kinds, _functions) and rewrite's propagation importing every rule.
 LAYERS = ("mesh", "rewrite", "replicator.core", "replicator.input", "replicator.state", "replicator.guarantees",
           "replicator.views", "replicator.integrations", "replicator", "examples")
 
@@ -201,6 +203,15 @@ def test_the_packages_are_layers():
   assert not found, (f"Imports from a higher layer: {found}. Expected each package to import only its own modules "
                      f"and those of the packages below it, in the order {LAYERS}. Fix: move the module to the layer "
                      "of what it is about, or hand it what it needs (an object, a callable) from above.")
+
+
+def test_the_layout_rules_are_a_sub_package_of_the_rewrite_layer():
+  modules = _modules()
+  rules = sorted(m for m in modules if m.startswith("rewrite.rules."))
+  assert "rewrite.rules._base" in rules and len(rules) > 1, rules
+  assert {layer_of(m) for m in rules} == {"rewrite"}
+  flat = sorted(m for m in modules if m.startswith("rewrite._rules"))
+  assert not flat, f"Layout rules outside rewrite/rules/: {flat}. Expected every rule module in the sub-package."
 
 
 def test_no_module_reads_another_modules_private_names():
@@ -240,6 +251,16 @@ def test_an_import_from_a_higher_layer_is_found(tmp_path):
                              "mesh/__init__.py": ""})
   assert upward_imports(import_graph(modules)) == [
       "replicator.core._c (replicator.core) imports replicator.state._s (replicator.state)"]
+
+
+def test_a_sub_package_is_of_its_packages_layer(tmp_path):
+  modules = _tree(tmp_path, {"rewrite/__init__.py": "", "rewrite/_kinds.py": "import mesh\n",
+                             "rewrite/_propagation.py": "from rewrite.rules import _base\n",
+                             "rewrite/rules/__init__.py": "",
+                             "rewrite/rules/_base.py": "from rewrite import _kinds\nfrom replicator import _a\n",
+                             "replicator/__init__.py": "", "replicator/_a.py": "", "mesh/__init__.py": ""})
+  assert layer_of("rewrite.rules._base") == "rewrite"
+  assert upward_imports(import_graph(modules)) == ["rewrite.rules._base (rewrite) imports replicator._a (replicator)"]
 
 
 def test_private_accesses_found_and_a_modules_own_kept(tmp_path):

@@ -14,7 +14,7 @@ from conftest import cpus
 
 import mesh
 import replicator
-from rewrite import _rules
+from rewrite.rules import _base
 
 M = ("model",)
 
@@ -253,7 +253,7 @@ def test_the_keras_transformer_step_is_covered():
   for op_type in ("Einsum", "BatchMatMulV2", "Transpose", "Reshape", "StridedSlice", "StridedSliceGrad", "ConcatV2",
                   "Softmax", "GatherV2", "ResourceGather", "UnsortedSegmentSum", "MatrixBandPart", "Erfc", "AddN",
                   "Fill", "Pack", "Mean", "SquaredDifference", "Rsqrt", "RsqrtGrad"):
-    assert op_type in _rules.covered(), op_type
+    assert op_type in _base.covered(), op_type
 
 
 def test_keras_layer_normalization_over_a_split_feature_dimension():

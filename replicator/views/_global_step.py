@@ -44,11 +44,11 @@ from replicator.state import _variables
 from replicator.views import _auto_layouts
 from replicator.views import _captures
 from replicator.views import _local_step
+from rewrite import _deferred
 from rewrite import _expansion
 from rewrite import _partition
 from rewrite import _partition_owners
 from rewrite import _partition_report
-from rewrite import _deferred
 from rewrite import _propagation
 from rewrite import _recompute
 
@@ -75,7 +75,7 @@ FALLBACK = (
 STRICT_FALLBACK = (
     "Replicator(strict=True): the global view has no layout rule for {count} op(s) whose inputs are "
     "split; each would gather its inputs and run on whole values on every device:\n{ops}\n"
-    "Fix: add a layout rule for the op type (rewrite/_rules_*.py), keep the op's inputs replicated (leave "
+    "Fix: add a layout rule for the op type (rewrite/rules/_*.py), keep the op's inputs replicated (leave "
     "the variables they come from out of the layouts), or pass Replicator(strict=False) to run it on "
     "gathered inputs, with a warning."
 )

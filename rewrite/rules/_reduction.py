@@ -5,43 +5,43 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 _COMBINE = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "All": "min", "Any": "max"}
 
 
-@_rules.register("Sum", "Mean", "Max", "Min", "Prod", "All", "Any")
+@_base.register("Sum", "Mean", "Max", "Min", "Prod", "All", "Any")
 def reduce(view, layouts):
   layout = layouts[0]
   axes = view.const(1)
   if axes is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   rank = len(layout)
   dims = {int(d) % rank for d in np.atleast_1d(axes)} if rank else set()
   split = tuple(a for d in sorted(dims) for a in layout[d])
   if split and view.op.type == "Prod":
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   keep = view.attr("keep_dims")
   out = tuple(() if d in dims else layout[d] for d in range(rank) if keep or d not in dims)
   scatter = ()
   if view.op.type == "Sum":  # a gradient summed over the batch, for a weight split over the batch axis
-    out, scatter = _rules.scatter_partials(view, out, split)
-  return _rules.Decision(inputs=[layout, None], outputs=[out],
-                         reduce=[(_COMBINE[view.op.type], split) if split else None],
-                         scatter={0: scatter})
+    out, scatter = _base.scatter_partials(view, out, split)
+  return _base.Decision(inputs=[layout, None], outputs=[out],
+                        reduce=[(_COMBINE[view.op.type], split) if split else None],
+                        scatter={0: scatter})
 
 
-@_rules.register("BiasAddGrad")
+@_base.register("BiasAddGrad")
 def bias_add_grad(view, layouts):
   if view.attr("data_format") not in (b"NHWC", "NHWC"):
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   layout = layouts[0]
   split = tuple(a for dim in layout[:-1] for a in dim)
-  return _rules.Decision(inputs=[layout], outputs=[(layout[-1],)],
-                         reduce=[("sum", split) if split else None])
+  return _base.Decision(inputs=[layout], outputs=[(layout[-1],)],
+                        reduce=[("sum", split) if split else None])
 
 
-@_rules.register("SparseSoftmaxCrossEntropyWithLogits")
+@_base.register("SparseSoftmaxCrossEntropyWithLogits")
 def sparse_softmax_cross_entropy(view, layouts):
   """Per row of ``[batch, classes]`` logits; classes split (a vocabulary-parallel output layer) stay split.
 
@@ -57,7 +57,7 @@ def sparse_softmax_cross_entropy(view, layouts):
   batch = logits[0] or labels[0] or want[0]
   classes = logits[1] if len(logits) == 2 else ()
   if not classes or set(classes) & set(batch):
-    return _rules.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])
+    return _base.Decision(inputs=[(batch, ()), (batch,)], outputs=[(batch,), (batch, ())])
   num_classes = view.in_shape(0)[1]
   local_classes = num_classes // view.shards(classes)
 
@@ -75,13 +75,13 @@ def sparse_softmax_cross_entropy(view, layouts):
     return [loss, backprop]
 
   split = "vocabulary-parallel cross-entropy: "
-  return _rules.Decision(inputs=[(batch, classes), (batch,)], outputs=[(batch,), (batch, classes)], lower=lower,
-                         communicates=(("all_reduce", classes, split + "row max"),
-                                       ("all_reduce", classes, split + "row sum of exp"),
-                                       ("all_reduce", classes, split + "label logit")))
+  return _base.Decision(inputs=[(batch, classes), (batch,)], outputs=[(batch,), (batch, classes)], lower=lower,
+                        communicates=(("all_reduce", classes, split + "row max"),
+                                      ("all_reduce", classes, split + "row sum of exp"),
+                                      ("all_reduce", classes, split + "label logit")))
 
 
-@_rules.register("SoftmaxCrossEntropyWithLogits")
+@_base.register("SoftmaxCrossEntropyWithLogits")
 def softmax_cross_entropy(view, layouts):
   """Per row of ``[batch, classes]`` logits and labels; classes split (in the logits) stay split.
 
@@ -93,10 +93,10 @@ def softmax_cross_entropy(view, layouts):
   want = view.want(0) or view.want(1) or ((),)
   batch = logits[0] or labels[0] or want[0]
   if len(logits) != 2 or len(labels) != 2:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   classes = logits[1]
   if not classes or set(classes) & set(batch):
-    return _rules.Decision(inputs=[(batch, ()), (batch, ())], outputs=[(batch,), (batch, ())])
+    return _base.Decision(inputs=[(batch, ()), (batch, ())], outputs=[(batch,), (batch, ())])
 
   def lower(r, inputs, comm):
     logits, labels = inputs
@@ -109,21 +109,21 @@ def softmax_cross_entropy(view, layouts):
     return [loss, exp / total[:, None] - labels]
 
   split = "vocabulary-parallel cross-entropy: "
-  return _rules.Decision(inputs=[(batch, classes), (batch, classes)], outputs=[(batch,), (batch, classes)],
-                         lower=lower, communicates=(("all_reduce", classes, split + "row max"),
-                                                    ("all_reduce", classes, split + "row sum of exp"),
-                                                    ("all_reduce", classes, split + "label sums")))
+  return _base.Decision(inputs=[(batch, classes), (batch, classes)], outputs=[(batch,), (batch, classes)],
+                        lower=lower, communicates=(("all_reduce", classes, split + "row max"),
+                                                   ("all_reduce", classes, split + "row sum of exp"),
+                                                   ("all_reduce", classes, split + "label sums")))
 
 
-@_rules.register("Softmax", "LogSoftmax")
+@_base.register("Softmax", "LogSoftmax")
 def softmax(view, layouts):
   """Normalises the last dimension: that one whole (gathered if split), the others keep their splits."""
-  layout = _rules.with_wanted(layouts[0][:-1] + ((),), view.want())
+  layout = _base.with_wanted(layouts[0][:-1] + ((),), view.want())
   layout = layout[:-1] + ((),)
-  return _rules.Decision(inputs=[layout], outputs=[layout])
+  return _base.Decision(inputs=[layout], outputs=[layout])
 
 
-@_rules.register("ArgMax", "ArgMin")
+@_base.register("ArgMax", "ArgMin")
 def arg_max(view, layouts):
   """The index of the largest (smallest) entry along a dimension; the other dimensions keep their splits.
 
@@ -135,13 +135,13 @@ def arg_max(view, layouts):
   """
   axis = view.const(1)
   if axis is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   layout = layouts[0]
   axis = int(axis) % len(layout)
   split = layout[axis]
   out = layout[:axis] + layout[axis + 1:]
   if not split or view.in_shape(0)[axis] <= 0 or not view.op.inputs[0].dtype.is_floating:
-    return _rules.Decision(inputs=[layout[:axis] + ((),) + layout[axis + 1:], None], outputs=[out])
+    return _base.Decision(inputs=[layout[:axis] + ((),) + layout[axis + 1:], None], outputs=[out])
   size = view.in_shape(0)[axis]
   largest = view.op.type == "ArgMax"
   out_type = view.attr("output_type")
@@ -158,12 +158,12 @@ def arg_max(view, layouts):
     return [tf.cast(first, out_type)]
 
   why = "arg max over a split dimension: " if largest else "arg min over a split dimension: "
-  return _rules.Decision(inputs=[layout, None], outputs=[out], lower=lower,
-                         communicates=(("all_reduce", split, why + "best value"),
-                                       ("all_reduce", split, why + "first index holding it")))
+  return _base.Decision(inputs=[layout, None], outputs=[out], lower=lower,
+                        communicates=(("all_reduce", split, why + "best value"),
+                                      ("all_reduce", split, why + "first index holding it")))
 
 
-@_rules.register("TopKV2", "TopK")
+@_base.register("TopKV2", "TopK")
 def top_k(view, layouts):
   """The ``k`` largest entries of each row (a router's choice of experts): the last dimension whole.
 
@@ -173,10 +173,10 @@ def top_k(view, layouts):
   """
   layout = layouts[0]
   if layout is None or not layout:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   want = view.want(0) or view.want(1)
-  need = _rules.with_wanted(layout[:-1] + ((),), want)[:-1] + ((),)
-  return _rules.Decision(inputs=[need] + [None] * (len(view.op.inputs) - 1), outputs=[need, need])
+  need = _base.with_wanted(layout[:-1] + ((),), want)[:-1] + ((),)
+  return _base.Decision(inputs=[need] + [None] * (len(view.op.inputs) - 1), outputs=[need, need])
 
 
 _SCANS = {  # op -> (its reduction, the identity of its combine, combine(running, before))
@@ -188,7 +188,7 @@ _SCANS = {  # op -> (its reduction, the identity of its combine, combine(running
 }
 
 
-@_rules.register("Cumsum", "Cumprod", "CumulativeLogsumexp")
+@_base.register("Cumsum", "Cumprod", "CumulativeLogsumexp")
 def cumulative(view, layouts):
   """A running sum (product, log-sum-exp) along one dimension; the other dimensions keep their splits.
 
@@ -201,14 +201,14 @@ def cumulative(view, layouts):
   axis = view.const(1)
   layout = layouts[0]
   if axis is None or layout is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   axis = int(axis) % len(layout)
   split = layout[axis]
   want = view.want()
   if not split:
     if want is not None and len(want) == len(layout) and not want[axis]:
-      layout = _rules.with_wanted(layout, want)
-    return _rules.Decision(inputs=[layout, None], outputs=[layout])
+      layout = _base.with_wanted(layout, want)
+    return _base.Decision(inputs=[layout, None], outputs=[layout])
   reduce_fn, identity, combine = _SCANS[view.op.type]
   reverse = bool(view.attr("reverse"))
   k = view.shards(split)
@@ -225,6 +225,6 @@ def cumulative(view, layouts):
     prior = reduce_fn(tf.where(before, totals, tf.cast(identity, totals.dtype)), axis=axis, keepdims=True)
     return [combine(running, prior)]
 
-  return _rules.Decision(inputs=[layout, None], outputs=[layout], lower=lower,
-                         communicates=(("all_gather", split, f"{view.op.type} along a split dimension: the pieces' "
-                                        "totals"),))
+  return _base.Decision(inputs=[layout, None], outputs=[layout], lower=lower,
+                        communicates=(("all_gather", split, f"{view.op.type} along a split dimension: the pieces' "
+                                       "totals"),))

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import string
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 
-def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decision:
+def contract(view, layouts, labels: list[str], out_labels: str) -> _base.Decision:
   """The decision for a contraction of operands labelled ``labels`` into ``out_labels``.
 
   A label repeated within one operand (a diagonal) is not a contraction this
   rule understands: the op falls back.
   """
   if any(len(set(ls)) != len(ls) for ls in labels + [out_labels]):
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   shapes = [view.in_shape(i) for i in range(len(labels))]
   size = {}
   for ls, shape in zip(labels, shapes):
@@ -31,8 +31,8 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decisi
       size[label] = max(size.get(label, 1), n)
   # A dimension of unknown size (a batch of any size): a contracted one equals the others' (contractions do not
   # broadcast), so it is at full size; another may be a broadcast 1 or not, so the op is not split along it.
-  unknown = {label for ls, shape in zip(labels, shapes) for label, n in zip(ls, shape) if n == _rules.UNKNOWN}
-  shapes = [[size[label] if n == _rules.UNKNOWN and label not in out_labels else n for label, n in zip(ls, shape)]
+  unknown = {label for ls, shape in zip(labels, shapes) for label, n in zip(ls, shape) if n == _base.UNKNOWN}
+  shapes = [[size[label] if n == _base.UNKNOWN and label not in out_labels else n for label, n in zip(ls, shape)]
             for ls, shape in zip(labels, shapes)]
   split: dict = {}
   used: set = set()
@@ -50,21 +50,21 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _rules.Decisi
   inputs = [tuple(split.get(label, ()) if n == size[label] else () for label, n in zip(ls, shape))
             for ls, shape in zip(labels, shapes)]
   if any(label in unknown and label in out_labels for label in split):
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   summed = tuple(a for label in sorted(split) if label not in out_labels for a in split[label])
-  out, scatter = _rules.scatter_partials(view, tuple(split.get(label, ()) for label in out_labels), summed)
-  return _rules.Decision(inputs=inputs, outputs=[out], reduce=[("sum", summed) if summed else None],
-                         scatter={0: scatter})
+  out, scatter = _base.scatter_partials(view, tuple(split.get(label, ()) for label in out_labels), summed)
+  return _base.Decision(inputs=inputs, outputs=[out], reduce=[("sum", summed) if summed else None],
+                        scatter={0: scatter})
 
 
-@_rules.register("MatMul")
+@_base.register("MatMul")
 def matmul(view, layouts):
   a = "km" if view.attr("transpose_a") else "mk"
   b = "nk" if view.attr("transpose_b") else "kn"
   return contract(view, layouts, [a, b], "mn")
 
 
-@_rules.register("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul")
+@_base.register("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul")
 def batch_matmul(view, layouts):
   ra, rb = len(view.in_shape(0)), len(view.in_shape(1))
   rank = len(view.out_shape())
@@ -74,14 +74,14 @@ def batch_matmul(view, layouts):
   return contract(view, layouts, [a, b], batch + "mn")
 
 
-@_rules.register("Einsum")
+@_base.register("Einsum")
 def einsum(view, layouts):
   equation = view.attr("equation")
   equation = equation.decode() if isinstance(equation, bytes) else equation
   parsed = _parse_einsum(equation.replace(" ", ""), [len(view.in_shape(i)) for i in range(len(layouts))],
                          len(view.out_shape()))
   if parsed is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   labels, out_labels = parsed
   return contract(view, layouts, labels, out_labels)
 

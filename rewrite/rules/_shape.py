@@ -7,10 +7,10 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 
-@_rules.register("Reshape")
+@_base.register("Reshape")
 def reshape(view, layouts):
   """A split survives a reshape where its dimension starts a dimension of the output it divides.
 
@@ -20,8 +20,8 @@ def reshape(view, layouts):
   """
   layout = layouts[0]
   in_shape, out_shape = view.in_shape(0), view.out_shape()  # a shape computed at run time but known when traced too
-  if _rules.UNKNOWN in in_shape or _rules.UNKNOWN in out_shape:
-    return _rules.fallback(view, layouts)
+  if _base.UNKNOWN in in_shape or _base.UNKNOWN in out_shape:
+    return _base.fallback(view, layouts)
   starts_in = {math.prod(in_shape[:i]): i for i in range(len(in_shape))}
   starts_out = {math.prod(out_shape[:j]): j for j in range(len(out_shape))}
 
@@ -39,22 +39,22 @@ def reshape(view, layouts):
       out[j] = axes
   want = view.want()
   if want is not None:  # whole output dimensions the consumers want split: slice the input instead
-    used = _rules.axes_in(out)
+    used = _base.axes_in(out)
     for j, axes in enumerate(want):
       if axes and not out[j] and used.isdisjoint(axes):
         i = partner(j, out_shape, starts_in, in_shape, axes)
         if i is not None and not need[i]:
           need[i], out[j] = axes, axes
           used.update(axes)
-  return _rules.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
-                         consts={1: view.local_shape(out_shape, out, view.op.inputs[1].dtype.as_numpy_dtype)})
+  return _base.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
+                        consts={1: view.local_shape(out_shape, out, view.op.inputs[1].dtype.as_numpy_dtype)})
 
 
-@_rules.register("Transpose")
+@_base.register("Transpose")
 def transpose(view, layouts):
   perm = view.const(1)
   if perm is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   perm = [int(p) for p in perm]
   want = view.want()
   layout = layouts[0]
@@ -62,33 +62,33 @@ def transpose(view, layouts):
     inverse = [0] * len(perm)
     for j, p in enumerate(perm):
       inverse[p] = j
-    layout = _rules.with_wanted(layout, tuple(want[inverse[d]] for d in range(len(perm))))
-  return _rules.Decision(inputs=[layout, None], outputs=[tuple(layout[p] for p in perm)])
+    layout = _base.with_wanted(layout, tuple(want[inverse[d]] for d in range(len(perm))))
+  return _base.Decision(inputs=[layout, None], outputs=[tuple(layout[p] for p in perm)])
 
 
 def _passthrough(view, layout, dims, out_map):
   """Keeps the splits of input ``dims`` (whole elsewhere); ``out_map``: per output dim, its input dim or None."""
-  need = _rules.keep(layout, dims)
+  need = _base.keep(layout, dims)
   want = view.want()
   if want is not None:
     wished = [()] * len(need)
     for j, d in enumerate(out_map):
       if d is not None and d in dims:
         wished[d] = want[j]
-    need = _rules.with_wanted(need, tuple(wished))
+    need = _base.with_wanted(need, tuple(wished))
   return need, tuple(() if d is None else need[d] for d in out_map)
 
 
-@_rules.register("Slice")
+@_base.register("Slice")
 def slice_(view, layouts):
   begin, size = view.const(1), view.const(2)
   shape = view.in_shape(0)
   if begin is None or size is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   full = {d for d, (b, n) in enumerate(zip(begin, size)) if b == 0 and n in (-1, shape[d])}
   need, out = _passthrough(view, layouts[0], full, list(range(len(shape))))
   local = np.asarray([-1 if need[d] else int(n) for d, n in enumerate(size)], dtype=size.dtype)
-  return _rules.Decision(inputs=[need, None, None], outputs=[out], consts={2: local})
+  return _base.Decision(inputs=[need, None, None], outputs=[out], consts={2: local})
 
 
 def strided_dims(view, shape):
@@ -126,22 +126,22 @@ def strided_dims(view, shape):
   return full, out_map
 
 
-@_rules.register("StridedSlice")
+@_base.register("StridedSlice")
 def strided_slice(view, layouts):
   dims = strided_dims(view, view.in_shape(0))
   if dims is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   need, out = _passthrough(view, layouts[0], *dims)
-  return _rules.Decision(inputs=[need, None, None, None], outputs=[out])
+  return _base.Decision(inputs=[need, None, None, None], outputs=[out])
 
 
-@_rules.register("StridedSliceGrad")
+@_base.register("StridedSliceGrad")
 def strided_slice_grad(view, layouts):
   """The gradient of a StridedSlice: ``dy`` scattered into zeros of the input's shape."""
   shape = view.const(0)
   dims = None if shape is None else strided_dims(view, [int(n) for n in shape])
   if dims is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   full, out_map = dims
   dy = layouts[4]
   out = [()] * len(shape)
@@ -149,8 +149,8 @@ def strided_slice_grad(view, layouts):
     if d is not None and d in full:
       out[d] = dy[j]
   need = tuple(out[d] if d is not None else () for d in out_map)
-  return _rules.Decision(inputs=[None, None, None, None, need], outputs=[tuple(out)],
-                         consts={0: view.local_shape(shape, out, shape.dtype)})
+  return _base.Decision(inputs=[None, None, None, None, need], outputs=[tuple(out)],
+                        consts={0: view.local_shape(shape, out, shape.dtype)})
 
 
 def _first_splits(layouts, rank, skip=()):
@@ -164,115 +164,115 @@ def _first_splits(layouts, rank, skip=()):
   return tuple(out)
 
 
-@_rules.register("ConcatV2")
+@_base.register("ConcatV2")
 def concat(view, layouts):
   axis = view.const(len(layouts) - 1)
   values = layouts[:-1]
   if axis is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   rank = len(view.out_shape())
   axis = int(axis) % rank
-  layout = _rules.with_wanted(_first_splits(values, rank, skip=(axis,)),
-                              _rules.keep(view.want(), set(range(rank)) - {axis}) if view.want() else None)
-  return _rules.Decision(inputs=[layout] * len(values) + [None], outputs=[layout])
+  layout = _base.with_wanted(_first_splits(values, rank, skip=(axis,)),
+                             _base.keep(view.want(), set(range(rank)) - {axis}) if view.want() else None)
+  return _base.Decision(inputs=[layout] * len(values) + [None], outputs=[layout])
 
 
-@_rules.register("Pack")
+@_base.register("Pack")
 def pack(view, layouts):
   rank = len(view.in_shape(0))
   axis = view.attr("axis") % (rank + 1)
   layout = _first_splits(layouts, rank)
   want = view.want()
   if want is not None:
-    layout = _rules.with_wanted(layout, want[:axis] + want[axis + 1:])
-  return _rules.Decision(inputs=[layout] * len(layouts), outputs=[layout[:axis] + ((),) + layout[axis:]])
+    layout = _base.with_wanted(layout, want[:axis] + want[axis + 1:])
+  return _base.Decision(inputs=[layout] * len(layouts), outputs=[layout[:axis] + ((),) + layout[axis:]])
 
 
-@_rules.register("Unpack")
+@_base.register("Unpack")
 def unpack(view, layouts):
   layout = layouts[0]
   axis = view.attr("axis") % len(layout)
   need = layout[:axis] + ((),) + layout[axis + 1:]
   out = need[:axis] + need[axis + 1:]
-  return _rules.Decision(inputs=[need], outputs=[out] * len(view.op.outputs))
+  return _base.Decision(inputs=[need], outputs=[out] * len(view.op.outputs))
 
 
-@_rules.register("Split", "SplitV")
+@_base.register("Split", "SplitV")
 def split(view, layouts):
   value, axis_index = (1, 0) if view.op.type == "Split" else (0, 2)
   axis = view.const(axis_index)
   if axis is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   layout = layouts[value]
   axis = int(axis) % len(layout)
   need = layout[:axis] + ((),) + layout[axis + 1:]
   inputs = [None] * len(layouts)
   inputs[value] = need
-  return _rules.Decision(inputs=inputs, outputs=[need] * len(view.op.outputs))
+  return _base.Decision(inputs=inputs, outputs=[need] * len(view.op.outputs))
 
 
-@_rules.register("Fill")
+@_base.register("Fill")
 def fill(view, layouts):
   """A filled tensor is made at the local shape the consumers want."""
   dims = view.const(0)
   if dims is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   out = tuple(axes if axes and int(n) % view.shards(axes) == 0 else ()
               for n, axes in zip(dims, view.want() or ((),) * len(dims)))
   used = [a for axes in out for a in axes]
   if len(used) != len(set(used)):
     out = ((),) * len(dims)
-  return _rules.Decision(inputs=[None, ()], outputs=[out], consts={0: view.local_shape(dims, out, dims.dtype)})
+  return _base.Decision(inputs=[None, ()], outputs=[out], consts={0: view.local_shape(dims, out, dims.dtype)})
 
 
-@_rules.register("BroadcastTo")
+@_base.register("BroadcastTo")
 def broadcast_to(view, layouts):
   shape = view.const(1)
   if shape is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   in_shape, out_shape = view.in_shape(0), [int(n) for n in shape]
   offset = len(out_shape) - len(in_shape)
   out = [()] * len(out_shape)
   for i, axes in enumerate(layouts[0]):
     if in_shape[i] == out_shape[i + offset]:
       out[i + offset] = axes
-  out = list(_rules.with_wanted(tuple(out), view.want()))
+  out = list(_base.with_wanted(tuple(out), view.want()))
   need = tuple(out[i + offset] if in_shape[i] == out_shape[i + offset] else () for i in range(len(in_shape)))
-  return _rules.Decision(inputs=[need, None], outputs=[tuple(out)],
-                         consts={1: view.local_shape(out_shape, out, shape.dtype)})
+  return _base.Decision(inputs=[need, None], outputs=[tuple(out)],
+                        consts={1: view.local_shape(out_shape, out, shape.dtype)})
 
 
-@_rules.register("Pad", "PadV2", "MirrorPad")
+@_base.register("Pad", "PadV2", "MirrorPad")
 def pad(view, layouts):
   paddings = view.const(1)
   if paddings is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   whole = {d for d, (lo, hi) in enumerate(paddings) if lo == 0 and hi == 0}
   rank = len(whole) + sum(1 for lo, hi in paddings if lo or hi)
   need, out = _passthrough(view, layouts[0], whole, list(range(rank)))
-  return _rules.Decision(inputs=[need] + [None] * (len(layouts) - 1), outputs=[out])
+  return _base.Decision(inputs=[need] + [None] * (len(layouts) - 1), outputs=[out])
 
 
-@_rules.register("MatrixBandPart")
+@_base.register("MatrixBandPart")
 def matrix_band_part(view, layouts):
   """A mask by position in the last two dimensions: those are whole, the rest keep their splits."""
   rank = len(layouts[0])
   need, out = _passthrough(view, layouts[0], set(range(rank - 2)), list(range(rank)))
-  return _rules.Decision(inputs=[need, None, None], outputs=[out])
+  return _base.Decision(inputs=[need, None, None], outputs=[out])
 
 
-@_rules.register("Tile")
+@_base.register("Tile")
 def tile(view, layouts):
   multiples = view.const(1)
   if multiples is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   # A split dimension tiled more than once is gathered first (its pieces would interleave).
   layout = tuple(() if m != 1 else axes for axes, m in zip(layouts[0], multiples))
   # A whole dimension tiled m times is split as wanted by tiling m/k times on each device; one not tiled
   # (m = 1) by slicing the input.
   want = view.want() or ((),) * len(layout)
   need, out, local = list(layout), list(layout), [int(m) for m in multiples]
-  used = _rules.axes_in(layout)
+  used = _base.axes_in(layout)
   shape = view.in_shape(0)
   for d, (have, wish) in enumerate(zip(layout, want)):
     k = view.shards(wish)
@@ -285,53 +285,53 @@ def tile(view, layouts):
     else:
       continue
     used.update(wish)
-  return _rules.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
-                         consts={1: np.asarray(local, dtype=multiples.dtype)})
+  return _base.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
+                        consts={1: np.asarray(local, dtype=multiples.dtype)})
 
 
-@_rules.register("Bitcast")
+@_base.register("Bitcast")
 def bitcast(view, layouts):
   """Same bits, another type: a wider type takes the last dimension away, a narrower one adds it."""
   (layout,) = layouts
   rank_in, rank_out = len(view.in_shape(0)), len(view.out_shape())
   if rank_out == rank_in:  # types of one size: elementwise
-    return _rules.Decision(inputs=[layout], outputs=[layout])
+    return _base.Decision(inputs=[layout], outputs=[layout])
   if rank_out > rank_in:  # [..., n] of a type k times as wide -> [..., n, k]
-    return _rules.Decision(inputs=[layout], outputs=[layout + ((),)])
+    return _base.Decision(inputs=[layout], outputs=[layout + ((),)])
   kept = layout[:-1] + ((),)  # [..., k] -> [...]: the bytes of one element stay together
-  return _rules.Decision(inputs=[kept], outputs=[kept[:-1]])
+  return _base.Decision(inputs=[kept], outputs=[kept[:-1]])
 
 
-@_rules.register("OneHot")
+@_base.register("OneHot")
 def one_hot(view, layouts):
   """Indices to one-hot rows: the indices' splits, and the new (depth) dimension whole."""
   layout = layouts[0]
   axis = view.attr("axis") % (len(layout) + 1)
-  return _rules.Decision(inputs=[layout, (), (), ()], outputs=[layout[:axis] + ((),) + layout[axis:]])
+  return _base.Decision(inputs=[layout, (), (), ()], outputs=[layout[:axis] + ((),) + layout[axis:]])
 
 
-@_rules.register("ExpandDims")
+@_base.register("ExpandDims")
 def expand_dims(view, layouts):
   layout = layouts[0]
   dim = view.const(1)
   if dim is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   dim = int(dim) % (len(layout) + 1)
   want = view.want()
   if want is not None and len(want) == len(layout) + 1 and not want[dim]:
-    layout = _rules.with_wanted(layout, want[:dim] + want[dim + 1:])
-  return _rules.Decision(inputs=[layout, None], outputs=[layout[:dim] + ((),) + layout[dim:]])
+    layout = _base.with_wanted(layout, want[:dim] + want[dim + 1:])
+  return _base.Decision(inputs=[layout, None], outputs=[layout[:dim] + ((),) + layout[dim:]])
 
 
-@_rules.register("Squeeze")
+@_base.register("Squeeze")
 def squeeze(view, layouts):
   layout = layouts[0]
   in_shape = view.in_shape(0)
   dims = {d % len(layout) for d in view.attr("squeeze_dims")} or {d for d, n in enumerate(in_shape) if n == 1}
-  return _rules.Decision(inputs=[layout], outputs=[tuple(a for d, a in enumerate(layout) if d not in dims)])
+  return _base.Decision(inputs=[layout], outputs=[tuple(a for d, a in enumerate(layout) if d not in dims)])
 
 
-@_rules.register("Shape", "Size", "Rank", "ShapeN")
+@_base.register("Shape", "Size", "Rank", "ShapeN")
 def shape_query(view, layouts):
   """A shape query answers with the GLOBAL shape, whatever the layout (the traced shapes are static).
 
@@ -339,9 +339,9 @@ def shape_query(view, layouts):
   """
   shapes = [view.in_shape(i) for i in range(len(layouts))]
   outputs = view.op.outputs
-  if any(_rules.UNKNOWN in shape for shape in shapes):  # asked at run time: the local shape, split dims scaled
+  if any(_base.UNKNOWN in shape for shape in shapes):  # asked at run time: the local shape, split dims scaled
     if any(layout is None for layout in layouts):
-      return _rules.fallback(view, layouts)
+      return _base.fallback(view, layouts)
     scales = [[view.shards(axes) for axes in layout] for layout in layouts]  # a dim of unknown size is whole
 
     def lower(r, inputs):
@@ -353,9 +353,9 @@ def shape_query(view, layouts):
         return [tf.size(whole[0], out_type=tf.int32)]
       return whole
 
-    return _rules.Decision(inputs=list(layouts), outputs=[_rules.replicated(t.shape.rank) for t in outputs],
-                           lower=lower)
+    return _base.Decision(inputs=list(layouts), outputs=[_base.replicated(t.shape.rank) for t in outputs],
+                          lower=lower)
   answer = {"Shape": lambda shape: shape, "ShapeN": lambda shape: shape, "Size": math.prod, "Rank": len}[view.op.type]
-  return _rules.Decision(inputs=[None] * len(layouts), outputs=[_rules.replicated(t.shape.rank) for t in outputs],
-                         values={k: np.asarray(answer(shape), dtype=t.dtype.as_numpy_dtype)
-                                 for k, (shape, t) in enumerate(zip(shapes, outputs))})
+  return _base.Decision(inputs=[None] * len(layouts), outputs=[_base.replicated(t.shape.rank) for t in outputs],
+                        values={k: np.asarray(answer(shape), dtype=t.dtype.as_numpy_dtype)
+                                for k, (shape, t) in enumerate(zip(shapes, outputs))})

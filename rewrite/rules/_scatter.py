@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 
-@_rules.register("ScatterNd")
+@_base.register("ScatterNd")
 def scatter_nd(view, layouts):
   indices, updates, _ = layouts
   shape = view.const(2)
   if shape is None or indices is None or updates is None or not indices:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   depth = view.in_shape(0)[-1]
   lead = len(indices) - 1  # the dimensions that list the pairs
   if depth <= 0 or len(updates) != lead + len(shape) - depth:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   trailing = updates[lead:]
-  used = _rules.axes_in(trailing)
+  used = _base.axes_in(trailing)
   pairs = []
   for own, other in zip(indices[:lead], updates[:lead]):  # the pairs' split: the indices', else the updates'
     axes = own or other
@@ -41,17 +41,17 @@ def scatter_nd(view, layouts):
   pairs = tuple(pairs)
   computed = ((),) * depth + trailing
   summed = tuple(a for axes in pairs for a in axes)
-  out, scatter = _rules.scatter_partials(view, computed, summed)
-  return _rules.Decision(inputs=[pairs + ((),), pairs + trailing, None], outputs=[out],
-                         reduce=[("sum", summed) if summed else None], scatter={0: scatter},
-                         consts={2: view.local_shape(shape, computed, shape.dtype)})
+  out, scatter = _base.scatter_partials(view, computed, summed)
+  return _base.Decision(inputs=[pairs + ((),), pairs + trailing, None], outputs=[out],
+                        reduce=[("sum", summed) if summed else None], scatter={0: scatter},
+                        consts={2: view.local_shape(shape, computed, shape.dtype)})
 
 
 _TENSOR_SCATTERS = {"TensorScatterAdd": "sum", "TensorScatterSub": "sum", "TensorScatterMax": "max",
                     "TensorScatterMin": "min", "TensorScatterUpdate": None}
 
 
-@_rules.register(*_TENSOR_SCATTERS)
+@_base.register(*_TENSOR_SCATTERS)
 def tensor_scatter(view, layouts):
   """``tensor`` with ``updates[i]`` written (added, subtracted, maxed, mined) at position ``indices[i]``.
 
@@ -65,13 +65,13 @@ def tensor_scatter(view, layouts):
   """
   tensor, indices, updates = layouts
   if tensor is None or indices is None or updates is None or not indices:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   depth = view.in_shape(1)[-1]
   lead = len(indices) - 1
   if depth <= 0 or depth > len(tensor) or len(updates) != lead + len(tensor) - depth:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   trailing = tensor[depth:]
-  used = _rules.axes_in(trailing)
+  used = _base.axes_in(trailing)
   combine = _TENSOR_SCATTERS[view.op.type]
   pairs = []
   for own, other in zip(indices[:lead], updates[:lead]):
@@ -83,7 +83,7 @@ def tensor_scatter(view, layouts):
   inputs = [out, pairs + ((),), pairs + trailing]
   summed = tuple(a for axes in pairs for a in axes)
   if not summed:
-    return _rules.Decision(inputs=inputs, outputs=[out])
+    return _base.Decision(inputs=inputs, outputs=[out])
   subtract = view.op.type == "TensorScatterSub"
 
   def lower(r, ins, comm):
@@ -95,4 +95,4 @@ def tensor_scatter(view, layouts):
     return [comm.all_reduce(local, combine, summed)]
 
   why = f"{view.op.type} of split pairs: " + ("their sum" if combine == "sum" else f"the {combine}")
-  return _rules.Decision(inputs=inputs, outputs=[out], lower=lower, communicates=(("all_reduce", summed, why),))
+  return _base.Decision(inputs=inputs, outputs=[out], lower=lower, communicates=(("all_reduce", summed, why),))

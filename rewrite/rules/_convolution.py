@@ -12,8 +12,8 @@ gathered first.
 
 from __future__ import annotations
 
-from rewrite import _rules
-from rewrite._rules_contraction import contract
+from rewrite.rules import _base
+from rewrite.rules._contraction import contract
 
 _NHWC = (b"NHWC", "NHWC")
 
@@ -28,18 +28,18 @@ def _local_shape(view, index, layout):
   return view.local_shape(shape, layout, shape.dtype)
 
 
-@_rules.register("Conv2D")
+@_base.register("Conv2D")
 def conv2d(view, layouts):
   if view.attr("data_format") not in _NHWC:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   x, f = _whole(layouts[0], (1, 2)), _whole(layouts[1], (0, 1))
   return contract(view, [x, f], ["nhwc", "yxco"], "npqo")
 
 
-@_rules.register("Conv2DBackpropInput")
+@_base.register("Conv2DBackpropInput")
 def conv2d_backprop_input(view, layouts):
   if view.attr("data_format") not in _NHWC or view.const(0) is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   f, dy = _whole(layouts[1], (0, 1)), _whole(layouts[2], (1, 2))
   decision = contract(_Operands(view, (1, 2)), [f, dy], ["yxco", "npqo"], "nhwc")
   decision.inputs = [None] + decision.inputs
@@ -47,10 +47,10 @@ def conv2d_backprop_input(view, layouts):
   return decision
 
 
-@_rules.register("Conv2DBackpropFilter")
+@_base.register("Conv2DBackpropFilter")
 def conv2d_backprop_filter(view, layouts):
   if view.attr("data_format") not in _NHWC or view.const(1) is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   x, dy = _whole(layouts[0], (1, 2)), _whole(layouts[2], (1, 2))
   decision = contract(_Operands(view, (0, 2)), [x, dy], ["nhwc", "npqo"], "yxco")
   decision.inputs = [decision.inputs[0], None, decision.inputs[1]]
@@ -59,7 +59,7 @@ def conv2d_backprop_filter(view, layouts):
 
 
 class _Operands:
-  """An :class:`_rules.OpView` whose operands are the op's inputs ``indices`` (the rest are shape operands)."""
+  """An :class:`_base.OpView` whose operands are the op's inputs ``indices`` (the rest are shape operands)."""
 
   def __init__(self, view, indices):
     self._view, self._indices = view, indices
@@ -83,58 +83,58 @@ def _depthwise_splits(batch_layouts, channel_splits):
   return n, c
 
 
-@_rules.register("DepthwiseConv2dNative")
+@_base.register("DepthwiseConv2dNative")
 def depthwise(view, layouts):
   if view.attr("data_format") not in _NHWC:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   x, f = layouts
   n, c = _depthwise_splits([x], [x[3], f[2]])
-  return _rules.Decision(inputs=[(n, (), (), c), ((), (), c, ())], outputs=[(n, (), (), c)])
+  return _base.Decision(inputs=[(n, (), (), c), ((), (), c, ())], outputs=[(n, (), (), c)])
 
 
-@_rules.register("DepthwiseConv2dNativeBackpropInput")
+@_base.register("DepthwiseConv2dNativeBackpropInput")
 def depthwise_backprop_input(view, layouts):
   if view.attr("data_format") not in _NHWC or view.const(0) is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   _, f, dy = layouts
   n, c = _depthwise_splits([dy], [f[2], dy[3]])
   out = (n, (), (), c)
-  return _rules.Decision(inputs=[None, ((), (), c, ()), out], outputs=[out], consts={0: _local_shape(view, 0, out)})
+  return _base.Decision(inputs=[None, ((), (), c, ()), out], outputs=[out], consts={0: _local_shape(view, 0, out)})
 
 
-@_rules.register("DepthwiseConv2dNativeBackpropFilter")
+@_base.register("DepthwiseConv2dNativeBackpropFilter")
 def depthwise_backprop_filter(view, layouts):
   if view.attr("data_format") not in _NHWC or view.const(1) is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   x, _, dy = layouts
   n, c = _depthwise_splits([x, dy], [x[3], dy[3]])
   out = ((), (), c, ())
-  return _rules.Decision(inputs=[(n, (), (), c), None, (n, (), (), c)], outputs=[out],
-                         reduce=[("sum", n) if n else None], consts={1: _local_shape(view, 1, out)})
+  return _base.Decision(inputs=[(n, (), (), c), None, (n, (), (), c)], outputs=[out],
+                        reduce=[("sum", n) if n else None], consts={1: _local_shape(view, 1, out)})
 
 
-@_rules.register("MaxPool", "AvgPool")
+@_base.register("MaxPool", "AvgPool")
 def pool(view, layouts):
   if view.attr("data_format") not in _NHWC:
-    return _rules.fallback(view, layouts)
-  layout = _rules.with_wanted(_whole(layouts[0], (1, 2)), _whole(view.want(), (1, 2)) if view.want() else None)
-  return _rules.Decision(inputs=[layout], outputs=[layout])
+    return _base.fallback(view, layouts)
+  layout = _base.with_wanted(_whole(layouts[0], (1, 2)), _whole(view.want(), (1, 2)) if view.want() else None)
+  return _base.Decision(inputs=[layout], outputs=[layout])
 
 
-@_rules.register("MaxPoolGrad")
+@_base.register("MaxPoolGrad")
 def max_pool_grad(view, layouts):
   if view.attr("data_format") not in _NHWC:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   layout = _first(layouts, view.want())
-  return _rules.Decision(inputs=[layout] * 3, outputs=[layout])
+  return _base.Decision(inputs=[layout] * 3, outputs=[layout])
 
 
-@_rules.register("AvgPoolGrad")
+@_base.register("AvgPoolGrad")
 def avg_pool_grad(view, layouts):
   if view.attr("data_format") not in _NHWC or view.const(0) is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   layout = _first(layouts[1:], view.want())
-  return _rules.Decision(inputs=[None, layout], outputs=[layout], consts={0: _local_shape(view, 0, layout)})
+  return _base.Decision(inputs=[None, layout], outputs=[layout], consts={0: _local_shape(view, 0, layout)})
 
 
 def _first(layouts, want):
@@ -142,4 +142,4 @@ def _first(layouts, want):
   n = next((x[0] for x in layouts if x[0]), ())
   c = next((x[3] for x in layouts if x[3] and set(x[3]).isdisjoint(n)), ())
   layout = (n, (), (), c)
-  return _rules.with_wanted(layout, _whole(want, (1, 2)) if want else None)
+  return _base.with_wanted(layout, _whole(want, (1, 2)) if want else None)

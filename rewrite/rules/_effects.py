@@ -10,10 +10,10 @@ first: the histogram one device would write).
 from __future__ import annotations
 
 from rewrite import _op_kinds
-from rewrite import _rules
+from rewrite.rules import _base
 
 
-@_rules.register(*_op_kinds.EFFECTS)
+@_base.register(*_op_kinds.EFFECTS)
 def once(view, layouts):
-  return _rules.Decision(inputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.inputs], outputs=[],
-                         once=True)
+  return _base.Decision(inputs=[_base.replicated(_base.rank_of(t)) for t in view.op.inputs], outputs=[],
+                        once=True)

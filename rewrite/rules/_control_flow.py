@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from rewrite import _functions
-from rewrite import _rules
-from rewrite import _rules_random
+from rewrite.rules import _base
+from rewrite.rules import _random
 
 
 def _needs_gather(have, want) -> bool:
@@ -74,7 +74,7 @@ def _partitioned_branches(view, layouts):
     if not gather:
       return None, why
     for k in gather:
-      layouts[1 + k] = wanted[1 + k] = _rules.replicated(_rules.rank_of(op.inputs[1 + k]))
+      layouts[1 + k] = wanted[1 + k] = _base.replicated(_base.rank_of(op.inputs[1 + k]))
 
 
 def _try_branches(view, layouts):
@@ -89,7 +89,7 @@ def _try_branches(view, layouts):
                      if t.name in view.handle_shapes}
     summed = {x.name for x, t in zip(body.inputs, args) if t.name in view.summed}
     partition = view.bodies.propagate(body, view.mesh, given, handle_shapes, summed,
-                                      random_salt=_rules_random.body_salt(op, attr))
+                                      random_salt=_random.body_salt(op, attr))
     for o in body.get_operations():
       d = partition.decisions.get(o.name)
       if d is None:
@@ -130,8 +130,8 @@ def _split_arguments(body, tensors, layouts) -> list[int]:
       stack.extend([t.op.inputs[t.value_index]] if t.op.type == "IdentityN" else t.op.inputs)
       continue
     layout = layouts[1 + k]
-    if isinstance(layout, _rules.Contents):
-      if _rules.holds_split(layout):
+    if isinstance(layout, _base.Contents):
+      if _base.holds_split(layout):
         return []
     elif layout is not None and any(layout):
       if t.dtype in (tf.resource, tf.variant):
@@ -143,7 +143,7 @@ def _split_arguments(body, tensors, layouts) -> list[int]:
 _DIFFERENT = object()
 
 
-class Either(_rules.Contents):
+class Either(_base.Contents):
   """A variant output of an ``If`` that holds different things per branch: ``(then's, else's)`` contents.
 
   A ``tf.cond`` under a gradient tape returns both branches' intermediates
@@ -169,28 +169,28 @@ def _unify(a, b):
   Tensors: the same layout, or the more split one where the other branch's
   value is sliced to it (a branch returning zeros, say), locally.
   """
-  if isinstance(a, _rules.Contents) and isinstance(b, _rules.Contents):
+  if isinstance(a, _base.Contents) and isinstance(b, _base.Contents):
     return a if a == b or not b else b if not a else Either((a, b))
   if a == b or _sliced_from(a, b):
     return a
   return b if _sliced_from(b, a) else _DIFFERENT
 
 
-@_rules.register("OptionalFromValue")
+@_base.register("OptionalFromValue")
 def optional_from_value(view, layouts):
-  return _rules.Decision(inputs=[None] * len(layouts), outputs=[_rules.Contents(layouts)])
+  return _base.Decision(inputs=[None] * len(layouts), outputs=[_base.Contents(layouts)])
 
 
-@_rules.register("OptionalNone")
+@_base.register("OptionalNone")
 def optional_none(view, layouts):
-  return _rules.Decision(inputs=[], outputs=[_rules.Contents(())])
+  return _base.Decision(inputs=[], outputs=[_base.Contents(())])
 
 
-@_rules.register("OptionalGetValue")
+@_base.register("OptionalGetValue")
 def optional_get_value(view, layouts):
   contents = layouts[0]
-  if not isinstance(contents, _rules.Contents) or len(contents) != len(view.op.outputs):
-    return _rules.fallback(view, layouts)  # what it holds is not known: replicated
+  if not isinstance(contents, _base.Contents) or len(contents) != len(view.op.outputs):
+    return _base.fallback(view, layouts)  # what it holds is not known: replicated
   shapes = [view.local_shape(t.shape.as_list(), layout, np.int64).tolist() if layout else t.shape
             for t, layout in zip(view.op.outputs, contents)]
   types = [t.dtype for t in view.op.outputs]
@@ -198,19 +198,19 @@ def optional_get_value(view, layouts):
   def lower(r, inputs):  # the attribute that states its outputs' shapes gets the local ones
     return tf.raw_ops.OptionalGetValue(optional=inputs[0], output_types=types, output_shapes=shapes)
 
-  return _rules.Decision(inputs=[None], outputs=list(contents), lower=lower)
+  return _base.Decision(inputs=[None], outputs=list(contents), lower=lower)
 
 
-@_rules.register("OptionalHasValue")
+@_base.register("OptionalHasValue")
 def optional_has_value(view, layouts):
-  return _rules.Decision(inputs=[None], outputs=[()])
+  return _base.Decision(inputs=[None], outputs=[()])
 
 
-@_rules.register("If", "StatelessIf")
+@_base.register("If", "StatelessIf")
 def if_(view, layouts):
   branches, why = _branches(view, layouts)
   if branches is None:
-    decision = _rules.fallback(view, layouts)
+    decision = _base.fallback(view, layouts)
     if decision.unsupported:
       decision.unsupported = f"{decision.unsupported} ({why})"
     return decision
@@ -235,4 +235,4 @@ def if_(view, layouts):
                    else_branch=branches[1])
     return list(outputs) if isinstance(outputs, (list, tuple)) else []
 
-  return _rules.Decision(inputs=in_layouts, outputs=out_layouts, lower=lower)
+  return _base.Decision(inputs=in_layouts, outputs=out_layouts, lower=lower)

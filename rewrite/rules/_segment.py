@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 _UNSORTED = {"Sum": tf.math.unsorted_segment_sum, "Max": tf.math.unsorted_segment_max,
              "Min": tf.math.unsorted_segment_min, "Prod": tf.math.unsorted_segment_prod}
@@ -32,7 +32,7 @@ def _kind(op_type: str) -> str:
 
 def _rows(data, prefix, keep=()):
   """The split the rows (the dimensions the ids cover) keep: axes not used past them, nor in ``keep``."""
-  rest = _rules.axes_in(data[prefix:])
+  rest = _base.axes_in(data[prefix:])
   return tuple(axes if set(axes).isdisjoint(keep) and rest.isdisjoint(axes) else () for axes in data[:prefix])
 
 
@@ -43,26 +43,26 @@ def _combined(comm, x, kind, summed):
   return tf.reduce_prod(comm.all_gather(x[None], 0, summed), axis=0)
 
 
-@_rules.register("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd")
+@_base.register("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd")
 def unsorted_segment(view, layouts):
   data = layouts[0]
   segments = view.const(2)
   if segments is None or data is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   kind = _kind(view.op.type)
   segments = int(segments)
   prefix = len(view.in_shape(1))
   rest = data[prefix:]
   want = view.want()
   table_split = ()
-  if want is not None and want[0] and _rules.axes_in(rest).isdisjoint(want[0]) and segments % view.shards(want[0]) == 0:
+  if want is not None and want[0] and _base.axes_in(rest).isdisjoint(want[0]) and segments % view.shards(want[0]) == 0:
     table_split = want[0]
   rows = _rows(data, prefix, table_split)
   summed = tuple(a for axes in rows for a in axes)
   out = (table_split,) + rest
   inputs = [rows + rest, rows, None]
   if not table_split and kind != "Prod":
-    return _rules.Decision(inputs=inputs, outputs=[out], reduce=[(kind.lower(), summed) if summed else None])
+    return _base.Decision(inputs=inputs, outputs=[out], reduce=[(kind.lower(), summed) if summed else None])
   local_segments = segments // view.shards(table_split)
 
   def lower(r, ins, comm=None):
@@ -75,24 +75,24 @@ def unsorted_segment(view, layouts):
     return [partial if comm is None else _combined(comm, partial, kind, summed)]
 
   if kind != "Prod" or not summed:
-    return _rules.Decision(inputs=inputs, outputs=[out], reduce=[(kind.lower(), summed) if summed else None],
-                           lower=lower)
-  return _rules.Decision(inputs=inputs, outputs=[out], lower=lower,
-                         communicates=(("all_gather", summed, "segment product of split rows: the partial products"),))
+    return _base.Decision(inputs=inputs, outputs=[out], reduce=[(kind.lower(), summed) if summed else None],
+                          lower=lower)
+  return _base.Decision(inputs=inputs, outputs=[out], lower=lower,
+                        communicates=(("all_gather", summed, "segment product of split rows: the partial products"),))
 
 
-@_rules.register("SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd")
+@_base.register("SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd")
 def sorted_segment(view, layouts):
   data = layouts[0]
   if data is None:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   kind = _kind(view.op.type)
   rows = _rows(data, 1)
   summed = rows[0]
   rest = data[1:]
   inputs = [rows + rest, rows]
   if not summed:
-    return _rules.Decision(inputs=inputs, outputs=[((),) + rest])
+    return _base.Decision(inputs=inputs, outputs=[((),) + rest])
 
   def lower(r, ins, comm):
     values, ids = ins[0], ins[1]
@@ -113,4 +113,4 @@ def sorted_segment(view, layouts):
   communicates = (("all_reduce", summed, why + "the number of segments"),) + (
       (("all_reduce", summed, why + "the rows of each segment"),) if kind in ("Mean", "Max", "Min") else ()) + (
       ("all_gather" if kind == "Prod" else "all_reduce", summed, why + "the partial segments"),)
-  return _rules.Decision(inputs=inputs, outputs=[((),) + rest], lower=lower, communicates=communicates)
+  return _base.Decision(inputs=inputs, outputs=[((),) + rest], lower=lower, communicates=communicates)

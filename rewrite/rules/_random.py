@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from rewrite import _op_kinds
-from rewrite import _rules
+from rewrite.rules import _base
 
 PHILOX = (1, 3)  # RNG_ALG_PHILOX and RNG_ALG_AUTO_SELECT (Philox on CPUs and GPUs)
 _PER_CALL = {tf.float16: 4, tf.bfloat16: 4, tf.float32: 4, tf.float64: 2}  # samples per Philox call
@@ -42,11 +42,11 @@ def _advance(counter: tf.Tensor, steps: int) -> tf.Tensor:
   return tf.concat([tf.stack([low, counter[1] + carry]), counter[2:]], axis=0)
 
 
-@_rules.register("StatelessRandomUniformV2", "StatelessRandomNormalV2")
+@_base.register("StatelessRandomUniformV2", "StatelessRandomNormalV2")
 def stateless_random(view, layouts):
   shape, alg = view.const(0), view.const(3)
   out_rank = len(view.out_shape())
-  whole = _rules.Decision(inputs=[None] * 4, outputs=[_rules.replicated(out_rank)])
+  whole = _base.Decision(inputs=[None] * 4, outputs=[_base.replicated(out_rank)])
   want = view.want()
   per_call = _PER_CALL.get(view.attr("dtype"))
   if shape is None or alg is None or int(alg) not in PHILOX or per_call is None or not want or not want[0]:
@@ -67,7 +67,7 @@ def stateless_random(view, layouts):
     return [draw(shape=tf.constant(local), key=key, counter=_advance(counter, start // per_call), alg=algorithm,
                  dtype=view.attr("dtype"))]
 
-  return _rules.Decision(inputs=[None] * 4, outputs=[(axes,) + ((),) * (out_rank - 1)], lower=lower)
+  return _base.Decision(inputs=[None] * 4, outputs=[(axes,) + ((),) * (out_rank - 1)], lower=lower)
 
 
 _SALTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # traced graph -> its seed (one per trace)
@@ -97,11 +97,11 @@ def body_salt(op, attr: str) -> int:
   return zlib.crc32(f"{_salt(op.graph)}/{op.name}/{attr}".encode()) & 0x7FFFFFFF or 1
 
 
-@_rules.register(*_op_kinds.STATEFUL_RANDOM)
+@_base.register(*_op_kinds.STATEFUL_RANDOM)
 def stateful_random(view, layouts):
   """One draw, whole on every device: an unseeded op gets a seed pair, the same on every device."""
   attrs = {}
   if view.attr("seed") == 0 and view.attr("seed2") == 0:
     attrs = {"seed": _salt(view.op.graph), "seed2": zlib.crc32(view.op.name.encode()) & 0x7FFFFFFF or 1}
-  return _rules.Decision(inputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.inputs],
-                         outputs=[_rules.replicated(_rules.rank_of(t)) for t in view.op.outputs], attrs=attrs)
+  return _base.Decision(inputs=[_base.replicated(_base.rank_of(t)) for t in view.op.inputs],
+                        outputs=[_base.replicated(_base.rank_of(t)) for t in view.op.outputs], attrs=attrs)

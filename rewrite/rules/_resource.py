@@ -13,35 +13,35 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 
-@_rules.register("ReadVariableOp")
+@_base.register("ReadVariableOp")
 def read(view, layouts):
   if view.is_summed(0):
     axes = tuple(a for a in view.mesh.axis_names if view.mesh.shape[a] > 1)
     reduce = [("sum", axes) if axes else None]
-    return _rules.Decision(inputs=[None], outputs=[_rules.replicated(view.op.outputs[0].shape.rank)], reduce=reduce)
-  out = layouts[0] if layouts[0] is not None else _rules.replicated(view.op.outputs[0].shape.rank)  # a plain variable
-  return _rules.Decision(inputs=[None], outputs=[out])
+    return _base.Decision(inputs=[None], outputs=[_base.replicated(view.op.outputs[0].shape.rank)], reduce=reduce)
+  out = layouts[0] if layouts[0] is not None else _base.replicated(view.op.outputs[0].shape.rank)  # a plain variable
+  return _base.Decision(inputs=[None], outputs=[out])
 
 
-@_rules.register("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+@_base.register("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 def write(view, layouts):
   if not view.is_summed(0):
-    return _rules.Decision(inputs=[None, layouts[0]], outputs=[])
-  whole = _rules.replicated(view.op.inputs[1].shape.rank)
+    return _base.Decision(inputs=[None, layouts[0]], outputs=[])
+  whole = _base.replicated(view.op.inputs[1].shape.rank)
   if view.op.type != "AssignVariableOp":
-    return _rules.Decision(inputs=[None, whole], outputs=[], once=True)  # the sum moves by the delta
+    return _base.Decision(inputs=[None, whole], outputs=[], once=True)  # the sum moves by the delta
 
   def lower(r, inputs):
     handle, value = inputs
     tf.raw_ops.AssignVariableOp(resource=handle, value=value if r == 0 else tf.zeros_like(value))
     return []
 
-  return _rules.Decision(inputs=[None, whole], outputs=[], lower=lower)
+  return _base.Decision(inputs=[None, whole], outputs=[], lower=lower)
 
 
-@_rules.register("NoOp")
+@_base.register("NoOp")
 def no_op(view, layouts):
-  return _rules.Decision(inputs=[], outputs=[])
+  return _base.Decision(inputs=[], outputs=[])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 UNARY = ("Identity", "Relu", "Neg", "Sqrt", "Rsqrt", "Square", "Cast", "Exp", "Log", "Abs", "Sign",
          "Tanh", "Sigmoid", "Reciprocal", "StopGradient", "Softplus", "Floor", "Round", "ZerosLike",
@@ -17,7 +17,7 @@ BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "DivNoNan", "Pow", "Maximum",
           "ClipByValue", "TruncateDiv", "TruncateMod", "BitwiseAnd", "BitwiseOr", "BitwiseXor")
 
 
-def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list) -> tuple:
+def broadcast(view: _base.OpView, layouts: list, shapes: list, out_shape: list) -> tuple:
   """The output layout of a broadcasting op, and the layout each input must have.
 
   Each output dimension takes the split of the first input that splits it at
@@ -36,7 +36,7 @@ def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list)
         out[j] = layout[i]
         used.update(layout[i])
       break
-  out = list(_rules.with_wanted(tuple(out), view.want()))
+  out = list(_base.with_wanted(tuple(out), view.want()))
   want = view.want()
   if want is not None and len(want) == rank:
     # A dimension the consumers want whole, split in one input only: gather that input instead of the output
@@ -56,41 +56,41 @@ def broadcast(view: _rules.OpView, layouts: list, shapes: list, out_shape: list)
   return tuple(out), required
 
 
-@_rules.register(*UNARY)
+@_base.register(*UNARY)
 def unary(view, layouts):
-  layout = _rules.with_wanted(layouts[0], view.want())
+  layout = _base.with_wanted(layouts[0], view.want())
   want = view.want()
   if want is not None and layout is not None and len(want) == len(layout):  # wanted whole: gather the input
     layout = tuple(() if not w else axes for axes, w in zip(layout, want))
-  return _rules.Decision(inputs=[layout], outputs=[layout])
+  return _base.Decision(inputs=[layout], outputs=[layout])
 
 
-@_rules.register(*BINARY)
+@_base.register(*BINARY)
 def binary(view, layouts):
   shapes = [view.in_shape(i) for i in range(len(layouts))]
   out, required = broadcast(view, layouts, shapes, view.out_shape())
-  return _rules.Decision(inputs=required, outputs=[out])
+  return _base.Decision(inputs=required, outputs=[out])
 
 
-@_rules.register("Select")
+@_base.register("Select")
 def select(view, layouts):
   """``Select`` (v1): elementwise when the condition has the values' shape (a rank-1 one picks rows: fallback)."""
   if len({len(view.in_shape(i)) for i in range(3)}) != 1:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   return binary(view, layouts)
 
 
-@_rules.register("BiasAdd")
+@_base.register("BiasAdd")
 def bias_add(view, layouts):
   if view.attr("data_format") not in (b"NHWC", "NHWC"):
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   value, bias = layouts
   shapes = [view.in_shape(0), view.in_shape(1)]
   out, required = broadcast(view, [value, bias], shapes, view.out_shape())
-  return _rules.Decision(inputs=required, outputs=[out])
+  return _base.Decision(inputs=required, outputs=[out])
 
 
-@_rules.register("IdentityN")
+@_base.register("IdentityN")
 def identity_n(view, layouts):
-  layouts = [_rules.with_wanted(layout, view.want(k)) for k, layout in enumerate(layouts)]
-  return _rules.Decision(inputs=list(layouts), outputs=list(layouts))
+  layouts = [_base.with_wanted(layout, view.want(k)) for k, layout in enumerate(layouts)]
+  return _base.Decision(inputs=list(layouts), outputs=list(layouts))

@@ -1,4 +1,4 @@
-"""Rules for gathers (embedding lookups); their gradients' segment sums are in ``_rules_segment``.
+"""Rules for gathers (embedding lookups); their gradients' segment sums are in ``_segment``.
 
 A table split along its other dimensions (the embedding dimension) is looked up
 locally: each device's rows hold its columns. A table split along the gathered
@@ -12,25 +12,25 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from rewrite import _rules
+from rewrite.rules import _base
 
 
 def _lookup(view, params, ids, axis, make_lookup):
   """The decision for looking up ids (layout ``ids``) along ``axis`` of a table (layout ``params``)."""
   table_split = params[axis]
   other = params[:axis] + params[axis + 1:]
-  used = _rules.axes_in(other) | set(table_split)
+  used = _base.axes_in(other) | set(table_split)
   ids_need = tuple(axes if used.isdisjoint(axes) else () for axes in ids)
-  if len(_rules.axes_in(ids_need)) != sum(len(a) for a in ids_need):
+  if len(_base.axes_in(ids_need)) != sum(len(a) for a in ids_need):
     ids_need = tuple(() for _ in ids_need)
   want = view.want()
   if want is not None:  # id dimensions the consumers want split: slice the ids instead
     wished = want[axis:axis + len(ids_need)]
-    ids_need = _rules.with_wanted(ids_need, wished) if not set(table_split) & _rules.axes_in(wished) else ids_need
+    ids_need = _base.with_wanted(ids_need, wished) if not set(table_split) & _base.axes_in(wished) else ids_need
   out = params[:axis] + ids_need + params[axis + 1:]
   inputs = [params, ids_need] + [None] * (len(view.op.inputs) - 2)
   if not table_split:
-    return _rules.Decision(inputs=inputs, outputs=[out])
+    return _base.Decision(inputs=inputs, outputs=[out])
   rows = (view.handle_shape(0) if view.op.type == "ResourceGather" else view.in_shape(0))[axis]
   local_rows = rows // view.shards(table_split)
 
@@ -46,15 +46,15 @@ def _lookup(view, params, ids, axis, make_lookup):
                       else [1] * axis + shape + [1] * trailing)
     return [tf.where(mask, looked_up, tf.zeros_like(looked_up))]
 
-  return _rules.Decision(inputs=inputs, outputs=[out], reduce=[("sum", table_split)], lower=lower)
+  return _base.Decision(inputs=inputs, outputs=[out], reduce=[("sum", table_split)], lower=lower)
 
 
-@_rules.register("GatherV2")
+@_base.register("GatherV2")
 def gather(view, layouts):
   params, ids = layouts[0], layouts[1]
   axis = view.const(2)
   if axis is None or view.attr("batch_dims") != 0:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   axis = int(axis) % len(params)
 
   def lookup(table, local_ids, inputs):
@@ -63,11 +63,11 @@ def gather(view, layouts):
   return _lookup(view, params, ids, axis, lookup)
 
 
-@_rules.register("ResourceGather")
+@_base.register("ResourceGather")
 def resource_gather(view, layouts):
   params, ids = layouts[0], layouts[1]
   if params is None or view.attr("batch_dims") != 0:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   dtype = view.attr("dtype")
   rows_shape = [int(n) for n in view.local_shape(view.handle_shape(0), params, "int64")[1:]]
 
@@ -81,7 +81,7 @@ def resource_gather(view, layouts):
   return decision
 
 
-@_rules.register("GatherNd")
+@_base.register("GatherNd")
 def gather_nd(view, layouts):
   """Slices of ``params`` at the positions ``indices`` lists (the gradient of ``ScatterNd``, a lookup by pairs).
 
@@ -92,17 +92,17 @@ def gather_nd(view, layouts):
   """
   params, indices = layouts
   if params is None or indices is None or not indices:
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   depth = view.in_shape(1)[-1]
   if depth <= 0 or depth > len(params):
-    return _rules.fallback(view, layouts)
+    return _base.fallback(view, layouts)
   trailing = params[depth:]
   want = view.want()
-  lead = _rules.with_wanted(indices[:-1], None if want is None else want[:len(indices) - 1])
-  used = _rules.axes_in(trailing)
+  lead = _base.with_wanted(indices[:-1], None if want is None else want[:len(indices) - 1])
+  used = _base.axes_in(trailing)
   kept = []
   for axes in lead:  # an axis once: the table's slices keep theirs
     kept.append(axes if used.isdisjoint(axes) else ())
     used.update(kept[-1])
   lead = tuple(kept)
-  return _rules.Decision(inputs=[((),) * depth + trailing, lead + ((),)], outputs=[lead + trailing])
+  return _base.Decision(inputs=[((),) * depth + trailing, lead + ((),)], outputs=[lead + trailing])
