@@ -487,8 +487,9 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
         kind = "variable read"
       elif b in pieces:
         kind = "input"
-      elif nodes[b[0]].name.startswith(_apply.PREFIX + "/"):
-        kind = "communicated"  # a collective's result: a gathered kernel (FSDP), an all-to-all's
+      elif node.name.startswith(_apply.PREFIX + "/"):
+        kind = "communicated"  # a collective's result: a gathered kernel (FSDP), an all-to-all's (an activation
+        # written into a collective's result, as a ReLU after a reduce-scatter, is an activation)
       else:
         kind = "activation"
       n = _nbytes(shape, dtype)

@@ -219,6 +219,8 @@ def plan(placeholders: Sequence[Sequence[Placeholder] | None], mesh: mesh_lib.Me
         raise _mismatch(first, other, "axes")
       if first.dtype != other.dtype:
         raise _mismatch(first, other, "dtype")
+      if first.call != other.call:  # the same kind and shape from another call: matched by order, silently wrong
+        raise _mismatch(first, other, "call (which of the step's calls made it)")
     # Shapes must agree within each device group; different groups (say, batch
     # shards of different sizes) may differ, which the plan shows as unknown.
     # A ragged gather's members may differ along the concatenated dimension.

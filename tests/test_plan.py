@@ -9,12 +9,12 @@ import rewrite
 
 
 def record(replica, index, kind="all_reduce", params=(("op", "sum"),), dtype=tf.float32, shape=(3,),
-           location="train.py:7 in step_fn", axes=("replica",)):
+           location="train.py:7 in step_fn", axes=("replica",), call=None):
   return rewrite.Placeholder(
       replica=replica, index=index, kind=kind, params=params, axes=axes, dtype=dtype,
       shape=tf.TensorShape(shape), input_shape=tf.TensorShape(shape), input=f"x{replica}_{index}:0",
       node=f"p{replica}_{index}", device=f"/device:CPU:{replica}", location=location,
-      call=f"call {index}")
+      call=f"call {index}" if call is None else call)
 
 
 def one_device(_):
@@ -50,6 +50,9 @@ def test_count_mismatch_names_replicas_call_and_line():
     (dict(dtype=tf.float64), "dtype"),
     (dict(shape=(4,)), "shape"),
     (dict(axes=("other",)), "axes"),
+    # Same kind and shape from another call (the keys' and the values' gradients, in the other order on one
+    # replica): matched by order, they would exchange each other's data.
+    (dict(call="call 1"), r"call \(which of the step's calls made it\)"),
 ])
 def test_each_disagreement(change, what):
   m = mesh.Mesh({"replica": 3}, cpus(3))
