@@ -164,45 +164,45 @@ ROWS, WIDTH, BLOCKS = 1024, 64, 4  # activations dominate: 512 rows a device, ea
 class _Block(keras.layers.Layer):
   """A residual feed-forward block: Dense(4 x width, relu), Dropout, Dense(width), residual, LayerNormalization."""
 
-  def __init__(self, **kwargs):
+  def __init__(self, width=WIDTH, **kwargs):
     super().__init__(**kwargs)
-    self.up = keras.layers.Dense(4 * WIDTH, activation="relu")
+    self.up = keras.layers.Dense(4 * width, activation="relu")
     self.drop = keras.layers.Dropout(0.25, seed=3)
-    self.down = keras.layers.Dense(WIDTH)
+    self.down = keras.layers.Dense(width)
     self.norm = keras.layers.LayerNormalization()
 
   def call(self, x, training=None):
     return self.norm(x + self.down(self.drop(self.up(x), training=training)))
 
 
-def _blocks_model():
+def _blocks_model(width=WIDTH):
   keras.utils.set_random_seed(1)
-  return keras.Sequential([keras.Input((WIDTH,))] + [_Block(name=f"block{i}") for i in range(BLOCKS)]
+  return keras.Sequential([keras.Input((width,))] + [_Block(width, name=f"block{i}") for i in range(BLOCKS)]
                           + [keras.layers.Dense(16, name="head")])
 
 
-def _blocks_data(reverse=False):
+def _blocks_data(reverse=False, rows=ROWS, width=WIDTH):
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(3, ROWS, WIDTH)).astype("float32")
-  y = rng.integers(0, 16, size=(3, ROWS)).astype("int32")
+  x = rng.normal(size=(3, rows, width)).astype("float32")
+  y = rng.integers(0, 16, size=(3, rows)).astype("int32")
   if reverse:
     x, y = x[:, ::-1], y[:, ::-1]
   return tf.data.Dataset.from_tensor_slices((x, y))
 
 
-def _blocks_one_device(reverse=False):
+def _blocks_one_device(reverse=False, rows=ROWS, width=WIDTH):
   with tf.device(cpus(2)[0]):
-    model, optimizer = _blocks_model(), keras.optimizers.Adam(1e-2)
+    model, optimizer = _blocks_model(width), keras.optimizers.Adam(1e-2)
   step = tf.function(keras_step(model, optimizer))
-  losses = [float(step(batch)) for batch in _blocks_data(reverse)]
+  losses = [float(step(batch)) for batch in _blocks_data(reverse, rows, width)]
   return model, optimizer, losses
 
 
-def _blocks_auto(budget):
+def _blocks_auto(budget, width=WIDTH):
   repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2}, devices=cpus(2)), view="global", layouts="auto",
                                memory_per_device=budget)
   with repl.context():
-    model, optimizer = _blocks_model(), keras.optimizers.Adam(1e-2)
+    model, optimizer = _blocks_model(width), keras.optimizers.Adam(1e-2)
   step = keras_step(model, optimizer)
   return repl, model, optimizer, step
 
@@ -242,5 +242,32 @@ def test_a_budget_only_remat_meets_rematerializes_blocks_and_trains_as_on_one_de
   for device in plan.memory.devices:
     assert abs(device.step_peak_bytes / result.activation_bytes - 1) < 0.10
   losses = [float(repl.run(step, _blocks_data())) for _ in range(3)]
+  np.testing.assert_allclose(losses, expected, atol=10 * noise + 1e-7)
+  assert_every_copy(model.weights + optimizer.variables, one.weights + one_opt.variables, atol=10 * noise + 1e-7)
+
+
+def test_remat_with_fsdp_kernels_gathers_them_again_for_the_recomputation():
+  # Wide blocks and many rows: unbounded, the search replicates every variable; a budget of about half the
+  # variables (and their slots) and half the step's tensors needs both the kernels split over the batch axis
+  # (FSDP) and rematerialized blocks. A recomputed product reads its kernel gathered again, in the backward pass,
+  # not the forward pass's gather held through the step.
+  rows, width = 1024, 256
+  one, one_opt, expected = _blocks_one_device(rows=rows, width=width)
+  other, other_opt, _ = _blocks_one_device(reverse=True, rows=rows, width=width)
+  noise = max(float(np.max(np.abs(a.numpy() - b.numpy())))
+              for a, b in zip(one.weights + one_opt.variables, other.weights + other_opt.variables))
+  unbounded, _, _, step = _blocks_auto(None, width)
+  unbounded.explain(step, _blocks_data(rows=rows, width=width))
+  free = unbounded._layouts.auto.result  # pylint: disable=protected-access
+  held = free.bytes_per_device - free.activation_bytes
+  assert not any(any(layout) for layout in free.layouts.values()) and not free.remat
+  budget = held // 2 + held // 10 + free.activation_bytes // 2  # (a tenth: biases and norms stay replicated)
+  repl, model, optimizer, step = _blocks_auto(budget, width)
+  plan = repl.explain(step, _blocks_data(rows=rows, width=width))
+  result = repl._layouts.auto.result  # pylint: disable=protected-access
+  assert result.remat and any(any(layout) for layout in result.layouts.values()), result
+  again = [c for c in plan.plan.collectives if "gradient_tape/recompute/" in c.members[0].node]
+  assert again and all(c.kind == "all_gather" for c in again)
+  losses = [float(repl.run(step, _blocks_data(rows=rows, width=width))) for _ in range(3)]
   np.testing.assert_allclose(losses, expected, atol=10 * noise + 1e-7)
   assert_every_copy(model.weights + optimizer.variables, one.weights + one_opt.variables, atol=10 * noise + 1e-7)

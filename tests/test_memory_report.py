@@ -128,19 +128,7 @@ def _mlp(repl, wrap=True, width=H):
     optimizer = keras.optimizers.Adam(1e-3)
     if wrap:
       optimizer = repl.wrap_optimizer(optimizer)
-
-  def loss_fn(x, y):
-    return tf.reduce_mean(tf.square(model(x) - y))
-
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(x, y)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-  return model, optimizer, loss_fn, step
+  return model, optimizer, *_steps(model, optimizer)
 
 
 def _batch(rows=B, width=H):
