@@ -16,21 +16,25 @@ import replicator
 B, S, H, D, P = 2, 32, 2, 8, 4
 
 
-def _attention(q, k, v, causal, key_mask):
+def _attention(q, k, v, causal, key_mask, window=None, segments=None):
   """One device: softmax(q k^T / sqrt(D) + mask) v, the mask added as Keras's softmax adds it."""
   scores = tf.einsum("bqhd,bkhd->bhqk", q, k) * tf.cast(D ** -0.5, q.dtype)
-  if causal:
-    scores += tf.constant(np.triu(np.full((S, S), -1e9), 1), q.dtype)
+  apart = np.arange(S)[:, None] - np.arange(S)[None, :]
+  allowed = (apart >= 0 if causal else np.ones((S, S), bool)) & (np.abs(apart) < (window or S))
+  scores += tf.constant(np.where(allowed, 0.0, -1e9), q.dtype)
   if key_mask is not None:
     scores += tf.where(key_mask, 0., -1e9)[:, None, None, :].numpy().astype(q.dtype.as_numpy_dtype)
+  if segments is not None:
+    scores += np.where(segments[:, :, None] == segments[:, None, :], 0.0, -1e9)[:, None].astype(
+        q.dtype.as_numpy_dtype)
   return tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores), v)
 
 
-def _one_device(values, causal, key_mask, dtype):
+def _one_device(values, causal, key_mask, dtype, window=None, segments=None):
   q, k, v, w = (tf.constant(x.astype(dtype)) for x in values)
   with tf.GradientTape() as tape:
     tape.watch([q, k, v])
-    out = _attention(q, k, v, causal, key_mask)
+    out = _attention(q, k, v, causal, key_mask, window, segments)
     loss = tf.reduce_sum(out * w)
   return [t.numpy() for t in [out, *tape.gradient(loss, [q, k, v])]]
 
@@ -40,11 +44,13 @@ def _values(seed=0):
   return [rng.normal(size=(B, S, H, D)).astype(np.float32) for _ in range(4)]  # q, k, v and the loss's weights
 
 
-def assert_split_attention_equals_one_device(attend, values, order, causal, key_mask, axis_size=P):
-  """``attend(q, k, v, key_mask)`` on each device's tokens, then gathered: one device's attention and its three
-  gradients (of sum(out * w)), within twice the float32 floor of a float64 truth."""
-  truth = _one_device(values, causal, key_mask, np.float64)
-  floor = [np.max(np.abs(a - b)) for a, b in zip(_one_device(values, causal, key_mask, np.float32), truth)]
+def assert_split_attention_equals_one_device(attend, values, order, causal, key_mask, axis_size=P, window=None,
+                                             segments=None):
+  """``attend(repl, q, k, v, key_mask[, segment ids])`` on each device's tokens, then gathered: one device's
+  attention and its three gradients (of sum(out * w)), within twice the float32 floor of a float64 truth."""
+  truth = _one_device(values, causal, key_mask, np.float64, window, segments)
+  floor = [np.max(np.abs(a - b))
+           for a, b in zip(_one_device(values, causal, key_mask, np.float32, window, segments), truth)]
   repl = replicator.Replicator(mesh=mesh.Mesh({"seq": axis_size}, devices=cpus(axis_size)))
 
   def step():
@@ -53,7 +59,10 @@ def assert_split_attention_equals_one_device(attend, values, order, causal, key_
     mask = None if key_mask is None else replicator.shard_sequence(key_mask, index, axis_size, order=order)
     with tf.GradientTape() as tape:
       tape.watch([q, k, v])
-      out = attend(repl, q, k, v, mask)
+      if segments is None:
+        out = attend(repl, q, k, v, mask)
+      else:
+        out = attend(repl, q, k, v, mask, replicator.shard_sequence(segments, index, axis_size, order=order))
       loss = tf.reduce_sum(out * w)
     return [out, *tape.gradient(loss, [q, k, v])]
 
@@ -76,6 +85,20 @@ def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order,
     return repl.ring_attention(q, k, v, axis="seq", causal=causal, order=order, key_mask=mask, exchange=exchange)
 
   assert_split_attention_equals_one_device(attend, _values(), order, causal, key_mask)
+
+
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+def test_sliding_windows_and_packed_segments_mean_what_they_mean_on_one_device(order, exchange):
+  # A causal window of 6 positions (it crosses the devices' blocks of 8, and the zigzag order's chunks of 4), and
+  # three packed sequences of 11, 13 and 8 tokens in the first row, two in the second.
+  segments = np.array([[0] * 11 + [1] * 13 + [2] * 8, [0] * 20 + [1] * 12])
+
+  def attend(repl, q, k, v, mask, segment_ids):
+    return repl.ring_attention(q, k, v, axis="seq", causal=True, order=order, window=6, segment_ids=segment_ids,
+                               exchange=exchange)
+
+  assert_split_attention_equals_one_device(attend, _values(2), order, True, None, window=6, segments=segments)
 
 
 def test_the_zigzag_order_balances_the_causal_scores_each_device_needs():

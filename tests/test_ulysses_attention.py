@@ -32,6 +32,19 @@ def test_each_device_gets_its_rows_of_one_devices_attention_and_gradients(order,
   assert_split_attention_equals_one_device(attend, values, order, causal, key_mask)
 
 
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+def test_sliding_windows_and_packed_segments(order):
+  rng = np.random.default_rng(2)
+  values = [rng.normal(size=(B, S, H, D)).astype(np.float32) for _ in range(4)]
+  segments = np.array([[0] * 11 + [1] * 13 + [2] * 8, [0] * 20 + [1] * 12])
+
+  def attend(repl, q, k, v, mask, segment_ids):
+    return repl.ulysses_attention(q, k, v, axis="seq", causal=True, order=order, window=6,
+                                  segment_ids=segment_ids)
+
+  assert_split_attention_equals_one_device(attend, values, order, True, None, window=6, segments=segments)
+
+
 def test_heads_the_axis_does_not_divide_are_named():
   repl = replicator.Replicator(mesh=mesh.Mesh({"seq": 4}, devices=cpus(4)))
   q = tf.zeros([1, 4, 2, 8])

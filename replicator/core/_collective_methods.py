@@ -199,7 +199,8 @@ class CollectiveMethods:
     return _halo.halo_exchange(ctx, x, dim, width, self._axes(axis), periodic, _primitives.user_location())
 
   def ring_attention(self, q, k, v, *, axis=None, causal: bool = False, order: str = "contiguous",
-                     key_mask=None, scale=None, exchange: str = "auto"):
+                     key_mask=None, scale=None, exchange: str = "auto", window: int | None = None,
+                     segment_ids=None):
     """Attention over a sequence split over ``axis``: this member's queries against every member's keys.
 
     ``q``, ``k``, ``v``: this member's tokens, ``[batch, tokens, heads, head size]``; the result is this
@@ -232,6 +233,10 @@ class CollectiveMethods:
       causal: whether a query attends only to keys at its position or before (global positions).
       order: ``"contiguous"`` or ``"zigzag"``: which tokens each member holds.
       key_mask: optional ``[batch, tokens]`` booleans, True where this member's keys may be attended.
+      window: optional sliding window: a query sees keys fewer than ``window`` positions from it (with
+        ``causal``, the ``window`` positions up to its own), by global positions.
+      segment_ids: optional ``[batch, tokens]`` ints, this member's tokens' segments (packed sequences): a
+        query sees only keys of its segment.
       scale: the scores' factor (default ``head size ** -0.5``).
       exchange: how the blocks travel: ``"ring"`` (``P - 1`` point-to-point steps), ``"all_gather"`` (one
         all-gather of the keys and values; their gradients reduce-scattered home), or ``"auto"``: the ring in
@@ -240,10 +245,10 @@ class CollectiveMethods:
     """
     ctx = _primitives.require_context(self, "ring_attention")
     return _ring_attention.ring_attention(ctx, q, k, v, self._axes(axis), causal, order, key_mask, scale,
-                                          _primitives.user_location(), exchange)
+                                          _primitives.user_location(), exchange, window, segment_ids)
 
   def ulysses_attention(self, q, k, v, *, axis=None, causal: bool = False, order: str = "contiguous",
-                        key_mask=None, scale=None):
+                        key_mask=None, scale=None, window: int | None = None, segment_ids=None):
     """:meth:`ring_attention`'s result by DeepSpeed-Ulysses's exchange: the sequence split traded for the heads'.
 
     An all-to-all over ``axis`` gives each member every token of ``heads / P`` of the heads; it computes their
@@ -254,7 +259,7 @@ class CollectiveMethods:
     """
     ctx = _primitives.require_context(self, "ulysses_attention")
     return _ulysses_attention.ulysses_attention(ctx, q, k, v, self._axes(axis), causal, order, key_mask, scale,
-                                                _primitives.user_location())
+                                                _primitives.user_location(), window, segment_ids)
 
   def axis_index(self, axis=None) -> tf.Tensor:
     """This replica's position in its group along ``axis``: an int32 scalar tensor.

@@ -12,7 +12,8 @@ time, and keeps none of them for the backward pass (below).
 
 Masks are computed from global positions (``_sequence.sequence_positions`` of the
 block's device of origin, known while the step is built), so causal attention
-means on every device what it means on one, in either token order. Every
+and a sliding window mean on every device what they mean on one, in either
+token order; segment ids (packed sequences) travel with their keys. Every
 block is computed, those entirely above the diagonal too (their terms are
 zero): skipping them on some devices and not others would make the devices'
 backward passes differ in the order of their permutes, which are matched by
@@ -86,8 +87,26 @@ def exchange_for(mesh, replica: int, axes, exchange: str) -> str:
   return "all_gather" if _spans_processes(mesh, replica, axes) else "ring"
 
 
+def allowed_positions(queries: np.ndarray, keys: np.ndarray, causal: bool, window: int | None) -> np.ndarray | None:
+  """Which (query, key) pairs of global positions may attend: causal (a key at or before its query) and within a
+  sliding window (fewer than ``window`` positions apart); None: every pair."""
+  if not causal and window is None:
+    return None
+  apart = queries[:, None] - keys[None, :]
+  allowed = apart >= 0 if causal else np.ones(apart.shape, bool)
+  if window is not None:
+    allowed &= np.abs(apart) < window
+  return allowed
+
+
+def segment_bias(query_segments, key_segments, dtype):
+  """``[batch, 1, queries, keys]``: 0 where a query's and a key's segments (packed sequences) are one, else masked."""
+  same = tf.equal(query_segments[:, :, None], key_segments[:, None, :])
+  return tf.where(same, tf.constant(0, dtype), tf.constant(masked(dtype), dtype))[:, None]
+
+
 def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str, key_mask, scale,
-                   location: str, exchange: str = "auto"):
+                   location: str, exchange: str = "auto", window: int | None = None, segment_ids=None):
   """Attention of this device's queries over the whole split sequence (see the module)."""
   q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
   check(q, k, v, location)
@@ -103,36 +122,45 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   mine = _sequence.sequence_positions(length, index, count, order)
   scale = float(q.shape[3]) ** -0.5 if scale is None else float(scale)
   ring = [(i, (i + 1) % count) for i in range(count)]
-  mask = None if key_mask is None else tf.cast(key_mask, tf.bool)
+  if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+    raise _errors.ArgumentError(f"repl.ring_attention(window={window!r}) at {location}: expected a positive int, "
+                                "the number of positions a query sees (itself included).")
+  # What travels with the keys: their padding mask and their segments (packed sequences), as int32.
+  extras = {}
+  if key_mask is not None:
+    extras["mask"] = tf.cast(key_mask, tf.int32)
+  if segment_ids is not None:
+    extras["segments"] = tf.cast(segment_ids, tf.int32)
+  names = sorted(extras)
 
   def send(*tensors):
     return tuple(_primitives.permute(ctx, t, ring, axes, location) for t in tensors)
 
-  def scores_of(q, kb, maskb, origin):  # [batch, heads, queries, keys] of the block of device `origin`, masked
-    keys = _sequence.sequence_positions(length, origin, count, order)
+  def scores_of(q, kb, extra, origin):  # [batch, heads, queries, keys] of the block of device `origin`, masked
+    allowed = allowed_positions(mine, _sequence.sequence_positions(length, origin, count, order), causal, window)
     scores = tf.einsum("bqhd,bkhd->bhqk", q, kb) * tf.cast(scale, q.dtype)
-    if causal:  # (on every block, all-allowed ones too: the same ops on every device)
-      scores += tf.constant(np.where(mine[:, None] >= keys[None, :], 0.0, masked(q.dtype)), q.dtype)
-    if maskb is not None:
-      scores += tf.where(maskb, tf.constant(0, q.dtype), tf.constant(masked(q.dtype), q.dtype))[:, None, None, :]
+    if allowed is not None:  # (on every block, all-allowed ones too: the same ops on every device)
+      scores += tf.constant(np.where(allowed, 0.0, masked(q.dtype)), q.dtype)
+    if "mask" in extra:
+      scores += ((1 - tf.cast(extra["mask"], q.dtype)) * tf.constant(masked(q.dtype), q.dtype))[:, None, None, :]
+    if "segments" in extra:
+      scores += segment_bias(extras["segments"], extra["segments"], q.dtype)
     return scores
 
   def blocks(k, v):
-    """(keys, values, key mask, device of origin) of each block, in the order this device meets them."""
+    """(keys, values, what travels with them, device of origin) of each block, in the order this device meets them."""
     if exchange == "all_gather":  # every device's keys and values at once, in device order
-      gathered = [_primitives.all_gather(ctx, t, 1, axes, location) for t in (k, v)]
-      if mask is not None:
-        gathered.append(tf.cast(_primitives.all_gather(ctx, tf.cast(mask, tf.int8), 1, axes, location), tf.bool))
+      gathered = [_primitives.all_gather(ctx, t, 1, axes, location) for t in [k, v] + [extras[n] for n in names]]
       for j in range(count):
         piece = [t[:, j * tokens:(j + 1) * tokens] for t in gathered]
-        yield piece[0], piece[1], piece[2] if mask is not None else None, j
+        yield piece[0], piece[1], dict(zip(names, piece[2:])), j
       return
-    kb, vb, maskb = k, v, mask
+    kb, vb, extra = k, v, dict(extras)
     for step in range(count):
-      yield kb, vb, maskb, (index - step) % count
+      yield kb, vb, extra, (index - step) % count
       if step < count - 1:
-        kb, vb = send(kb, vb)
-        maskb = None if maskb is None else send(maskb)[0]
+        kb, vb, *rest = send(kb, vb, *[extra[n] for n in names])
+        extra = dict(zip(names, rest))
 
   @tf.custom_gradient
   def attention(q, k, v):
@@ -140,8 +168,8 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
     running_max = tf.fill([shape[0], shape[2], tokens], tf.constant(-np.inf, q.dtype))  # [batch, heads, queries]
     total = tf.zeros([shape[0], shape[2], tokens], q.dtype)
     out = tf.zeros_like(q)
-    for kb, vb, maskb, origin in blocks(k, v):
-      scores = scores_of(q, kb, maskb, origin)
+    for kb, vb, extra, origin in blocks(k, v):
+      scores = scores_of(q, kb, extra, origin)
       new_max = tf.maximum(running_max, tf.reduce_max(scores, axis=-1))
       weights = tf.exp(scores - new_max[..., None])
       rescale = tf.exp(running_max - new_max)
@@ -155,8 +183,8 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
       with tf.name_scope(BACKWARD_SCOPE):  # (TensorFlow's tape does not scope a custom gradient's ops)
         return backward(dout)
 
-    def block_grads(dout, delta, kb, vb, maskb, origin):
-      probabilities = tf.exp(scores_of(q, kb, maskb, origin) - logsumexp[..., None])
+    def block_grads(dout, delta, kb, vb, extra, origin):
+      probabilities = tf.exp(scores_of(q, kb, extra, origin) - logsumexp[..., None])
       dp = tf.einsum("bqhd,bkhd->bhqk", dout, vb)
       ds = probabilities * (dp - delta[..., None]) * tf.cast(scale, q.dtype)
       return (tf.einsum("bhqk,bkhd->bqhd", ds, kb), tf.einsum("bhqk,bqhd->bkhd", ds, q),
@@ -170,19 +198,19 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
       dq = tf.zeros_like(q)
       if exchange == "all_gather":
         dks, dvs = [], []
-        for kb, vb, maskb, origin in blocks(k, v):
-          dq_block, dk, dv = block_grads(dout, delta, kb, vb, maskb, origin)
+        for kb, vb, extra, origin in blocks(k, v):
+          dq_block, dk, dv = block_grads(dout, delta, kb, vb, extra, origin)
           dq, dks, dvs = dq + dq_block, dks + [dk], dvs + [dv]
         return dq, *(_primitives.reduce_scatter(ctx, tf.concat(d, axis=1), "sum", 1, axes, location)
                      for d in (dks, dvs))
-      kb, vb, maskb = k, v, mask
+      kb, vb, extra = k, v, dict(extras)
       dk, dv = tf.zeros_like(k), tf.zeros_like(v)
       for step in range(count):
-        dq_block, dk_block, dv_block = block_grads(dout, delta, kb, vb, maskb, (index - step) % count)
+        dq_block, dk_block, dv_block = block_grads(dout, delta, kb, vb, extra, (index - step) % count)
         dq, dk, dv = dq + dq_block, dk + dk_block, dv + dv_block
         if step < count - 1:
-          kb, vb, dk, dv = send(kb, vb, dk, dv)
-          maskb = None if maskb is None else send(maskb)[0]
+          kb, vb, dk, dv, *rest = send(kb, vb, dk, dv, *[extra[n] for n in names])
+          extra = dict(zip(names, rest))
       dk, dv = send(dk, dv)  # home: the last block came from the next device
       return dq, dk, dv
 

@@ -32,7 +32,7 @@ NOT_DIVISIBLE = (
 
 
 def ulysses_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str, key_mask, scale,
-                      location: str):
+                      location: str, window: int | None = None, segment_ids=None):
   """Attention of this device's tokens over the whole split sequence, by two all-to-alls (see the module)."""
   q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
   _ring_attention.check(q, k, v, location, "repl.ulysses_attention")
@@ -47,10 +47,14 @@ def ulysses_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: 
   scale = float(q.shape[3]) ** -0.5 if scale is None else float(scale)
   scores = tf.einsum("bqhd,bkhd->bhqk", qa, ka) * tf.cast(scale, q.dtype)
   masked = _ring_attention.masked(q.dtype)
-  if causal:
-    scores += tf.constant(np.where(positions[:, None] >= positions[None, :], 0.0, masked), q.dtype)
+  allowed = _ring_attention.allowed_positions(positions, positions, causal, window)
+  if allowed is not None:
+    scores += tf.constant(np.where(allowed, 0.0, masked), q.dtype)
   if key_mask is not None:
     every = _primitives.all_gather(ctx, tf.cast(key_mask, q.dtype), 1, axes, location)  # [batch, every token]
     scores += ((1 - every) * tf.constant(masked, q.dtype))[:, None, None, :]
+  if segment_ids is not None:  # every token's segment, for the queries and the keys alike
+    segments = _primitives.all_gather(ctx, tf.cast(segment_ids, tf.int32), 1, axes, location)
+    scores += _ring_attention.segment_bias(segments, segments, q.dtype)
   out = tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores), va)
   return _primitives.all_to_all(ctx, out, 1, 2, axes, location)  # back: this device's tokens, every head
