@@ -40,6 +40,7 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._errors import UnsupportedError
   from replicator.core._errors import VariableCreationError
   from replicator.core._errors import WorkerUnavailableError
+  from replicator.core._sequence import pad_sequence
   from replicator.core._sequence import sequence_positions
   from replicator.core._sequence import shard_sequence
   from replicator.core._sequence import unshard_sequence
@@ -83,6 +84,7 @@ __all__ = (
     "current",
     "distribution_replicator",
     "enable_keras_distribution",
+    "pad_sequence",
     "remat",
     "sequence_positions",
     "shard_sequence",
@@ -108,7 +110,7 @@ _MODULES = {
         "OutputMismatchError", "ReplicaContextError", "ReplicaInvarianceError", "ReplicasDivergedError",
         "ReplicatorError", "StepFailedError", "UnreplicatedStateError", "UnsupportedError", "VariableCreationError",
         "WorkerUnavailableError"),
-    "replicator.core._sequence": ("sequence_positions", "shard_sequence", "unshard_sequence"),
+    "replicator.core._sequence": ("pad_sequence", "sequence_positions", "shard_sequence", "unshard_sequence"),
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),

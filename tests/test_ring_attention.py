@@ -171,3 +171,43 @@ def test_auto_is_the_ring_in_one_process_and_the_all_gather_across_processes():
   assert _ring_attention.exchange_for(Workers(), 1, ("seq",), "auto") == "all_gather"
   with pytest.raises(replicator.ArgumentError, match=r"exchange='p2p'\): expected one of"):
     _ring_attention.exchange_for(one, 0, ("seq",), "p2p")
+
+
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+def test_a_length_the_devices_do_not_divide_is_padded_and_masked(order):
+  # 30 tokens over 4 devices: padded to 32 (zigzag: 8 chunks of 4), the 2 padding keys masked; the real tokens'
+  # outputs and gradients are one device's on the 30 tokens (causal: the padding comes after every real query).
+  length = 30
+  rng = np.random.default_rng(3)
+  values = [rng.normal(size=(B, length, H, D)).astype(np.float32) for _ in range(4)]
+  truth = _one_device_of_length(values, length, np.float64)
+  floor = [np.max(np.abs(a - b)) for a, b in zip(_one_device_of_length(values, length, np.float32), truth)]
+  padded = [replicator.pad_sequence(x, P, order=order) for x in values]
+  mask = padded[0][1].numpy()
+  assert mask.shape == (B, 32) and mask.sum() == B * length
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": P}, devices=cpus(P)))
+
+  def step():
+    index = int(tf.get_static_value(repl.axis_index("seq")))
+    q, k, v, w = (replicator.shard_sequence(x, index, P, order=order) for x, _ in padded)
+    key_mask = replicator.shard_sequence(mask, index, P, order=order)
+    with tf.GradientTape() as tape:
+      tape.watch([q, k, v])
+      out = repl.ring_attention(q, k, v, axis="seq", causal=True, order=order, key_mask=key_mask)
+      loss = tf.reduce_sum(out * w)  # (w is zero on the padding: its rows add nothing)
+    return [out, *tape.gradient(loss, [q, k, v])]
+
+  for per_device, expected, noise in zip(repl.run(step), truth, floor):
+    whole = replicator.unshard_sequence([t.numpy() for t in per_device], order=order).numpy()[:, :length]
+    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6
+
+
+def _one_device_of_length(values, length, dtype):
+  q, k, v, w = (tf.constant(x.astype(dtype)) for x in values)
+  with tf.GradientTape() as tape:
+    tape.watch([q, k, v])
+    scores = tf.einsum("bqhd,bkhd->bhqk", q, k) * tf.cast(D ** -0.5, q.dtype)
+    scores += tf.constant(np.triu(np.full((length, length), -1e9), 1), q.dtype)
+    out = tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores), v)
+    loss = tf.reduce_sum(out * w)
+  return [t.numpy() for t in [out, *tape.gradient(loss, [q, k, v])]]

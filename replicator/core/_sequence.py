@@ -14,7 +14,8 @@ orders:
 rotary embeddings, position embeddings and masks: a token means on every
 device what it means on one); :func:`shard_sequence` takes a device's tokens
 from a whole sequence (in an input function, or a step), :func:`unshard_sequence`
-puts the devices' pieces back in order.
+puts the devices' pieces back in order; :func:`pad_sequence` pads a sequence
+the devices' chunks do not divide, with the mask of its real tokens.
 """
 
 from __future__ import annotations
@@ -68,3 +69,27 @@ def unshard_sequence(pieces, *, dim: int = 1, order: str = "contiguous"):
   length = whole.shape[dim]
   held = np.concatenate([sequence_positions(length, i, count, order) for i in range(count)])
   return tf.gather(whole, np.argsort(held), axis=dim)
+
+
+def pad_sequence(x, count: int, *, dim: int = 1, order: str = "contiguous"):
+  """``x`` padded with zeros at the end of dimension ``dim`` to a length ``count`` devices split evenly, and the
+  ``[batch, padded length]`` mask of its real tokens (True), for attention's ``key_mask``.
+
+  Examples:
+    >>> padded, mask = pad_sequence(np.ones([1, 6]), 2, order="zigzag")   # 4 chunks: 8 tokens
+    >>> padded.shape.as_list(), int(mask.numpy().sum())
+    ([1, 8], 6)
+  """
+  x = tf.convert_to_tensor(x)
+  length = x.shape[dim]
+  if length is None:
+    raise _errors.ArgumentError(f"pad_sequence: dimension {dim} of x has no static size ({x.shape}). Fix: pass "
+                                "the dimension that holds the sequence, or give it a static length.")
+  if order not in ORDERS:
+    sequence_positions(length, 0, count, order)  # (its error)
+  chunks = count if order == "contiguous" else 2 * count
+  padded_length = -(-length // chunks) * chunks
+  paddings = [[0, 0]] * x.shape.rank
+  paddings[dim] = [0, padded_length - length]
+  mask = tf.broadcast_to(tf.range(padded_length) < length, [tf.shape(x)[0], padded_length])
+  return tf.pad(x, paddings), mask
