@@ -64,25 +64,29 @@ class Flow:
     """The nodes reading an output of ``name`` (not by a control edge), in name order."""
     return sorted(set(self._data.get(name, ())))
 
-  def after(self, names: Iterable[str]) -> set[str]:
-    """``names`` and every node that depends on one of them."""
+  def after(self, names: Iterable[str], forward_only: bool = False) -> set[str]:
+    """``names`` and every node that depends on one of them (with ``forward_only``, of the forward pass: what
+    depends on them only through the backward pass left out)."""
     found, stack = set(), list(names)
     while stack:
       name = stack.pop()
       if name not in found:
         found.add(name)
-        stack += [r for r in self.readers.get(name, ()) if r not in found]
+        stack += [r for r in self.readers.get(name, ())
+                  if r not in found and not (forward_only and r in self.backward)]
     return found
 
-  def triggers(self, consumers: Iterable[str], besides: Iterable[str] = ()) -> list[str]:
+  def triggers(self, consumers: Iterable[str], besides: Iterable[str] = (), after: set[str] | None = None
+               ) -> list[str]:
     """The backward nodes making the data inputs of ``consumers`` that depend on none of them (nor ``besides``).
 
     Work given a control input on each waits until the backward pass reaches the consumers: the gradient
-    arriving at them exists. Empty: nothing of the backward pass precedes them.
+    arriving at them exists. Empty: nothing of the backward pass precedes them. ``after``: ``self.after(consumers)``,
+    if the caller has it.
     """
     consumers = list(consumers)
     besides = set(besides)
-    after = self.after(consumers)
+    after = self.after(consumers) if after is None else after
     return sorted({node_of(ref) for r in consumers for ref in self.nodes[r].input if not ref.startswith("^")
                    and node_of(ref) in self.backward and node_of(ref) not in after
                    and node_of(ref) not in besides})

@@ -79,10 +79,10 @@ def defer(graph_def, records, draws: bool = False) -> Deferred:
     found.sort(key=lambda entry: entry[0])
     previous: list[str] = []
     for _, record, readers in found:
-      own = flow.triggers(readers, besides=[record.node])
+      after = flow.after(readers)
+      own = flow.triggers(readers, besides=[record.node], after=after)
       if not own:
         continue
-      after = flow.after(readers)
       early = previous if previous and not any(t in after for t in previous) else own
       previous = own
       waited = flow.waiting(f"{DEFERRED}/{record.node}", record.input, record.dtype, record.device, early)
@@ -132,7 +132,7 @@ def defer_draws(graph_def, flow: _backward.Flow | None = None) -> tuple[tf.compa
   data = _data_nodes(flow)
   count = 0
   for name in [n.name for n in out.node if n.op in RANDOM and n.name not in flow.backward and n.name not in data]:
-    after = flow.after([name])
+    after = flow.after([name], forward_only=True)  # (the waits are of the forward pass: see below)
     meet, seen, frontier = set(), {name}, [name]
     for _ in range(_LOOK_AHEAD):
       frontier = [r for n in frontier for r in flow.data_readers(n) if r not in seen and r not in flow.backward]
