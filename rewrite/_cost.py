@@ -223,7 +223,7 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
       layout, and each contraction's flops in each decision, are computed once.
     recomputed: blocks rematerialized (``rewrite._recompute.Block``): their internal saved tensors live
       until their last forward reader and again from their block's first backward reader to their last
-      reader; their recomputed ops run twice.
+      reader; their recomputed ops run twice, with the collectives they read.
   """
   memo = {} if memo is None else memo
   mesh_shape = dict(mesh_shape)
@@ -328,8 +328,11 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
       f, b = cost(op, decision)
       flops += f
       nbytes += b
+  again = {op.name for op in twice}  # a recomputed op's collectives run again with it
   for event in _communication.walk(graph, partition, outputs, mesh_shape, memo["walked"]):
     if isinstance(event, _communication.Needed):
       size = size_of(event.tensor, event.tensor.name, event.layout) if event.tensor is not None else 0
       collectives.append(CollectiveWork(event.kind, group(event.axes), size, event.op_name))
+      if event.op_name in again:
+        collectives.append(CollectiveWork(event.kind, group(event.axes), size, event.op_name))
   return Work(devices, ops, flops, nbytes, tuple(collectives), peak)

@@ -18,9 +18,11 @@ the layers of a ``Sequential``). In a block:
 * **recomputed**: the forward ops of the block the internal saved tensors
   depend on, other than stateful ones (random ops with state, variable reads
   and writes: their outputs are kept, so a recomputed stateless random op draws
-  from the first pass's seeds and gives its values), constants and the
-  collectives' placeholders (their results are kept: nothing communicates
-  twice);
+  from the first pass's seeds and gives its values) and constants. A
+  collective a recomputed op reads (an FSDP kernel's gather, a Megatron
+  block's all-reduce) is issued again with the recomputation, on the same
+  inputs, as Megatron's full recomputation does: its forward result is not
+  held until the backward pass;
 * **kept**: what the recomputed ops read from the forward pass: the block's
   inputs, variable reads, stateful ops' outputs.
 
