@@ -29,3 +29,20 @@ def test_a_failed_step_names_the_failing_replicas_worker():
       "The step failed on /job:worker/replica:0/task:1/device:CPU:0 (worker 1 at localhost:1235) (node "
       "'step/replica_1/CheckNumerics'): made on replica 1 : Tensor had NaN values. No variable was written")
   assert failed.devices == (ON_WORKERS[1],) and isinstance(failed, tf.errors.InvalidArgumentError)
+
+
+def test_a_root_error_that_waited_for_the_failed_device_is_not_named():
+  # Across workers, the device waiting in a collective for the failed one reports a root error of its own.
+  message = ("2 root error(s) found.\n"
+             "  (0) CANCELLED: Collective ops is aborted by: made on replica 1 : Tensor had NaN values\n"
+             "The error could be from a previous operation. Restart your program to reset.\n"
+             "\t [[{{node step/replica_0/replicator_rewrite/0_all_reduce/CollectiveReduceV2}}]]\n"
+             "  (1) INVALID_ARGUMENT: made on replica 1 : Tensor had NaN values\n"
+             "\t [[{{node step/replica_1/CheckNumerics}}]]\n"
+             "0 successful operations.")
+  first, nodes = _failures.parse(message)
+  assert first == "INVALID_ARGUMENT: made on replica 1 : Tensor had NaN values"
+  assert nodes == ["step/replica_1/CheckNumerics"] and _failures.failing_replicas(nodes) == [1]
+  # Only derived errors: they are what there is.
+  only = "1 root error(s) found.\n  (0) CANCELLED: cancelled\n\t [[{{node step/replica_0/x}}]]"
+  assert _failures.parse(only)[1] == ["step/replica_0/x"]

@@ -62,19 +62,35 @@ def _class_for(tf_class: type) -> type:
   return _CLASSES[tf_class]
 
 
+_ROOT = re.compile(r"^\s*\((\d+)\)\s*([A-Z_]+):")
+# A root error that is another's consequence: a device's op cancelled or a collective aborted because a peer
+# failed (across workers, TensorFlow's collective runtime reports the waiting side as a root error of its own).
+_DERIVED = re.compile(r"^\s*\(\d+\)\s*(CANCELLED|ABORTED):|_Derived_|[Cc]ollective ops is aborted|"
+                      r"could be from a previous operation")
+
+
 def parse(message: str) -> tuple[str, list[str]]:
   """``(first root error, the distinct failing nodes of every root error)`` of a TensorFlow error message.
 
   Every device's partition reports the error that stopped it; a device that
   was waiting on a failed one reports that one's node too, so the distinct
-  nodes are where the step failed.
+  nodes are where the step failed. A root error that is another's
+  consequence (a cancelled op, an aborted collective) is left out when
+  another is not (its device did not fail: it waited for one that did).
   """
-  nodes = []
+  entries: list[list[str]] = [[]]  # each root error's lines (the first: the lines before any)
   for line in message.splitlines():
+    if _ROOT.match(line):
+      entries.append([])
+    entries[-1].append(line)
+  roots = [e for e in entries[1:] if e] or [entries[0]]
+  causes = [e for e in roots if not _DERIVED.search("\n".join(e))] or roots
+  nodes = []
+  for line in (line for entry in causes for line in entry):
     found = _NODE.search(line)
     if found and found.group(1) not in nodes:
       nodes.append(found.group(1))
-  return _errors.root_cause(message), nodes
+  return _errors.root_cause("\n".join(causes[0])), nodes
 
 
 _TOP_LEVEL = re.compile(r"(?:^|/)step/(?:expand/)?replica_(\d+)/")
