@@ -57,7 +57,7 @@ def steps(have, want, global_shape, axis_size) -> Steps:
 
 
 def reuse_key(tensor, target, consumer: str) -> tuple:
-  """What a relayout of ``tensor`` to ``target`` for the op ``consumer`` is shared by .
+  """What a relayout of ``tensor`` to ``target`` for the op ``consumer`` is shared by: its cache key.
 
   One relayout per tensor and layout serves every consumer after the first, except a variable's read
   relayouted for the backward pass: the backward pass makes its own (an FSDP kernel gathered again for its
