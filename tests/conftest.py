@@ -171,6 +171,19 @@ def keras_step(model, opt):
   return step_fn
 
 
+def mse_step(model, opt):
+  """A single-device training step on the mean squared error of ``model(x)`` against ``y`` (inference-mode call)."""
+
+  def step_fn(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.square(model(x) - y))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  return step_fn
+
+
 def sonnet_step(net, opt):
   """The single-device Sonnet 2 training step (sparse labels, logits, ``opt.apply``) the global view runs unchanged."""
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import mse_step
 
 import replicator
 
@@ -39,12 +40,7 @@ def test_accumulation_equals_a_larger_batch(n):
     base = keras.optimizers.Adam(0.05)
     opt = repl.wrap_optimizer(base, accumulation_steps=K)
 
-  def step_fn(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(tf.square(model(x) - y))
-    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
+  step_fn = mse_step(model, opt)
 
   plans = []
   for step in range(2 * K):

@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import mse_step
 
 import mesh
 import replicator
@@ -88,16 +89,6 @@ def _data(steps=3):
   return tf.data.Dataset.from_tensor_slices((x, y)).batch(GROUPS, drop_remainder=True)
 
 
-def _step(model, optimizer):
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(tf.square(model(x) - y))
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-  return step
-
-
 MESHES = {
     "experts over the batch axis": ({"batch": 4}, "batch"),
     "experts over model, 2x2": ({"batch": 2, "model": 2}, "model"),
@@ -109,13 +100,13 @@ MESHES = {
 def test_a_top_k_mixture_of_experts_trains_as_on_one_device(case):
   axes, experts_axis = MESHES[case]
   one, one_opt = _model(), keras.optimizers.Adam(1e-2)
-  one_step = tf.function(_step(one, one_opt))
+  one_step = tf.function(mse_step(one, one_opt))
   expected = [float(one_step(batch)) for batch in _data()]
   repl = replicator.Replicator(mesh=mesh.Mesh(axes, devices=cpus(4)), view="global", strict=True,
                                layouts=mesh.LayoutMap({r"experts_": (experts_axis,)}, pad=True))
   with repl.context():
     model, optimizer = _model(), keras.optimizers.Adam(1e-2)
-  step, data = _step(model, optimizer), _data()
+  step, data = mse_step(model, optimizer), _data()
   losses = [float(repl.run(step, data)) for _ in range(3)]
   np.testing.assert_allclose(losses, expected, atol=2e-6)
   assert_every_copy(model.weights, one.weights, atol=2e-6)
@@ -135,7 +126,7 @@ def test_experts_split_over_the_batch_axis_receive_their_tokens_by_all_to_all():
                                layouts=mesh.LayoutMap({r"experts_": ("batch",)}, pad=True))
   with repl.context():
     model, optimizer = _model(), keras.optimizers.Adam(1e-2)
-  report = repl.explain(_step(model, optimizer), _data())
+  report = repl.explain(mse_step(model, optimizer), _data())
   rows = [c for c in report.collective_rows if "to return it" not in c.why]
   kernel_shapes = ((EXPERTS, HIDDEN, FFN), (EXPERTS, FFN, HIDDEN))
   kernels = [(c.kind, c.shape) for c in rows if c.shape in kernel_shapes or (
@@ -161,13 +152,13 @@ def test_a_capacity_counted_over_the_whole_split_batch_drops_the_tokens_one_devi
   probs = tf.nn.softmax(tf.einsum("gsh,he->gse", x, one.get_layer("moe").router))
   routed = tf.reshape(tf.one_hot(tf.math.top_k(probs, k=TOP_K).indices, EXPERTS), [-1, EXPERTS])
   assert np.max(np.sum(routed.numpy(), axis=0)) > BatchCapacityMoE.CAPACITY  # an expert overflows: tokens dropped
-  one_step = tf.function(_step(one, one_opt))
+  one_step = tf.function(mse_step(one, one_opt))
   expected = [float(one_step(batch)) for batch in _data()]
   repl = replicator.Replicator(mesh=mesh.Mesh(axes, devices=cpus(4)), view="global", strict=True,
                                layouts=mesh.LayoutMap({r"experts_": (experts_axis,)}, pad=True))
   with repl.context():
     model, optimizer = _model(BatchCapacityMoE), keras.optimizers.Adam(1e-2)
-  step, data = _step(model, optimizer), _data()
+  step, data = mse_step(model, optimizer), _data()
   losses = [float(repl.run(step, data)) for _ in range(3)]
   np.testing.assert_allclose(losses, expected, atol=2e-6)
   assert_every_copy(model.weights, one.weights, atol=2e-6)

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 from conftest import cpus
 from conftest import global_step_of
+from conftest import mse_step
 from conftest import replica_values
 
 import mesh
@@ -708,14 +709,7 @@ def test_the_memory_report_shows_what_remat_saves():
         h = h + (replicator.remat(block) if remat else block)(h)
       model = keras.Model(inputs, keras.layers.Dense(width)(h))
       optimizer = repl.wrap_optimizer(keras.optimizers.SGD(1e-3))
-
-    def step(batch):
-      x, y = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(x) - y))
-      optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-      return loss
-
+    step = mse_step(model, optimizer)
     batch = tuple(np.random.RandomState(i).rand(rows, width).astype("float32") for i in range(2))
     return repl.memory(step, inputs=batch).device()
 
