@@ -265,7 +265,7 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
   twice = []  # the recomputed ops, again
   if recomputed:
     if "backward" not in memo:
-      backward = _recompute.backward_ops([op.op for op in every])
+      backward = _recompute.backward_ops(graph)
       memo["backward"] = [op.name in backward for op in every]
       memo["index"] = {op.name: i for i, op in enumerate(every)}
       forward_last, backward_first = {}, {}

@@ -82,13 +82,9 @@ class Block:
   first_backward: str = ""
 
 
-def backward_ops(ops: Sequence[tf.Operation]) -> set[str]:
-  """The backward pass's ops: under a gradient scope, or reading a tensor of one (``rewrite._memory``'s rule)."""
-  backward = set()
-  for op in ops:  # (a graph's ops are in a topological order)
-    if _memory.is_backward(op.name) or any(t.op.name in backward for t in op.inputs):
-      backward.add(op.name)
-  return backward
+def backward_ops(graph: tf.Graph) -> set[str]:
+  """The names of the backward pass's ops of a traced graph (``rewrite._backward.Flow``'s rule)."""
+  return _backward.Flow(graph.as_graph_def()).backward
 
 
 def _bytes(t: tf.Tensor) -> int:
@@ -151,7 +147,7 @@ def _block(scope: str, ops: Sequence[tf.Operation], backward: set[str], saved: d
 def blocks(graph: tf.Graph) -> list[Block]:
   """The blocks of a traced step that could be rematerialized, in the graph's order (see the module)."""
   ops = graph.get_operations()
-  backward = backward_ops(ops)
+  backward = backward_ops(graph)
   if not backward:
     return []
   saved = _saved(ops, backward)
