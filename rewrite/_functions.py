@@ -1,11 +1,12 @@
-"""The body of a function-valued attribute (an ``If``'s branches) as a graph at given input shapes.
+"""The body of a function-valued attribute (an ``If``'s branches, a ``While``'s) as a graph at given input shapes.
 
 TensorFlow has no public API that turns a ``FunctionDef`` back into a graph:
 ``function_def_to_graph_def`` is the one its own control-flow gradients use,
 and ``handle_data_util`` gives a resource argument its variable's dtype and
-shape (without them a branch's ``ReadVariableOp`` has no shape, as with
-``function_def_to_graph``, which sets them after importing). Both are
-private, so they are used only here. Checked on TF 2.21.
+shape, and a ``TensorList`` argument its elements' (without them a branch's
+``ReadVariableOp`` has no shape, as with ``function_def_to_graph``, which
+sets them after importing, nor a loop gradient's ``TensorListPopBack``).
+Both are private, so they are used only here. Checked on TF 2.21.
 """
 
 from __future__ import annotations
@@ -49,19 +50,26 @@ def body(op: tf.Operation, attr: str, arguments: list) -> tf.Graph:
   with op.graph.as_default():
     graph_def, flat = function_def_to_graph.function_def_to_graph_def(
         fdef, [t.shape for t in arguments], include_library_functions=True)
+  for node in graph_def.node:  # colocation with ops of other functions (a loop's gradient, the loop's): not here
+    if "_class" in node.attr:
+      del node.attr["_class"]
   args = [a.name for a in fdef.signature.input_arg]
   graph = tf.Graph()
   with graph.as_default():
     inputs = []
     for arg, t in zip(args, arguments):
       x = tf.raw_ops.Placeholder(dtype=t.dtype, shape=t.shape, name=f"{arg}_argument")
-      if t.dtype == tf.resource:
+      if t.dtype in (tf.resource, tf.variant):  # a variable's dtype and shape; a list's element dtype and shape
         handle_data_util.copy_handle_data(t, x)
       inputs.append(x)
     # The function's own placeholders are imported too, unused (the importer wants every mapped input).
     tf.graph_util.import_graph_def(graph_def, input_map={flat[a]: x for a, x in zip(args, inputs)}, name="")
   graph.inputs = inputs
-  graph.outputs = [graph.get_tensor_by_name(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
+  # An output that is an argument (a while loop's body passes loop-invariant values on) is the argument's
+  # placeholder, not the function's own (imported, unused).
+  passed = {flat[a]: x for a, x in zip(args, inputs)}
+  returned = [flat[fdef.ret[a.name]] for a in fdef.signature.output_arg]
+  graph.outputs = [passed[name] if name in passed else graph.get_tensor_by_name(name) for name in returned]
   graph.control_outputs = [graph.get_operation_by_name(fdef.control_ret[n]) for n in fdef.signature.control_output]
   return graph
 
@@ -76,21 +84,46 @@ def _called(attrs) -> list:
   return names
 
 
+def _nested(op: tf.Operation) -> tuple[list, list]:
+  """``(names, nodes)``: every function ``op`` runs and those they call (each once), and their NodeDefs.
+
+  A function is called by an attribute (an ``If``'s branch, a ``PartitionedCall``'s ``f``) or as a node's op
+  type (a ``Defun``'s call).
+  """
+  names = _called(op.node_def.attr)
+  if not names:
+    return [], []
+  library, seen, nodes = _library(op.graph), [], []
+  while names:
+    name = names.pop()
+    if name in seen or name not in library:
+      continue
+    seen.append(name)
+    for node in library[name].node_def:
+      nodes.append(node)
+      names.extend(_called(node.attr) + ([node.op] if node.op in library else []))
+  return seen, nodes
+
+
 def nested_nodes(op: tf.Operation) -> list:
   """The NodeDefs of every function ``op`` runs, and of the functions those call (each once).
 
   Empty for an op without function-valued attributes.
   """
-  names = _called(op.node_def.attr)
-  if not names:
-    return []
-  library, seen, nodes = _library(op.graph), set(), []
-  while names:
-    name = names.pop()
-    if name in seen or name not in library:
-      continue
-    seen.add(name)
-    for node in library[name].node_def:
-      nodes.append(node)
-      names.extend(_called(node.attr))
-  return nodes
+  return _nested(op)[1]
+
+
+def import_called(op: tf.Operation) -> None:
+  """Imports into the current graph every function that ``op``'s functions call (nested).
+
+  A copy of a function's body made in another graph (each device's copy of a
+  loop's body, traced as a ``tf.function``) calls them too.
+  """
+  names, _ = _nested(op)
+  library = _library(op.graph)
+  graph_def = tf.compat.v1.GraphDef()
+  graph_def.versions.CopyFrom(op.graph.graph_def_versions)
+  own = set(_called(op.node_def.attr))
+  graph_def.library.function.extend(library[name] for name in names if name not in own)
+  if graph_def.library.function:
+    tf.graph_util.import_graph_def(graph_def, name="")

@@ -12,7 +12,8 @@ partitioned again. If then no op of either branch needs a collective and both
 branches give their outputs the same layouts, each device runs a conditional
 over its own copies of the branches, made per device. Otherwise the op falls
 back (gathered, replicated), or, on a sharded variable's handle, is refused.
-Collectives inside branches and ``While`` loops are not partitioned yet.
+Collectives inside branches are not placed yet. ``While`` loops: ``_loops``, which shares the
+branches' checks (:func:`first_gather`, :func:`computed_from`, :func:`sliced_from`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from rewrite.rules import _base
 from rewrite.rules import _random
 
 
-def _needs_gather(have, want) -> bool:
+def needs_gather(have, want) -> bool:
+  """Whether a value in layout ``have`` needs a collective to be in layout ``want`` (a dimension's split changes)."""
   return want is not None and have is not None and any(h and h != w for h, w in zip(have, want))
 
 
@@ -90,15 +92,10 @@ def _try_branches(view, layouts):
     summed = {x.name for x, t in zip(body.inputs, args) if t.name in view.summed}
     partition = view.bodies.propagate(body, view.mesh, given, handle_shapes, summed,
                                       random_salt=_random.body_salt(op, attr))
-    for o in body.get_operations():
-      d = partition.decisions.get(o.name)
-      if d is None:
-        continue
-      for i, t in enumerate(o.inputs):
-        want = d.inputs[i] if i < len(d.inputs) else None
-        if t.dtype != tf.resource and _needs_gather(partition.layouts.get(t.name), want):
-          why = f"{o.type} {o.name} in its {attr} gathers a split input"
-          return None, why, _split_arguments(body, [t], layouts)
+    gather = first_gather(body, partition)
+    if gather is not None:
+      o, t = gather
+      return None, f"{o.type} {o.name} in its {attr} gathers a split input", _split_arguments(body, [t], layouts)
     busy = _communicates(partition)
     if busy:  # a partial sum, say: gathering its inputs would send more than its collective (left to the fallback)
       return None, f"{busy} in its {attr} needs communication", []
@@ -116,6 +113,25 @@ def _split_arguments(body, tensors, layouts) -> list[int]:
   Empty if none is split, or if one is a sharded variable's handle or a
   variant (neither can be gathered): then gathering arguments cannot help.
   """
+  found = set()
+  for k in computed_from(body, tensors):
+    layout = layouts[1 + k]
+    if isinstance(layout, _base.Contents):
+      if _base.holds_split(layout):
+        return []
+    elif layout is not None and any(layout):
+      if body.inputs[k].dtype in (tf.resource, tf.variant):
+        return []
+      found.add(k)
+  return sorted(found)
+
+
+def computed_from(body, tensors) -> list[int]:
+  """The positions of the arguments of function body ``body`` that ``tensors`` (its tensors) are computed from.
+
+  A variable's handle is followed no further than the handle (a read is
+  computed from it, not from what wrote the variable).
+  """
   position = {x.name: k for k, x in enumerate(body.inputs)}
   found, seen, stack = set(), set(), [t for t in tensors if t.dtype != tf.resource]
   while stack:
@@ -129,15 +145,21 @@ def _split_arguments(body, tensors, layouts) -> list[int]:
       # has one replica: every gradient through one op).
       stack.extend([t.op.inputs[t.value_index]] if t.op.type == "IdentityN" else t.op.inputs)
       continue
-    layout = layouts[1 + k]
-    if isinstance(layout, _base.Contents):
-      if _base.holds_split(layout):
-        return []
-    elif layout is not None and any(layout):
-      if t.dtype in (tf.resource, tf.variant):
-        return []
-      found.add(k)
+    found.add(k)
   return sorted(found)
+
+
+def first_gather(body, partition):
+  """``(op, tensor)``: the first op of a partitioned body that would gather a split input ``tensor``; else None."""
+  for o in body.get_operations():
+    d = partition.decisions.get(o.name)
+    if d is None:
+      continue
+    for i, t in enumerate(o.inputs):
+      want = d.inputs[i] if i < len(d.inputs) else None
+      if t.dtype != tf.resource and needs_gather(partition.layouts.get(t.name), want):
+        return o, t
+  return None
 
 
 _DIFFERENT = object()
@@ -157,7 +179,7 @@ def _side(layout, side: int):
   return layout[side] if isinstance(layout, Either) else layout
 
 
-def _sliced_from(target, source) -> bool:
+def sliced_from(target, source) -> bool:
   """Whether a value in layout ``source`` becomes one in ``target`` by a local slice (no communication)."""
   return (target is not None and source is not None and len(target) == len(source)
           and all(not s or s == t for s, t in zip(source, target)))
@@ -171,9 +193,9 @@ def _unify(a, b):
   """
   if isinstance(a, _base.Contents) and isinstance(b, _base.Contents):
     return a if a == b or not b else b if not a else Either((a, b))
-  if a == b or _sliced_from(a, b):
+  if a == b or sliced_from(a, b):
     return a
-  return b if _sliced_from(b, a) else _DIFFERENT
+  return b if sliced_from(b, a) else _DIFFERENT
 
 
 @_base.register("OptionalFromValue")
@@ -213,16 +235,17 @@ def if_(view, layouts):
     decision = _base.fallback(view, layouts)
     if decision.unsupported:
       decision.unsupported = f"{decision.unsupported} ({why})"
+    elif decision.fallback:
+      decision.why = why
     return decision
   parts, out_layouts, in_layouts = branches
   (then_body, then_part), (else_body, else_part) = parts
-  mesh = view.mesh
   kept = []
 
   def lower(r, inputs):
     pred, args = inputs[0], list(inputs[1:])
     specs = [tf.TensorSpec(x.shape, x.dtype) for x in args]
-    branches = [tf.function(functools.partial(view.bodies.expand_on_device, body, mesh, part, r, outputs=out_layouts),
+    branches = [tf.function(functools.partial(_on_device, view, body, part, r, out_layouts),
                             autograph=False).get_concrete_function(*specs)
                 for body, part in ((then_body, then_part), (else_body, else_part))]
     for branch in branches:
@@ -236,3 +259,9 @@ def if_(view, layouts):
     return list(outputs) if isinstance(outputs, (list, tuple)) else []
 
   return _base.Decision(inputs=in_layouts, outputs=out_layouts, lower=lower)
+
+
+def _on_device(view, body, partition, r, outputs, *args):
+  """Device ``r``'s copy of a branch, made in the function being traced, with the functions it calls."""
+  _functions.import_called(view.op)
+  return view.bodies.expand_on_device(body, view.mesh, partition, r, *args, outputs=outputs)
