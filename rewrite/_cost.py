@@ -331,7 +331,10 @@ def work(graph: tf.Graph, partition, mesh_shape, outputs=(), ownership=None, mem
   again = {op.name for op in twice}  # a recomputed op's collectives run again with it
   for event in _communication.walk(graph, partition, outputs, mesh_shape, memo["walked"]):
     if isinstance(event, _communication.Needed):
-      size = size_of(event.tensor, event.tensor.name, event.layout) if event.tensor is not None else 0
+      if event.nbytes is not None:  # a rule's own count (a halo's rows)
+        size = event.nbytes
+      else:
+        size = size_of(event.tensor, event.tensor.name, event.layout) if event.tensor is not None else 0
       collectives.append(CollectiveWork(event.kind, group(event.axes), size, event.op_name))
       if event.op_name in again:
         collectives.append(CollectiveWork(event.kind, group(event.axes), size, event.op_name))
