@@ -109,6 +109,22 @@ def check_axis(name: str, axis, per_replica) -> None:
             extra=", or axis=None to combine the replicas elementwise only" if name == "reduce" else ""))
 
 
+def _check_input_layouts(input_layouts, mesh: mesh_lib.Mesh, view: str):
+  """``input_layouts`` as the Config keeps it: None, a callable, or a spec as axes per dimension."""
+  if input_layouts is None:
+    return None
+  if view != "global":
+    raise _errors.ArgumentError(
+        f"Replicator(input_layouts={input_layouts!r}, view={view!r}): input layouts split a step's inputs beyond "
+        "their batch in the global view, which partitions the single-device step. In the local view each "
+        "replica's step sees its own input: split a sequence there with replicator.shard_sequence. Fix: pass "
+        "view='global', or leave input_layouts out.")
+  if callable(input_layouts):
+    return input_layouts
+  layout = mesh_lib.Layout(input_layouts, mesh)  # raises LayoutError naming a bad entry or an unknown axis
+  return tuple(layout.axes(d) for d in range(layout.rank))
+
+
 def _check_view(view: str) -> str:
   if view not in ("local", "global"):
     raise _errors.ArgumentError(f"view={view!r}: expected \"local\" (step_fn sees each device's piece, "
@@ -190,6 +206,16 @@ class Replicator(_collective_methods.CollectiveMethods):
       empty batch (as tf.distribute does), so every row is used; divide a
       summed loss by ``repl.all_sum(tf.shape(x)[0])`` and use
       ``wrap_optimizer(reduction="sum")`` to match one device then.
+    input_layouts: in the global view, how a step's inputs are split beyond
+      their batch dimension: a layout spec (one entry per dimension, as
+      :class:`mesh.LayoutMap`'s) applied to every input of its rank, e.g.
+      ``("batch", "seq")`` for token ids and their labels (their sequence
+      split over a ``"seq"`` axis), ``("batch", "rows", "cols", None)`` for
+      images split into tiles; or a function ``(index, spec) -> spec or None``
+      of each input's position in the flattened batch and its
+      ``tf.TensorSpec``. Inputs given no spec are split over ``batch_axes``
+      alone. The split is kept through the layers whose rules allow it;
+      ``explain`` says where it is gathered and why.
     view: ``"local"`` (the default): ``step_fn`` sees each device's piece and
       calls collectives itself. ``"global"`` (experimental): ``step_fn`` is the
       single-device step, seeing global values, partitioned by the layouts
@@ -226,7 +252,7 @@ class Replicator(_collective_methods.CollectiveMethods):
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
                batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False,
                view: str = "local", strict: bool = False, update: str = "auto", atomic: bool = True,
-               memory_per_device: int | None = None):
+               memory_per_device: int | None = None, input_layouts=None):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
@@ -258,6 +284,7 @@ class Replicator(_collective_methods.CollectiveMethods):
           f"Replicator(memory_per_device={memory_per_device!r}) bounds the layouts a search chooses, but layouts="
           f"{layouts!r} were given. Fix: pass layouts='auto', or leave memory_per_device out.")
     self._layouts = _layout_state.LayoutState(_as_layout_map(layouts), auto)
+    input_layouts = _check_input_layouts(input_layouts, self._mesh, view)
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
     self._keras_strategy = None
@@ -273,7 +300,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     self._config = _config.Config(
         mesh=self._mesh, view=view, strict=bool(strict), atomic=atomic, update=update, batch_axes=batch_axes,
         autograph=autograph, implementation=implementation, prefetch_to_device=prefetch_to_device,
-        drop_remainder=bool(drop_remainder), host=mesh_lib.canonical_name("CPU:0"))
+        drop_remainder=bool(drop_remainder), host=mesh_lib.canonical_name("CPU:0"), input_layouts=input_layouts)
     self._config = self._configured(self._config)
     # What the calls share (the state of runs), what makes variables, and the two views that build and run steps.
     self._state = _run_state.RunState(self._layouts, self._config.strict)

@@ -21,6 +21,7 @@ from typing import Iterator
 import tensorflow as tf
 
 from rewrite import _relayout
+from rewrite.rules import _base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Needed:
     why: what ``repl.explain`` says of it.
     tensor: the tensor whose pieces it sends.
     layout: the layout of the piece each device sends (its bytes).
+    nbytes: the bytes each device sends, where a rule said (``Decision.communicates``' fourth entry: a
+      halo's rows); None: ``tensor``'s piece in ``layout``.
   """
 
   kind: str
@@ -66,6 +69,7 @@ class Needed:
   why: str
   tensor: tf.Tensor
   layout: tuple | None
+  nbytes: int | None = None
 
 
 def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[Relayout | Needed]:
@@ -83,13 +87,15 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
   group = lambda axes: math.prod(mesh_shape[a] for a in axes)  # noqa: E731
   done: set = set()
 
-  def relayout(t, name, target, op, index, returned=False):
+  def relayout(t, name, target, op, index, returned=False, reason=""):
     source = layouts.get(name)
+    if isinstance(source, _base.Pending):  # partial sums the Sum reading them sums
+      source = tuple(source)
     if source is None or target is None or source == target or len(source) != len(target):
       return
     # An op's input is relayouted once per layout (later consumers reuse it, for free; a variable's read again for
     # the backward pass: _relayout.reuse_key); a returned output each time (the step's outputs apart).
-    key = _relayout.reuse_key(t, target, op.name)
+    key = _relayout.reuse_key(t, target, op.name, source)
     if not returned and key in done:
       steps = _relayout.Steps()
     else:
@@ -98,6 +104,7 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
       steps = _relayout.steps(source, target, t.shape.as_list() if t.shape.rank is not None else None, group)
     yield Relayout(t, source, target, op, index, returned, steps)
     where, op_name = " to return it" if returned else f" (input {index})", op.name
+    where += f": {reason}" if reason else ""
     current = list(source)
     for a, b, axes in steps.moved:  # all-to-alls, then all-gathers
       yield Needed("all_to_all", axes, op_name, f"move {name} dim {a} -> {b}{where}", t, tuple(current))
@@ -115,10 +122,10 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
       continue
     for i, ((t, name, resource), target) in enumerate(zip(inputs, decision.inputs)):
       if not resource:
-        yield from relayout(t, name, target, op, i)
+        yield from relayout(t, name, target, op, i, reason=decision.reasons.get(i, ""))
     out, out_name = outs[0] if outs else (None, None)
-    for kind, axes, why in decision.communicates:  # a self-lowering rule's own collectives
-      yield Needed(kind, tuple(axes), op_name, why, out, layouts.get(out_name))
+    for kind, axes, why, *nbytes in decision.communicates:  # a self-lowering rule's own collectives
+      yield Needed(kind, tuple(axes), op_name, why, out, layouts.get(out_name), nbytes[0] if nbytes else None)
     for k, reduce in enumerate(decision.reduce[:len(outs)]):
       if reduce is None:
         continue

@@ -220,6 +220,18 @@ class _Expander:
     """Device ``r``'s piece ``x`` (layout ``have``) as its piece in layout ``want``."""
     if have == want:
       return x
+    merged = [d for d, (h, w) in enumerate(zip(have, want)) if isinstance(h, _base.Merged) and h != w]
+    if merged:  # gathered whole first, in order
+      for d in merged:
+        x = self._gather_merged(r, x, d, have[d], op)
+      have = tuple(() if d in merged else h for d, h in enumerate(have))
+      return self.relayout(r, x, have, want, global_shape, op)
+    merged = [d for d, (h, w) in enumerate(zip(have, want)) if isinstance(w, _base.Merged) and h != w]
+    if merged:  # whole first, then the device's blocks of each part
+      x = self.relayout(r, x, have, tuple(() if d in merged else w for d, w in enumerate(want)), global_shape, op)
+      for d in merged:
+        x = self._slice_merged(r, x, d, want[d])
+      return x
     # Move axes between dimensions (all_to_all), gather every dimension whose split still changes, then slice to
     # the wanted split.
     plan = _relayout.steps(have, want, global_shape, self.mesh.axis_size)
@@ -235,6 +247,7 @@ class _Expander:
       shape = x.shape.as_list()
       shape[d] *= self.mesh.axis_size(h)
       x = self._emit(r, x, "all_gather", {"concat_dimension": d}, h, tf.TensorShape(shape), op)
+      have[d] = tuple(have[d][:len(have[d]) - len(h)]) if tuple(have[d][len(have[d]) - len(h):]) == tuple(h) else ()
     begin, size, shape = [], [], x.shape.as_list()
     sliced = False
     for d, (h, w) in enumerate(zip(have, want)):
@@ -251,6 +264,58 @@ class _Expander:
     if sliced:
       x = self._slice(r, x, begin, size, shape)
     return x
+
+  def _gather_merged(self, r, x, d, merged, op):
+    """Device ``r``'s piece ``x`` with its merged dimension ``d`` gathered whole, the rows in the global order.
+
+    The all-gather concatenates the devices' pieces in their order along the
+    merged dimension's axes: blocks ``[s_1, ..., s_k, n_1/s_1, ..., n_k/s_k]``
+    of the parts (``s_q`` devices along part ``q``'s axes), which are put in
+    the order ``[s_1, n_1/s_1, ..., s_k, n_k/s_k]``.
+    """
+    shape = x.shape.as_list()
+    shape[d] *= self.mesh.axis_size(tuple(merged))
+    x = self._emit(r, x, "all_gather", {"concat_dimension": d}, tuple(merged), tf.TensorShape(shape), op)
+    counts = [self.mesh.axis_size(axes) if axes else 1 for _, axes in merged.parts]
+    blocks = [n // c for (n, _), c in zip(merged.parts, counts)]
+    k = len(counts)
+    x = self._reshape(r, x, shape[:d] + counts + blocks + shape[d + 1:])
+    order = [q for pair in zip(range(d, d + k), range(d + k, d + 2 * k)) for q in pair]
+    perm = list(range(d)) + order + list(range(d + 2 * k, len(shape) + 2 * k - 1))
+    x = self._transpose(r, x, perm)
+    return self._reshape(r, x, shape)
+
+  def _slice_merged(self, r, x, d, merged):
+    """Device ``r``'s piece of the merged dimension ``d`` of ``x`` (whole there): its block of each part."""
+    shape = x.shape.as_list()
+    sizes = [n for n, _ in merged.parts]
+    x = self._reshape(r, x, shape[:d] + sizes + shape[d + 1:])
+    begin, size = [0] * (len(shape) + len(sizes) - 1), [-1] * (len(shape) + len(sizes) - 1)
+    local = list(shape[:d]) + [0] * len(sizes) + list(shape[d + 1:])
+    for q, (n, axes) in enumerate(merged.parts):
+      count = self.mesh.axis_size(axes) if axes else 1
+      begin[d + q] = self.mesh.axis_index(r, axes) * (n // count) if axes else 0
+      size[d + q] = local[d + q] = n // count
+    x = self._slice(r, x, begin, size, local)
+    shape[d] //= self.mesh.axis_size(tuple(merged))
+    return self._reshape(r, x, shape)
+
+  def _reshape(self, r, x, shape) -> _Pending:
+    return self._shaped(r, x, "Reshape", "Tshape", shape, shape)
+
+  def _transpose(self, r, x, perm) -> _Pending:
+    shape = x.shape.as_list()
+    return self._shaped(r, x, "Transpose", "Tperm", perm, [shape[p] for p in perm])
+
+  def _shaped(self, r, x, op_type: str, attr: str, operand, shape) -> _Pending:
+    """A ``Reshape`` (``Transpose``) of ``x`` on device ``r`` by the constant ``operand``: its output of ``shape``."""
+    operand_ref = self._ref(self._const(r, list(operand), tf.int32))
+    self._count += 1
+    node = self._node(r, f"{op_type.lower()}_{self._count}", op_type)
+    node.input.extend([self._ref(x), operand_ref])
+    node.attr["T"].type = x.dtype.as_datatype_enum
+    node.attr[attr].type = tf.int32.as_datatype_enum
+    return _Pending(node.name, 0, x.dtype, tf.TensorShape(shape))
 
   # -- ops -----------------------------------------------------------------------
 
@@ -319,10 +384,13 @@ class _Expander:
           else:
             x = self._local(r, t)
           want = decision.inputs[i] if i < len(decision.inputs) else None
-          if want is not None and t.dtype != tf.resource and want != layouts[t.name]:
-            key = (r, _relayout.reuse_key(t, want, op.name))  # one per tensor, device and layout, mostly
+          have = layouts[t.name]
+          if isinstance(have, _base.Pending):  # partial sums the Sum reading them sums (its own reduce)
+            have = tuple(have)
+          if want is not None and t.dtype != tf.resource and want != have:
+            key = (r, _relayout.reuse_key(t, want, op.name, have))  # one per tensor, device and layout, mostly
             if key not in self._relayouts:
-              self._relayouts[key] = self.relayout(r, x, layouts[t.name], want, t.shape.as_list(), op)
+              self._relayouts[key] = self.relayout(r, x, have, want, t.shape.as_list(), op)
             x = self._relayouts[key]
           inputs.append(x)
         inputs_per_device.append(inputs)
@@ -443,6 +511,14 @@ class _Comm:
     if shape[dim] is not None:
       shape[dim] *= expander.mesh.axis_size(tuple(axes))
     y = expander._emit(self._r, x, "all_gather", {"concat_dimension": dim}, tuple(axes), tf.TensorShape(shape),  # pylint: disable=protected-access
+                       self._op)
+    return expander._real(y)  # pylint: disable=protected-access
+
+  def permute(self, x: tf.Tensor, pairs, axes: tuple) -> tf.Tensor:
+    """``x`` sent point to point: a device at position ``d`` along ``axes`` gets the value of the one at ``s``
+    for each ``(s, d)`` of ``pairs``; a device no pair names gets zeros."""
+    expander = self._expander
+    y = expander._emit(self._r, x, "permute", {"perm": tuple(sorted((int(s), int(d)) for s, d in pairs))}, tuple(axes), x.shape,  # pylint: disable=protected-access
                        self._op)
     return expander._real(y)  # pylint: disable=protected-access
 

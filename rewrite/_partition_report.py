@@ -27,18 +27,29 @@ import tensorflow as tf
 from rewrite import _communication
 from rewrite import _cost as cost_model
 from rewrite import _fusion
+from rewrite import _recompute
 from rewrite._plan import Collective
 from rewrite._plan import Plan
+from rewrite.rules import _base
 
 Layout = tuple  # per dimension, the mesh axes it is split over; () for a scalar
 
 
 def format_layout(layout: Layout | None) -> str:
-  """``[batch, -]``: per dimension the axes it is split over (``-``: whole); ``?`` if unknown."""
+  """``[batch, -]``: per dimension the axes it is split over (``-``: whole); ``?`` if unknown.
+
+  A dimension merged from several (rows of ``[batch, seq]``) shows its parts' splits: ``batch*seq``.
+  """
   if layout is None:
     return "?"
-  dims = ["-" if not axes else axes[0] if len(axes) == 1 else "(" + ",".join(axes) + ")" for axes in layout]
+  dims = [_format_merged(axes) if isinstance(axes, _base.Merged) else "-" if not axes else axes[0] if len(axes) == 1
+          else "(" + ",".join(axes) + ")" for axes in layout]
   return "[" + ", ".join(dims) + "]"
+
+
+def _format_merged(merged) -> str:
+  return "*".join("-" if not axes else axes[0] if len(axes) == 1 else "(" + ",".join(axes) + ")"
+                  for _, axes in merged.parts)
 
 
 def _format_shape(shape: Sequence[int | None] | None) -> str:
@@ -157,6 +168,8 @@ class FallbackRow:
     location: the user's source line.
     inputs: its input tensors.
     input_layouts: their layouts (before gathering).
+    why: for an op whose rule could not partition it, why ("": it has no rule); a loop names the op of its
+      body that would communicate.
   """
 
   op_type: str
@@ -164,6 +177,7 @@ class FallbackRow:
   location: str
   inputs: tuple[str, ...]
   input_layouts: tuple[Layout | None, ...]
+  why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +276,8 @@ class PartitionReport:
     for name in partition.fallbacks:
       op = graph.get_operation_by_name(name)
       fallbacks.append(FallbackRow(op.type, name, locate(op), tuple(t.name for t in op.inputs),
-                                   tuple(layouts.get(t.name) for t in op.inputs)))
+                                   tuple(layouts.get(t.name) for t in op.inputs),
+                                   getattr(partition.decisions.get(name), "why", "")))
     rows = [_collective_row(c, expected) for c in plan.collectives]
     work = cost_model.work(graph, partition, mesh_shape, outputs, ownership)
     return cls(plan, mesh_shape, variable_rows, input_rows, rows, relayouts, fallbacks, work)
@@ -354,9 +369,10 @@ class PartitionReport:
                     [(r.tensor, format_layout(r.source), format_layout(r.target), _cost(r),
                       f"{r.op_type} {r.op_name} input {r.input}", r.location) for r in self.relayouts])
     lines.append(f"\nFallbacks ({len(self.fallbacks)}: ops without a layout rule, run on gathered inputs):")
-    lines += _table(("op", "input layouts", "at"),
+    why = any(r.why for r in self.fallbacks)  # (a column where a rule said why it could not partition its op)
+    lines += _table(("op", "input layouts", "at") + (("why",) if why else ()),
                     [(f"{r.op_type} {r.op_name}", ", ".join(format_layout(x) for x in r.input_layouts), r.location)
-                     for r in self.fallbacks])
+                     + ((r.why,) if why else ()) for r in self.fallbacks])
     if self.runs_as is not None:
       fused = [c for c in self.runs_as.collectives if c.present[0].node.startswith(_fusion.SCOPE)]
       lines.append(f"\nFused (across processes): the {len(self.collective_rows)} collective(s) run as "
@@ -452,14 +468,18 @@ def _relayouts(graph, partition, outputs, locate, mesh_shape):
 def _collective_row(c: Collective, expected: dict) -> CollectiveRow:
   op_type, _, op_name = c.present[0].call.partition(" ")
   why = ""
-  queue = expected.get(op_name, ())
-  for item in queue:
-    if item[0] == c.kind and item[1] == c.axes:
-      queue.remove(item)
-      why = item[2]
-      break
+  if f"/{_recompute.RECOMPUTE_SCOPE}/" in c.present[0].node:  # a rematerialization's own collective
+    why = "again for the backward pass (the value recomputed there, not held from the forward pass)"
+  else:
+    queue = expected.get(op_name, ())
+    for item in queue:
+      if item[0] == c.kind and item[1] == c.axes:
+        queue.remove(item)
+        why = item[2]
+        break
   shape = tuple(c.shape.as_list()) if c.shape.rank is not None else None
   return CollectiveRow(index=c.index, kind=c.kind, op=str(c.param_dict.get("op", "")), axes=c.axes,
                        dtype=c.dtype.name, shape=shape, bytes_per_device=c.nbytes,
                        bytes_per_step=sum(b or 0 for b in c.member_nbytes), op_type=op_type, op_name=op_name,
                        why=why, location=c.location)
+

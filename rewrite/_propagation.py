@@ -14,6 +14,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from rewrite import _errors
 from rewrite import _op_kinds
 from rewrite import _propagation_context
 from rewrite import _relayout
@@ -25,12 +26,14 @@ from rewrite.rules import _convolution  # noqa: F401
 from rewrite.rules import _effects  # noqa: F401
 from rewrite.rules import _elementwise  # noqa: F401
 from rewrite.rules import _gather  # noqa: F401
+from rewrite.rules import _loops  # noqa: F401
 from rewrite.rules import _random  # noqa: F401
 from rewrite.rules import _reduction  # noqa: F401
 from rewrite.rules import _resource  # noqa: F401
 from rewrite.rules import _scatter  # noqa: F401
 from rewrite.rules import _segment  # noqa: F401
 from rewrite.rules import _shape  # noqa: F401
+from rewrite.rules import _tensor_lists  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -245,10 +248,87 @@ def _decide_anew(op, context, ins, wants) -> _base.Decision:
   if decision.fallback:  # the rule cannot split it so (a dimension of unknown size): without the weights' batch axes?
     again = _apply(rule, view, _without(view, context, ins, context.data_axes)) if context.data else decision
     return decision if again.fallback else again
-  return _weights_stay(rule, view, context, ins, _data_first(rule, view, context, ins, decision))
+  decision = _weights_stay(rule, view, context, ins, _data_first(rule, view, context, ins, decision))
+  return _pending(view, _activations_gathered(rule, view, context, ins, decision))
+
+
+def _pending(view, decision) -> _base.Decision:
+  """``decision``, its partial sums left to the ``Sum`` that alone reads them (``_base.Pending``), where it can."""
+  reduce = decision.reduce[0] if decision.reduce else None
+  if (reduce is None or reduce[0] != "sum" or not reduce[1] or decision.lower is not None
+          or any(decision.scatter.values()) or not _propagation_context.summed_after(view.op)
+          or not _is_layout(decision.outputs[0])):
+    return decision
+  return dataclasses.replace(decision, outputs=[_base.Pending(decision.outputs[0], reduce[1])], reduce=[None])
 
 
 def _apply(rule, view, ins) -> _base.Decision:
+  pending = [x for x in ins if isinstance(x, _base.Pending)]
+  if pending:  # a Sum of partial sums (_pending): it sums them with its own
+    decision = _apply(rule, view, [tuple(x) if isinstance(x, _base.Pending) else x for x in ins])
+    if view.op.type != "Sum" or decision.fallback or decision.lower is not None:
+      raise _errors.RewriteError(f"{view.op.type} {view.op.name} reads partial sums left for a Sum (a bug).")
+    combine, axes = decision.reduce[0] or ("sum", ())
+    extra = tuple(a for x in pending for a in x.summed if a not in axes)
+    decision = dataclasses.replace(decision, reduce=[(combine, tuple(axes) + extra)] + list(decision.reduce[1:]))
+    return decision
+  merged = _base.merged_in(list(ins) + list(view.wants))
+  if merged and view.op.type != "Reshape":  # (a reshape makes and unmakes merged dimensions: it sees them)
+    if _base.position_blind(view.op.type):
+      decision = _apply_blind(rule, view, ins, merged)
+      if decision is not None:
+        return decision
+    # Seen whole: gathered first (all-gathered, the blocks put in order), also by a rule that takes an input as
+    # it is (None: an If's arguments, its branches partitioned for whole values).
+    seen = [_base.unmerged(x) for x in ins]
+    decision = _apply_plain(rule, dataclasses.replace(view, wants=[_base.unmerged(w) for w in view.wants]), seen)
+    inputs = list(decision.inputs) + [None] * (len(ins) - len(decision.inputs))
+    for i, (have, whole) in enumerate(zip(ins, seen)):
+      if inputs[i] is None and have is not whole and view.op.inputs[i].dtype not in (tf.resource, tf.variant):
+        inputs[i] = whole
+    decision.inputs = inputs
+    return decision
+  return _apply_plain(rule, view, ins)
+
+
+def _apply_blind(rule, view, ins, merged) -> _base.Decision | None:
+  """A position-blind rule's decision for inputs with :class:`_base.Merged` dimensions, or None if it cannot have one.
+
+  The rule sees each merged dimension as split over its axes; in its
+  decision, a dimension of the merged size split over those axes is the
+  merged dimension (an input wanted so is relayouted into it: its rows put
+  in the merged order). None where two merged dimensions share axes but not
+  their parts, or the decision reduce-scatters onto one.
+  """
+  by_axes = {}
+  for m in merged:
+    if by_axes.setdefault(tuple(m), m) != m:
+      return None
+  plain = lambda layout: layout if layout is None or isinstance(layout, _base.Contents) else tuple(  # noqa: E731
+      tuple(e) if isinstance(e, _base.Merged) else e for e in layout)
+  seen = dataclasses.replace(view, wants=[plain(w) for w in view.wants],
+                             merged_axes=frozenset(a for m in merged for a in m))
+  decision = _apply_plain(rule, seen, [plain(x) for x in ins])
+  if decision.fallback or any(scatter for scatter in decision.scatter.values()):
+    return None
+
+  def back(tensors, layouts):
+    out = []
+    for t, layout in zip(tensors, layouts):
+      if layout is None or isinstance(layout, _base.Contents) or t.dtype == tf.resource or t.shape.rank is None:
+        out.append(layout)
+        continue
+      shape = t.shape.as_list()
+      out.append(tuple(by_axes[tuple(e)] if e and tuple(e) in by_axes and d < len(shape)
+                       and shape[d] == by_axes[tuple(e)].size else e for d, e in enumerate(layout)))
+    return out
+
+  decision.inputs = back(view.op.inputs, decision.inputs) + list(decision.inputs[len(view.op.inputs):])
+  decision.outputs = back(view.op.outputs, decision.outputs)
+  return decision
+
+
+def _apply_plain(rule, view, ins) -> _base.Decision:
   op = view.op
   try:
     decision = rule(view, ins)
@@ -317,25 +397,11 @@ def _weights_stay(rule, view, context, ins, decision) -> _base.Decision:
   """
   if not context.data:
     return decision
-  lost = set()  # axes a weight loses (gathered) where the data keeps them
-  weights = []
-  for t, have, need in zip(view.op.inputs, ins, decision.inputs):
-    if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) and _is_layout(need):
-      gathered = _moved(have, need)
-      if gathered:
-        lost |= gathered
-        weights.append(t)
+  lost, weights = _weights_gathered(view, context, ins, decision)
   if not lost:
     return decision
-  data_axes = {a for t, have in zip(view.op.inputs, ins) if t.name in context.data and _is_layout(have)
-               for a in _base.axes_in(have)}
-  lost &= data_axes
-  if not lost:
-    return decision
-  stripped = [tuple(tuple(a for a in split if a not in lost) for split in have)
-              if t.name in context.data and _is_layout(have) else have for t, have in zip(view.op.inputs, ins)]
-  again = _apply(rule, view, stripped)
-  if again.fallback or again.lower is not None:
+  again = _data_without(rule, view, context, ins, lost)
+  if again is None:
     return decision
   moved_bytes = 0
   for t, have, need in zip(view.op.inputs, ins, again.inputs):
@@ -350,7 +416,70 @@ def _weights_stay(rule, view, context, ins, decision) -> _base.Decision:
         return decision  # the data would be gathered, not moved: gathering the weight is no worse
       moved_bytes += _bytes(t) // context.mesh.axis_size(tuple(sorted(lost)))
   moved_bytes += sum(_bytes(t) for t in view.op.outputs) // context.mesh.axis_size(tuple(sorted(lost)))  # and back
-  return again if moved_bytes < sum(_bytes(t) for t in weights) else decision
+  return again if moved_bytes < sum(_bytes(t) for t, _, _ in weights) else decision
+
+
+def _activations_gathered(rule, view, context, ins, decision) -> _base.Decision:
+  """``decision``, or one gathering the data instead of a weight where that sends fewer bytes.
+
+  Megatron's sequence parallelism: between tensor-parallel blocks the
+  tokens are split over the tensor-parallel axis, which also splits the
+  blocks' kernels. Rules settle the conflict by operand order (the tokens
+  first: each kernel gathered). Gathering the tokens' piece instead (their
+  sequence over that axis) keeps the kernel split, and the block's output
+  partial sums are reduce-scattered back onto the sequence. Taken where the
+  data's bytes gathered are fewer than the weights', and never for the batch
+  axes (gathering the batch would repeat the step's work on every device).
+  """
+  if not context.data:
+    return decision
+  lost, weights = _weights_gathered(view, context, ins, decision)
+  lost -= set(context.data_axes)
+  if not lost:
+    return decision
+  again = _data_without(rule, view, context, ins, lost)
+  if again is None:
+    return decision
+  k = context.mesh.axis_size(tuple(sorted(lost)))
+  data_bytes = weight_bytes = 0
+  for t, have, need in zip(view.op.inputs, ins, again.inputs):
+    if not _is_layout(have) or not _is_layout(need) or t.dtype == tf.resource:
+      continue
+    if t.name not in context.data and _moved(have, need) & lost:
+      return decision  # the weight is gathered all the same
+    if t.name in context.data and _moved(have, need) & lost:
+      data_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
+  for t, have, _ in weights:
+    weight_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
+  return again if data_bytes < weight_bytes else decision
+
+
+def _weights_gathered(view, context, ins, decision) -> tuple[set, list]:
+  """``(axes, weights)``: the axes ``decision`` gathers weights over (inputs not computed from the data) where the
+  data is split over them, and those weights' ``(tensor, layout, layout needed)``."""
+  lost, weights = set(), []
+  for t, have, need in zip(view.op.inputs, ins, decision.inputs):
+    if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) and _is_layout(need):
+      gathered = _moved(have, need)
+      if gathered:
+        lost |= gathered
+        weights.append((t, have, need))
+  data_axes = {a for t, have in zip(view.op.inputs, ins) if t.name in context.data and _is_layout(have)
+               for a in _base.axes_in(have)}
+  return lost & data_axes, weights
+
+
+def _data_without(rule, view, context, ins, axes) -> _base.Decision | None:
+  """The rule's decision with ``axes`` taken off the data's layouts, or None if it falls back or lowers itself."""
+  stripped = [_stripped(have, axes) if t.name in context.data and _is_layout(have) else have
+              for t, have in zip(view.op.inputs, ins)]
+  again = _apply(rule, view, stripped)
+  return None if again.fallback or again.lower is not None else again
+
+
+def _pieces(mesh, layout) -> int:
+  """Into how many pieces ``layout`` splits its tensor."""
+  return max(1, mesh.axis_size(tuple(a for axes in layout for a in axes)) if _base.axes_in(layout) else 1)
 
 
 def _bytes(t) -> int:
@@ -362,9 +491,15 @@ def _bytes(t) -> int:
 
 def _without(view, context, ins, axes) -> list:
   """``ins`` with ``axes`` taken off the layouts of the inputs not computed from the data (weights; not handles)."""
-  return [tuple(tuple(a for a in split if a not in axes) for split in have)
-          if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) else have
+  return [_stripped(have, axes) if t.name not in context.data and t.dtype != tf.resource and _is_layout(have) else have
           for t, have in zip(view.op.inputs, ins)]
+
+
+def _stripped(layout, axes) -> tuple:
+  """``layout`` with ``axes`` taken off its splits (a merged dimension losing any: whole)."""
+  return tuple(() if isinstance(split, _base.Merged) and set(split) & set(axes)
+               else tuple(a for a in split if a not in axes) if not isinstance(split, _base.Merged) else split
+               for split in layout)
 
 
 def _moved(have, need) -> set:
@@ -482,8 +617,9 @@ def _finest_taken(t, needs, context, partition, wants):
       continue
     ins = [finest if x.name == t.name else have for x, have in zip(consumer.inputs, _inputs_of(consumer, partition.layouts, context))]
     after = _decide(consumer, context, ins, wants)
-    if after.fallback or after.lower is not None or after.communicates:
-      return None
+    if after.fallback or any(kind != "permute" for kind, *_ in after.communicates) or (
+        after.lower is not None and not after.communicates):
+      return None  # (a halo's permutes move its neighbours' rows, not the value: taken as it is)
     for x, have, was, now in zip(consumer.inputs, ins, before.inputs, after.inputs):
       if x.name == t.name:
         if now != finest:
@@ -491,8 +627,9 @@ def _finest_taken(t, needs, context, partition, wants):
       elif _is_layout(have) and _is_layout(was) and _is_layout(now) and not _moved(have, now) <= _moved(have, was):
         return None
     summed_before = {a for r in before.reduce if r for a in r[1]}
-    if any(r and not set(r[1]) <= summed_before for r in after.reduce):
-      return None
+    for k, r in enumerate(after.reduce):  # a new partial sum: only of a small output (a bias's gradient), not t's size
+      if r and not set(r[1]) <= summed_before and 4 * _bytes(consumer.outputs[k]) > _bytes(t):
+        return None
   return finest
 
 

@@ -53,7 +53,7 @@ class Context:
                          if not k.startswith("_")))
     ins = tuple((t.dtype, str(t.shape), str(self.handle_shapes.get(t.name)), t.name in self.summed,
                  t.name in self.data, self._constant(t)) for t in op.inputs)
-    kind = (op.type, attrs, ins, tuple((t.dtype, str(t.shape)) for t in op.outputs))
+    kind = (op.type, attrs, ins, tuple((t.dtype, str(t.shape)) for t in op.outputs), summed_after(op))
     return self._kinds.setdefault(kind, len(self._kinds))  # (a number: a key hashed by the million)
 
   def _constant(self, t):
@@ -131,3 +131,16 @@ def _evaluate(op, inputs):
                                              return_elements=[node.name], name="fold")
   with tf.compat.v1.Session(graph=graph) as session:
     return session.run(list(copy.outputs))
+
+
+CONTRACTIONS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "BatchMatMul", "Einsum")
+
+
+def summed_after(op) -> bool:
+  """Whether ``op`` is a contraction whose one output only a ``Sum`` reads (a kernel's gradient, broadcast over the
+  batch: ``[batch, in, out]`` summed over the batch), so its partial sums can wait for that sum."""
+  if op.type not in CONTRACTIONS or len(op.outputs) != 1:
+    return False
+  consumers = op.outputs[0].consumers()
+  returned = {t.name for t in getattr(op.graph, "outputs", ()) or ()}
+  return len(consumers) == 1 and consumers[0].type == "Sum" and op.outputs[0].name not in returned

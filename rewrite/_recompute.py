@@ -98,14 +98,15 @@ def _scope_parts(name: str) -> list[str]:
   return name.split("/")[:-1]
 
 
-def _cloneable(op: tf.Operation) -> bool:
+def cloneable(op: tf.Operation) -> bool:
+  """Whether ``op`` can be computed again: stateless, not a constant or placeholder, its outputs values."""
   if op.type in _KEPT_TYPES or op.op_def.is_stateful or op.name.split("/")[-1].startswith(
       _placeholders.PLACEHOLDER_SCOPE):
     return False
   return not any(t.dtype in _NOT_VALUES for t in op.outputs)
 
 
-def _saved(ops: Sequence[tf.Operation], backward: set[str]) -> dict[str, tf.Tensor]:
+def saved_tensors(ops: Sequence[tf.Operation], backward: set[str]) -> dict[str, tf.Tensor]:
   """Tensor name -> tensor, of the forward tensors a backward op reads other than for its shape (not reads)."""
   saved = {}
   for op in ops:
@@ -123,7 +124,7 @@ def _block(scope: str, ops: Sequence[tf.Operation], backward: set[str], saved: d
   inside = {op.name for op in ops if op.name.startswith(prefix) and op.name not in backward}
   internal = []
   for t in saved.values():
-    if t.op.name not in inside or not _cloneable(t.op):
+    if t.op.name not in inside or not cloneable(t.op):
       continue
     if all(r.name in inside or r.name in backward for r in t.consumers()):
       internal.append(t)
@@ -135,7 +136,7 @@ def _block(scope: str, ops: Sequence[tf.Operation], backward: set[str], saved: d
     if op.name in recomputed:
       continue
     recomputed.add(op.name)
-    stack += [t.op for t in op.inputs if t.op.name in inside and _cloneable(t.op) and t.op.name not in recomputed]
+    stack += [t.op for t in op.inputs if t.op.name in inside and cloneable(t.op) and t.op.name not in recomputed]
   order = [op.name for op in ops if op.name in recomputed]
   kept = dict.fromkeys(t.name for op in ops if op.name in recomputed for t in op.inputs
                        if t.op.name not in recomputed)
@@ -150,7 +151,7 @@ def blocks(graph: tf.Graph) -> list[Block]:
   backward = backward_ops(graph)
   if not backward:
     return []
-  saved = _saved(ops, backward)
+  saved = saved_tensors(ops, backward)
   weighted = [(_scope_parts(t.op.name), _bytes(t)) for t in saved.values()]
   prefix: list[str] = []
   while True:  # down into the scope holding most of a scope's saved bytes (a model's, not its loss's)
@@ -283,7 +284,11 @@ def _renamed(rename: dict, ref: str) -> str:
 
 def _again(flow: _backward.Flow, record, key: str, triggers: list[str]):
   """A copy of ``record``'s placeholder for the recomputation, its input waiting for ``triggers``: (node, record)."""
-  name = f"{key}{RECOMPUTE_SCOPE}/{record.node[len(key):] if record.node.startswith(key) else record.node}"
+  name = base = f"{key}{RECOMPUTE_SCOPE}/{record.node[len(key):] if record.node.startswith(key) else record.node}"
+  copies = 1
+  while name in flow.nodes:  # the same collective read by another block's recomputation: one each
+    copies += 1
+    name = f"{base}_{copies}"
   waited = flow.waiting(f"{name}/waits", record.input, record.dtype, record.device, triggers)
   node = tf.compat.v1.NodeDef()
   node.CopyFrom(flow.nodes[record.node])

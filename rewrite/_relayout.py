@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from rewrite import _memory
+from rewrite.rules import _base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,26 +45,45 @@ def steps(have, want, global_shape, axis_size) -> Steps:
   current = list(have)
   moved = []
   for d1, (h, w) in enumerate(zip(have, want)):
-    if not h or w:
+    if not h or w or isinstance(h, _base.Merged):  # (a merged dimension's pieces are gathered, then put in order)
       continue
     for d2, (h2, w2) in enumerate(zip(have, want)):
       n = global_shape[d2] if global_shape is not None and d2 < len(global_shape) else None
-      if d2 != d1 and not h2 and tuple(w2) == tuple(h) and not current[d2] and n and n % axis_size(h) == 0:
+      if (d2 != d1 and not h2 and not isinstance(w2, _base.Merged) and tuple(w2) == tuple(h) and not current[d2]
+          and n and n % axis_size(h) == 0):
         moved.append((d1, d2, tuple(h)))
         current[d1], current[d2] = (), tuple(h)
         break
-  gathered = tuple((d, tuple(c)) for d, (c, w) in enumerate(zip(current, want)) if c and c != w)
+  gathered = tuple((d, _gathered_axes(c, w)) for d, (c, w) in enumerate(zip(current, want)) if c and c != w)
   return Steps(tuple(moved), gathered)
 
 
-def reuse_key(tensor, target, consumer: str) -> tuple:
-  """What a relayout of ``tensor`` to ``target`` for the op ``consumer`` is shared by: its cache key.
+def _gathered_axes(have, want) -> tuple:
+  """The axes a dimension split over ``have`` is gathered over on its way to ``want``.
 
-  One relayout per tensor and layout serves every consumer after the first, except a variable's read
-  relayouted for the backward pass: the backward pass makes its own (an FSDP kernel gathered again for its
-  gradient, as PyTorch's FSDP and ZeRO-3 do, instead of the forward pass's gathered kernel held through the
-  step; ``rewrite._deferred`` makes it wait for the backward pass). One more collective a step, a layer's
-  kernel less held from the forward pass to the backward pass.
+  Only the trailing ones where ``want`` splits it over a leading part of
+  ``have`` (``("batch", "model")`` to ``("batch",)``: the devices along
+  ``"model"`` hold consecutive blocks of their ``"batch"`` block); all of them
+  otherwise (a slice follows).
   """
-  backward = tensor.op.type == "ReadVariableOp" and _memory.is_backward(consumer)
+  if (want and not isinstance(have, _base.Merged) and not isinstance(want, _base.Merged)
+          and tuple(have[:len(want)]) == tuple(want)):
+    return tuple(have[len(want):])
+  return tuple(have)
+
+
+def reuse_key(tensor, target, consumer: str, have=None) -> tuple:
+  """What a relayout of ``tensor`` (layout ``have``) to ``target`` for the op ``consumer`` is shared by: its cache key.
+
+  One relayout per tensor and layout serves every consumer after the first, except where the backward pass
+  reads a gathered value: it makes its own. A variable's read (an FSDP kernel gathered again for its gradient, as
+  PyTorch's FSDP and ZeRO-3 do, instead of the forward pass's gathered kernel held through the step), and an
+  activation gathered from its pieces (the keys and values of attention over a split sequence, gathered again
+  for the backward pass, as context parallelism does; the forward pass's whole copy is not kept for it).
+  ``rewrite._deferred`` makes the backward pass's relayout wait for the backward pass. One more collective a
+  step; the gathered value no longer held from the forward pass to the backward pass.
+  """
+  regathered = tensor.op.type == "ReadVariableOp" or (
+      have is not None and any(h and h != w for h, w in zip(have, target)))  # a gather, not a slice
+  backward = regathered and _memory.is_backward(consumer)
   return (tensor.name, target, backward)

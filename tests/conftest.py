@@ -171,6 +171,20 @@ def keras_step(model, opt):
   return step_fn
 
 
+def loss_and_grads(fn, x, w):
+  """``fn(x, w)``, a loss of it (``sum(y^2 / 2 + y)``) and its gradients with respect to ``w`` and ``x``.
+
+  The rule tests' step: each runs it in the global view and on one device. ``x``'s gradient is zeros where it
+  is not differentiable (ids).
+  """
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = fn(x, w)
+    loss = tf.reduce_sum(y * y * 0.5 + y)
+  dw, dx = tape.gradient(loss, [w, x])
+  return y, loss, tf.convert_to_tensor(dw), tf.zeros_like(x) if dx is None else dx
+
+
 def mse_step(model, opt):
   """A single-device training step on the mean squared error of ``model(x)`` against ``y`` (inference-mode call)."""
 

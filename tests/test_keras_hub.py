@@ -406,3 +406,42 @@ def test_a_keras_hub_mixture_of_experts_split_is_as_near_the_float64_truth_as_on
   print(f"{name} {shape}: one device {one_distance:.2e} from float64, split {our_distance:.2e}")
   assert one_distance < TRUTH_ATOL and our_distance < TRUTH_ATOL, (one_distance, our_distance)
   assert our_distance < TRUTH_RATIO * one_distance, (our_distance, one_distance)
+
+
+SEQUENCE_CASES = [  # (mesh axes and sizes, with the backbone's map): a token batch [batch, seq] split over "seq"
+    pytest.param(("batch", "seq"), (2, 2), False, id="batch_x_seq"),
+    pytest.param(("batch", "seq", "model"), (1, 2, 2), True, id="seq_x_model_with_map"),
+]
+
+
+@pytest.mark.parametrize("axes,sizes,with_map", SEQUENCE_CASES)
+def test_a_keras_hub_decoder_with_its_sequence_split_trains_as_on_one_device(axes, sizes, with_map):
+  # Llama (rotary positions, grouped-query attention, a causal and a padding mask), its token batch split over
+  # "seq" by Replicator(input_layouts=): the positions and masks mean what they mean on one device, the keys and
+  # values are gathered (before their heads are repeated) and the sequence stays split everywhere else.
+  name = "LlamaBackbone"
+  ids = np.random.RandomState(0).randint(1, VOCABULARY, size=(STEPS * BATCH, LENGTH + 1)).astype(np.int32)
+  padding = np.ones((STEPS * BATCH, LENGTH), np.int32)
+  padding[::3, -5:] = 0  # some rows padded at the end
+  data = tf.data.Dataset.from_tensor_slices({"token_ids": ids[:, :-1], "padding_mask": padding,
+                                             "labels": ids[:, 1:]}).batch(BATCH, drop_remainder=True)
+  one, one_opt = _backbone(name), keras.optimizers.Adam(1e-3)
+  one_step = tf.function(_step(one, one_opt))
+  expected = [float(one_step(batch)) for batch in data]
+  device_mesh = keras.distribution.DeviceMesh(sizes, list(axes), devices=cpus(int(np.prod(sizes))))
+  layouts = keras_hub.models.LlamaBackbone.get_layout_map(device_mesh) if with_map else None
+  repl = replicator.Replicator(mesh=device_mesh, layouts=layouts, view="global", input_layouts=("batch", "seq"),
+                               strict=True)
+  with repl.context():
+    backbone, optimizer = _backbone(name), keras.optimizers.Adam(1e-3)
+  step = _step(backbone, optimizer)
+  losses = [float(repl.run(step, data)) for _ in range(STEPS)]
+  np.testing.assert_allclose(losses, expected, atol=2e-6)
+  assert_every_copy(backbone.weights, one.weights, atol=2e-6)
+  assert_every_copy(optimizer.variables, one_opt.variables, atol=2e-6)
+  report = repl.explain(step, data)
+  gathered = {row.tensor for row in report.relayouts if any("seq" in axes for _, axes in row.gathered)}
+  # Per layer: the keys after their rotary positions, the values, and the padding mask ([batch, seq]); the
+  # embedding's sparse gradient rows (as in data parallelism).
+  expected = r"rotary_embedding[_\d]*/add[_\d]*:|/value[_\d]*/MatMul:|^flat[_\d]*:|token_embedding[_\d]*/Reshape"
+  assert all(re.search(expected, t) for t in gathered), gathered

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
+from conftest import loss_and_grads
 
 import mesh
 import replicator
@@ -113,6 +114,9 @@ CASES = {
     "gather_read_value": _case([8, 6], [10, 4], ("model", None),
                                lambda x, w: tf.gather(tf.convert_to_tensor(w), tf.cast(tf.abs(x) * 3, tf.int32) % 10)
                                * x[..., None]),
+    "gather_columns_over_the_batch_axis": _case(  # the rows wanted split over "batch", which splits the columns
+        [8, 6], [10, 4], (None, "batch"),
+        lambda x, w: tf.gather(w, tf.cast(tf.abs(x) * 3, tf.int32) % 10) * x[..., None]),
     "gather_axis1": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.gather(tf.matmul(x, w), [3, 0, 0], axis=1)),
     "segment_sum": _case([8, 6], [6, 4], (None, "model"),
                          lambda x, w: tf.math.unsorted_segment_sum(tf.matmul(x, w), [0, 1, 0, 2, 2, 1, 0, 0], 3)),
@@ -208,21 +212,12 @@ CASES = {
 }
 
 
-def _loss_and_grads(fn, x, w):
-  with tf.GradientTape() as tape:
-    tape.watch(x)
-    y = fn(x, w)
-    loss = tf.reduce_sum(y * y * 0.5 + y)
-  dw, dx = tape.gradient(loss, [w, x])
-  return y, loss, tf.convert_to_tensor(dw), tf.zeros_like(x) if dx is None else dx  # None: ids are not differentiable
-
-
 def _equal_to_one_device(fn, x, w0, layout, strict=False):
-  """Runs ``_loss_and_grads(fn)`` in the global view (``w`` laid out by ``layout``) and on one device; asserts equal.
+  """Runs ``loss_and_grads(fn)`` in the global view (``w`` laid out by ``layout``) and on one device; asserts equal.
 
   Returns ``(repl, w, step, dataset)`` (for ``repl.explain``).
   """
-  expected = tf.function(lambda x, w: _loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
+  expected = tf.function(lambda x, w: loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
   m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
   repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": layout}), batch_axes=("batch",), view="global",
                                strict=strict)
@@ -231,7 +226,7 @@ def _equal_to_one_device(fn, x, w0, layout, strict=False):
   ds = tf.data.Dataset.from_tensors(x)
 
   def step(batch):
-    return _loss_and_grads(fn, batch, w)
+    return loss_and_grads(fn, batch, w)
 
   got = repl.run(step, ds)
   for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):

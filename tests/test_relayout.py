@@ -23,3 +23,19 @@ def test_a_split_changing_axes_is_gathered_and_a_whole_one_only_sliced():
   # a move and a gather in one relayout: "batch" moves from 0 to 2, "model" (dim 1) is gathered
   steps = _relayout.steps((("batch",), ("model",), ()), ((), (), ("batch",)), [8, 4, 4], _size)
   assert steps.moved == ((0, 2, ("batch",)),) and steps.gathered == ((1, ("model",)),)
+
+
+def test_a_dimension_keeping_its_leading_axes_is_gathered_over_the_others_only():
+  # ("batch", "model") -> ("batch",): the devices along "model" hold consecutive blocks of their "batch" block.
+  steps = _relayout.steps((("batch", "model"), ()), (("batch",), ()), [16, 4], _size)
+  assert steps.gathered == ((0, ("model",)),)
+  # ("model", "batch") -> ("batch",): not a leading part; gathered whole, then sliced.
+  assert _relayout.steps((("model", "batch"), ()), (("batch",), ()), [16, 4], _size).gathered == (
+      (0, ("model", "batch")),)
+
+
+def test_a_merged_dimension_is_gathered_whole_never_moved():
+  from rewrite.rules import _base  # pylint: disable=import-outside-toplevel
+  merged = _base.Merged([(4, ("batch",)), (6, ("model",))])
+  steps = _relayout.steps((merged, ()), ((), ("batch", "model")), [24, 8], _size)
+  assert steps.moved == () and steps.gathered == ((0, ("batch", "model")),)

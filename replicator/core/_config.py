@@ -41,6 +41,10 @@ class Config:
       ``value`` in every process (variables' initial values); None: one process.
     workers: the cluster's worker addresses by task (a multi-worker
       Replicator's), which name a failing device's worker; empty: none.
+    input_layouts: the global view's layouts of a step's inputs beyond the
+      batch split: a ``mesh.Layout`` spec for every input of its rank, or a
+      function ``(index, tf.TensorSpec) -> spec or None``; None: the batch
+      split alone.
   """
 
   mesh: Any
@@ -59,6 +63,7 @@ class Config:
   replicas: tuple[int, ...] = ()
   agree: Any = None
   workers: tuple[str, ...] = ()
+  input_layouts: Any = None
 
   @property
   def local_replicas(self) -> tuple[int, ...]:

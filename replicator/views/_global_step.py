@@ -27,6 +27,7 @@ from typing import Callable
 import tensorflow as tf
 import tree
 
+import mesh as mesh_lib
 import rewrite
 from replicator.core import _callables
 from replicator.core import _context
@@ -51,6 +52,7 @@ from rewrite import _partition_owners
 from rewrite import _partition_report
 from rewrite import _propagation
 from rewrite import _recompute
+from rewrite import _regather
 
 NOT_DATASET = (
     "repl.run(step_fn, {what}) in the global view takes a tf.data.Dataset of global batches (each "
@@ -71,6 +73,11 @@ FALLBACK = (
     "the ops after it that only see its output. The result is right; the step communicates and "
     "computes more than it needs to."
 )
+FALLBACK_WHY = (
+    "The global view cannot partition {type} ({name}, at {location}), one of whose inputs is split ({layouts}): "
+    "{why}. Its inputs are gathered and it runs on whole values on every device, as do the ops after it that only "
+    "see its output. The result is right; the step communicates and computes more than it needs to."
+)
 
 STRICT_FALLBACK = (
     "Replicator(strict=True): the global view has no layout rule for {count} op(s) whose inputs are "
@@ -85,10 +92,10 @@ UNSUPPORTED = (
 )
 FIX_UNSUPPORTED = "keep the variables this op uses replicated (leave them out of the layouts) until the op has a rule"
 FIX_CONTROL_FLOW = (
-    "a tf.cond whose branches need no communication, and no tf.while_loop, runs partitioned: move what "
-    "communicates (a reduction over a split dimension, a split variable inside a loop) out of it, e.g. compute "
-    "both branches' values and choose with tf.where; or keep the variables it uses replicated (leave them out of "
-    "the layouts)"
+    "a tf.cond or tf.while_loop whose body needs no communication (a weight's gradient summed over the steps "
+    "aside) runs partitioned: move what communicates (a reduction over a split dimension, a split variable inside "
+    "a loop) out of it, e.g. compute both branches' values and choose with tf.where; or keep the variables it "
+    "uses replicated (leave them out of the layouts)"
 )
 _CONTROL_FLOW = ("If", "StatelessIf", "While", "StatelessWhile")
 
@@ -251,6 +258,42 @@ def _batch_layout(spec: tf.TensorSpec, axes: tuple[str, ...]) -> tuple:
   return (axes,) + ((),) * (spec.shape.rank - 1) if spec.shape.rank else ()
 
 
+INPUT_LAYOUTS_MULTI_CLIENT = (
+    "Replicator(input_layouts=...) splits input {index} (shape {shape}) over {axes} beyond its batch, but this is "
+    "one process of a multi-client job, whose inputs are read in process shards along the batch alone. Fix: split "
+    "only the batch dimension of inputs in a multi-client job (its first entry, over batch axes), or run the job in "
+    "one process.")
+
+
+def input_layout(config, mesh, index: int, spec: tf.TensorSpec, batch: tuple[str, ...]) -> tuple:
+  """The layout of the step's input ``index`` (``spec``): ``Replicator(input_layouts=)``'s, else split over ``batch``.
+
+  ``batch``: the batch axes (empty where the batch is taken whole: of
+  unknown or indivisible size; then a given layout's first dimension is whole
+  too).
+  """
+  chosen = config.input_layouts
+  rank = spec.shape.rank
+  if callable(chosen):
+    chosen = chosen(index, spec)
+    if chosen is not None:
+      layout = mesh_lib.Layout(chosen, mesh)
+      chosen = tuple(layout.axes(d) for d in range(layout.rank))
+  elif chosen is not None and len(chosen) != rank:
+    chosen = None  # (a spec applies to the inputs of its rank)
+  if chosen is None or not rank:
+    return _batch_layout(spec, batch)
+  layout = mesh_lib.Layout(tuple(a or None for a in chosen), mesh)
+  shape = spec.shape.as_list()
+  if not batch:  # the batch taken whole (its size unknown, or not divisible)
+    layout = mesh_lib.Layout((None,) + tuple(layout.axes(d) or None for d in range(1, rank)), mesh)
+  layout.check([n if d or batch else 1 for d, n in enumerate(shape)], what=f"input {index} of the step")
+  split = tuple(_split_axes(mesh, layout.axes(d)) for d in range(rank))
+  if config.multi_client and any(split[1:]):
+    raise _errors.UnsupportedError(INPUT_LAYOUTS_MULTI_CLIENT.format(index=index, shape=spec.shape, axes=split))
+  return split
+
+
 def build(replicator, config, layouts, creator: Callable, owner_load: dict, step_fn: Callable,
           element_spec) -> GlobalStep:
   """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it.
@@ -346,7 +389,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
   local = frozenset(config.local_replicas)  # the devices this process expands (every one, unless multi-client)
   given = {}
   for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
-    given[placeholder.name] = _batch_layout(spec, () if i in whole else axes)
+    given[placeholder.name] = input_layout(config, mesh, i, spec, () if i in whole else axes)
   handles, handle_shapes, summed = {}, {}, set()
   for external, internal in graph.captures:
     variable = trace.owners.get(id(external))
@@ -415,8 +458,14 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
                                   locate=_primitives.location_of, ownership=ownership,
                                   only=None if len(local) == n else local)
   expanded, records = expansion.graph_def, expansion.records
+  chosen = []
   if auto is not None and auto.result is not None and auto.result.remat:  # blocks the search rematerialized
     chosen = [b for b in _recompute.blocks(graph) if b.scope in auto.result.remat]
+  # Activations gathered for the forward pass (attention's keys and values over a split sequence) are gathered
+  # again for the backward pass, not held until it (rewrite._regather); those a chosen block recomputes aside.
+  recomputed = {name for block in chosen for name in block.recomputed}
+  chosen += [b for b in _regather.blocks(graph, partition) if recomputed.isdisjoint(b.recomputed)]
+  if chosen:
     position = {op.name: i for i, op in enumerate(graph.get_operations())}
     rematerialized = _recompute.rematerialize(expanded, chosen, records=records, position=position)
     expanded, records = rematerialized.graph_def, rematerialized.records
@@ -532,11 +581,13 @@ def _check_fallbacks(graph, partition, strict: bool) -> None:
     op = graph.get_operation_by_name(name)
     layouts = [partition.layouts.get(t.name) for t in op.inputs]
     location = _primitives.location_of(op)
+    why = getattr(partition.decisions.get(name), "why", "")
     if not strict:
-      warnings.warn(FALLBACK.format(type=op.type, name=name, location=location, layouts=layouts),
+      message = FALLBACK_WHY if why else FALLBACK
+      warnings.warn(message.format(type=op.type, name=name, location=location, layouts=layouts, why=why),
                     stacklevel=_primitives.user_stacklevel())
     shown = ", ".join(_partition_report.format_layout(x) for x in layouts)
-    rows.append(f"  {op.type} ({name}, at {location}): input layouts {shown}")
+    rows.append(f"  {op.type} ({name}, at {location}): input layouts {shown}" + (f" ({why})" if why else ""))
   if strict and rows:
     raise _errors.UnsupportedError(STRICT_FALLBACK.format(count=len(rows), ops="\n".join(rows)))
 

@@ -50,6 +50,8 @@ class Decision:
     reduce: per output, ``(op, axes)`` of the all-reduce that completes it, or None.
     consts: input index -> the local value that replaces a constant shape operand.
     fallback: True if the op had no rule and runs replicated on gathered inputs.
+    why: for a fallback of an op with a rule, why the rule could not partition it (a loop's body that would
+      communicate: the op that would).
     values: output index -> the constant value that output has on every device
       (a shape query answers with the global shape).
     unsupported: why the op cannot run partitioned at all ("" if it can).
@@ -62,7 +64,9 @@ class Decision:
       must ask for the same collectives in the same order).
     communicates: ``(kind, axes, why)`` of each collective ``lower`` asks
       ``comm`` for, in order (empty: ``lower`` takes no ``comm``); ``why``
-      is what ``repl.explain`` says of it.
+      is what ``repl.explain`` says of it. A fourth entry, if given, is the
+      bytes each device sends (a ``permute`` of a halo's rows; without it
+      the cost model counts the size of the op's first output's piece).
     once: the op runs on the first device only (an effect that happens once
       per step on one device: a summary written, a line printed, a delta
       added to a variable whose value is the sum of the devices' copies);
@@ -76,6 +80,10 @@ class Decision:
       over them): each device sums only its piece, half the bytes of an
       all-reduce, and the ops after it run on the piece (see
       :func:`scatter_partials`).
+    reasons: input index -> why the rule takes that input gathered along a
+      dimension it is split over, where it could not keep the split (a
+      convolution's halo wider than a tile); ``repl.explain`` adds it to
+      the gather's ``why``.
   """
 
   inputs: list
@@ -83,6 +91,7 @@ class Decision:
   reduce: list = dataclasses.field(default_factory=list)
   consts: dict = dataclasses.field(default_factory=dict)
   fallback: bool = False
+  why: str = ""
   values: dict = dataclasses.field(default_factory=dict)
   unsupported: str = ""
   lower: Callable | None = None
@@ -90,6 +99,7 @@ class Decision:
   once: bool = False
   attrs: dict = dataclasses.field(default_factory=dict)
   scatter: dict = dataclasses.field(default_factory=dict)
+  reasons: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if not self.reduce:
@@ -125,10 +135,14 @@ def scatter_partials(view, out: tuple, summed: tuple, index: int = 0) -> tuple[t
   shape = view.out_shape(index)
   out, scatter = list(out), []
   for d, (have, wanted) in enumerate(zip(out, want)):
-    if wanted and not have and set(wanted) <= free and shape[d] > 0 and shape[d] % view.shards(wanted) == 0:
-      out[d] = wanted
-      scatter.append((d, tuple(wanted)))
-      free -= set(wanted)
+    if isinstance(wanted, Merged) or isinstance(have, Merged) or not wanted:
+      continue
+    extra = tuple(wanted[len(have):])  # a dimension split over the leading axes already: each piece scattered
+    if (tuple(wanted[:len(have)]) == tuple(have) and extra and set(extra) <= free and shape[d] > 0
+        and shape[d] % view.shards(tuple(wanted)) == 0):
+      out[d] = tuple(wanted)
+      scatter.append((d, extra))
+      free -= set(extra)
   return tuple(out), tuple(scatter)
 
 
@@ -157,6 +171,7 @@ class OpView:
   values: Callable = tf.get_static_value  # a tensor's constant value (shape arithmetic folded), or None
   summed: frozenset = frozenset()  # resource tensor names of variables whose value is the sum of their copies
   bodies: Bodies | None = None  # for rules of ops that call functions
+  merged_axes: frozenset = frozenset()  # axes of Merged dimensions this position-blind rule sees as plain splits
 
   def want(self, index: int = 0):
     """The layout all consumers of output ``index`` require (None: no common wish)."""
@@ -199,24 +214,146 @@ class OpView:
 
   def offset(self, r: int, axes: tuple, size: int) -> int:
     """Where device ``r``'s piece starts along a dimension of ``size`` split over ``axes``."""
+    if self.merged_axes.intersection(axes or ()):
+      raise RuntimeError(f"The rule for {self.op.type} asked where a piece of a merged dimension (split over {axes}) "
+                         "starts; it has no single offset (a bug: the rule is registered position_blind).")
     return self.mesh.axis_index(r, axes) * (size // self.shards(axes)) if axes else 0
 
 
 Rule = Callable[[OpView, list], Decision]
 _RULES: dict[str, Rule] = {}
+_POSITION_BLIND: set = set()
 
 
-def register(*op_types: str):
-  """Decorator: ``rule`` gives the layouts of ops of ``op_types``."""
+def register(*op_types: str, position_blind: bool = False):
+  """Decorator: ``rule`` gives the layouts of ops of ``op_types``.
+
+  ``position_blind``: the rule decides from which axes split which
+  dimension, never from where a device's piece sits in the global order (no
+  offsets, no positions), and its op treats the rows of a split dimension
+  alike (elementwise, a contraction, a sum). Such a rule also sees a
+  :class:`Merged` dimension, as split over its axes; other rules see it whole
+  (its pieces gathered first).
+  """
   def decorate(rule: Rule) -> Rule:
     for t in op_types:
       _RULES[t] = rule
+      if position_blind:
+        _POSITION_BLIND.add(t)
     return rule
   return decorate
 
 
 def get(op_type: str) -> Rule | None:
   return _RULES.get(op_type)
+
+
+def position_blind(op_type: str) -> bool:
+  """Whether the rule for ``op_type`` was registered ``position_blind`` (see :func:`register`)."""
+  return op_type in _POSITION_BLIND
+
+
+class Merged(tuple):
+  """A dimension merged from several by a reshape (``[batch, seq, d]`` into rows ``[batch * seq, d]``), split as they were.
+
+  As a layout entry it is the mesh axes the dimension is split over (every
+  part's, in order), like any split; ``parts`` are the merged dimensions'
+  ``(size, axes)``. A device holds, of each part, its block, so its piece of
+  the merged dimension is those blocks merged: not one contiguous block of
+  the dimension, as a plain split's piece is, unless only the first part is
+  split (then the reshape gives a plain split). Rows of tokens split over a
+  ``"seq"`` axis stay split through a ``Dense`` layer (reshape, matmul,
+  reshape back) this way, instead of being gathered.
+
+  Position-blind rules (:func:`register`) see it as its axes; a reshape
+  that splits the parts out again gives them back their axes; anything else
+  gathers it (all-gather, then the blocks put in order).
+  """
+
+  def __new__(cls, parts):
+    parts = tuple((int(n), tuple(axes)) for n, axes in parts)
+    self = super().__new__(cls, tuple(a for _, axes in parts for a in axes))
+    self.parts = parts
+    return self
+
+  def __eq__(self, other):
+    return isinstance(other, Merged) and self.parts == other.parts
+
+  def __ne__(self, other):
+    return not self == other
+
+  def __hash__(self):
+    return hash(("merged", self.parts))
+
+  def __reduce__(self):
+    return (Merged, (self.parts,))
+
+  def __repr__(self):
+    return "merged(" + " x ".join(f"{n}/{'*'.join(axes)}" if axes else str(n) for n, axes in self.parts) + ")"
+
+  @property
+  def size(self) -> int:
+    """The merged dimension's global size."""
+    return int(np.prod([n for n, _ in self.parts]))
+
+
+def merge(parts, shards: Callable) -> tuple:
+  """The split of a dimension merged from ``parts`` (``(size, axes)`` each): a :class:`Merged`, or plain axes.
+
+  Plain where each device's piece is one contiguous block, in the order of
+  its axes: no split part after a part whose blocks hold more than one row
+  (``[batch, seq]`` with the batch alone split; a leading dimension of size
+  1). ``shards(axes)``: the number of devices along ``axes``.
+  """
+  parts = [(int(n), tuple(axes)) for n, axes in parts]
+  wide = False  # a part before this one has blocks of more than one row
+  for n, axes in parts:
+    if axes and wide:
+      return Merged(parts)
+    if n // (shards(axes) if axes else 1) > 1:
+      wide = True
+  return tuple(a for _, axes in parts for a in axes)
+
+
+class Pending(tuple):
+  """The layout of partial sums not summed yet: each device's copy holds its part, over the axes ``summed``.
+
+  A contraction over a split dimension whose only reader is a ``Sum`` (a
+  kernel's gradient broadcast over the batch, ``[batch, in, out]``, its
+  sequence split) leaves its partial sums to that sum, which sums them with
+  its own: one all-reduce of the sum's result, not one of the contraction's
+  (a batch of them) first.
+  """
+
+  def __new__(cls, layout, summed):
+    self = super().__new__(cls, tuple(layout))
+    self.summed = tuple(summed)
+    return self
+
+  def __eq__(self, other):
+    return isinstance(other, Pending) and tuple(self) == tuple(other) and self.summed == other.summed
+
+  def __ne__(self, other):
+    return not self == other
+
+  def __hash__(self):
+    return hash(("pending", tuple(self), self.summed))
+
+  def __reduce__(self):
+    return (Pending, (tuple(self), self.summed))
+
+
+def unmerged(layout):
+  """``layout`` with each :class:`Merged` dimension whole (what a rule that is not position-blind sees)."""
+  if layout is None or isinstance(layout, Contents) or not any(isinstance(e, Merged) for e in layout):
+    return layout
+  return tuple(() if isinstance(e, Merged) else e for e in layout)
+
+
+def merged_in(layouts) -> list:
+  """The :class:`Merged` entries of ``layouts`` (layouts or None)."""
+  return [e for layout in layouts if layout is not None and not isinstance(layout, Contents)
+          for e in layout if isinstance(e, Merged)]
 
 
 def covered() -> tuple[str, ...]:

@@ -57,14 +57,14 @@ def contract(view, layouts, labels: list[str], out_labels: str) -> _base.Decisio
                         scatter={0: scatter})
 
 
-@_base.register("MatMul")
+@_base.register("MatMul", position_blind=True)
 def matmul(view, layouts):
   a = "km" if view.attr("transpose_a") else "mk"
   b = "nk" if view.attr("transpose_b") else "kn"
   return contract(view, layouts, [a, b], "mn")
 
 
-@_base.register("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul")
+@_base.register("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul", position_blind=True)
 def batch_matmul(view, layouts):
   ra, rb = len(view.in_shape(0)), len(view.in_shape(1))
   rank = len(view.out_shape())
@@ -74,7 +74,7 @@ def batch_matmul(view, layouts):
   return contract(view, layouts, [a, b], batch + "mn")
 
 
-@_base.register("Einsum")
+@_base.register("Einsum", position_blind=True)
 def einsum(view, layouts):
   equation = view.attr("equation")
   equation = equation.decode() if isinstance(equation, bytes) else equation

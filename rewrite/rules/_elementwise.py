@@ -56,7 +56,7 @@ def broadcast(view: _base.OpView, layouts: list, shapes: list, out_shape: list) 
   return tuple(out), required
 
 
-@_base.register(*UNARY)
+@_base.register(*UNARY, position_blind=True)
 def unary(view, layouts):
   layout = _base.with_wanted(layouts[0], view.want())
   want = view.want()
@@ -65,14 +65,14 @@ def unary(view, layouts):
   return _base.Decision(inputs=[layout], outputs=[layout])
 
 
-@_base.register(*BINARY)
+@_base.register(*BINARY, position_blind=True)
 def binary(view, layouts):
   shapes = [view.in_shape(i) for i in range(len(layouts))]
   out, required = broadcast(view, layouts, shapes, view.out_shape())
   return _base.Decision(inputs=required, outputs=[out])
 
 
-@_base.register("Select")
+@_base.register("Select", position_blind=True)
 def select(view, layouts):
   """``Select`` (v1): elementwise when the condition has the values' shape (a rank-1 one picks rows: fallback)."""
   if len({len(view.in_shape(i)) for i in range(3)}) != 1:
@@ -80,7 +80,7 @@ def select(view, layouts):
   return binary(view, layouts)
 
 
-@_base.register("BiasAdd")
+@_base.register("BiasAdd", position_blind=True)
 def bias_add(view, layouts):
   if view.attr("data_format") not in (b"NHWC", "NHWC"):
     return _base.fallback(view, layouts)
@@ -90,7 +90,7 @@ def bias_add(view, layouts):
   return _base.Decision(inputs=required, outputs=[out])
 
 
-@_base.register("IdentityN")
+@_base.register("IdentityN", position_blind=True)
 def identity_n(view, layouts):
   layouts = [_base.with_wanted(layout, view.want(k)) for k, layout in enumerate(layouts)]
   return _base.Decision(inputs=list(layouts), outputs=list(layouts))

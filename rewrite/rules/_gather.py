@@ -27,6 +27,8 @@ def _lookup(view, params, ids, axis, make_lookup):
   if want is not None:  # id dimensions the consumers want split: slice the ids instead
     wished = want[axis:axis + len(ids_need)]
     ids_need = _base.with_wanted(ids_need, wished) if not set(table_split) & _base.axes_in(wished) else ids_need
+    # (an axis the table's other dimensions are split over cannot split the ids too: once a tensor)
+    ids_need = tuple(() if set(axes) & used else axes for axes in ids_need)
   out = params[:axis] + ids_need + params[axis + 1:]
   inputs = [params, ids_need] + [None] * (len(view.op.inputs) - 2)
   if not table_split:

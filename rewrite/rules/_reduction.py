@@ -10,7 +10,7 @@ from rewrite.rules import _base
 _COMBINE = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "All": "min", "Any": "max"}
 
 
-@_base.register("Sum", "Mean", "Max", "Min", "Prod", "All", "Any")
+@_base.register("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", position_blind=True)
 def reduce(view, layouts):
   layout = layouts[0]
   axes = view.const(1)
@@ -31,7 +31,7 @@ def reduce(view, layouts):
                         scatter={0: scatter})
 
 
-@_base.register("BiasAddGrad")
+@_base.register("BiasAddGrad", position_blind=True)
 def bias_add_grad(view, layouts):
   if view.attr("data_format") not in (b"NHWC", "NHWC"):
     return _base.fallback(view, layouts)
@@ -41,7 +41,7 @@ def bias_add_grad(view, layouts):
                         reduce=[("sum", split) if split else None])
 
 
-@_base.register("SparseSoftmaxCrossEntropyWithLogits")
+@_base.register("SparseSoftmaxCrossEntropyWithLogits", position_blind=True)
 def sparse_softmax_cross_entropy(view, layouts):
   """Per row of ``[batch, classes]`` logits; classes split (a vocabulary-parallel output layer) stay split.
 
@@ -81,7 +81,7 @@ def sparse_softmax_cross_entropy(view, layouts):
                                       ("all_reduce", classes, split + "label logit")))
 
 
-@_base.register("SoftmaxCrossEntropyWithLogits")
+@_base.register("SoftmaxCrossEntropyWithLogits", position_blind=True)
 def softmax_cross_entropy(view, layouts):
   """Per row of ``[batch, classes]`` logits and labels; classes split (in the logits) stay split.
 
@@ -115,7 +115,7 @@ def softmax_cross_entropy(view, layouts):
                                                    ("all_reduce", classes, split + "label sums")))
 
 
-@_base.register("Softmax", "LogSoftmax")
+@_base.register("Softmax", "LogSoftmax", position_blind=True)
 def softmax(view, layouts):
   """Normalises the last dimension: that one whole (gathered if split), the others keep their splits."""
   layout = _base.with_wanted(layouts[0][:-1] + ((),), view.want())

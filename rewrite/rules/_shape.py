@@ -16,7 +16,11 @@ def reshape(view, layouts):
 
   Then each device's contiguous block of the flattened tensor is the same
   block of that output dimension (merging ``[batch, time]`` into rows, or
-  splitting rows back). Other splits are gathered first.
+  splitting rows back). Dimensions merged into one with a split past the
+  first of them (rows of ``[batch, seq]`` with the sequence split: a
+  ``Dense`` layer's reshape) give a :class:`_base.Merged` dimension, which
+  a reshape splitting those dimensions out again undoes. Other splits are
+  gathered first.
   """
   layout = layouts[0]
   in_shape, out_shape = view.in_shape(0), view.out_shape()  # a shape computed at run time but known when traced too
@@ -31,26 +35,149 @@ def reshape(view, layouts):
     return j if j is not None and other_shape[j] % k == 0 and shape[d] % k == 0 else None
 
   need, out = list(layout), [()] * len(out_shape)
+  merges = _merges(layout, in_shape, out_shape)
+  grouped = {i for first, last, _ in merges for i in range(first, last)}
+  for first, last, j in merges:
+    out[j] = _base.merge([(in_shape[i], layout[i]) for i in range(first, last)], view.shards)
   for i, axes in enumerate(layout):
-    j = partner(i, in_shape, starts_out, out_shape, axes) if axes else None
-    if j is None or not axes:
-      need[i] = ()
-    else:
+    if i in grouped or not axes:
+      continue
+    if isinstance(axes, _base.Merged):
+      kept = _unmerge(axes, math.prod(in_shape[:i]), out_shape, starts_out)
+      if kept is None:
+        need[i] = ()
+      else:
+        for j, split in kept:
+          out[j] = split
+      continue
+    j = partner(i, in_shape, starts_out, out_shape, axes)
+    if j is not None:
       out[j] = axes
+      continue
+    spread = _spread(axes, math.prod(in_shape[:i]), in_shape[i], out_shape, starts_out, view.shards)
+    if spread is None:
+      need[i] = ()
+    else:  # rows [batch * seq] split over ("batch", "seq") back into [batch, seq]
+      j, parts = spread
+      out[j:j + len(parts)] = parts
   want = view.want()
   if want is not None:  # whole output dimensions the consumers want split: slice the input instead
     used = _base.axes_in(out)
     for j, axes in enumerate(want):
-      if axes and not out[j] and used.isdisjoint(axes):
+      if axes and not isinstance(axes, _base.Merged) and not out[j] and used.isdisjoint(axes):
         i = partner(j, out_shape, starts_in, in_shape, axes)
-        if i is not None and not need[i]:
+        if i is not None and not need[i] and i not in grouped and in_shape[i] == out_shape[j]:
           need[i], out[j] = axes, axes
           used.update(axes)
+    for i in range(len(in_shape)):  # rows split back into [batch, seq] wanted split: the rows taken so
+      j = starts_out.get(math.prod(in_shape[:i]))
+      if j is None or i in grouped or isinstance(need[i], _base.Merged):
+        continue
+      found = _split_into(i, j, in_shape, out_shape, want, out, used - set(need[i]), view.shards)
+      if found is not None:
+        need[i], parts = found
+        out[j:j + len(parts)] = parts
+        used.update(_base.axes_in(parts))
+    for j, axes in enumerate(out):  # split output dimensions the consumers want whole: the input gathered instead
+      if axes and not isinstance(axes, _base.Merged) and j < len(want) and not want[j] and len(want) == len(out):
+        sources = [i for i in range(len(layout)) if need[i] and _base.axes_in((need[i],)) & _base.axes_in((axes,))]
+        for i in sources:
+          need[i] = ()
+        out[j] = ()
   return _base.Decision(inputs=[tuple(need), None], outputs=[tuple(out)],
                         consts={1: view.local_shape(out_shape, out, view.op.inputs[1].dtype.as_numpy_dtype)})
 
 
-@_base.register("Transpose")
+def _split_into(i, j, in_shape, out_shape, want, out, used, shards):
+  """``(split, parts)``: input dimension ``i``, reshaped into output dimensions ``j, j+1, ...``, split so that each
+  of those keeps its split (``out``) or takes the one the consumers want (``parts``; ``split``: their
+  :func:`_base.merge`); None if that changes nothing, or ``i`` is not reshaped into several dimensions."""
+  end, size = j, 1
+  while end < len(out_shape) and size < in_shape[i]:
+    size *= out_shape[end]
+    end += 1
+  if size != in_shape[i] or end - j < 2:
+    return None
+  parts = []
+  for q in range(j, end):
+    w = want[q] if q < len(want) else ()
+    if w and not out[q] and not isinstance(w, _base.Merged) and used.isdisjoint(w) and out_shape[q] % shards(tuple(w)) == 0:
+      parts.append(tuple(w))
+    else:
+      parts.append(tuple(out[q]))
+  if parts == [tuple(x) for x in out[j:end]] or len(_base.axes_in(parts)) != sum(len(w) for w in parts):
+    return None
+  return _base.merge([(out_shape[q], w) for q, w in zip(range(j, end), parts)], shards), parts
+
+
+def _spread(axes, start, size, out_shape, starts_out, shards):
+  """``(j, parts)``: a dimension split over ``axes`` (plainly), reshaped into output dimensions ``j, j+1, ...``, as
+  their splits (the axes in order, each dimension taking some); None if no such splits give its pieces."""
+  j = starts_out.get(start)
+  if j is None:
+    return None
+  end, total = j, 1
+  while end < len(out_shape) and total < size:
+    total *= out_shape[end]
+    end += 1
+  if total != size or end - j < 2:
+    return None
+  sizes = out_shape[j:end]
+
+  def assign(k, q, parts):
+    if k == len(axes):
+      if all(n % shards(p) == 0 for n, p in zip(sizes, parts) if p) and _base.merge(list(zip(sizes, parts)),
+                                                                                  shards) == tuple(axes):
+        return parts
+      return None
+    for r in range(q, len(sizes)):
+      found = assign(k + 1, r, parts[:r] + [parts[r] + (axes[k],)] + parts[r + 1:])
+      if found is not None:
+        return found
+    return None
+
+  parts = assign(0, 0, [()] * len(sizes))
+  return None if parts is None else (j, parts)
+
+
+def _merges(layout, in_shape, out_shape) -> list:
+  """``(first, last, j)`` of each run of input dimensions ``[first, last)`` merged into output dimension ``j``
+  with a split past the first (plain splits only: a merged dimension is not merged again)."""
+  found = []
+  starts_in = {}
+  for i in range(len(in_shape) + 1):
+    starts_in.setdefault(math.prod(in_shape[:i]), []).append(i)
+  for j, n in enumerate(out_shape):
+    start = math.prod(out_shape[:j])
+    for first in starts_in.get(start, ()):
+      last = next((i for i in starts_in.get(start * n, ()) if i > first + 1), None)
+      if last is None or math.prod(in_shape[first:last]) != n:
+        continue
+      splits = layout[first:last]
+      if any(isinstance(a, _base.Merged) for a in splits) or not any(splits[1:]):
+        continue
+      found.append((first, last, j))
+      break
+  return found
+
+
+def _unmerge(merged, start, out_shape, starts_out):
+  """The output dimensions ``(j, axes)`` a merged dimension starting at ``start`` (flattened) splits into, or None.
+
+  Its parts again (their own splits), or one dimension of its size (still merged).
+  """
+  j = starts_out.get(start)
+  if j is None:
+    return None
+  sizes = [n for n, _ in merged.parts]
+  if list(out_shape[j:j + len(sizes)]) == sizes:
+    return [(j + q, axes) for q, (_, axes) in enumerate(merged.parts)]
+  if out_shape[j] == merged.size:
+    return [(j, merged)]
+  return None
+
+
+@_base.register("Transpose", position_blind=True)
 def transpose(view, layouts):
   perm = view.const(1)
   if perm is None:
@@ -62,8 +189,22 @@ def transpose(view, layouts):
     inverse = [0] * len(perm)
     for j, p in enumerate(perm):
       inverse[p] = j
-    layout = _base.with_wanted(layout, tuple(want[inverse[d]] for d in range(len(perm))))
+    wished = tuple(want[inverse[d]] for d in range(len(perm)))
+    layout = _whole_where_wanted(_base.with_wanted(layout, wished), wished)
   return _base.Decision(inputs=[layout, None], outputs=[tuple(layout[p] for p in perm)])
+
+
+def _whole_where_wanted(layout, want):
+  """``layout`` with the dimensions ``want`` leaves whole made whole (the input gathered, not the output).
+
+  For an op whose output has its input's elements (a transpose, a slice adding
+  a dimension): the same bytes, and the wish moves on to the op before it,
+  which may gather less (a mask's ``[batch, 1, keys]`` before its broadcast
+  to every query, keys before grouped-query attention repeats their heads).
+  """
+  if want is None or len(want) != len(layout):
+    return layout
+  return tuple(() if not w else axes for axes, w in zip(layout, want))
 
 
 def _passthrough(view, layout, dims, out_map):
@@ -76,6 +217,9 @@ def _passthrough(view, layout, dims, out_map):
       if d is not None and d in dims:
         wished[d] = want[j]
     need = _base.with_wanted(need, tuple(wished))
+    if math.prod(view.in_shape(0)) == math.prod(view.out_shape()):  # the same elements: gather the input instead
+      kept = {d for d in out_map if d is not None}
+      need = tuple(() if d in kept and not wished[d] else axes for d, axes in enumerate(need))
   return need, tuple(() if d is None else need[d] for d in out_map)
 
 
@@ -270,6 +414,7 @@ def tile(view, layouts):
   layout = tuple(() if m != 1 else axes for axes, m in zip(layouts[0], multiples))
   # A whole dimension tiled m times is split as wanted by tiling m/k times on each device; one not tiled
   # (m = 1) by slicing the input.
+  layout = _whole_where_wanted(layout, view.want())  # the input is no bigger than the output: gathered there
   want = view.want() or ((),) * len(layout)
   need, out, local = list(layout), list(layout), [int(m) for m in multiples]
   used = _base.axes_in(layout)
@@ -310,7 +455,7 @@ def one_hot(view, layouts):
   return _base.Decision(inputs=[layout, (), (), ()], outputs=[layout[:axis] + ((),) + layout[axis:]])
 
 
-@_base.register("ExpandDims")
+@_base.register("ExpandDims", position_blind=True)
 def expand_dims(view, layouts):
   layout = layouts[0]
   dim = view.const(1)
@@ -319,11 +464,11 @@ def expand_dims(view, layouts):
   dim = int(dim) % (len(layout) + 1)
   want = view.want()
   if want is not None and len(want) == len(layout) + 1 and not want[dim]:
-    layout = _base.with_wanted(layout, want[:dim] + want[dim + 1:])
+    layout = _whole_where_wanted(_base.with_wanted(layout, want[:dim] + want[dim + 1:]), want[:dim] + want[dim + 1:])
   return _base.Decision(inputs=[layout, None], outputs=[layout[:dim] + ((),) + layout[dim:]])
 
 
-@_base.register("Squeeze")
+@_base.register("Squeeze", position_blind=True)
 def squeeze(view, layouts):
   layout = layouts[0]
   in_shape = view.in_shape(0)
@@ -331,7 +476,7 @@ def squeeze(view, layouts):
   return _base.Decision(inputs=[layout], outputs=[tuple(a for d, a in enumerate(layout) if d not in dims)])
 
 
-@_base.register("Shape", "Size", "Rank", "ShapeN")
+@_base.register("Shape", "Size", "Rank", "ShapeN", position_blind=True)
 def shape_query(view, layouts):
   """A shape query answers with the GLOBAL shape, whatever the layout (the traced shapes are static).
 

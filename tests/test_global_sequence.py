@@ -1,0 +1,212 @@
+"""The global view with inputs split beyond their batch (``Replicator(input_layouts=)``): a sequence over "seq".
+
+The step is the one-device step; its token batch ``[batch, seq]`` is split over
+both axes. A split survives a ``Dense`` layer's reshape of ``[batch, seq, d]``
+into rows (a merged dimension, ``rewrite.rules._base.Merged``), attention
+gathers keys and values (never the scores), and every result equals one
+device. Tolerances: these runs differ from one device by 1e-7 to 6e-7 (the
+order of sums of a split contraction); 2e-6 is above that and far below an
+error of a step (a piece missing from one device's sum is 1e-3 or more).
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_every_copy
+from conftest import cpus
+
+import mesh
+import replicator
+
+B, S, D, V = 4, 64, 16, 32
+ATOL = 2e-6
+
+
+def _tokens(seed=0):
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, V, (B, S)).astype(np.int32), rng.integers(0, V, (B, S)).astype(np.int32)
+
+
+def _transformer(causal=True):
+  keras.utils.set_random_seed(1)
+  ids = keras.Input((S,), dtype="int32")
+  h = keras.layers.Embedding(V, D, name="emb")(ids)
+  a = keras.layers.MultiHeadAttention(2, 8, name="mha")(h, h, use_causal_mask=causal)
+  h = keras.layers.LayerNormalization(name="ln1")(h + a)
+  f = keras.layers.Dense(32, activation="gelu", name="ff1")(h)
+  h = keras.layers.LayerNormalization(name="ln2")(h + keras.layers.Dense(D, name="ff2")(f))
+  return keras.Model(ids, keras.layers.Dense(V, name="head")(h))
+
+
+def _step(model, opt):
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+  return step
+
+
+def _sequence_replicator(shape=None, **kwargs):
+  shape = shape or {"batch": 2, "seq": 2}
+  m = mesh.Mesh(shape, devices=cpus(int(np.prod(list(shape.values())))))
+  return replicator.Replicator(mesh=m, view="global", input_layouts=("batch", "seq"), strict=True, **kwargs)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_transformer_with_its_sequence_split_trains_as_on_one_device(causal):
+  data = tf.data.Dataset.from_tensors(_tokens()).repeat()
+  one, one_opt = _transformer(causal), keras.optimizers.Adam(1e-2)
+  one_step = tf.function(_step(one, one_opt))
+  batches = iter(data)
+  expected = [float(one_step(next(batches))) for _ in range(3)]
+  repl = _sequence_replicator()
+  with repl.context():
+    model, opt = _transformer(causal), keras.optimizers.Adam(1e-2)
+  step = _step(model, opt)
+  np.testing.assert_allclose([float(repl.run(step, data)) for _ in range(3)], expected, atol=ATOL)
+  assert_every_copy(model.weights, one.weights, atol=ATOL)
+  assert_every_copy(opt.variables, one_opt.variables, atol=ATOL)
+
+  report = repl.explain(step, data)
+  assert [row.layout for row in report.inputs] == [(("batch",), ("seq",))] * 2
+  # The tokens stay split through every layer: the only activations gathered are the keys and values.
+  gathered = {row.tensor for row in report.relayouts if row.gathered and "adam" not in row.op_name
+              and "UnsortedSegmentSum" != row.op_type}
+  assert gathered and all("/key" in t or "/value" in t for t in gathered), gathered
+  scores = (B // 2) * 2 * (S // 2) * S * 4  # a device's [batch, heads, its queries, keys] in float32
+  for row in report.collective_rows:  # no collective of the score matrix's size
+    assert row.bytes_per_device < scores, row
+  kv = [row for row in report.collective_rows if row.kind == "all_gather" and "seq" in row.axes
+        and re.search(r"/(key|value)", row.op_name)]
+  # Keys and values gathered over "seq" (each device sends its [batch/2, seq/2, heads x head size] of each), and
+  # gathered again for the backward pass (not held from the forward pass).
+  assert len(kv) == 4 and all(row.bytes_per_device == (B // 2) * (S // 2) * 2 * 8 * 4 for row in kv), kv
+  assert sum("again for the backward pass" in row.why for row in kv) == 2, kv
+  # A projection's kernel gradient ([batch, in, out] of partial sums over the sequence, then summed over the batch)
+  # is one all-reduce over both axes, of the kernel's size (rewrite.rules._base.Pending): none of the batch's.
+  assert not [row for row in report.collective_rows if row.op_type in ("BatchMatMulV2", "Einsum")
+              and row.kind == "all_reduce"], report
+  kernels = [row for row in report.collective_rows if row.op_type == "Sum" and re.search(r"mha.*/MatMul/Sum", row.op_name)]
+  assert len(kernels) == 4 and all(row.axes == ("batch", "seq") and row.shape == (D, D) for row in kernels), kernels
+
+
+def test_attention_saves_a_pth_of_one_devices_bytes_for_the_backward_pass():
+  data = tf.data.Dataset.from_tensors(_tokens()).repeat()
+  saved = {}
+  for shape in ({"batch": 1, "seq": 1}, {"batch": 1, "seq": 4}):
+    repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=cpus(int(np.prod(list(shape.values()))))),
+                                 view="global", input_layouts=("batch", "seq"), strict=True)
+    with repl.context():
+      model, opt = _transformer(), keras.optimizers.Adam(1e-2)
+    report = repl.memory(_step(model, opt), data)
+    device = report.devices[0].device
+    saved[len(report.devices)] = sum(t.bytes or 0 for t in report.saved if t.device == device and "/mha" in t.tensor
+                                     and t.kind != "variable read")
+  assert saved[4] <= saved[1] / 4 * 1.05, saved
+
+
+def test_rows_merged_from_a_split_sequence_are_gathered_and_sliced_in_their_order():
+  # The rows of [batch, seq, d] with both split are not a block of [batch * seq, d]: a running sum over them (no
+  # rule may take them split) gathers them in the global order, and a whole [batch * seq, 1] is sliced to match.
+  x = np.random.default_rng(2).standard_normal((B, S, D)).astype(np.float32)
+  kernel = np.random.default_rng(3).standard_normal((D, 5)).astype(np.float32)
+
+  def fn(x, w):
+    rows = tf.matmul(tf.reshape(x, [B * S, D]), w)
+    weighted = rows * tf.reshape(tf.range(B * S, dtype=tf.float32) / (B * S), [B * S, 1])
+    return tf.reshape(tf.cumsum(weighted, axis=0), [B, S, 5]) + tf.reshape(rows, [B, S, 5])
+
+  def loss_and_grads(x, w):
+    with tf.GradientTape() as tape:
+      y = fn(x, w)
+      loss = tf.reduce_sum(y * y)
+    return y, loss, tape.gradient(loss, w)
+
+  w0 = tf.Variable(kernel)
+  expected = tf.function(loss_and_grads)(tf.constant(x), w0)
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "seq": 2}, devices=cpus(4)), view="global",
+                               input_layouts=("batch", "seq", None))
+  with repl.context():
+    w = tf.Variable(kernel)
+  got = repl.run(lambda x: loss_and_grads(x, w), tf.data.Dataset.from_tensors(x))
+  for a, b in zip(got, expected):  # (rows out of order would differ by their own size)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_input_layouts_by_function_and_by_rank():
+  x, y = _tokens()
+  picked = []
+
+  def layouts(index, spec):
+    picked.append((index, tuple(spec.shape)))
+    return ("batch", "seq") if index == 0 else None  # the labels: the batch split alone
+
+  repl = _sequence_replicator()
+  repl = replicator.Replicator(mesh=repl.mesh, view="global", input_layouts=layouts)
+  with repl.context():
+    model, opt = _transformer(), keras.optimizers.Adam(1e-2)
+  report = repl.explain(_step(model, opt), tf.data.Dataset.from_tensors((x, y)))
+  assert picked == [(0, (B, S)), (1, (B, S))]
+  assert [row.layout for row in report.inputs] == [(("batch",), ("seq",)), (("batch",), ())]
+
+
+def test_input_layouts_errors_say_what_to_do():
+  m = mesh.Mesh({"batch": 2, "seq": 2}, devices=cpus(4))
+  with pytest.raises(replicator.ArgumentError, match=r"input_layouts.*global view.*shard_sequence.*view='global'"):
+    replicator.Replicator(mesh=m, input_layouts=("batch", "seq"))
+  with pytest.raises(mesh.LayoutError, match=r"names mesh axis 'sequence'.*Fix"):
+    replicator.Replicator(mesh=m, view="global", input_layouts=("batch", "sequence"))
+  repl = replicator.Replicator(mesh=m, view="global", input_layouts=("batch", "seq"))
+  odd = tf.data.Dataset.from_tensors(np.zeros((B, 7), np.float32))
+  with pytest.raises(mesh.LayoutError, match=r"input 0 of the step.*dimension 1 has size 7.*divisible by 2"):
+    repl.run(lambda x: tf.reduce_sum(x), odd)
+
+
+def _megatron_block_model(width=128, hidden=512):
+  keras.utils.set_random_seed(3)
+  ids = keras.Input((16,), dtype="int32")
+  h = keras.layers.Embedding(V, width, name="emb")(ids)
+  for i in range(2):
+    x = keras.layers.LayerNormalization(name=f"ln{i}")(h)
+    x = keras.layers.Dense(hidden, activation="gelu", name=f"up{i}")(x)
+    x = keras.layers.Dense(width, name=f"down{i}")(x)
+    h = h + keras.layers.Dropout(0.1, seed=i)(x)
+  return keras.Model(ids, keras.layers.Dense(V, name="head")(h))
+
+
+MEGATRON = mesh.LayoutMap({r"up\d/kernel": (None, "model"), r"up\d/bias": ("model",), r"down\d/kernel": ("model", None)})
+
+
+def test_megatron_sequence_parallelism_reduce_scatters_and_gathers_instead_of_all_reducing():
+  # Tokens split over the tensor-parallel axis between blocks: each block gathers them before its column-parallel
+  # layer (the kernels stay split) and reduce-scatters its row-parallel layer's partial sums back onto the sequence;
+  # norms, dropout and the residual run on sequence shards. Where the tokens' bytes exceed the kernels' the
+  # partitioner gathers the kernels instead (rewrite._propagation._activations_gathered): here they do not.
+  rng = np.random.default_rng(4)
+  tokens = (rng.integers(0, V, (2, 16)).astype(np.int32), rng.integers(0, V, (2, 16)).astype(np.int32))
+  data = tf.data.Dataset.from_tensors(tokens).repeat()
+  one, one_opt = _megatron_block_model(), keras.optimizers.Adam(1e-3)
+  one_step = tf.function(_step(one, one_opt))
+  batches = iter(data)
+  expected = [float(one_step(next(batches))) for _ in range(3)]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)), view="global",
+                               layouts=MEGATRON, input_layouts=("batch", "model"), strict=True)
+  with repl.context():
+    model, opt = _megatron_block_model(), keras.optimizers.Adam(1e-3)
+  step = _step(model, opt)
+  np.testing.assert_allclose([float(repl.run(step, data)) for _ in range(3)], expected, atol=ATOL)
+  assert_every_copy(model.weights, one.weights, atol=ATOL)
+  assert_every_copy(opt.variables, one_opt.variables, atol=ATOL)
+  report = repl.explain(step, data)
+  forward = [row for row in report.collective_rows if "gradient_tape" not in row.op_name and "adam" not in row.op_name
+             and "model" in row.axes and re.search(r"/(up|down)\d", row.op_name)]
+  kinds = sorted({(row.kind, re.search(r"/(up|down)\d", row.op_name).group(1)) for row in forward})
+  assert kinds == [("all_gather", "up"), ("reduce_scatter", "down")], kinds
+  ln = [row for row in report.relayouts if re.search(r"/ln\d", row.op_name) and "gradient_tape" not in row.op_name]
+  assert not [row for row in ln if row.gathered], ln  # the norms run on the sequence's shards
