@@ -263,6 +263,8 @@ def _pending(view, decision) -> _base.Decision:
 
 
 def _apply(rule, view, ins) -> _base.Decision:
+  if all(map(_plain, ins)) and all(map(_plain, view.wants)):
+    return _apply_plain(rule, view, ins)  # (the common case, by the million: nothing merged or pending)
   pending = [x for x in ins if isinstance(x, _base.Pending)]
   if pending:  # a Sum of partial sums (_pending): it sums them with its own
     decision = _apply(rule, view, [tuple(x) if isinstance(x, _base.Pending) else x for x in ins])
@@ -289,6 +291,13 @@ def _apply(rule, view, ins) -> _base.Decision:
     decision.inputs = inputs
     return decision
   return _apply_plain(rule, view, ins)
+
+
+def _plain(layout) -> bool:
+  """Whether ``layout`` is an ordinary one: no partial sums left pending, no merged dimension."""
+  if layout is None or isinstance(layout, _base.Contents):
+    return True
+  return type(layout) is tuple and all(type(e) is tuple for e in layout)  # pylint: disable=unidiomatic-typecheck
 
 
 def _apply_blind(rule, view, ins, merged) -> _base.Decision | None:

@@ -51,9 +51,6 @@ def blocks(graph: tf.Graph, partition, backward: set[str] | None = None) -> list
     One block per saved tensor so computed, in the graph's order; its ``scope`` names the tensor.
   """
   ops = graph.get_operations()
-  backward = _recompute.backward_ops(graph) if backward is None else backward
-  if not backward:
-    return []
   layouts, decisions = partition.layouts, partition.decisions
 
   def gathering(op) -> bool:  # an op reading an activation (not a variable's value) relayouted by a gather
@@ -72,6 +69,11 @@ def blocks(graph: tf.Graph, partition, backward: set[str] | None = None) -> list
     return (op.type in CHEAP and op.name not in backward and decision is not None and _recompute.cloneable(op)
             and not any(r is not None for r in decision.reduce) and not any(summed(t) for t in op.inputs))
 
+  if not any(gathering(op) for op in ops):  # (most steps: nothing to find, and the backward pass not looked for)
+    return []
+  backward = _recompute.backward_ops(graph) if backward is None else backward
+  if not backward:
+    return []
   chains: dict[str, frozenset] = {}  # op name -> the cheap ops from gathers to it (empty: none)
 
   def chain(op) -> frozenset:
