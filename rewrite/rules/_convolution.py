@@ -301,17 +301,33 @@ def _labels(view, rank):
   return _LABELS[rank]
 
 
+def _contracted(view, layouts, rank, roles: dict, result: int, shape_index=None):
+  """A convolution (or one of its gradients) as a contraction, spatial dimensions whole; None if it is not one.
+
+  ``roles``: input index -> its operand's role (0 the input, 1 the filter, 2 the output, as ``_LABELS``);
+  ``result``: the role of the op's result; ``shape_index``: the input stating the result's shape (a
+  gradient's), made local to the result's layout.
+  """
+  labels = _labels(view, rank)
+  if labels is None or (shape_index is not None and view.const(shape_index) is None):
+    return None
+  spatial = _spatial_dims(rank)
+  whole = [_whole(layouts[i], range(rank - 2) if role == 1 else spatial) for i, role in roles.items()]
+  target = view if shape_index is None else _Operands(view, tuple(roles))
+  decision = contract(target, whole, [labels[role] for role in roles.values()], labels[result])
+  if decision.fallback or shape_index is None:
+    return decision
+  taken = iter(decision.inputs)
+  decision.inputs = [None if i == shape_index else next(taken) for i in range(len(roles) + 1)]
+  decision.consts = {shape_index: _local_shape(view, shape_index, decision.outputs[0])}
+  return decision
+
+
 @_base.register("Conv2D", "Conv3D")
 def conv(view, layouts):
-  rank = len(view.in_shape(0))
-  labels = _labels(view, rank)
-  if labels is None:
-    return _base.fallback(view, layouts)
-  spatial = _spatial_dims(rank)
-  x, f = _whole(layouts[0], spatial), _whole(layouts[1], range(rank - 2))
-  decision = contract(view, [x, f], list(labels[:2]), labels[2])
-  if decision.fallback:
-    return decision
+  decision = _contracted(view, layouts, len(view.in_shape(0)), {0: 0, 1: 1}, 2)
+  if decision is None or decision.fallback:
+    return decision or _base.fallback(view, layouts)
   tiles = _tiles(view, view.in_shape(0), _slide(view, view.in_shape(1)[:-2]), [layouts[0], view.want()],
                  _used(*decision.inputs, *decision.outputs))
   return _forward(view, decision, 0, tiles)
@@ -319,17 +335,9 @@ def conv(view, layouts):
 
 @_base.register("Conv2DBackpropInput", "Conv3DBackpropInputV2")
 def conv_backprop_input(view, layouts):
-  rank = len(view.in_shape(2))
-  labels = _labels(view, rank)
-  if labels is None or view.const(0) is None:
-    return _base.fallback(view, layouts)
-  spatial = _spatial_dims(rank)
-  f, dy = _whole(layouts[1], range(rank - 2)), _whole(layouts[2], spatial)
-  decision = contract(_Operands(view, (1, 2)), [f, dy], [labels[1], labels[2]], labels[0])
-  if decision.fallback:
-    return decision
-  decision.inputs = [None] + decision.inputs
-  decision.consts = {0: _local_shape(view, 0, decision.outputs[0])}
+  decision = _contracted(view, layouts, len(view.in_shape(2)), {1: 1, 2: 2}, 0, shape_index=0)
+  if decision is None or decision.fallback:
+    return decision or _base.fallback(view, layouts)
   size = [int(n) for n in view.const(0)]
   tiles = _tiles(view, size, _slide(view, view.in_shape(1)[:-2]), [layouts[2], view.want()],
                  _used(*decision.inputs[1:], *decision.outputs))
@@ -338,17 +346,9 @@ def conv_backprop_input(view, layouts):
 
 @_base.register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
 def conv_backprop_filter(view, layouts):
-  rank = len(view.in_shape(0))
-  labels = _labels(view, rank)
-  if labels is None or view.const(1) is None:
-    return _base.fallback(view, layouts)
-  spatial = _spatial_dims(rank)
-  x, dy = _whole(layouts[0], spatial), _whole(layouts[2], spatial)
-  decision = contract(_Operands(view, (0, 2)), [x, dy], [labels[0], labels[2]], labels[1])
-  if decision.fallback:
-    return decision
-  decision.inputs = [decision.inputs[0], None, decision.inputs[1]]
-  decision.consts = {1: _local_shape(view, 1, decision.outputs[0])}
+  decision = _contracted(view, layouts, len(view.in_shape(0)), {0: 0, 2: 2}, 1, shape_index=1)
+  if decision is None or decision.fallback:
+    return decision or _base.fallback(view, layouts)
   filter_size = [int(n) for n in view.const(1)]
   tiles = _tiles(view, view.in_shape(0), _slide(view, filter_size[:-2]), [layouts[0], layouts[2]],
                  _used(decision.inputs[0], decision.inputs[2], *decision.outputs))
