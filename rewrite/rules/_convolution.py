@@ -544,17 +544,22 @@ def space_to_batch(view, layouts):
   tiles = _Tiles(windows, split, why)
   if not split:
     return _gathered(decision, tiles, 0)
+  zeros = [[0, 0]] * len(block)
+  return _on_extended(view, decision, tiles, need, windows, size, lambda x: tf.space_to_batch_nd(x, block, zeros),
+                      "SpaceToBatchND on tiles")
+
+
+def _on_extended(view, decision, tiles, need, windows, size, apply, what):
+  """``decision`` made to run ``apply`` on each device's tile extended by its halo (``windows``), as ``what``."""
   decision.inputs = [tiles.layout(need), None, None]
   decision.outputs = [tiles.layout(need)]
   mesh, local = view.mesh, _local(view, size, decision.inputs[0])
-  zeros = [[0, 0]] * len(block)
 
   def lower(r, inputs, comm=None):
-    x = _spatial.extend(inputs[0], windows, tiles.positions(mesh, r), comm)
-    return [tf.space_to_batch_nd(x, block, zeros)]
+    return [apply(_spatial.extend(inputs[0], windows, tiles.positions(mesh, r), comm))]
 
   decision.lower = lower
-  decision.communicates = _spatial.exchanges(windows, local, _itemsize(view, 0), "SpaceToBatchND on tiles")
+  decision.communicates = _spatial.exchanges(windows, local, _itemsize(view, 0), what)
   return _gathered(decision, tiles, 0)
 
 
@@ -606,17 +611,8 @@ def batch_to_space(view, layouts):
   tiles = _Tiles(windows, split, why)
   if not split:
     return _gathered(decision, tiles, 0)
-  decision.inputs = [tiles.layout(need), None, None]
-  decision.outputs = [tiles.layout(need)]
-  mesh, local = view.mesh, _local(view, size, decision.inputs[0])
-
-  def lower(r, inputs, comm=None):
-    x = _spatial.extend(inputs[0], windows, tiles.positions(mesh, r), comm)
-    return [tf.batch_to_space(x, block, local_crops)]
-
-  decision.lower = lower
-  decision.communicates = _spatial.exchanges(windows, local, _itemsize(view, 0), "BatchToSpaceND on tiles")
-  return _gathered(decision, tiles, 0)
+  return _on_extended(view, decision, tiles, need, windows, size, lambda x: tf.batch_to_space(x, block, local_crops),
+                      "BatchToSpaceND on tiles")
 
 
 # -- nearest-neighbour resizing ----------------------------------------------------
