@@ -60,7 +60,7 @@ UNKNOWN_SIZE = (
     "size. Fix: give the tensor a static shape, or do not split that dimension (None)."
 )
 AMBIGUOUS_PATH = (
-    "Variable {path!r} matches {count} LayoutMap patterns: {patterns}. Each variable must "
+    "{what} {path!r} matches {count} LayoutMap patterns: {patterns}. Each must "
     "match exactly one pattern (or an exact key). Fix: make the patterns more specific, "
     "e.g. anchor them (r'^dense_1/kernel$')."
 )
@@ -216,6 +216,11 @@ class LayoutMap:
   matches the whole path (as ``keras.distribution.LayoutMap`` does since Keras
   3.15: ``"d1/kernel"`` then does not match ``sequential/d1/kernel``).
 
+  A key ending in ``/output`` (Keras's convention: ``"<layer path>/output"``)
+  lays out a layer's output, not a variable: in a global-view step the
+  output of each Keras layer whose path it matches is laid out so
+  (``Replicator.with_layout``), matched as variables' keys are.
+
   Examples:
     >>> layouts = LayoutMap({r"dense_1/kernel": (None, "model"), r"dense_1/bias": ("model",)})
     >>> layouts.lookup("dense_1/kernel"), layouts.lookup("dense_2/kernel")
@@ -267,6 +272,24 @@ class LayoutMap:
     found = self.match(path)
     return None if found is None else found[1]
 
+  @staticmethod
+  def is_output_key(key: str) -> bool:
+    """Whether ``key`` lays out a layer's output (it ends in ``/output``), not a variable."""
+    return key.rstrip("$").endswith("/output")
+
+  def output_keys(self) -> list[str]:
+    """The keys for layers' outputs (``"<layer path>/output"``), in key order."""
+    return [k for k in self._entries if self.is_output_key(k)]
+
+  def output_match(self, layer_path: str) -> tuple[str, tuple] | None:
+    """``(key, spec)`` of the output key that matches the output of the layer at ``layer_path``, or None.
+
+    Examples:
+      >>> LayoutMap({"block_0/attention/output": ("batch", "seq", None)}).output_match("model/block_0/attention")
+      ('block_0/attention/output', ('batch', 'seq', None))
+    """
+    return self._match(layer_path + "/output", self.output_keys(), "The layer output")
+
   def spec_for(self, spec: tuple, rank: int) -> tuple:
     """``spec`` for a variable of ``rank`` dimensions: padded with ``None`` if this map pads."""
     return spec + (None,) * (rank - len(spec)) if self.pad and len(spec) < rank else spec
@@ -278,16 +301,26 @@ class LayoutMap:
       >>> LayoutMap({"dense/kernel$": (None, "model")}).match("model/dense/kernel")
       ('dense/kernel$', (None, 'model'))
     """
-    if path in self._entries:
+    return self._match(path, [k for k in self._entries if not self.is_output_key(k)])
+
+  def _match(self, path: str, keys: list[str], what: str = "Variable") -> tuple[str, tuple] | None:
+    if path in keys:
       return path, self._entries[path]
-    matches = [k for k in self._entries if self._matches(k, path)]
+    matches = [k for k in keys if self._matches(k, path)]
     if len(matches) > 1:
-      raise _errors.LayoutError(AMBIGUOUS_PATH.format(path=path, count=len(matches), patterns=matches))
+      raise _errors.LayoutError(AMBIGUOUS_PATH.format(what=what, path=path, count=len(matches), patterns=matches))
     return (matches[0], self._entries[matches[0]]) if matches else None
 
-  def unmatched(self, paths: Sequence[str]) -> list[str]:
-    """The keys that match none of ``paths`` (neither exactly nor by their pattern), in key order."""
-    return [k for k in self._entries if not any(k == p or self._matches(k, p) for p in paths)]
+  def unmatched(self, paths: Sequence[str], outputs: bool = False) -> list[str]:
+    """The variables' keys (with ``outputs``, the layer outputs' keys) that match none of ``paths``, in key order.
+
+    A key matches a path exactly or by its pattern; layers' paths are given without ``/output``.
+    """
+    if outputs:
+      return [k for k in self.output_keys() if not any(k == p + "/output" or self._matches(k, p + "/output")
+                                                       for p in paths)]
+    return [k for k in self._entries if not self.is_output_key(k) and not any(k == p or self._matches(k, p)
+                                                                             for p in paths)]
 
   def __repr__(self) -> str:
     options = "" if self.match_mode == "search" else f", match={self.match_mode!r}"

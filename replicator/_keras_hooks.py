@@ -29,8 +29,9 @@ TensorFlow 2.21.0; tests/test_keras_distribution.py fails if it changes):
   (``tf.distribute.experimental_set_strategy``, public);
 * the functions Keras's front end calls and its TensorFlow backend lacks are
   added to that backend's ``distribution_lib``: ``get_device_count``,
-  ``distribute_tensor`` (an identity: inside a global-view step the
-  partitioner lays out intermediate values itself; eagerly a value is whole)
+  ``distribute_tensor`` (inside a global-view step, ``Replicator.with_layout``:
+  a ``LayoutMap`` key for a layer's output lays it out; elsewhere the value
+  itself: ``_keras_outputs``)
   and ``initialize`` (refused: several processes are
   ``replicator.MultiWorkerReplicator``'s);
 * ``ModelParallel``'s layout map is read from its ``_layout_map``.
@@ -47,6 +48,7 @@ from replicator.core import _errors
 from replicator.integrations import _cluster
 from replicator.integrations import _collective_runtime
 from replicator.integrations import _keras_distribution
+from replicator.integrations import _keras_outputs
 from replicator.integrations import _remat
 
 UNSUPPORTED_DISTRIBUTION = (
@@ -149,7 +151,7 @@ def enable_keras_distribution(connect_timeout: float = 30.0) -> None:
       return listed(device_type) if _job is None else list(_collective_runtime.job_devices())
 
     list_devices.__doc__ = listed.__doc__
-    for name, fn in (("get_device_count", _get_device_count), ("distribute_tensor", _distribute_tensor),
+    for name, fn in (("get_device_count", _get_device_count), ("distribute_tensor", _keras_outputs.distribute_tensor),
                      ("initialize", _initialize), ("list_devices", list_devices)):
       setattr(backend, name, fn)
     _installed = True
@@ -221,12 +223,6 @@ def _get_device_count(device_type=None) -> int:
     accelerators = [d for d in tf.config.list_logical_devices() if d.device_type != "CPU"]
     return len(accelerators) or len(tf.config.list_logical_devices("CPU"))
   return len(tf.config.list_logical_devices(device_type))
-
-
-def _distribute_tensor(tensor, layout):
-  """``keras.distribution.distribute_tensor``: the value itself (see the module docstring)."""
-  del layout
-  return tensor
 
 
 def _initialize(job_addresses=None, num_processes=None, process_id=None):

@@ -27,6 +27,7 @@ from replicator.input import _distributed_dataset
 from replicator.input import _process_shards
 from replicator.integrations import _keras
 from replicator.integrations import _keras_distribution
+from replicator.integrations import _keras_outputs  # noqa: F401  (registers its trace hook: Keras's output keys)
 from replicator.state import _layout_state
 from replicator.state import _optimizer
 from replicator.state import _restore
@@ -412,6 +413,11 @@ class Replicator(_collective_methods.CollectiveMethods):
     if self._keras_strategy is None:
       self._keras_strategy = _keras.KerasStrategy(self._config, self._creator, self._views["global"])
     return self._keras_strategy
+
+  @property
+  def strict(self) -> bool:
+    """Whether this Replicator refuses what it would otherwise warn of (``Replicator(strict=)``)."""
+    return self._config.strict
 
   @property
   def layouts(self) -> mesh_lib.LayoutMap | None:

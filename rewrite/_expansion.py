@@ -254,7 +254,10 @@ class _Expander:
       if w and h != w:
         n = self.mesh.axis_size(w)
         chunk = global_shape[d] // n
-        begin.append(self.mesh.axis_index(r, w) * chunk)
+        if h:  # (a finer split of the block held: _relayout.refined) the part of it along the further axes
+          begin.append(self.mesh.axis_index(r, tuple(w[len(h):])) * chunk)
+        else:
+          begin.append(self.mesh.axis_index(r, w) * chunk)
         size.append(chunk)
         shape[d] = chunk
         sliced = True

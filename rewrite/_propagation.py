@@ -69,7 +69,7 @@ MAX_ROUNDS = 8
 
 def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = None,
               summed: frozenset = frozenset(), data: frozenset = frozenset(),
-              batch_axes: tuple = (), *, bodies: _base.Bodies) -> Partition:
+              batch_axes: tuple = (), *, bodies: _base.Bodies, pinned: dict | None = None) -> Partition:
   """Layouts for every tensor of ``graph``, forward and backward to a fixed point.
 
   Forward, each op's rule gives its outputs' layouts from its inputs'.
@@ -98,11 +98,16 @@ def propagate(graph: tf.Graph, mesh, given: dict, handle_shapes: dict | None = N
     bodies: how rules partition and expand the body of a function an op calls
       (an ``If``'s branches): the partitioner's own functions
       (``_partition.BODIES``; call :func:`_partition.propagate`, which hands them).
+    pinned: op name -> layout, for identity ops whose output must be in that
+      layout (a layout constraint the step states: ``repl.with_layout``, a
+      Keras ``LayoutMap`` key for a layer's output). Their input is relayouted
+      to it, whatever the rules would choose, and the ops before them are
+      asked for it (a wish, as any consumer's).
 
   Returns:
     The :class:`Partition`.
   """
-  return Propagator(graph, mesh, handle_shapes, summed, data, batch_axes, bodies=bodies)(given)
+  return Propagator(graph, mesh, handle_shapes, summed, data, batch_axes, bodies=bodies, pinned=pinned)(given)
 
 
 class Propagator:
@@ -120,16 +125,19 @@ class Propagator:
   block. For pricing only: a shared decision's ``lower``, ``attrs`` and
   reasons are another op's, so such a partition is not to be expanded.
 
-  ``bodies`` as for :func:`propagate` (:func:`_partition.propagator` hands the partitioner's own).
+  ``bodies`` and ``pinned`` as for :func:`propagate` (:func:`_partition.propagator` hands the partitioner's own
+  bodies).
   """
 
   def __init__(self, graph: tf.Graph, mesh, handle_shapes: dict | None = None, summed: frozenset = frozenset(),
-               data: frozenset = frozenset(), batch_axes: tuple = (), alike: bool = False, *, bodies: _base.Bodies):
+               data: frozenset = frozenset(), batch_axes: tuple = (), alike: bool = False, *, bodies: _base.Bodies,
+               pinned: dict | None = None):
     dead = _dead(graph)
     self._ops = [op for op in ordered(graph) if op.name not in dead]
     self._mesh, self._handle_shapes, self._summed = mesh, handle_shapes or {}, frozenset(summed)
     self._data, self._batch_axes, self._alike = data, batch_axes, alike
     self._bodies = bodies
+    self._pinned = dict(pinned or {})
     self._contexts: dict = {}  # the data's tensors and axes -> a context (its decisions remembered)
     self._derived = None  # the tensors computed from the data (once)
 
@@ -143,7 +151,7 @@ class Propagator:
     context = self._contexts.get(data)
     if context is None:
       context = self._contexts[data] = _propagation_context.Context(self._mesh, self._handle_shapes, self._summed,
-                                                                    self._bodies)
+                                                                    self._bodies, self._pinned)
       context.data, context.data_axes = data
       context.alike = self._alike
     wants: dict = {}
@@ -239,6 +247,9 @@ def _key(layouts) -> tuple:
 
 
 def _decide_anew(op, context, ins, wants) -> _base.Decision:
+  pin = context.pinned.get(op.name)
+  if pin is not None:  # a layout the step states: its input relayouted to it
+    return _base.Decision(inputs=[pin], outputs=[pin], reasons={0: f"the layout the step states for it ({op.name})"})
   rule = _base.get(op.type)
   view = _base.OpView(op, context.mesh, [wants.get(t.name) for t in op.outputs], context.handle_shapes,
                       context.value, context.summed, bodies=context.bodies)
@@ -643,5 +654,6 @@ def _finest_taken(t, needs, context, partition, wants):
 
 
 def _refines(finer, coarser) -> bool:
-  """Whether layout ``finer`` splits every dimension as ``coarser`` does, or more (a whole dimension split)."""
-  return len(finer) == len(coarser) and all(c == f or not c for f, c in zip(finer, coarser))
+  """Whether layout ``finer`` splits every dimension as ``coarser`` does, or more (a whole dimension split, or a
+  split one split further: ``("batch",)`` to ``("batch", "model")``, a local slice)."""
+  return len(finer) == len(coarser) and all(c == f or not c or _relayout.refined(c, f) for f, c in zip(finer, coarser))

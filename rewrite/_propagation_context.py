@@ -25,8 +25,9 @@ class Context:
   a function its op calls (an ``If``'s branches).
   """
 
-  def __init__(self, mesh, handle_shapes, summed=frozenset(), bodies=None):
+  def __init__(self, mesh, handle_shapes, summed=frozenset(), bodies=None, pinned=None):
     self.mesh = mesh
+    self.pinned: dict = pinned or {}  # op name -> the layout its one output must have (Propagator's ``pinned``)
     self.handle_shapes = handle_shapes
     self.summed = summed
     self.bodies = bodies
@@ -53,7 +54,8 @@ class Context:
                          if not k.startswith("_")))
     ins = tuple((t.dtype, str(t.shape), str(self.handle_shapes.get(t.name)), t.name in self.summed,
                  t.name in self.data, self._constant(t)) for t in op.inputs)
-    kind = (op.type, attrs, ins, tuple((t.dtype, str(t.shape)) for t in op.outputs), summed_after(op))
+    kind = (op.type, attrs, ins, tuple((t.dtype, str(t.shape)) for t in op.outputs), summed_after(op),
+            self.pinned.get(op.name))
     return self._kinds.setdefault(kind, len(self._kinds))  # (a number: a key hashed by the million)
 
   def _constant(self, t):

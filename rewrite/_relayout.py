@@ -54,8 +54,19 @@ def steps(have, want, global_shape, axis_size) -> Steps:
         moved.append((d1, d2, tuple(h)))
         current[d1], current[d2] = (), tuple(h)
         break
-  gathered = tuple((d, _gathered_axes(c, w)) for d, (c, w) in enumerate(zip(current, want)) if c and c != w)
+  gathered = tuple((d, _gathered_axes(c, w)) for d, (c, w) in enumerate(zip(current, want))
+                   if c and c != w and not refined(c, w))
   return Steps(tuple(moved), gathered)
+
+
+def refined(have, want) -> bool:
+  """Whether a dimension split over ``have`` reaches ``want`` by a local slice: ``want`` splits each of its blocks.
+
+  ``("batch",)`` to ``("batch", "model")``: the devices along ``"model"`` take consecutive parts of their
+  ``"batch"`` block, which each holds.
+  """
+  return (not isinstance(have, _base.Merged) and not isinstance(want, _base.Merged)
+          and len(want) > len(have) and tuple(want[:len(have)]) == tuple(have))
 
 
 def _gathered_axes(have, want) -> tuple:

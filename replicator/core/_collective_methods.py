@@ -13,6 +13,7 @@ import tensorflow as tf
 from replicator.core import _context
 from replicator.core import _errors
 from replicator.core import _halo
+from replicator.core import _layout_constraint
 from replicator.core import _primitives
 from replicator.core import _ring_attention
 from replicator.core import _ulysses_attention
@@ -281,3 +282,38 @@ class CollectiveMethods:
     """
     ctx = _primitives.require_context(self, "axis_index")
     return _primitives.axis_index(ctx, self._axes(axis))
+
+  def with_layout(self, x, spec):
+    """``x``, laid out as ``spec`` from here on, in a global-view step (a layout constraint).
+
+    The global view lays out what a step computes by its rules; this states a
+    layout for one value (a nest: each tensor), as JAX's
+    ``with_sharding_constraint`` and DTensor's ``relayout`` do. The value is
+    relayouted to ``spec`` where it is computed (``explain`` lists the
+    collectives, their reason "the layout the step states for it"), the ops
+    before it are asked for the layout and produce it directly where their
+    rules can, and its gradient is stated the same layout. Keras's
+    ``LayoutMap`` keys for layer outputs (``"<layer path>/output"``) call it
+    on the layer's output. Values are unchanged; only where their pieces live.
+
+    Examples:
+      >>> import mesh
+      >>> m = mesh.Mesh({"batch": 2, "model": 2}, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+      >>> repl = Replicator(mesh=m, view="global")
+      >>> def step_fn(x):
+      ...   h = repl.with_layout(tf.matmul(x, tf.ones([4, 8])), ("batch", "model"))
+      ...   return tf.reduce_sum(h)
+      >>> float(repl.run(step_fn, inputs=tf.ones([4, 4])))
+      128.0
+
+    Args:
+      x: a tensor or nest of tensors of the step.
+      spec: one entry per dimension: a mesh axis name, a tuple of names, or None (whole); or a
+        ``mesh.Layout`` or ``keras.distribution.TensorLayout`` (their axes).
+
+    Raises:
+      ReplicaContextError: outside a global-view step of this Replicator (the local view's replicas hold their
+        own values: ``all_gather``, ``all_to_all`` and ``reduce_scatter`` move pieces there).
+      mesh.LayoutError: an axis the mesh lacks, or a dimension its axes do not divide (when the step is built).
+    """
+    return _layout_constraint.with_layout(self, x, spec, location=_primitives.user_location())

@@ -100,12 +100,15 @@ class GlobalTrace:
     owners: id(stand-in handle) -> the ReplicatedVariable.
     accumulating: wrapped optimizers that accumulated gradients in the step
       (``wrap_optimizer(accumulation_steps=k)``), in order.
+    pinned: ``(identity op, spec, location)`` of each layout the step states
+      (``repl.with_layout``, a Keras ``LayoutMap`` key for a layer's output).
   """
 
   replicator: Any
   standins: dict = dataclasses.field(default_factory=dict)
   owners: dict = dataclasses.field(default_factory=dict)
   accumulating: list = dataclasses.field(default_factory=list)
+  pinned: list = dataclasses.field(default_factory=list)
 
 
 def current_global_trace() -> GlobalTrace | None:
@@ -122,6 +125,28 @@ def global_trace_scope(trace: GlobalTrace):
     yield trace
   finally:
     _state.global_trace = saved
+
+
+_TRACE_HOOKS: list = []  # callables (replicator) -> context manager, entered around each global-view trace
+
+
+def add_trace_hook(hook) -> None:
+  """Enters ``hook(replicator)`` (a context manager) around every global-view trace from now on.
+
+  For integrations above the views (Keras's layer-output layouts) that must act while a step is traced:
+  the views call them without importing them.
+  """
+  if hook not in _TRACE_HOOKS:
+    _TRACE_HOOKS.append(hook)
+
+
+@contextlib.contextmanager
+def trace_hooks(replicator):
+  """Every hook of :func:`add_trace_hook`, entered for ``replicator``'s trace."""
+  with contextlib.ExitStack() as stack:
+    for hook in list(_TRACE_HOOKS):
+      stack.enter_context(hook(replicator))
+    yield
 
 
 def current():

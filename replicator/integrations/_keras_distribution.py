@@ -8,7 +8,8 @@ of the same patterns, matched as Keras 3.15 matches them (an exact key, else
 the one key whose pattern matches the whole path, ``re.fullmatch``; a layout
 shorter than the variable's rank padded with ``None``), and specs (each
 ``TensorLayout``'s ``axes``). Keys for layer outputs (``".../output"``) are
-Keras's to apply (``distribute_tensor``), not variables', and are left out.
+kept: :class:`mesh.LayoutMap` tells them from variables' keys, and a
+global-view step lays out those layers' outputs (``_keras_outputs``).
 Recognised by their attributes, so this module does not import Keras.
 """
 
@@ -35,5 +36,5 @@ def as_mesh(device_mesh) -> mesh_lib.Mesh:
 
 def as_layout_map(layout_map) -> mesh_lib.LayoutMap:
   """The :class:`mesh.LayoutMap` of a ``keras.distribution.LayoutMap``, with Keras's matching."""
-  return mesh_lib.LayoutMap({key: tuple(getattr(layout, "axes", layout)) for key, layout in layout_map.items()
-                             if not key.endswith("/output")}, match="fullmatch", pad=True)
+  return mesh_lib.LayoutMap({key: tuple(getattr(layout, "axes", layout)) for key, layout in layout_map.items()},
+                            match="fullmatch", pad=True)

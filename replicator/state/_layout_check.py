@@ -26,6 +26,13 @@ UNMATCHED = (
 )
 
 
+UNMATCHED_OUTPUT = (
+    "The layouts' key {key!r} (a layer's output) matches the output of none of the {count} Keras layer(s) the step "
+    "called, so it lays out nothing.{closest} Fix: correct the key (the layer's path as Keras names it in a call, "
+    "the path its variables' paths begin with, e.g. 'dense_1/output' for 'dense_1/kernel'; matched by {mode}), or remove it. The layers: {paths}."
+)
+
+
 def _closest(key: str, paths: Sequence[str]) -> list[str]:
   """The paths most like ``key``: its text (regex syntax removed) against their last as many components."""
   text = re.sub(r"[\^$\\.*+?()\[\]{}|]", "", key)
@@ -48,6 +55,23 @@ def check(layouts: mesh_lib.LayoutMap | None, paths: Sequence[str], reported: se
     shown = ", ".join(repr(p) for p in paths[:12]) + (f" and {len(paths) - 12} more" if len(paths) > 12 else "")
     message = UNMATCHED.format(key=key, count=len(paths), paths=shown, mode=f"re.{layouts.match_mode}",
                                closest=f" The closest: {', '.join(repr(p) for p in closest)}." if closest else "")
+    if strict:
+      raise mesh_lib.LayoutError(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def check_outputs(layouts: mesh_lib.LayoutMap, layer_paths: Sequence[str], reported: set, strict: bool) -> None:
+  """Reports each output key of ``layouts`` that matches none of the layers at ``layer_paths`` (once per key)."""
+  for key in layouts.unmatched(layer_paths, outputs=True):
+    if key in reported:
+      continue
+    reported.add(key)
+    closest = _closest(key[:-len("/output")] if key.endswith("/output") else key, layer_paths)
+    shown = ", ".join(repr(p) for p in layer_paths[:12]) + (
+        f" and {len(layer_paths) - 12} more" if len(layer_paths) > 12 else "")
+    message = UNMATCHED_OUTPUT.format(
+        key=key, count=len(layer_paths), paths=shown, mode=f"re.{layouts.match_mode}",
+        closest=f" The closest: {', '.join(repr(p + '/output') for p in closest)}." if closest else "")
     if strict:
       raise mesh_lib.LayoutError(message)
     warnings.warn(message, UserWarning, stacklevel=4)

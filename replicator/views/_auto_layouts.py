@@ -116,11 +116,11 @@ def remat_order(graph) -> list:
 
 
 def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, summed, data, axes,
-           variables: dict) -> None:
+           variables: dict, pinned: dict | None = None) -> None:
   """Searches the layouts of ``variables`` (placeholder name -> ReplicatedVariable) and applies the winner.
 
   ``layouts``: the Replicator's ``_layout_state.LayoutState`` (its ``auto`` the search's state); it records
-  the chosen map.
+  the chosen map. ``pinned``: the layouts the step states for values it computes (kept by every candidate).
   """
   auto = layouts.auto
   machine = auto.machine(list(mesh.devices))
@@ -154,7 +154,8 @@ def choose(replicator, layouts, graph, mesh, given: dict, handle_shapes: dict, s
       searched[name] = dataclasses.replace(v, group=f"{v.group} {list(v.shape)}")
   companions = _companions(small, {name: variables[name] for name in searched})  # (in the budget: counted whole)
 
-  propagate, memo = _partition.propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True), {}
+  propagate, memo = _partition.propagator(graph, mesh, handle_shapes, summed, data, axes, alike=True,
+                                          pinned=pinned), {}
   budget = auto.memory_per_device
   blocks = remat_order(graph) if budget is not None else []
 

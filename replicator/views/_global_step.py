@@ -294,6 +294,25 @@ def input_layout(config, mesh, index: int, spec: tf.TensorSpec, batch: tuple[str
   return split
 
 
+def stated_layouts(trace, graph, mesh) -> dict:
+  """Op name -> layout of each value the step lays out itself (``repl.with_layout``; a Keras output key).
+
+  Checked against the mesh and the value's shape here (a mesh axis it does not have, a dimension the axes do not
+  divide: ``mesh.LayoutError`` naming where it was stated).
+  """
+  pinned = {}
+  for op, spec, location in trace.pinned:
+    if op.graph is not graph:  # (a first trace, tracing again; or a function's body)
+      continue
+    try:
+      layout = mesh_lib.Layout(tuple(a or None for a in spec), mesh)
+      layout.check(op.outputs[0].shape.as_list(), what="the value")
+    except mesh_lib.LayoutError as e:
+      raise mesh_lib.LayoutError(f"The layout stated for the value laid out at {location} ({op.name}): {e}") from None
+    pinned[op.name] = tuple(_split_axes(mesh, layout.axes(d)) for d in range(layout.rank))
+  return pinned
+
+
 def build(replicator, config, layouts, creator: Callable, owner_load: dict, step_fn: Callable,
           element_spec) -> GlobalStep:
   """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it.
@@ -366,7 +385,8 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     structure["value"] = result
     return tree.flatten(result)
 
-  with _context.global_trace_scope(trace), tf.variable_creator_scope(creator), _callables.inline_functions():
+  with _context.global_trace_scope(trace), _context.trace_hooks(replicator), tf.variable_creator_scope(creator), \
+      _callables.inline_functions():
     try:
       concrete = tf.function(traced, autograph=False).get_concrete_function(*specs)
       if created:
@@ -405,7 +425,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     captured = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
                 if id(external) in trace.owners}
     _auto_layouts.choose(replicator, layouts, graph, mesh, given, handle_shapes, frozenset(summed), data,
-                         tuple(axes), captured)
+                         tuple(axes), captured, pinned=stated_layouts(trace, graph, mesh))
     for name, variable in captured.items():  # laid out anew: new layouts, new components
       given[name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
       handles[name] = _handles(variable, mesh, local)
@@ -415,7 +435,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     with tf.init_scope():  # (built from Keras's function too)
       salt = int(config.agree(tf.constant(salt, tf.int64)))
   partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes),
-                                   random_salt=salt)
+                                   random_salt=salt, pinned=stated_layouts(trace, graph, mesh))
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
     fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED

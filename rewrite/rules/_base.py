@@ -362,15 +362,21 @@ def covered() -> tuple[str, ...]:
 
 
 def with_wanted(layout: TensorLayout, want: TensorLayout | None) -> TensorLayout:
-  """``layout``, with the dimensions it leaves whole split as ``want`` splits them (axes used once)."""
+  """``layout``, with the dimensions it leaves whole split as ``want`` splits them (axes used once).
+
+  A dimension ``want`` splits further than ``layout`` (``("batch",)`` wanted ``("batch", "model")``) is split so
+  too: each piece is a part of the block held (a local slice).
+  """
   if want is None or len(want) != len(layout):
     return layout
   used = {a for axes in layout for a in axes}
   out = []
   for have, wish in zip(layout, want):
-    if not have and wish and used.isdisjoint(wish):
-      out.append(wish)
-      used.update(wish)
+    extra = tuple(wish[len(have):]) if wish and not isinstance(wish, Merged) and not isinstance(have, Merged) and (
+        tuple(wish[:len(have)]) == tuple(have)) else ()
+    if extra and used.isdisjoint(extra):
+      out.append(tuple(wish))
+      used.update(extra)
     else:
       out.append(have)
   return tuple(out)
