@@ -25,6 +25,14 @@ def test_a_split_changing_axes_is_gathered_and_a_whole_one_only_sliced():
   assert steps.moved == ((0, 2, ("batch",)),) and steps.gathered == ((1, ("model",)),)
 
 
+def test_a_split_refined_by_further_axes_is_a_local_slice():
+  # ("batch",) to ("batch", "model"): each device's block holds the parts the devices along "model" take
+  assert _relayout.steps((("batch",), ()), (("batch", "model"), ()), [16, 4], _size) == _relayout.Steps()
+  assert _relayout.refined(("batch",), ("batch", "model")) and not _relayout.refined(("model",), ("batch", "model"))
+  # the other way round is not: ("model",) to ("batch", "model") gathers "model" first
+  assert _relayout.steps((("model",), ()), (("batch", "model"), ()), [16, 4], _size).gathered == ((0, ("model",)),)
+
+
 def test_a_dimension_keeping_its_leading_axes_is_gathered_over_the_others_only():
   # ("batch", "model") -> ("batch",): the devices along "model" hold consecutive blocks of their "batch" block.
   steps = _relayout.steps((("batch", "model"), ()), (("batch",), ()), [16, 4], _size)

@@ -211,3 +211,17 @@ def _one_device_of_length(values, length, dtype):
     out = tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores), v)
     loss = tf.reduce_sum(out * w)
   return [t.numpy() for t in [out, *tape.gradient(loss, [q, k, v])]]
+
+
+def test_explain_says_which_exchange_ring_attention_chose():
+  from replicator.core import _ring_attention  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  q, k, v = (tf.constant(rng.normal(size=(B, 8, H, D)).astype(np.float32)) for _ in range(3))
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": 2}, devices=cpus(2)))
+  for exchange, kinds, said in [("auto", {"permute"}, "passed around the ring (a permute a step)"),
+                                ("all_gather", {"all_gather"}, "all-gathered (exchange='all_gather')")]:
+    report = repl.explain(lambda e=exchange: repl.ring_attention(q, k, v, axis="seq", exchange=e))
+    rows = report.summary()
+    assert {row["kind"] for row in rows} == kinds and all(said in row["location"] for row in rows), rows
+  # Across worker processes "auto" is the all-gather, and says why.
+  assert "as the axis spans worker processes" in _ring_attention.exchange_said("all_gather", "auto")

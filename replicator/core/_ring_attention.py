@@ -87,6 +87,17 @@ def exchange_for(mesh, replica: int, axes, exchange: str) -> str:
   return "all_gather" if _spans_processes(mesh, replica, axes) else "ring"
 
 
+def exchange_said(chosen: str, asked: str) -> str:
+  """What ``explain`` says of the exchange ``chosen`` (``asked``: the ``exchange=`` given), after the call's place."""
+  if chosen == "ring":
+    return "ring attention: keys and values passed around the ring (a permute a step)"
+  if asked == "auto":
+    return ("ring attention: keys and values all-gathered, as the axis spans worker processes (TensorFlow's "
+            "collectives have no point-to-point send there: a permute would be an all-gather, P - 1 times a ring "
+            "step's bytes)")
+  return "ring attention: keys and values all-gathered (exchange='all_gather')"
+
+
 def allowed_positions(queries: np.ndarray, keys: np.ndarray, causal: bool, window: int | None) -> np.ndarray | None:
   """Which (query, key) pairs of global positions may attend: causal (a key at or before its query) and within a
   sliding window (fewer than ``window`` positions apart); None: every pair."""
@@ -112,7 +123,9 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   check(q, k, v, location)
   mesh = ctx.replicator.mesh
   count, index = mesh.axis_size(axes), mesh.axis_index(ctx.replica_id, axes)
-  exchange = exchange_for(mesh, ctx.replica_id, axes, exchange)
+  chosen = exchange_for(mesh, ctx.replica_id, axes, exchange)
+  said = f"{location} ({exchange_said(chosen, exchange)})"  # where its collectives are called, in explain
+  exchange = chosen
   tokens = q.shape[1]
   if tokens is None or k.shape[1] != tokens:
     raise _errors.ArgumentError(
@@ -134,7 +147,7 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   names = sorted(extras)
 
   def send(*tensors):
-    return tuple(_primitives.permute(ctx, t, ring, axes, location) for t in tensors)
+    return tuple(_primitives.permute(ctx, t, ring, axes, said) for t in tensors)
 
   def scores_of(q, kb, extra, origin):  # [batch, heads, queries, keys] of the block of device `origin`, masked
     allowed = allowed_positions(mine, _sequence.sequence_positions(length, origin, count, order), causal, window)
@@ -150,7 +163,7 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   def blocks(k, v):
     """(keys, values, what travels with them, device of origin) of each block, in the order this device meets them."""
     if exchange == "all_gather":  # every device's keys and values at once, in device order
-      gathered = [_primitives.all_gather(ctx, t, 1, axes, location) for t in [k, v] + [extras[n] for n in names]]
+      gathered = [_primitives.all_gather(ctx, t, 1, axes, said) for t in [k, v] + [extras[n] for n in names]]
       for j in range(count):
         piece = [t[:, j * tokens:(j + 1) * tokens] for t in gathered]
         yield piece[0], piece[1], dict(zip(names, piece[2:])), j
@@ -201,7 +214,7 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
         for kb, vb, extra, origin in blocks(k, v):
           dq_block, dk, dv = block_grads(dout, delta, kb, vb, extra, origin)
           dq, dks, dvs = dq + dq_block, dks + [dk], dvs + [dv]
-        return dq, *(_primitives.reduce_scatter(ctx, tf.concat(d, axis=1), "sum", 1, axes, location)
+        return dq, *(_primitives.reduce_scatter(ctx, tf.concat(d, axis=1), "sum", 1, axes, said)
                      for d in (dks, dvs))
       kb, vb, extra = k, v, dict(extras)
       dk, dv = tf.zeros_like(k), tf.zeros_like(v)
