@@ -26,6 +26,7 @@ from replicator.guarantees import _run_state
 from replicator.input import _distributed_dataset
 from replicator.input import _process_shards
 from replicator.integrations import _keras
+from replicator.integrations import _keras_attention  # noqa: F401  (registers its trace hook: blockwise attention)
 from replicator.integrations import _keras_distribution
 from replicator.integrations import _keras_outputs  # noqa: F401  (registers its trace hook: Keras's output keys)
 from replicator.state import _layout_state
@@ -413,6 +414,11 @@ class Replicator(_collective_methods.CollectiveMethods):
     if self._keras_strategy is None:
       self._keras_strategy = _keras.KerasStrategy(self._config, self._creator, self._views["global"])
     return self._keras_strategy
+
+  @property
+  def input_layouts(self):
+    """``Replicator(input_layouts=)``: how the global view splits the step's inputs beyond the batch (None: not)."""
+    return self._config.input_layouts
 
   @property
   def strict(self) -> bool:

@@ -279,6 +279,8 @@ def _apply(rule, view, ins) -> _base.Decision:
   pending = [x for x in ins if isinstance(x, _base.Pending)]
   if pending:  # a Sum of partial sums (_pending): it sums them with its own
     decision = _apply(rule, view, [tuple(x) if isinstance(x, _base.Pending) else x for x in ins])
+    if view.op.type == "ConcatV2":
+      return _joined_partials(view, ins, decision)
     if view.op.type != "Sum" or decision.fallback or decision.lower is not None:
       raise _errors.RewriteError(f"{view.op.type} {view.op.name} reads partial sums left for a Sum (a bug).")
     combine, axes = decision.reduce[0] or ("sum", ())
@@ -302,6 +304,32 @@ def _apply(rule, view, ins) -> _base.Decision:
     decision.inputs = inputs
     return decision
   return _apply_plain(rule, view, ins)
+
+
+def _joined_partials(view, ins, decision) -> _base.Decision:
+  """A ``ConcatV2`` of partial sums (``_pending``): joined, then summed once, or reduce-scattered where wanted split.
+
+  Blocks of partial sums over the same axes make the partial sums of their concatenation: one all-reduce of the
+  whole (or, where the consumers want it split over those axes, one reduce-scatter), not one a block. Blocks
+  summed over different axes (or some complete) are each all-reduced over their own, then joined.
+  """
+  values = ins[:-1]
+  summed = {x.summed for x in values if isinstance(x, _base.Pending)}
+  if decision.fallback or decision.lower is not None:
+    raise _errors.RewriteError(f"ConcatV2 {view.op.name} of partial sums could not be partitioned (a bug).")
+  if len(summed) == 1 and all(isinstance(x, _base.Pending) for x in values):
+    axes = next(iter(summed))
+    out, scatter = _base.scatter_partials(view, decision.outputs[0], axes)
+    return dataclasses.replace(decision, outputs=[out], reduce=[("sum", axes)], scatter={0: scatter} if scatter else {})
+  axis = int(view.const(len(ins) - 1)) % len(decision.outputs[0])
+
+  def lower(r, inputs, comm):
+    parts = [comm.all_reduce(x, "sum", have.summed) if isinstance(have, _base.Pending) else x
+             for x, have in zip(inputs[:-1], values)]
+    return [tf.concat(parts, axis)]
+
+  return dataclasses.replace(decision, lower=lower, communicates=tuple(
+      ("all_reduce", x.summed, "partial sum") for x in values if isinstance(x, _base.Pending)))
 
 
 def _plain(layout) -> bool:

@@ -140,9 +140,22 @@ CONTRACTIONS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "BatchMatMul", "Eins
 
 def summed_after(op) -> bool:
   """Whether ``op`` is a contraction whose one output only a ``Sum`` reads (a kernel's gradient, broadcast over the
-  batch: ``[batch, in, out]`` summed over the batch), so its partial sums can wait for that sum."""
+  batch: ``[batch, in, out]`` summed over the batch), or only a ``ConcatV2`` of such contractions alone (the keys'
+  gradient of blockwise attention, a block each), so its partial sums can wait for that op."""
   if op.type not in CONTRACTIONS or len(op.outputs) != 1:
     return False
   consumers = op.outputs[0].consumers()
   returned = {t.name for t in getattr(op.graph, "outputs", ()) or ()}
-  return len(consumers) == 1 and consumers[0].type == "Sum" and op.outputs[0].name not in returned
+  if len(consumers) != 1 or op.outputs[0].name in returned:
+    return False
+  if consumers[0].type == "Sum":
+    return True
+  return consumers[0].type == "ConcatV2" and _concat_of_contractions(consumers[0], returned)
+
+
+def _concat_of_contractions(concat, returned) -> bool:
+  """Whether every value ``concat`` joins is a contraction of one type, read by it alone (and not returned)."""
+  values = list(concat.inputs)[:-1]
+  kinds = {t.op.type for t in values}
+  return (len(values) > 1 and len(kinds) == 1 and kinds <= set(CONTRACTIONS)
+          and all(len(t.consumers()) == 1 and t.name not in returned for t in values))

@@ -83,11 +83,14 @@ def test_a_transformer_with_its_sequence_split_trains_as_on_one_device(causal):
   for row in report.collective_rows:  # no collective of the score matrix's size
     assert row.bytes_per_device < scores, row
   kv = [row for row in report.collective_rows if row.kind == "all_gather" and "seq" in row.axes
-        and re.search(r"/(key|value)", row.op_name)]
-  # Keys and values gathered over "seq" (each device sends its [batch/2, seq/2, heads x head size] of each), and
-  # gathered again for the backward pass (not held from the forward pass).
+        and re.search(r"/(key|value)", row.why)]
+  # Keys and values gathered over "seq" (each device sends its [batch/2, seq/2, heads, head size] of each) for
+  # Keras's attention, blockwise (integrations._keras_attention), and gathered again for its backward pass (not
+  # held from the forward pass); their gradients reduce-scattered, one each.
   assert len(kv) == 4 and all(row.bytes_per_device == (B // 2) * (S // 2) * 2 * 8 * 4 for row in kv), kv
-  assert sum("again for the backward pass" in row.why for row in kv) == 2, kv
+  assert sum(row.op_name.startswith("gradients/") for row in kv) == 2, kv
+  scattered = [row for row in report.collective_rows if row.kind == "reduce_scatter" and row.op_type == "ConcatV2"]
+  assert len(scattered) == 2 and all(row.axes == ("seq",) and row.shape == (B // 2, S, 2, 8) for row in scattered)
   # A projection's kernel gradient ([batch, in, out] of partial sums over the sequence, then summed over the batch)
   # is one all-reduce over both axes, of the kernel's size (rewrite.rules._base.Pending): none of the batch's.
   assert not [row for row in report.collective_rows if row.op_type in ("BatchMatMulV2", "Einsum")

@@ -53,6 +53,12 @@ CASES = {
     "select_clip": _case([8, 6], [6, 4], (None, "model"),
                          lambda x, w: tf.where(tf.matmul(x, w) > 0, tf.clip_by_value(tf.matmul(x, w), -0.5, 0.5),
                                                tf.maximum(tf.matmul(x, w), -1.0))),
+    # blocks of partial sums joined (the keys' gradient of blockwise attention): summed once; blocks summed over
+    # different axes (the batch's, the kernel's columns'): each all-reduced over its own, then joined
+    "concat_of_partial_sums": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.matmul(tf.concat(
+        [tf.matmul(x[:, :3], x, transpose_a=True), tf.matmul(x[:, 3:], x, transpose_a=True)], 0), w)),
+    "concat_of_mixed_partial_sums": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.concat(
+        [tf.matmul(x, x, transpose_a=True), tf.matmul(w, w, transpose_b=True)], 1)),
     "add_n": _case([8, 6], [6, 4], (None, "model"), lambda x, w: tf.add_n([tf.matmul(x, w)] * 3)),
     # reductions
     "sparse_cross_entropy_split_classes": _case(  # vocabulary-parallel: the loss and its backprop on pieces

@@ -1,0 +1,118 @@
+"""Attention computed block by block of keys, at global shapes: the global view's attention over a split sequence.
+
+``softmax(q k^T * scale + bias, masked) v`` (Keras's ``dot_product_attention``
+semantics: a boolean ``mask`` broadcast to ``[batch, heads, queries, keys]``,
+``is_causal`` for key ``j`` seen by query ``i`` only if ``j <= i``, masked
+scores set to ``-0.7`` of the dtype's largest value) as an online softmax over
+``blocks`` blocks of keys: a running maximum and denominator per query, each
+block's scores made, folded in and dropped. The backward pass is
+FlashAttention's: each block's scores recomputed from ``q`` and the block,
+with the log of each query's denominator kept from the forward pass. What is
+kept for the backward pass is ``q``, ``k``, ``v``, the output and that log,
+never the scores.
+
+These are plain TensorFlow ops at the step's global shapes, so the global
+view partitions them as any: over a sequence split by queries, each device
+takes its queries' rows of every block (the keys and values gathered once
+and sliced block by block, locally), so it holds at most ``s x S / blocks``
+scores a head at a time, and keeps none of them for the backward pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+
+def _large_negative(dtype) -> float:
+  return -0.7 * (65500.0 if dtype == tf.float16 else 3.38953e38)
+
+
+def _edges(length: int, blocks: int) -> list[tuple[int, int]]:
+  """``blocks`` consecutive ranges covering ``range(length)`` (the last ones shorter where it does not divide)."""
+  size = -(-length // max(1, min(blocks, length)))
+  return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+def _block(t, start: int, stop: int, axis: int):
+  """``t``'s positions ``[start, stop)`` along ``axis`` (a dimension of size 1 broadcasts: kept whole)."""
+  if t is None or t.shape[axis] == 1:
+    return t
+  begin, size = [0] * t.shape.rank, [-1] * t.shape.rank
+  begin[axis], size[axis] = start, stop - start
+  return tf.slice(t, begin, size)
+
+
+def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: float, blocks: int):
+  """``[batch, queries, heads, size]``: attention of ``q`` over ``k`` and ``v`` (see the module), blockwise.
+
+  Args:
+    q: ``[batch, queries, heads, size]``; ``k``, ``v``: ``[batch, keys, heads, size]`` (as many heads as ``q``).
+    bias: added to the scores, broadcast to ``[batch, heads, queries, keys]``, or None.
+    mask: boolean, broadcast likewise (True: the key is seen), or None.
+    is_causal: key ``j`` seen by query ``i`` only if ``j <= i``.
+    scale: the scores' scale.
+    blocks: how many blocks of keys.
+  """
+  queries, keys = q.shape[1], k.shape[1]
+  edges = _edges(keys, blocks)
+  logits_dtype = tf.float32 if q.dtype in (tf.float16, tf.bfloat16) else q.dtype
+  negative = _large_negative(logits_dtype)
+  mask = None if mask is None else tf.convert_to_tensor(mask, tf.bool)
+  bias = None if bias is None else tf.convert_to_tensor(bias)
+
+  def scores_of(q, kb, start, stop):  # [batch, heads, queries, keys of the block], masked
+    s = tf.cast(tf.einsum("btnh,bsnh->bnts", q, kb), logits_dtype) * tf.cast(scale, logits_dtype)
+    if bias is not None:
+      s += tf.cast(_block(bias, start, stop, -1), logits_dtype)
+    allowed = _block(mask, start, stop, -1)
+    if is_causal:
+      causal = tf.constant(np.arange(queries)[:, None] >= np.arange(start, stop)[None, :])
+      allowed = causal if allowed is None else tf.logical_and(allowed, causal)
+    if allowed is not None:
+      s = tf.where(allowed, s, tf.constant(negative, logits_dtype))
+    return s
+
+  @tf.custom_gradient
+  def blockwise(q, k, v):
+    running_max, total, out = None, None, None
+    for start, stop in edges:
+      s = scores_of(q, k[:, start:stop], start, stop)
+      block_max = tf.reduce_max(s, axis=-1)
+      new_max = block_max if running_max is None else tf.maximum(running_max, block_max)
+      weights = tf.exp(s - new_max[..., None])
+      part = tf.einsum("bnts,bsnh->btnh", tf.cast(weights, v.dtype), v[:, start:stop])
+      if running_max is None:
+        total, out = tf.reduce_sum(weights, axis=-1), tf.cast(part, logits_dtype)
+      else:
+        rescale = tf.exp(running_max - new_max)  # [batch, heads, queries]
+        total = total * rescale + tf.reduce_sum(weights, axis=-1)
+        out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.cast(part, logits_dtype)
+      running_max = new_max
+    out = out / tf.transpose(total, [0, 2, 1])[..., None]
+    log_total = running_max + tf.math.log(total)  # [batch, heads, queries]
+    result = tf.cast(out, v.dtype)
+
+    def grad(dout):
+      with tf.name_scope("gradients"):  # (the backward pass's ops, as the rewrite tells them: by their scope)
+        return backward(dout)
+
+    def backward(dout):
+      dout = tf.cast(dout, logits_dtype)
+      delta = tf.transpose(tf.reduce_sum(dout * tf.cast(result, logits_dtype), axis=-1), [0, 2, 1])
+      dq = tf.zeros_like(q, logits_dtype)
+      dks, dvs = [], []
+      for start, stop in edges:
+        kb, vb = k[:, start:stop], v[:, start:stop]
+        p = tf.exp(scores_of(q, kb, start, stop) - log_total[..., None])  # the block's probabilities
+        dvs.append(tf.einsum("bnts,btnh->bsnh", p, dout))
+        dp = tf.einsum("btnh,bsnh->bnts", dout, tf.cast(vb, logits_dtype))
+        ds = p * (dp - delta[..., None]) * tf.cast(scale, logits_dtype)
+        dq += tf.einsum("bnts,bsnh->btnh", ds, tf.cast(kb, logits_dtype))
+        dks.append(tf.einsum("bnts,btnh->bsnh", ds, tf.cast(q, logits_dtype)))
+      dk, dv = (tf.concat(d, axis=1) if len(d) > 1 else d[0] for d in (dks, dvs))
+      return tf.cast(dq, q.dtype), tf.cast(dk, k.dtype), tf.cast(dv, v.dtype)
+
+    return result, grad
+
+  return blockwise(q, k, v)

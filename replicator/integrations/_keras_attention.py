@@ -1,0 +1,85 @@
+"""Keras's ``dot_product_attention``, blockwise in a global-view step that splits more than the batch.
+
+Keras 3's ``MultiHeadAttention`` (without dropout, not returning its scores)
+and any layer calling ``keras.ops.dot_product_attention`` compute attention
+on TensorFlow with plain ops: the whole ``[batch, heads, queries, keys]``
+score matrix, kept for the backward pass. Over a sequence split across
+devices the global view gives each device its queries' rows of it (``1 / P``
+of one device's), materialized and kept. While the step of a Replicator
+that splits its inputs beyond the batch (``input_layouts=``) or lays out a
+layer's output (a ``"<layer>/output"`` key) is traced, Keras's TensorFlow
+backend computes it instead as ``_blockwise_attention`` does: an online
+softmax over as many blocks of keys as the devices along the mesh's other
+axes, FlashAttention's backward pass, nothing of the scores kept. The
+results are one device's (the same function, summed in another order).
+Other calls (flash attention asked for, a soft cap, a bias, not 4-D) are
+Keras's own.
+
+Private Keras API, in this module only (Keras 3.15.1; tests/test_keras_attention.py
+fails if it changes): ``keras.src.backend.tensorflow.nn.dot_product_attention``,
+which ``keras.ops.dot_product_attention`` calls, is replaced for the trace and
+put back after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+
+import tensorflow as tf
+
+from replicator.core import _blockwise_attention
+from replicator.core import _context
+
+_MODULE = "keras.src.backend.tensorflow.nn"
+
+
+def blocks_for(replicator) -> int:
+  """How many blocks of keys attention takes in ``replicator``'s global-view steps (1: Keras's own attention)."""
+  layouts = replicator.layouts
+  if replicator.input_layouts is None and not (layouts is not None and layouts.output_keys()):
+    return 1
+  shape = replicator.mesh.shape
+  return math.prod(size for axis, size in shape.items() if axis not in replicator.batch_axes)
+
+
+def _blockwise(original, blocks: int):
+  def dot_product_attention(query, key, value, bias=None, mask=None, scale=None, is_causal=False,
+                            flash_attention=None, attn_logits_soft_cap=None):
+    shapes = [tf.convert_to_tensor(t).shape for t in (query, key, value)]
+    if (flash_attention or attn_logits_soft_cap is not None or bias is not None
+            or any(s.rank != 4 or not s.is_fully_defined() for s in shapes)):
+      return original(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+                      flash_attention=flash_attention, attn_logits_soft_cap=attn_logits_soft_cap)
+    query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
+    dtype = tf.experimental.numpy.result_type(query.dtype, key.dtype, value.dtype)
+    query, key, value = (tf.cast(t, dtype) for t in (query, key, value))
+    heads, kv_heads = query.shape[2], key.shape[2]
+    if heads > kv_heads > 1:  # grouped-query attention: each key head serves heads / kv_heads query heads
+      key, value = (tf.repeat(t, repeats=heads // kv_heads, axis=2) for t in (key, value))
+    scale = 1.0 / math.sqrt(key.shape[-1]) if scale is None else scale
+    return _blockwise_attention.attention(query, key, value, mask=mask, is_causal=is_causal, scale=scale,
+                                          blocks=blocks)
+
+  dot_product_attention.__doc__ = original.__doc__
+  return dot_product_attention
+
+
+@contextlib.contextmanager
+def blockwise_attention(replicator):
+  """While ``replicator``'s step is traced, Keras's attention on TensorFlow runs blockwise (see the module)."""
+  nn = sys.modules.get(_MODULE)
+  blocks = blocks_for(replicator)
+  if nn is None or blocks <= 1 or not hasattr(nn, "dot_product_attention"):
+    yield
+    return
+  original = nn.dot_product_attention
+  nn.dot_product_attention = _blockwise(original, blocks)
+  try:
+    yield
+  finally:
+    nn.dot_product_attention = original
+
+
+_context.add_trace_hook(blockwise_attention)
