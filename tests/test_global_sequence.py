@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import keras_step
 
 import mesh
 import replicator
@@ -41,16 +42,6 @@ def _transformer(causal=True):
   return keras.Model(ids, keras.layers.Dense(V, name="head")(h))
 
 
-def _step(model, opt):
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-  return step
-
 
 def _sequence_replicator(shape=None, **kwargs):
   shape = shape or {"batch": 2, "seq": 2}
@@ -62,13 +53,13 @@ def _sequence_replicator(shape=None, **kwargs):
 def test_a_transformer_with_its_sequence_split_trains_as_on_one_device(causal):
   data = tf.data.Dataset.from_tensors(_tokens()).repeat()
   one, one_opt = _transformer(causal), keras.optimizers.Adam(1e-2)
-  one_step = tf.function(_step(one, one_opt))
+  one_step = tf.function(keras_step(one, one_opt))
   batches = iter(data)
   expected = [float(one_step(next(batches))) for _ in range(3)]
   repl = _sequence_replicator()
   with repl.context():
     model, opt = _transformer(causal), keras.optimizers.Adam(1e-2)
-  step = _step(model, opt)
+  step = keras_step(model, opt)
   np.testing.assert_allclose([float(repl.run(step, data)) for _ in range(3)], expected, atol=ATOL)
   assert_every_copy(model.weights, one.weights, atol=ATOL)
   assert_every_copy(opt.variables, one_opt.variables, atol=ATOL)
@@ -107,7 +98,7 @@ def test_attention_saves_a_pth_of_one_devices_bytes_for_the_backward_pass():
                                  view="global", input_layouts=("batch", "seq"), strict=True)
     with repl.context():
       model, opt = _transformer(), keras.optimizers.Adam(1e-2)
-    report = repl.memory(_step(model, opt), data)
+    report = repl.memory(keras_step(model, opt), data)
     device = report.devices[0].device
     saved[len(report.devices)] = sum(t.bytes or 0 for t in report.saved if t.device == device and "/mha" in t.tensor
                                      and t.kind != "variable read")
@@ -154,7 +145,7 @@ def test_input_layouts_by_function_and_by_rank():
   repl = replicator.Replicator(mesh=repl.mesh, view="global", input_layouts=layouts)
   with repl.context():
     model, opt = _transformer(), keras.optimizers.Adam(1e-2)
-  report = repl.explain(_step(model, opt), tf.data.Dataset.from_tensors((x, y)))
+  report = repl.explain(keras_step(model, opt), tf.data.Dataset.from_tensors((x, y)))
   assert picked == [(0, (B, S)), (1, (B, S))]
   assert [row.layout for row in report.inputs] == [(("batch",), ("seq",)), (("batch",), ())]
 
@@ -195,14 +186,14 @@ def test_megatron_sequence_parallelism_reduce_scatters_and_gathers_instead_of_al
   tokens = (rng.integers(0, V, (2, 16)).astype(np.int32), rng.integers(0, V, (2, 16)).astype(np.int32))
   data = tf.data.Dataset.from_tensors(tokens).repeat()
   one, one_opt = _megatron_block_model(), keras.optimizers.Adam(1e-3)
-  one_step = tf.function(_step(one, one_opt))
+  one_step = tf.function(keras_step(one, one_opt))
   batches = iter(data)
   expected = [float(one_step(next(batches))) for _ in range(3)]
   repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)), view="global",
                                layouts=MEGATRON, input_layouts=("batch", "model"), strict=True)
   with repl.context():
     model, opt = _megatron_block_model(), keras.optimizers.Adam(1e-3)
-  step = _step(model, opt)
+  step = keras_step(model, opt)
   np.testing.assert_allclose([float(repl.run(step, data)) for _ in range(3)], expected, atol=ATOL)
   assert_every_copy(model.weights, one.weights, atol=ATOL)
   assert_every_copy(opt.variables, one_opt.variables, atol=ATOL)

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import keras_step
 
 import mesh
 import replicator
@@ -52,16 +53,6 @@ def _decoder():
   return keras.Model(ids, keras.layers.Dense(V, name="head")(h))
 
 
-def _step(model, opt):
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-  return step
-
 
 def _data():
   rng = np.random.default_rng(0)
@@ -74,14 +65,14 @@ def _split(model_fn=_decoder):
                                input_layouts=("batch", "seq"), strict=True)
   with repl.context():
     model, opt = model_fn(), keras.optimizers.Adam(1e-2)
-  return repl, model, opt, _step(model, opt)
+  return repl, model, opt, keras_step(model, opt)
 
 
 def test_a_decoder_over_a_split_sequence_trains_as_on_one_device_keeping_no_scores(monkeypatch):
   # 3 Adam steps at 1e-2: 3.0e-7 from one device at most (measured; Keras's plain attention over the same split:
   # 1.8e-7), so 1e-6; a dropped mask or a stale block is 1e-3 or more.
   one, one_opt = _decoder(), keras.optimizers.Adam(1e-2)
-  step, batches = tf.function(_step(one, one_opt)), iter(_data())
+  step, batches = tf.function(keras_step(one, one_opt)), iter(_data())
   expected = [float(step(next(batches))) for _ in range(3)]
   repl, model, opt, step = _split()
   assert _keras_attention.blocks_for(repl) == 2

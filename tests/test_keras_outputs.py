@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from conftest import keras_step
 
 import mesh
 import replicator
@@ -41,16 +42,6 @@ def _decoder():
   return keras.Model(ids, keras.layers.Dense(V, name="head")(keras.layers.Dense(32, activation="gelu", name="ff")(h)))
 
 
-def _step(model, opt):
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-  return step
-
 
 def _data():
   return tf.data.Dataset.from_tensors(_tokens()).repeat()
@@ -58,7 +49,7 @@ def _data():
 
 def _one_device(steps=3):
   one, opt = _decoder(), keras.optimizers.Adam(1e-2)
-  step, batches = tf.function(_step(one, opt)), iter(_data())
+  step, batches = tf.function(keras_step(one, opt)), iter(_data())
   return one, opt, [float(step(next(batches))) for _ in range(steps)]
 
 
@@ -75,7 +66,7 @@ def test_an_output_key_splits_the_sequence_from_that_layer_on_and_equals_one_dev
   repl = replicator.Replicator(mesh=m, view="global", layouts=layouts, strict=True)
   with repl.context():
     model, opt = _decoder(), keras.optimizers.Adam(1e-2)
-  step = _step(model, opt)
+  step = keras_step(model, opt)
   np.testing.assert_allclose([float(repl.run(step, _data())) for _ in range(3)], expected, atol=ATOL)
   assert_every_copy(model.weights, one.weights, atol=ATOL)
   assert_every_copy(opt.variables, one_opt.variables, atol=ATOL)
@@ -104,7 +95,7 @@ def test_an_output_key_through_keras_distribution_api_states_the_layout():
                                                                          batch_dim_name="batch"))
     model, opt = _decoder(), keras.optimizers.Adam(1e-2)
     repl = replicator.distribution_replicator()
-    step = _step(model, opt)
+    step = keras_step(model, opt)
     report = repl.explain(step, _data())
     stated = [c for c in report.collective_rows if STATED in c.why]
     # ff's output [batch, seq, 32] split by the kernel's columns over "model": gathered where stated.
@@ -121,12 +112,12 @@ def test_an_output_key_that_matches_no_layer_is_reported_with_the_closest():
     model, opt = _decoder(), keras.optimizers.Adam(1e-2)
   with pytest.warns(UserWarning, match=r"key 'embb/output' \(a layer's output\) matches the output of none of the "
                                        r"\d+ Keras layer\(s\).*The closest: '[^']*emb/output'.*Fix: correct the key"):
-    repl.run(_step(model, opt), _data())
+    repl.run(keras_step(model, opt), _data())
   strict = replicator.Replicator(mesh=m, view="global", layouts={"embb/output": ("batch", "seq", None)}, strict=True)
   with strict.context():
     model, opt = _decoder(), keras.optimizers.Adam(1e-2)
   with pytest.raises(mesh.LayoutError, match=r"key 'embb/output' \(a layer's output\) matches the output of none"):
-    strict.run(_step(model, opt), _data())
+    strict.run(keras_step(model, opt), _data())
 
 
 def test_output_keys_are_not_variables_keys():
