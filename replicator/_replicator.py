@@ -111,6 +111,9 @@ def check_axis(name: str, axis, per_replica) -> None:
             extra=", or axis=None to combine the replicas elementwise only" if name == "reduce" else ""))
 
 
+CONTEXT_PARALLEL = ("all_gather", "ulysses")
+
+
 def _check_input_layouts(input_layouts, mesh: mesh_lib.Mesh, view: str):
   """``input_layouts`` as the Config keeps it: None, a callable, or a spec as axes per dimension."""
   if input_layouts is None:
@@ -218,6 +221,15 @@ class Replicator(_collective_methods.CollectiveMethods):
       ``tf.TensorSpec``. Inputs given no spec are split over ``batch_axes``
       alone. The split is kept through the layers whose rules allow it;
       ``explain`` says where it is gathered and why.
+    context_parallel: in the global view, how Keras's attention
+      (``MultiHeadAttention``, ``keras.ops.dot_product_attention``) exchanges
+      a sequence split over the mesh's non-batch axes: ``"all_gather"`` (the
+      default: the keys and values gathered, blockwise softmax, their
+      gradients reduce-scattered) or ``"ulysses"`` (DeepSpeed-Ulysses: the
+      queries, keys and values moved by all-to-all from a split of the tokens
+      to a split of the heads, attention computed on whole sequences of each
+      device's heads, the output moved back; the heads must divide over those
+      axes). See the concepts page on sequences.
     view: ``"local"`` (the default): ``step_fn`` sees each device's piece and
       calls collectives itself. ``"global"`` (experimental): ``step_fn`` is the
       single-device step, seeing global values, partitioned by the layouts
@@ -254,7 +266,7 @@ class Replicator(_collective_methods.CollectiveMethods):
                implementation: str = "auto", autograph: bool = True, prefetch_to_device: int | None = None,
                batch_axes: str | Sequence[str] | None = None, layouts=None, drop_remainder: bool = False,
                view: str = "local", strict: bool = False, update: str = "auto", atomic: bool = True,
-               memory_per_device: int | None = None, input_layouts=None):
+               memory_per_device: int | None = None, input_layouts=None, context_parallel: str = "all_gather"):
     if mesh is not None and devices is not None:
       raise _errors.ArgumentError("Pass either `devices` or `mesh` to Replicator, not both "
                        "(a mesh already lists its devices).")
@@ -287,6 +299,16 @@ class Replicator(_collective_methods.CollectiveMethods):
           f"{layouts!r} were given. Fix: pass layouts='auto', or leave memory_per_device out.")
     self._layouts = _layout_state.LayoutState(_as_layout_map(layouts), auto)
     input_layouts = _check_input_layouts(input_layouts, self._mesh, view)
+    if context_parallel not in CONTEXT_PARALLEL:
+      raise _errors.ArgumentError(
+          f"Replicator(context_parallel={context_parallel!r}): expected one of {CONTEXT_PARALLEL} (how the global "
+          "view's attention exchanges a split sequence). Fix: context_parallel='all_gather' (the default) or "
+          "'ulysses'.")
+    if context_parallel != "all_gather" and view != "global":
+      raise _errors.ArgumentError(
+          f"Replicator(context_parallel={context_parallel!r}, view={view!r}): the scheme chooses how the global "
+          "view's attention exchanges a split sequence; in the local view a step calls it itself. Fix: call "
+          "repl.ulysses_attention(q, k, v, axis=...) in the step, or pass view='global'.")
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
     self._keras_strategy = None
@@ -302,7 +324,8 @@ class Replicator(_collective_methods.CollectiveMethods):
     self._config = _config.Config(
         mesh=self._mesh, view=view, strict=bool(strict), atomic=atomic, update=update, batch_axes=batch_axes,
         autograph=autograph, implementation=implementation, prefetch_to_device=prefetch_to_device,
-        drop_remainder=bool(drop_remainder), host=mesh_lib.canonical_name("CPU:0"), input_layouts=input_layouts)
+        drop_remainder=bool(drop_remainder), host=mesh_lib.canonical_name("CPU:0"), input_layouts=input_layouts,
+        context_parallel=context_parallel)
     self._config = self._configured(self._config)
     # What the calls share (the state of runs), what makes variables, and the two views that build and run steps.
     self._state = _run_state.RunState(self._layouts, self._config.strict)
@@ -419,6 +442,11 @@ class Replicator(_collective_methods.CollectiveMethods):
   def input_layouts(self):
     """``Replicator(input_layouts=)``: how the global view splits the step's inputs beyond the batch (None: not)."""
     return self._config.input_layouts
+
+  @property
+  def context_parallel(self) -> str:
+    """``Replicator(context_parallel=)``: how the global view's attention exchanges a split sequence."""
+    return self._config.context_parallel
 
   @property
   def strict(self) -> bool:

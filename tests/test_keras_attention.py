@@ -110,3 +110,47 @@ def test_only_a_step_that_splits_beyond_the_batch_runs_blockwise():
   repl.run(step, _data())
   from keras.src.backend.tensorflow import nn  # pylint: disable=import-outside-toplevel
   assert nn.dot_product_attention.__module__ == "keras.src.backend.tensorflow.nn"
+
+
+def test_ulysses_moves_tokens_to_heads_and_back_and_equals_one_device():
+  # 3 Adam steps: 3.4e-7 from one device at most (measured), so 1e-6.
+  one, one_opt = _decoder(), keras.optimizers.Adam(1e-2)
+  step, batches = tf.function(keras_step(one, one_opt)), iter(_data())
+  expected = [float(step(next(batches))) for _ in range(3)]
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "seq": 2}, devices=cpus(4)), view="global",
+                               input_layouts=("batch", "seq"), context_parallel="ulysses", strict=True)
+  with repl.context():
+    model, opt = _decoder(), keras.optimizers.Adam(1e-2)
+  step = keras_step(model, opt)
+  np.testing.assert_allclose([float(repl.run(step, _data())) for _ in range(3)], expected, atol=1e-6)
+  assert_every_copy(model.weights, one.weights, atol=1e-6)
+  assert_every_copy(opt.variables, one_opt.variables, atol=1e-6)
+
+  rows = [c for c in repl.explain(step, _data()).collective_rows if c.shape and len(c.shape) == 4 and
+          c.shape[0] == B // 2]
+  # Forward: the queries, keys and values to the heads, the output back; backward: the same four, the other way.
+  # Each moves a device's [b/2, S/2, heads, size] (tokens to heads) or [b/2, S, heads/2, size] (heads to tokens).
+  assert [c.kind for c in rows] == ["all_to_all"] * 8, rows
+  assert all(c.axes == ("seq",) and c.bytes_per_device == (B // 2) * (S // 2) * HEADS * 8 * 4 for c in rows)
+
+
+def test_ulysses_needs_heads_the_axes_divide_and_the_global_view():
+  def three_heads():
+    keras.utils.set_random_seed(1)
+    ids = keras.Input((S,), dtype="int32")
+    h = keras.layers.Embedding(V, 12)(ids)
+    return keras.Model(ids, keras.layers.Dense(V)(keras.layers.MultiHeadAttention(3, 4)(h, h)))
+
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "seq": 2}, devices=cpus(4)), view="global",
+                               input_layouts=("batch", "seq"), context_parallel="ulysses")
+  with repl.context():
+    model, opt = three_heads(), keras.optimizers.Adam(1e-2)
+  with pytest.raises(replicator.ArgumentError, match=r"context_parallel='ulysses'.*has 3 heads .*which 2 does not "
+                                                     r"divide. Fix: a number of heads divisible by 2, or "
+                                                     r"context_parallel='all_gather'"):
+    repl.run(keras_step(model, opt), _data())
+  with pytest.raises(replicator.ArgumentError, match=r"in the local view a step calls it itself. Fix: call "
+                                                     r"repl.ulysses_attention"):
+    replicator.Replicator(cpus(2), context_parallel="ulysses")
+  with pytest.raises(replicator.ArgumentError, match=r"context_parallel='ring'\): expected one of"):
+    replicator.Replicator(cpus(2), view="global", context_parallel="ring")

@@ -45,6 +45,9 @@ class Config:
       batch split: a ``mesh.Layout`` spec for every input of its rank, or a
       function ``(index, tf.TensorSpec) -> spec or None``; None: the batch
       split alone.
+    context_parallel: how the global view's Keras attention over a split
+      sequence exchanges it: ``"all_gather"`` (keys and values) or
+      ``"ulysses"`` (queries, keys and values all-to-all from tokens to heads).
   """
 
   mesh: Any
@@ -64,6 +67,7 @@ class Config:
   agree: Any = None
   workers: tuple[str, ...] = ()
   input_layouts: Any = None
+  context_parallel: str = "all_gather"
 
   @property
   def local_replicas(self) -> tuple[int, ...]:

@@ -15,6 +15,13 @@ results are one device's (the same function, summed in another order).
 Other calls (flash attention asked for, a soft cap, a bias, not 4-D) are
 Keras's own.
 
+With ``Replicator(context_parallel="ulysses")`` the queries, keys and values
+are laid out by heads over those axes first (``with_layout``: an all-to-all
+from a split of the tokens to a split of the heads, DeepSpeed-Ulysses), each
+device attends over whole sequences of its heads, and the output is laid out
+by tokens again (their gradients likewise, the other way). The heads must
+divide over the axes: an ``ArgumentError`` says so, and the fix.
+
 Private Keras API, in this module only (Keras 3.15.1; tests/test_keras_attention.py
 fails if it changes): ``keras.src.backend.tensorflow.nn.dot_product_attention``,
 which ``keras.ops.dot_product_attention`` calls, is replaced for the trace and
@@ -31,8 +38,16 @@ import tensorflow as tf
 
 from replicator.core import _blockwise_attention
 from replicator.core import _context
+from replicator.core import _errors
+from replicator.core import _layout_constraint
+from replicator.core import _primitives
 
 _MODULE = "keras.src.backend.tensorflow.nn"
+ULYSSES_HEADS = (
+    "Replicator(context_parallel='ulysses') moves attention from a split of the tokens to a split of the heads over "
+    "{axes} ({devices} devices), but the attention at {location} has {heads} heads (after grouped keys are "
+    "repeated), which {devices} does not divide. Fix: a number of heads divisible by {devices}, or "
+    "context_parallel='all_gather' (the keys and values gathered: any number of heads).")
 
 
 def blocks_for(replicator) -> int:
@@ -44,7 +59,33 @@ def blocks_for(replicator) -> int:
   return math.prod(size for axis, size in shape.items() if axis not in replicator.batch_axes)
 
 
-def _blockwise(original, blocks: int):
+def _sequence_axes(replicator) -> tuple[str, ...]:
+  """The mesh axes a sequence is split over: the non-batch axes that split anything."""
+  return tuple(a for a, size in replicator.mesh.shape.items() if a not in replicator.batch_axes and size > 1)
+
+
+def _ulysses(replicator, query, key, value, attend):
+  """``attend(q, k, v)`` on whole sequences of each device's heads (see the module)."""
+  axes, location = _sequence_axes(replicator), _primitives.user_location()
+  devices = math.prod(replicator.mesh.shape[a] for a in axes)
+  if query.shape[2] % devices:
+    raise _errors.ArgumentError(ULYSSES_HEADS.format(axes=axes, devices=devices, location=location,
+                                                     heads=query.shape[2]))
+  batch = tuple(a for a in replicator.batch_axes if replicator.mesh.shape[a] > 1) or None
+  by_heads, by_tokens = (batch, None, axes, None), (batch, axes, None, None)
+
+  def moved(t, source, target):  # t by source, then by target: forward and backward, an all-to-all each way
+    t = _layout_constraint.with_layout(replicator, t, source, location=location)
+    return _layout_constraint.with_layout(replicator, t, target, location=location)
+
+  # Stated on both sides, so that the gradients move back too: the output's comes back by tokens and moves to the
+  # heads before attention's backward pass (which runs on each device's heads alone), and the queries', keys' and
+  # values' move to the tokens before their projections' backward passes.
+  query, key, value = (moved(t, by_tokens, by_heads) for t in (query, key, value))
+  return moved(attend(query, key, value), by_heads, by_tokens)
+
+
+def _blockwise(original, blocks: int, replicator):
   def dot_product_attention(query, key, value, bias=None, mask=None, scale=None, is_causal=False,
                             flash_attention=None, attn_logits_soft_cap=None):
     shapes = [tf.convert_to_tensor(t).shape for t in (query, key, value)]
@@ -59,8 +100,13 @@ def _blockwise(original, blocks: int):
     if heads > kv_heads > 1:  # grouped-query attention: each key head serves heads / kv_heads query heads
       key, value = (tf.repeat(t, repeats=heads // kv_heads, axis=2) for t in (key, value))
     scale = 1.0 / math.sqrt(key.shape[-1]) if scale is None else scale
-    return _blockwise_attention.attention(query, key, value, mask=mask, is_causal=is_causal, scale=scale,
-                                          blocks=blocks)
+
+    def attend(q, k, v):
+      return _blockwise_attention.attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, blocks=blocks)
+
+    if replicator.context_parallel == "ulysses":
+      return _ulysses(replicator, query, key, value, attend)
+    return attend(query, key, value)
 
   dot_product_attention.__doc__ = original.__doc__
   return dot_product_attention
@@ -75,7 +121,7 @@ def blockwise_attention(replicator):
     yield
     return
   original = nn.dot_product_attention
-  nn.dot_product_attention = _blockwise(original, blocks)
+  nn.dot_product_attention = _blockwise(original, blocks, replicator)
   try:
     yield
   finally:
