@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 import replicator  # noqa: E402
-from examples._progress import Progress  # noqa: E402
 from examples.mnist import load_digits  # noqa: E402
 
 
@@ -123,7 +123,9 @@ def main(argv=None) -> dict:
   history = []
   with writer.as_default():
     while int(epoch.numpy()) < args.epochs:
-      bar = Progress(steps_per_epoch, prefix=f"epoch {int(epoch.numpy()) + 1:>2}/{args.epochs}")
+      print(f"epoch {int(epoch.numpy()) + 1}/{args.epochs}")
+      bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss", "accuracy"],
+                                verbose=1 if sys.stdout.isatty() else 2)
       loss_metric.reset_state()
       accuracy.reset_state()
       done = 0
@@ -133,7 +135,7 @@ def main(argv=None) -> dict:
         except replicator.EndOfInput:
           break
         done += repl.steps_run
-        bar.update(done, loss=float(loss_metric.result()), accuracy=float(accuracy.result()))
+        bar.update(done, values=[("loss", float(loss_metric.result())), ("accuracy", float(accuracy.result()))])
       epoch.assign_add(1)
       path = manager.save()
       test_accuracy = int(repl.reduce("sum", repl.run(eval_step, inputs=test_shards))) / len(x_test)

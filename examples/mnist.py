@@ -34,7 +34,6 @@ import numpy as np  # noqa: E402
 
 import mesh  # noqa: E402
 import replicator  # noqa: E402
-from examples._progress import Progress  # noqa: E402
 
 # The tensor dimensions of the model's variables, named as in Mesh TensorFlow.
 DIMENSIONS = {"w1": ("rows", "cols", "hidden"), "b1": ("hidden",), "w2": ("hidden", "classes")}
@@ -188,13 +187,14 @@ def main(argv=None) -> dict:
 
   history = []
   for epoch in range(1, args.epochs + 1):
-    bar = Progress(steps_per_epoch, prefix=f"epoch {epoch:>2}/{args.epochs}")
+    print(f"epoch {epoch}/{args.epochs}")
+    bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss"], verbose=1 if sys.stdout.isatty() else 2)
     losses, correct = [], 0
     for step in range(1, steps_per_epoch + 1):
       loss, right = train()
       losses.append(loss)
       correct += right
-      bar.update(step, loss=float(np.mean(losses)))
+      bar.update(step, values=[("loss", float(np.mean(losses)))])
     test_accuracy = test() / len(x_test)
     train_accuracy = correct / (steps_per_epoch * args.batch_size)
     history.append(dict(epoch=epoch, loss=float(np.mean(losses)), train_accuracy=train_accuracy,
