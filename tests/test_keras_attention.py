@@ -208,3 +208,19 @@ def test_masks_built_from_the_global_batch_mean_what_they_mean_on_one_device(kin
   got = repl.run(_masked_step(layers, kind), data)
   for ours, theirs in zip(got, expected):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-6)
+
+
+def test_grouped_query_attention_repeats_each_block_of_keys_and_sums_their_gradients():
+  # float64, 4 query heads over 2 key heads: equal to Keras's attention (which repeats the keys first).
+  rng = np.random.default_rng(1)
+  q = tf.constant(rng.normal(size=(2, 12, 4, 4)))
+  k, v = (tf.constant(rng.normal(size=(2, 12, 2, 4))) for _ in range(2))
+  weights = tf.constant(rng.normal(size=(2, 12, 4, 4)))
+  with tf.GradientTape(persistent=True) as tape:
+    tape.watch([q, k, v])
+    theirs = keras.ops.dot_product_attention(q, k, v, scale=0.5, is_causal=True)
+    ours = _blockwise_attention.attention(q, k, v, is_causal=True, scale=0.5, blocks=3, groups=2)
+    their_loss, our_loss = tf.reduce_sum(theirs * weights), tf.reduce_sum(ours * weights)
+  np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-13)
+  for a, b in zip(tape.gradient(our_loss, [q, k, v]), tape.gradient(their_loss, [q, k, v])):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-13)

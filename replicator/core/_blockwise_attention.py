@@ -43,16 +43,19 @@ def _block(t, start: int, stop: int, axis: int):
   return tf.slice(t, begin, size)
 
 
-def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: float, blocks: int):
+def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: float, blocks: int,
+              groups: int = 1):
   """``[batch, queries, heads, size]``: attention of ``q`` over ``k`` and ``v`` (see the module), blockwise.
 
   Args:
-    q: ``[batch, queries, heads, size]``; ``k``, ``v``: ``[batch, keys, heads, size]`` (as many heads as ``q``).
+    q: ``[batch, queries, heads, size]``; ``k``, ``v``: ``[batch, keys, heads / groups, size]``.
     bias: added to the scores, broadcast to ``[batch, heads, queries, keys]``, or None.
     mask: boolean, broadcast likewise (True: the key is seen), or None.
     is_causal: key ``j`` seen by query ``i`` only if ``j <= i``.
     scale: the scores' scale.
     blocks: how many blocks of keys.
+    groups: grouped-query attention: each key and value head serves ``groups`` query heads (repeated block by
+      block, so that a split sequence's keys are gathered before they are repeated).
   """
   queries, keys = q.shape[1], k.shape[1]
   edges = _edges(keys, blocks)
@@ -73,15 +76,24 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
       s = tf.where(allowed, s, tf.constant(negative, logits_dtype))
     return s
 
+  def repeated(t):  # a block's key or value heads, one a query head
+    return t if groups == 1 else tf.repeat(t, repeats=groups, axis=2)
+
+  def grouped(d):  # a block's gradient over the query heads, summed into its key or value heads
+    if groups == 1:
+      return d
+    shape = d.shape.as_list()
+    return tf.reduce_sum(tf.reshape(d, shape[:2] + [shape[2] // groups, groups] + shape[3:]), axis=3)
+
   @tf.custom_gradient
   def blockwise(q, k, v):
     running_max, total, out = None, None, None
     for start, stop in edges:
-      s = scores_of(q, k[:, start:stop], start, stop)
+      s = scores_of(q, repeated(k[:, start:stop]), start, stop)
       block_max = tf.reduce_max(s, axis=-1)
       new_max = block_max if running_max is None else tf.maximum(running_max, block_max)
       weights = tf.exp(s - new_max[..., None])
-      part = tf.einsum("bnts,bsnh->btnh", tf.cast(weights, v.dtype), v[:, start:stop])
+      part = tf.einsum("bnts,bsnh->btnh", tf.cast(weights, v.dtype), repeated(v[:, start:stop]))
       if running_max is None:
         total, out = tf.reduce_sum(weights, axis=-1), tf.cast(part, logits_dtype)
       else:
@@ -103,13 +115,13 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
       dq = tf.zeros_like(q, logits_dtype)
       dks, dvs = [], []
       for start, stop in edges:
-        kb, vb = k[:, start:stop], v[:, start:stop]
+        kb, vb = repeated(k[:, start:stop]), repeated(v[:, start:stop])
         p = tf.exp(scores_of(q, kb, start, stop) - log_total[..., None])  # the block's probabilities
-        dvs.append(tf.einsum("bnts,btnh->bsnh", p, dout))
+        dvs.append(grouped(tf.einsum("bnts,btnh->bsnh", p, dout)))
         dp = tf.einsum("btnh,bsnh->bnts", dout, tf.cast(vb, logits_dtype))
         ds = p * (dp - delta[..., None]) * tf.cast(scale, logits_dtype)
         dq += tf.einsum("bnts,bsnh->btnh", ds, tf.cast(kb, logits_dtype))
-        dks.append(tf.einsum("bnts,btnh->bsnh", ds, tf.cast(q, logits_dtype)))
+        dks.append(grouped(tf.einsum("bnts,btnh->bsnh", ds, tf.cast(q, logits_dtype))))
       dk, dv = (tf.concat(d, axis=1) if len(d) > 1 else d[0] for d in (dks, dvs))
       return tf.cast(dq, q.dtype), tf.cast(dk, k.dtype), tf.cast(dv, v.dtype)
 

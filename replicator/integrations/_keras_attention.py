@@ -13,7 +13,12 @@ softmax over as many blocks of keys as the devices along the mesh's other
 axes, FlashAttention's backward pass, nothing of the scores kept. The
 results are one device's (the same function, summed in another order).
 Other calls (flash attention asked for, a soft cap, a bias, not 4-D) are
-Keras's own.
+Keras's own. KerasHub's attention layers compute attention with plain ops
+on TensorFlow (they call ``dot_product_attention`` only where KerasHub finds
+a fused kernel, on JAX and PyTorch), so they keep their plain attention:
+taking KerasHub's fused path here would hold the keys their layer repeats
+for grouped-query attention whole for the backward pass (measured on Llama),
+where their plain path gathers them again.
 
 With ``Replicator(context_parallel="ulysses")`` the queries, keys and values
 are laid out by heads over those axes first (``with_layout``: an all-to-all
@@ -31,6 +36,7 @@ put back after it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 
@@ -97,16 +103,17 @@ def _blockwise(original, blocks: int, replicator):
     dtype = tf.experimental.numpy.result_type(query.dtype, key.dtype, value.dtype)
     query, key, value = (tf.cast(t, dtype) for t in (query, key, value))
     heads, kv_heads = query.shape[2], key.shape[2]
-    if heads > kv_heads > 1:  # grouped-query attention: each key head serves heads / kv_heads query heads
-      key, value = (tf.repeat(t, repeats=heads // kv_heads, axis=2) for t in (key, value))
+    groups = heads // kv_heads if heads > kv_heads else 1  # grouped-query attention: a key head a group
     scale = 1.0 / math.sqrt(key.shape[-1]) if scale is None else scale
 
-    def attend(q, k, v):
-      return _blockwise_attention.attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, blocks=blocks)
+    def attend(q, k, v, groups=groups):
+      return _blockwise_attention.attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, blocks=blocks,
+                                            groups=groups)
 
-    if replicator.context_parallel == "ulysses":
-      return _ulysses(replicator, query, key, value, attend)
-    return attend(query, key, value)
+    if replicator.context_parallel == "ulysses":  # (the key heads repeated first: the query heads divide)
+      key, value = (tf.repeat(t, repeats=groups, axis=2) if groups > 1 else t for t in (key, value))
+      return _ulysses(replicator, query, key, value, functools.partial(attend, groups=1))
+    return attend(query, key, value)  # (the keys gathered before they are repeated, block by block)
 
   dot_product_attention.__doc__ = original.__doc__
   return dot_product_attention
