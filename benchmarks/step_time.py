@@ -88,34 +88,37 @@ def adam() -> keras.optimizers.Optimizer:
   return keras.optimizers.Adam(1e-3)
 
 
-def single_device(spec: models_lib.Model, weights, x, y, make_optimizer=adam) -> Setup:
-  with tf.device("/device:CPU:0"):
+def single_device(spec: models_lib.Model, weights, x, y, make_optimizer=adam, device: str = "/device:CPU:0") -> Setup:
+  """The step in a ``tf.function`` on ``device`` (CPU:0 by default), on the full global batch."""
+  with tf.device(device):
     model = spec.build()
     model.set_weights(weights)
     optimizer = make_optimizer()
     optimizer.build(model.trainable_variables)
+  with tf.device("/device:CPU:0"):  # the input pipeline on the host
     iterator = iter(_dataset(x, y).prefetch(2))
   body = _sgd_step(spec, model, optimizer)
 
   @tf.function
   def train_step(iterator):
-    with tf.device("/device:CPU:0"):
+    with tf.device(device):
       return body(*next(iterator))
 
   return Setup(lambda: float(train_step(iterator)), model)
 
 
 def ours(spec: models_lib.Model, weights, x, y, devices, steps: int = 1, shared: Setup | None = None,
-         barrier: bool = False, make_optimizer=adam, **wrap_kwargs) -> Setup:
+         barrier: bool = False, make_optimizer=adam, implementation: str = "auto", **wrap_kwargs) -> Setup:
   """The replicator's step; with ``shared``, another call pattern of that setup's step (same model).
 
-  ``barrier``: see :func:`_sgd_step`. ``wrap_kwargs`` go to ``wrap_optimizer``
-  (defaults: the library's).
+  ``barrier``: see :func:`_sgd_step`. ``implementation``: the Replicator's
+  lowering by name. ``wrap_kwargs`` go to ``wrap_optimizer`` (defaults: the
+  library's).
   """
   if shared is not None:
     repl, step_fn, dataset = shared.info["repl"], shared.info["step_fn"], shared.info["dataset"]
     return Setup(lambda: _mean(repl.run(step_fn, dataset, steps=steps)), shared.model, steps, shared.info)
-  repl = replicator.Replicator(devices=devices)
+  repl = replicator.Replicator(devices=devices, implementation=implementation)
   with repl.context():
     model = spec.build()
     optimizer = repl.wrap_optimizer(make_optimizer(), **wrap_kwargs)
