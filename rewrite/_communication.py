@@ -132,10 +132,7 @@ def walk(graph: tf.Graph, partition, outputs, mesh_shape, ops=None) -> Iterator[
       combine, axes = reduce
       out, out_name = outs[k]
       why = f"partial {combine}" + (f" (output {k})" if len(outs) > 1 else "")
-      computed = list(layouts.get(out_name) or ())  # the partial sums' layout: the scattered axes not yet taken
-      for d, over in decision.scatter.get(k, ()):
-        if d < len(computed):
-          computed[d] = tuple(a for a in computed[d] if a not in over)
+      computed = list(decision.computed(k) or ()) if decision.scatter.get(k) else list(layouts.get(out_name) or ())
       for d, over in decision.scatter.get(k, ()):
         yield Needed("reduce_scatter", tuple(over), op_name, f"{why}, scattered along dim {d}", out,
                      tuple(computed) if computed else None)

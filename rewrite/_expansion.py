@@ -414,9 +414,9 @@ class _Expander:
             else:
               outputs = list(decision.lower(r, real))
             outputs = [self._stood_for(y) for y in outputs]  # the copies name what a stand-in stands for
-          for y, t, layout in zip(outputs, op.outputs, decision.outputs):
-            if isinstance(y, tf.Tensor):
-              y.set_shape(self._local_shape(t, layout))  # the rule's ops may not infer it from stand-ins
+          for k, (y, t) in enumerate(zip(outputs, op.outputs)):
+            if isinstance(y, tf.Tensor):  # (the rule's ops may not infer it from stand-ins; before any scatter)
+              y.set_shape(self._local_shape(t, decision.computed(k)))
           outputs_per_device.append(outputs)
           self._mark()
       else:
@@ -436,6 +436,8 @@ class _Expander:
               y = self._emit(r, y, "reduce_scatter", {"op": combine, "scatter_dimension": d}, over,
                              tf.TensorShape(shape), op)
               axes = tuple(a for a in axes if a not in over)
+            if decision.scatter.get(k) and decision.scattered(k) != decision.outputs[k]:  # split further: sliced
+              y = self.relayout(r, y, decision.scattered(k), decision.outputs[k], t.shape.as_list(), op)
             if axes and y.dtype == tf.bool:  # All, Any: the min or max of 0/1 (collectives take numbers)
               y = self._emit(r, self._cast(r, y, tf.int32), "all_reduce", {"op": combine}, axes, y.shape, op)
               y = self._cast(r, y, tf.bool)
@@ -643,15 +645,19 @@ def local_piece(x: tf.Tensor, layout, mesh, r: int) -> tf.Tensor:
 
 
 def expand_on_device(graph: tf.Graph, mesh, partition: _propagation.Partition, r: int, *inputs, outputs=None,
-                     locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}") -> list:
+                     locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}",
+                     collectives: Callable | None = None) -> list:
   """Device ``r``'s copy of ``graph`` (a function's body), made in the current graph on ``inputs``.
 
-  For a body that needs no communication (an ``If``'s branch whose layouts
-  need no collective): ``inputs`` are device ``r``'s pieces of the body's
-  arguments; returns its pieces of the body's outputs, in their layouts (or,
-  given ``outputs``, sliced to those layouts: no gather is made). Call
-  it while tracing a ``tf.function`` (its automatic control dependencies order
-  the body's reads and writes and keep its effects).
+  ``inputs`` are device ``r``'s pieces of the body's arguments; returns its
+  pieces of the body's outputs, in their layouts (or, given ``outputs``,
+  relayouted to those layouts). Call it while tracing a ``tf.function`` (its
+  automatic control dependencies order the body's reads and writes and keep
+  its effects). A body whose layouts need collectives needs ``collectives``:
+  ``collectives(graph_def, records, names) -> (graph_def, names, input_map)``
+  lowers the placeholders (``records``, device ``r``'s) of the copy in
+  ``graph_def`` inside it, and says where the outputs ``names`` went and what
+  to feed its new inputs (a loop's, ``rules._control_flow.InBody``).
   """
   scratch = tf.Graph()
   with scratch.as_default():
@@ -666,11 +672,15 @@ def expand_on_device(graph: tf.Graph, mesh, partition: _propagation.Partition, r
                 else expander.relayout(r, x, partition.layouts[t.name], want, t.shape.as_list(), t.op)
                 for x, t, want in zip(pieces, graph.outputs, outputs)]
     expansion = expander.finish([[x] for x in pieces])
-  if any(expansion.records):
-    raise _errors.RewriteError("A function body expanded per device needs communication (a bug: its rule "
-                               "should have refused it).")
   input_map = {x.name: y for x, y in zip(standins, inputs)}
   names = [per_device[0] for per_device in expansion.outputs]
-  imported = tf.graph_util.import_graph_def(expansion.graph_def, input_map=input_map, return_elements=names or None,
+  graph_def = expansion.graph_def
+  if expansion.records[r]:
+    if collectives is None:
+      raise _errors.RewriteError("A function body expanded per device needs communication (a bug: its rule "
+                                 "should have refused it, or passed collectives=).")
+    graph_def, names, fed = collectives(graph_def, expansion.records[r], names)
+    input_map.update(fed)
+  imported = tf.graph_util.import_graph_def(graph_def, input_map=input_map, return_elements=names or None,
                                             name="body")
   return list(imported or [])

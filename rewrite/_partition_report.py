@@ -203,6 +203,10 @@ class PartitionReport:
     variables: one row per variable the step uses, in the order given.
     inputs: one row per input of the step, in the order given.
     collective_rows: one row per collective of the plan, in call order.
+    inside_rows: one row per collective placed inside a function an op calls (a loop's condition or body, a
+      branch of a conditional), which each device's copy makes itself (a loop's, each iteration), not in the
+      plan: its ``why`` says where; its ``index``, its position there; ``op_type`` and ``op_name``, the op of
+      the body that needs it; ``bytes_per_step``, every device's of one call (a loop's: of one iteration).
     relayouts: every op input (and step output) relayouted, in graph order.
     fallbacks: every op that ran on gathered inputs for want of a rule.
     work: what each device does a step, for the cost model (:meth:`estimate`).
@@ -225,6 +229,7 @@ class PartitionReport:
   layout_search: Any = None
   runs_as: Plan | None = None
   memory_report: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+  inside_rows: list[CollectiveRow] = dataclasses.field(default_factory=list)
 
   @property
   def memory(self):
@@ -279,8 +284,10 @@ class PartitionReport:
                                    tuple(layouts.get(t.name) for t in op.inputs),
                                    getattr(partition.decisions.get(name), "why", "")))
     rows = [_collective_row(c, expected) for c in plan.collectives]
+    inside = [_inside_row(graph.get_operation_by_name(name), where, record, why, locate, math.prod(mesh_shape.values()))
+              for name, d in partition.decisions.items() for where, record, why in getattr(d, "inside", ())]
     work = cost_model.work(graph, partition, mesh_shape, outputs, ownership)
-    return cls(plan, mesh_shape, variable_rows, input_rows, rows, relayouts, fallbacks, work)
+    return cls(plan, mesh_shape, variable_rows, input_rows, rows, relayouts, fallbacks, work, inside_rows=inside)
 
   def estimate(self, machine: cost_model.Machine) -> cost_model.Estimate:
     """The step's estimated time on ``machine`` (``replicator.calibrate()``), from :attr:`work`.
@@ -334,6 +341,7 @@ class PartitionReport:
         "variables": [_jsonable(r) for r in self.variables],
         "inputs": [_jsonable(r) for r in self.inputs],
         "collectives": [_jsonable(r) for r in self.collective_rows],
+        "inside": [_jsonable(r) for r in self.inside_rows],
         "by_op_type": [dict(op_type=t.op_type, counts=dict(t.counts), bytes_per_step=t.bytes_per_step)
                        for t in self.by_op_type()],
         "relayouts": [dict(_jsonable(r), free=r.free) for r in self.relayouts],
@@ -358,6 +366,13 @@ class PartitionReport:
                     [(str(r.index), f"{r.kind}({r.op})" if r.op else r.kind, ",".join(r.axes), _format_shape(r.shape),
                       _format_bytes(r.bytes_per_device), f"{r.bytes_per_step:,}", f"{r.op_type} {r.op_name}", r.why,
                       r.location) for r in self.collective_rows])
+    if self.inside_rows:
+      lines.append(f"\nInside loop bodies and branches ({len(self.inside_rows)}: each device's copy makes them, "
+                   "a loop's each iteration; not in the plan above):")
+      lines += _table(("#", "collective", "axes", "shape", "bytes/device", "op", "why", "called at"),
+                      [(str(r.index), f"{r.kind}({r.op})" if r.op else r.kind, ",".join(r.axes),
+                        _format_shape(r.shape), _format_bytes(r.bytes_per_device), f"{r.op_type} {r.op_name}", r.why,
+                        r.location) for r in self.inside_rows])
     if self.collective_rows:
       lines.append("\nBy op type:")
       lines += _table(("op type", "collectives", "bytes/step"),
@@ -463,6 +478,18 @@ def _relayouts(graph, partition, outputs, locate, mesh_shape):
     else:
       expected[event.op_name].append((event.kind, event.axes, event.why))
   return rows, expected
+
+
+def _inside_row(op, where: str, record, why: str, locate, devices: int) -> CollectiveRow:
+  """A row of a collective placed inside the function ``where`` that ``op`` calls (``Decision.inside``)."""
+  op_type, _, op_name = record.call.partition(" ")
+  shape = tuple(record.input_shape.as_list()) if record.input_shape.rank is not None else None
+  nbytes = record.input_shape.num_elements() * record.dtype.size if record.input_shape.is_fully_defined() else None
+  kind = "loop" if op.type in ("While", "StatelessWhile") else "conditional"
+  return CollectiveRow(index=record.index, kind=record.kind, op=str(record.param_dict.get("op", "")),
+                       axes=record.axes, dtype=record.dtype.name, shape=shape, bytes_per_device=nbytes,
+                       bytes_per_step=(nbytes or 0) * devices, op_type=op_type, op_name=op_name,
+                       why=f"inside the {kind} {op.name}, its {where}" + (f": {why}" if why else ""), location=locate(op))
 
 
 def _collective_row(c: Collective, expected: dict) -> CollectiveRow:

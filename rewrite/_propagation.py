@@ -427,7 +427,39 @@ def _data_first(rule, view, context, ins, decision) -> _base.Decision:
   for t, have, need in zip(view.op.inputs, ins, again.inputs):
     if t.name in context.data and _is_layout(have) and _is_layout(need) and _moved(have, need) & lost:
       return decision  # the data is gathered all the same
+  # Or the data gathered and its result scattered back where the result is wanted as ``again`` gives it.
+  wished = decision if decision.scatter else _apply(rule, dataclasses.replace(view, wants=list(again.outputs)), ins)
+  if not wished.fallback and _scattered_back(view, context, ins, wished, again, lost):
+    return dataclasses.replace(wished, outputs=list(again.outputs))  # (the scattered result sliced as again's)
   return again
+
+
+def _scattered_back(view, context, ins, decision, again, lost) -> bool:
+  """Whether ``decision`` gathers the data only to scatter its result back over ``lost``, for fewer bytes than
+  ``again`` gathers the weights.
+
+  A lookup in a table whose rows are split over the batch axis (an embedding table split over the workers,
+  larger than one): the ids are gathered (integers, a few bytes a row), each device looks up those in its own
+  rows, and the rows looked up are reduce-scattered back onto the batch; the table stays split.
+  """
+  if not decision.scatter:
+    return False
+  for ours, theirs in zip(decision.outputs, again.outputs):  # the result as ``again`` gives it, by a local slice
+    if not (_is_layout(ours) and _is_layout(theirs) and len(ours) == len(theirs)
+            and all(o == t or (o and _relayout.refined(o, t)) for o, t in zip(ours, theirs))):
+      return False
+  k = context.mesh.axis_size(tuple(sorted(lost)))
+  data_bytes = weight_bytes = 0
+  for t, have, need in zip(view.op.inputs, ins, decision.inputs):
+    if t.name in context.data and _is_layout(have) and _is_layout(need) and _moved(have, need) & lost:
+      data_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
+  for t, layout in zip(view.op.outputs, decision.outputs):
+    if _is_layout(layout):
+      data_bytes += _bytes(t) // _pieces(context.mesh, layout) * (k - 1)
+  for t, have, need in zip(view.op.inputs, ins, again.inputs):
+    if t.name not in context.data and _is_layout(have) and _is_layout(need) and _moved(have, need) & lost:
+      weight_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
+  return data_bytes < weight_bytes
 
 
 def _weights_stay(rule, view, context, ins, decision) -> _base.Decision:

@@ -396,6 +396,26 @@ def test_a_weight_split_over_the_batch_axis_is_gathered_not_the_batch(name):
   assert gathered and all("ReadVariableOp" in why for why in gathered), gathered  # the weight's read only
 
 
+def test_a_table_split_by_rows_over_the_batch_axis_stays_split_and_the_ids_move():
+  # A table split by rows over the batch axis (an embedding table larger than a device, as a parameter server
+  # splits one over its servers): the ids are gathered (4 bytes a row looked up), each device looks up its own
+  # rows, and the rows looked up are reduce-scattered back onto the batch. The table is never gathered (it was:
+  # 2 KB here, a whole table a step in general).
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=[8, 6]).astype("float32")
+
+  def fn(x, w):
+    return tf.gather(tf.convert_to_tensor(w), tf.cast(tf.abs(x) * 40, tf.int32) % 256)
+
+  repl, _, step, ds = _equal_to_one_device(fn, x, rng.normal(size=[256, 2]).astype("float32"), ("batch", None),
+                                           strict=True)
+  rows = repl.explain(step, ds).collective_rows
+  assert not [c for c in rows if "ReadVariableOp" in c.why], rows  # the table's read is never gathered
+  lookups = [c for c in rows if c.op_type == "GatherV2"]
+  assert [(c.kind, c.axes) for c in lookups] == [("all_gather", ("batch",)), ("reduce_scatter", ("batch",))]
+  assert lookups[0].dtype == "int32" and lookups[0].shape == (4, 6)  # a device's ids
+
+
 def test_arg_max_over_a_split_dimension_all_reduces_rows_and_keeps_the_first_of_ties():
   # The input was gathered over "model" ([rows, classes] a device: 4 MB a step of KerasHub Qwen's accuracy
   # metric); now the best value and the first index holding it are all-reduced ([rows] each).

@@ -1,4 +1,4 @@
-"""The global view's rule for ``If``: branches partitioned per device when they need no communication."""
+"""The global view's rule for ``If``: branches partitioned per device, with the collectives they need inside them."""
 
 import contextlib
 
@@ -63,20 +63,26 @@ def test_keras_gradient_accumulation_equals_one_device(layout, update):
     assert [c.shape.as_list() for c in replicator.state._variables.underlying(acc).components] == [[8, 8]] * 4
 
 
-def test_a_branch_that_communicates_falls_back_and_is_right():
-  # tf.reduce_sum over the split batch inside a branch would need an all-reduce there: not placed in
-  # branches yet, so the cond runs on gathered inputs, right, with the fallback's warning.
+@pytest.mark.parametrize("take", ["then", "else"])
+def test_a_branch_that_communicates_runs_split_with_the_collective_inside(take):
+  # The sum (then) or the max (else) over the split batch is an all-reduce inside the branch that runs: each
+  # device's copy of the branch makes it, every device taking the same branch. Was: the cond fell back (gathered).
   x = np.arange(24, dtype=np.float32).reshape(8, 3)
 
   def step_fn(x):
-    return tf.cond(tf.reduce_max(x) > 10.0, lambda: tf.reduce_sum(x, axis=0), lambda: tf.reduce_max(x, axis=0))
+    return tf.cond(tf.reduce_max(x) > (10.0 if take == "then" else 100.0), lambda: tf.reduce_sum(x, axis=0),
+                   lambda: tf.reduce_max(x, axis=0))
 
-  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global")
-  with pytest.warns(UserWarning, match=r"cannot partition StatelessIf .*: "):
-    got = repl.run(step_fn, tf.data.Dataset.from_tensors(x))
-  np.testing.assert_allclose(np.asarray(got), x.sum(axis=0))
-  (row,) = repl.explain(step_fn, tf.data.Dataset.from_tensors(x)).fallbacks  # why, naming the branch's op
-  assert row.op_type == "StatelessIf" and row.why == "cond/Sum in its then_branch needs communication", row
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 4}, devices=cpus(4)), view="global", strict=True)
+  dataset = tf.data.Dataset.from_tensors(x)
+  got = repl.run(step_fn, dataset)
+  np.testing.assert_allclose(np.asarray(got), x.sum(axis=0) if take == "then" else x.max(axis=0))
+  plan = repl.explain(step_fn, dataset)
+  assert not plan.fallbacks
+  assert [c.kind for c in plan.collectives] == ["all_reduce"]  # the predicate's max, before the cond
+  rows = sorted((r.why, r.kind, r.op, r.axes) for r in plan.inside_rows)
+  assert rows == [("inside the conditional cond, its else_branch: partial max", "all_reduce", "max", ("batch",)),
+                  ("inside the conditional cond, its then_branch: partial sum", "all_reduce", "sum", ("batch",))]
 
 
 def test_a_branch_on_split_values_runs_on_each_piece():
@@ -143,28 +149,31 @@ def test_keras_loss_scale_optimizer_with_a_hidden_split_equals_one_device(update
   assert float(opt.dynamic_scale.numpy()) == float(one_opt.dynamic_scale.numpy()) == 2.0**12
 
 
-def test_a_branch_that_communicates_on_a_split_variable_is_refused_with_the_fix():
+def test_a_branch_that_communicates_over_a_split_variable_runs_split():
+  # The sum over w's split columns is an all-reduce over "model" inside the branch. Was: refused (the If takes the
+  # handle of a sharded variable, and its branch needed communication).
   repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
-                               layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",), view="global")
+                               layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",), view="global",
+                               strict=True)
+  w0 = np.arange(12, dtype=np.float32).reshape(3, 4)
   with repl.context():
-    w = tf.Variable(np.ones([3, 4], np.float32), name="w")
+    w = tf.Variable(w0, name="w")
 
-  def step_fn(x):  # the sum over w's split columns would need an all-reduce inside the branch
-    return tf.cond(tf.reduce_sum(x) > 0.0, lambda: tf.reduce_sum(w), lambda: tf.constant(0.0))
+  def step_fn(x):
+    return tf.cond(tf.reduce_sum(x) > 0.0, lambda: tf.reduce_sum(w) * tf.reduce_sum(x), lambda: tf.constant(0.0))
 
-  with pytest.raises(replicator.UnsupportedError,
-                     match=r"cannot partition If \(cond, at .*test_rules_control_flow.py.*\): it takes the handle of "
-                           r"a sharded variable.*\(cond/Sum in its then_branch needs communication\)\. Fix: .*"
-                           r"choose with tf.where"):
-    repl.run(step_fn, tf.data.Dataset.from_tensors(np.ones([4, 3], np.float32)))
+  dataset = tf.data.Dataset.from_tensors(np.ones([4, 3], np.float32))
+  assert float(repl.run(step_fn, dataset)) == w0.sum() * 12.0
+  rows = repl.explain(step_fn, dataset).inside_rows  # the sums over w's columns and over the batch's rows
+  assert sorted((r.kind, r.axes) for r in rows) == [("all_reduce", ("batch",)), ("all_reduce", ("model",))], rows
 
 
-def test_a_branch_with_a_vocabulary_parallel_loss_falls_back_and_is_right():
-  # The cross-entropy of class-split logits communicates (three all-reduces) wherever it runs: inside a
-  # branch that makes the cond fall back (gathered logits, one warning), not fail while expanding.
+def test_a_branch_with_a_vocabulary_parallel_loss_runs_split_and_equals_one_device():
+  # The cross-entropy of class-split logits communicates (three all-reduces over "model") wherever it runs: inside
+  # the branch, each device's copy makes them. Was: the cond fell back (gathered logits, one warning).
   m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4))
   repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",),
-                               view="global")
+                               view="global", strict=True)
   w0 = np.random.default_rng(3).normal(size=(6, 8)).astype("float32")
   with repl.context():
     w = tf.Variable(w0, name="w")
@@ -178,10 +187,12 @@ def test_a_branch_with_a_vocabulary_parallel_loss_falls_back_and_is_right():
                       lambda: tf.cast(y, tf.float32) * 0.0)
     return tf.reduce_mean(per_row)
 
-  with pytest.warns(UserWarning, match=r"cannot partition StatelessIf .*: "):
-    got = repl.run(step_fn, tf.data.Dataset.from_tensors((x, labels)))
+  dataset = tf.data.Dataset.from_tensors((x, labels))
+  got = repl.run(step_fn, dataset)
   want = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, x @ w0))
   np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  inside = repl.explain(step_fn, dataset).inside_rows
+  assert inside and all(r.axes == ("model",) and "its then_branch" in r.why for r in inside), inside
 
 
 @pytest.mark.parametrize("take", ["then", "else"])
@@ -207,8 +218,10 @@ def _batch_repl():
 
 
 def test_a_communicating_branch_that_writes_a_summary_writes_it_once(tmp_path):
-  # The norm over the split batch needs an all-reduce inside the branch: the cond falls back, and, having no
-  # outputs, runs on the first device only (each device wrote the point before).
+  # The norm over the split batch needs an all-reduce inside the branch, which could be placed there, but the
+  # summary's writer is a resource of the first device, which the other devices' copies of the branch cannot take:
+  # the cond falls back, saying so, and, having no outputs, runs on the first device only (each device wrote the
+  # point before).
   x = np.arange(24, dtype=np.float32).reshape(8, 3)
   repl = _batch_repl()
   with repl.context():
@@ -221,7 +234,8 @@ def test_a_communicating_branch_that_writes_a_summary_writes_it_once(tmp_path):
     return tf.reduce_sum(x)
 
   writer = tf.summary.create_file_writer(str(tmp_path))
-  with writer.as_default(), pytest.warns(UserWarning, match=r"cannot partition (Stateless)?If "):
+  with writer.as_default(), pytest.warns(UserWarning, match=r"cannot partition (Stateless)?If .*: its then_branch "
+                                         r"would communicate inside, and WriteSummary .* writes to a resource"):
     for _ in range(4):
       repl.run(step_fn, tf.data.Dataset.from_tensors(x))
   writer.flush()
@@ -229,20 +243,24 @@ def test_a_communicating_branch_that_writes_a_summary_writes_it_once(tmp_path):
   assert points == [(2, pytest.approx(float(np.linalg.norm(x)))), (4, pytest.approx(float(np.linalg.norm(x))))]
 
 
-def test_a_communicating_branch_that_draws_unseeded_numbers_is_refused_with_the_fix():
+def test_a_communicating_branch_that_draws_unseeded_numbers_draws_the_same_on_every_device():
+  # Each device's copy of the branch draws with the same seeds (the body's own salt), so the all-reduce inside it
+  # and whatever follows see one draw: the sum of the batch-split rows times the draw equals the draw times the sum.
   x = np.arange(24, dtype=np.float32).reshape(8, 3)
 
-  def step_fn(x):  # the branch's sum over the split batch communicates; its draw has no seed (whatever the global one)
+  def step_fn(x):
     draw = lambda: tf.raw_ops.RandomUniform(shape=[3], dtype=tf.float32, seed=0, seed2=0)  # noqa: E731
-    return tf.cond(tf.reduce_max(x) > 10.0, lambda: tf.reduce_sum(x, axis=0) * draw(),
-                   lambda: tf.reduce_max(x, axis=0))
+    y = tf.cond(tf.reduce_max(x) > 10.0, lambda: tf.reduce_sum(x, axis=0) * draw(), lambda: tf.reduce_max(x, axis=0))
+    return y, tf.reduce_sum(x * y, axis=0)
 
-  with pytest.raises(replicator.UnsupportedError, match=r"its functions draw random numbers without a seed, and every "
-                     r"device's copy would draw its own \(seed them: tf.random.set_seed"):
-    _batch_repl().run(step_fn, tf.data.Dataset.from_tensors(x))
+  y, total = _batch_repl().run(step_fn, tf.data.Dataset.from_tensors(x))
+  draw = np.asarray(y) / x.sum(axis=0)
+  assert np.all((draw >= 0) & (draw < 1)), draw
+  np.testing.assert_allclose(np.asarray(total), x.sum(axis=0) * np.asarray(y), rtol=1e-6)
 
 
-def test_a_communicating_branch_that_reads_a_metric_is_refused_with_the_fix():
+def test_a_communicating_branch_that_reads_a_metric_equals_one_device():
+  # The metric's read sums the devices' parts (an all-reduce inside the branch). Was: refused.
   repl = _batch_repl()
   with repl.context():
     mean = keras.metrics.Mean()
@@ -251,6 +269,6 @@ def test_a_communicating_branch_that_reads_a_metric_is_refused_with_the_fix():
     mean.update_state(x)
     return tf.cond(tf.reduce_sum(x) > 0.0, lambda: mean.result() * tf.reduce_sum(x), lambda: tf.constant(0.0))
 
-  with pytest.raises(replicator.UnsupportedError, match=r"it takes the handle of a variable whose value is the sum "
-                     r"of the devices' parts \(a metric's state\).*Fix: .*out of it"):
-    repl.run(step_fn, tf.data.Dataset.from_tensors(np.ones([8, 3], np.float32)))
+  x = np.arange(24, dtype=np.float32).reshape(8, 3)
+  got = [float(repl.run(step_fn, tf.data.Dataset.from_tensors(x))) for _ in range(2)]
+  np.testing.assert_allclose(got, [x.mean() * x.sum()] * 2, rtol=1e-6)

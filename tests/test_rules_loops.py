@@ -20,13 +20,13 @@ import replicator
 MESHES = {"2x2": {"batch": 2, "model": 2}, "4x1": {"batch": 4}}
 BATCH_AXES = ("batch",)
 ATOL = 1e-5  # measured: 4.8e-7 (the recurrence's loss, 4x1; its gradients 2.4e-7), 1.2e-7 (Keras RNNs after 3 Adam
-# steps, every variable and slot; see below)
+# steps, every variable and slot; see below), 9.5e-7 (the decoding loop's loss of 2.1, its gradients 4.8e-7)
 
 
-def _repl(shape="2x2", strict=True, layouts=None):
+def _repl(shape="2x2", strict=True, layouts=None, implementation="auto"):
   return replicator.Replicator(mesh=mesh.Mesh(MESHES[shape], devices=cpus(4)), batch_axes=("batch",),
                                layouts=None if layouts is None else mesh.LayoutMap(layouts), view="global",
-                               strict=strict)
+                               strict=strict, implementation=implementation)
 
 
 def _recurrence(x, w):
@@ -123,9 +123,15 @@ def test_a_split_value_the_body_gathers_is_gathered_before_the_loop():
   assert gather.op_type == "StatelessWhile" and (gather.source, gather.target) == ((("batch",),), ((),))
 
 
-def test_a_loop_whose_body_needs_a_collective_falls_back_naming_the_op():
-  # Each step subtracts the mean over the split batch: an all-reduce inside the body, not placed in loops yet. The
-  # loop runs on gathered inputs, right, with the fallback's warning; repl.explain names the op of the body.
+def _inside(plan, loop=None):
+  """``(kind, axes, op type)`` of each collective repl.explain lists inside a loop's body (of ``loop``, if given)."""
+  return [(r.kind, r.axes, r.op_type) for r in plan.inside_rows
+          if loop is None or r.why.startswith(f"inside the loop {loop}, its ")]
+
+
+def test_a_loop_whose_body_needs_a_collective_runs_split_with_the_collective_inside_its_body():
+  # Each step subtracts the max over the split batch: an all-reduce inside the body, which each device's copy of the
+  # body makes (TensorFlow's collective ops, each iteration). Was: the loop fell back (gathered, run whole).
   x = _data()
 
   def step_fn(x):
@@ -137,24 +143,77 @@ def test_a_loop_whose_body_needs_a_collective_falls_back_naming_the_op():
     return tf.reduce_sum(h, axis=1)
 
   expected = tf.function(step_fn)(tf.constant(x))
-  repl = _repl(strict=False)
+  repl = _repl()
   dataset = tf.data.Dataset.from_tensors(x)
-  with pytest.warns(UserWarning, match=r"cannot partition StatelessWhile .*: .*needs communication"):
-    got = repl.run(step_fn, dataset)
+  np.testing.assert_allclose(np.asarray(repl.run(step_fn, dataset)), np.asarray(expected), rtol=0, atol=ATOL)
+  plan = repl.explain(step_fn, dataset)
+  assert not plan.fallbacks
+  assert _inside(plan) == [("all_reduce", BATCH_AXES, "Max")]
+  (row,) = plan.inside_rows
+  assert row.op == "max" and row.shape == (3,) and row.why == "inside the loop while, its body: partial max", row
+  assert "test_rules_loops.py" in row.location
+  assert not [c for c in plan.collective_rows if "While" in c.op_type]  # nothing before or after the loop
+  text = str(plan)
+  assert "Inside loop bodies and branches (1: each device's copy makes them, a loop's each iteration" in text
+  assert "inside the loop while, its body: partial max" in text
+
+
+def test_a_loop_whose_body_communicates_and_has_an_op_refused_there_is_refused_naming_it():
+  # The body needs an all-reduce (the max over the split batch), which it could have inside, but it also writes
+  # rows of a sharded variable by an op without a rule (refused wherever it is): the loop cannot run partitioned,
+  # and cannot gather the variable's handle to run whole either. The error names the op of the body.
+  repl = _repl(strict=False, layouts={r"^v$": ("batch",)})
+  with repl.context():
+    v = tf.Variable(np.zeros([8], np.float32), name="v")
+
+  def step_fn(x):
+    def body(t, h):
+      h = tf.tanh(h + tf.gather(x, t, axis=1))
+      tf.raw_ops.ResourceStridedSliceAssign(ref=v.handle, begin=[0], end=[4], strides=[1], value=h[0:4, 0])
+      return t + 1, h - tf.reduce_max(h, axis=0)
+
+    _, h = tf.while_loop(lambda t, h: t < x.shape[1], body, [tf.constant(0), tf.zeros([8, 3])])
+    return tf.reduce_sum(h, axis=1)
+
+  with pytest.raises(replicator.UnsupportedError,
+                     match=r"cannot partition While \(while, at .*test_rules_loops.py.*\): it takes the handle of a "
+                           r"sharded variable.*\(its body would communicate inside, and ResourceStridedSliceAssign "
+                           r"while/ResourceStridedSliceAssign in it is refused\)\. Fix: "):
+    repl.run(step_fn, tf.data.Dataset.from_tensors(_data()))
+
+
+def test_a_loop_whose_body_communicates_and_prints_prints_once_an_iteration(tmp_path):
+  # The print runs in the first device's copy of the body only, its input (a row of the batch-split state) gathered
+  # inside every device's copy: the lines equal one device's.
+  x = _data()
+
+  def printing(path):
+    def step_fn(x):
+      def body(t, h):
+        h = tf.tanh(h + tf.gather(x, t, axis=1))
+        tf.print("step", t, h[0, 0], h[7, 2], output_stream=f"file://{path}")
+        return t + 1, h - tf.reduce_max(h, axis=0)
+
+      _, h = tf.while_loop(lambda t, h: t < x.shape[1], body, [tf.constant(0), tf.zeros([8, 3])])
+      return tf.reduce_sum(h, axis=1)
+
+    return step_fn
+
+  def lines(path):
+    return [[float(v) for v in line.split()[1:]] for line in path.read_text().splitlines()]
+
+  expected = tf.function(printing(tmp_path / "one.txt"))(tf.constant(x))
+  repl = _repl()
+  got = repl.run(printing(tmp_path / "ours.txt"), tf.data.Dataset.from_tensors(x))
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=0, atol=ATOL)
-  (row,) = repl.explain(step_fn, dataset).fallbacks
-  assert row.op_type == "StatelessWhile"
-  assert "Max while/Max in its body needs communication" in row.why, row.why
-  assert "Max while/Max in its body needs communication" in str(repl.explain(step_fn, dataset))
-  with pytest.raises(replicator.UnsupportedError, match=r"StatelessWhile \(while, at .*test_rules_loops.py"):
-    _repl(strict=True).run(step_fn, dataset)
+  assert len(lines(tmp_path / "ours.txt")) == x.shape[1]
+  np.testing.assert_allclose(lines(tmp_path / "ours.txt"), lines(tmp_path / "one.txt"), rtol=0, atol=ATOL)
 
 
-def test_a_scan_whose_body_needs_a_collective_runs_on_whole_rows_gathered_before_it():
-  # tf.scan reads the rows from a list made before the loop; a list cannot be gathered, so where the body would
-  # communicate (the max over the split batch) the list is made of whole rows instead (the sequence gathered before
-  # the loop, as explain's relayouts show) and the loop runs whole on every device. Was: TensorListFromTensor fell
-  # back; refusing the loop for its list of pieces would have been worse.
+def test_a_scan_whose_body_needs_a_collective_runs_split_with_the_collective_inside():
+  # tf.scan reads the rows from a list made before the loop, of the batch-split sequence; the max over the split
+  # batch is an all-reduce inside the body. Was: the list made of whole rows (the sequence gathered before the
+  # loop) and the loop run whole on every device.
   def step_fn(x):
     rows = tf.transpose(x, [1, 0, 2])
     states = tf.scan(lambda h, row: tf.tanh(h + row) - tf.reduce_max(h, axis=0), rows, initializer=tf.zeros([8, 3]))
@@ -166,8 +225,91 @@ def test_a_scan_whose_body_needs_a_collective_runs_on_whole_rows_gathered_before
   dataset = tf.data.Dataset.from_tensors(x)
   np.testing.assert_allclose(np.asarray(repl.run(step_fn, dataset)), np.asarray(expected), rtol=0, atol=ATOL)
   plan = repl.explain(step_fn, dataset)
-  assert [(r.source, r.target) for r in plan.relayouts if not r.free] == [((BATCH_AXES, (), ()), ((), (), ()))]
-  assert not [c for c in plan.collective_rows if "While" in c.op_type]
+  assert not [r for r in plan.relayouts if not r.free and r.op_type != "return"]  # nothing gathered before the loop
+  assert _inside(plan) == [("all_reduce", BATCH_AXES, "Max")]
+
+
+def test_a_loop_in_a_loop_whose_inner_body_communicates_runs_split():
+  # The inner loop's body all-reduces (the max over the split batch) inside each device's copy of it, which is made
+  # inside each device's copy of the outer body (its ordering token too). repl.explain names both loops.
+  x = _data()
+
+  def step_fn(x):
+    def outer(i, h):
+      def inner(j, g):
+        g = tf.tanh(g + tf.gather(x, i + j, axis=1))
+        return j + 1, g - tf.reduce_max(g, axis=0)
+
+      return (i + 1,) + tuple(tf.while_loop(lambda j, g: j < 3, inner, [tf.constant(0), h])[1:])
+
+    _, h = tf.while_loop(lambda i, h: i < 2, outer, [tf.constant(0), tf.zeros([8, 3])])
+    return tf.reduce_sum(h, axis=1)
+
+  expected = tf.function(step_fn)(tf.constant(x))
+  repl = _repl()
+  dataset = tf.data.Dataset.from_tensors(x)
+  np.testing.assert_allclose(np.asarray(repl.run(step_fn, dataset)), np.asarray(expected), rtol=0, atol=ATOL)
+  (row,) = repl.explain(step_fn, dataset).inside_rows
+  assert (row.kind, row.axes) == ("all_reduce", BATCH_AXES)
+  assert row.why == "inside the loop while, its body: in the loop while/while, its body: partial max", row.why
+
+
+def _decode(x, w_in, w_out, embedding):
+  """A greedy decoding-like loop over ``x`` [batch, d]: each step a column-parallel layer (``w_in`` split over
+  "model" along its columns; the softmax over them gathers them), a row-parallel one (``w_out`` split along its
+  rows: partial sums over "model"), the greedy choice of a token and its embedding."""
+
+  def body(t, h, total):
+    hidden = tf.nn.softmax(tf.matmul(h, w_in))
+    logits = tf.matmul(hidden, w_out)
+    token = tf.argmax(logits, axis=-1)
+    h = tf.tanh(tf.gather(embedding, token) + logits + x)
+    return t + 1, h, total + h
+
+  _, h, total = tf.while_loop(lambda t, h, total: t < 4, body, [tf.constant(0), tf.zeros_like(x), tf.zeros_like(x)])
+  return h, total
+
+
+DECODER = {r"^w_in$": (None, "model"), r"^w_out$": ("model", None)}
+
+
+@pytest.mark.parametrize("implementation", ["auto", "collective_ops"])
+def test_a_decoding_loop_with_split_weights_communicates_inside_its_bodies_and_equals_one_device(implementation):
+  # The forward loop gathers the column-parallel layer's output and all-reduces the row-parallel one's inside its
+  # body; the gradient's loop all-reduces inside its body too, and carries the weights' gradients as partial sums
+  # over "batch", summed once after it. The loss and every gradient equal one device's. "collective_ops": the
+  # step's own collectives are collective ops too, ordered by tokens of their own while the loops run.
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(8, 6)).astype("float32")
+  values = {"w_in": rng.normal(size=(6, 8)).astype("float32") * 0.5,
+            "w_out": rng.normal(size=(8, 6)).astype("float32") * 0.5,
+            "embedding": rng.normal(size=(6, 6)).astype("float32")}
+
+  def loss_and_grads(x, weights):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      h, total = _decode(x, *weights)
+      loss = tf.reduce_mean(tf.square(total)) + tf.reduce_sum(h)
+    return [loss] + [tf.convert_to_tensor(g) for g in tape.gradient(loss, [x] + list(weights))]
+
+  expected = tf.function(loss_and_grads)(tf.constant(x), [tf.Variable(v) for v in values.values()])
+  repl = _repl(layouts=DECODER, implementation=implementation)
+  with repl.context():
+    weights = [tf.Variable(v, name=name) for name, v in values.items()]
+
+  def step_fn(batch):
+    return loss_and_grads(batch, weights)
+
+  dataset = tf.data.Dataset.from_tensors(x)
+  got = repl.run(step_fn, dataset)
+  for what, a, b in zip(("loss", "d/dx", "d/dw_in", "d/dw_out", "d/dembedding"), got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=ATOL, err_msg=what)
+  plan = repl.explain(step_fn, dataset)
+  assert not plan.fallbacks
+  assert _inside(plan, "while") == [("all_gather", ("model",), "Softmax"), ("all_reduce", ("model",), "MatMul")]
+  assert {kind for kind, axes, _ in _inside(plan, "gradient_tape/while/while_grad")} == {"all_reduce"}
+  after = [c for c in plan.collective_rows if "While" in c.op_type]  # the weights' gradients, after the loop
+  assert len(after) == 3 and all(c.axes == BATCH_AXES and c.why.startswith("partial sum") for c in after), after
 
 
 def test_a_loop_whose_gradient_s_loop_cannot_run_partitioned_falls_back_with_it():
@@ -199,6 +341,35 @@ def test_a_loop_whose_gradient_s_loop_cannot_run_partitioned_falls_back_with_it(
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=ATOL, err_msg=what)
   (row,) = repl.explain(step_fn, dataset).fallbacks
   assert row.why.startswith("its gradient's loop gradient_tape/while/while_grad would not run partitioned"), row
+
+
+def test_a_decoding_loop_that_stops_when_every_row_is_done_communicates_in_its_condition():
+  # The condition asks whether every row of the split batch is done (an all-reduce inside each device's copy of
+  # the condition, every iteration): every device stops after the same number of steps, as one device does.
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(8, 6)).astype("float32")
+  w0 = (rng.normal(size=(6, 6)) * 0.8).astype("float32")
+
+  def decode(x, w):
+    def body(t, h, done):
+      h = tf.tanh(tf.matmul(h, w) + x)
+      return t + 1, h, tf.logical_or(done, tf.reduce_max(h, axis=1) > 0.9)
+
+    t, h, _ = tf.while_loop(lambda t, h, done: tf.logical_and(t < 10, tf.logical_not(tf.reduce_all(done))), body,
+                            [tf.constant(0), x, tf.zeros([8], tf.bool)])
+    return t, tf.reduce_sum(h, axis=1)
+
+  expected = tf.function(decode)(tf.constant(x), tf.Variable(w0))
+  repl = _repl(layouts={r"^w$": (None, "model")})
+  with repl.context():
+    w = tf.Variable(w0, name="w")
+  dataset = tf.data.Dataset.from_tensors(x)
+  t, h = repl.run(lambda batch: decode(batch, w), dataset)
+  assert int(t) == int(expected[0]) == 2
+  np.testing.assert_allclose(np.asarray(h), np.asarray(expected[1]), rtol=0, atol=ATOL)
+  inside = repl.explain(lambda batch: decode(batch, w), dataset).inside_rows
+  assert [(r.kind, r.axes, r.op_type) for r in inside if "its cond" in r.why] == [("all_reduce", BATCH_AXES, "All")]
+  assert {r.axes for r in inside if "its body" in r.why} == {("model",)}  # (the product by the split weight)
 
 
 # Keras's recurrent layers: a While over a TensorList of the time steps, its gradient another While over the lists
@@ -279,16 +450,36 @@ def test_a_keras_lstm_fits_with_its_batch_split_and_equals_one_device():
 
 
 LSTM_UNITS = {r"lstm/lstm_cell/(recurrent_)?kernel$": (None, "model")}
+RNN_UNITS = {"LSTM": LSTM_UNITS, "GRU": {r"gru/gru_cell/(recurrent_)?kernel$": (None, "model")}}
 
 
-def test_a_keras_lstm_with_a_split_kernel_is_refused_naming_the_op():
-  # The kernels split over "model" (the bias not): the body would gather the gates for the bias, inside the loop.
-  repl = _repl("2x2", strict=False, layouts=LSTM_UNITS)
-  with repl.context():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.layers.Input((5, 3)), keras.layers.LSTM(8, name="lstm"), keras.layers.Dense(4)])
-    opt = keras.optimizers.Adam(1e-2)
-  with pytest.raises(replicator.UnsupportedError,
-                     match=r"cannot partition While \(.*lstm.*\): it takes the handle of a sharded variable.*"
-                           r"\(BiasAdd .*lstm_cell.*/BiasAdd in its body gathers a split input\)"):
-    repl.run(keras_step(model, opt), _sequences())
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_keras_rnn_with_a_split_kernel_trains_with_collectives_inside_its_loops_and_equals_one_device(kind):
+  # The kernels split over "model" (the bias not), the batch over "batch": the forward loop's body gathers the
+  # gates for the bias, the gradient loop's all-reduces the state's gradient, inside each device's copy, each time
+  # step. Was: refused (the loop takes a sharded variable's handle, and its body gathered). Measured after 3 Adam
+  # steps, over every variable and slot: 3e-8 (LSTM), 6e-8 (GRU); the losses equal.
+  def rnn(context):
+    with context:
+      keras.utils.set_random_seed(1)
+      model = keras.Sequential([keras.layers.Input((5, 3)), getattr(keras.layers, kind)(8, name=kind.lower()),
+                                keras.layers.Dense(4)])
+      opt = keras.optimizers.Adam(1e-2)
+    return model, opt
+
+  one_model, one_opt = rnn(contextlib.nullcontext())
+  one_step = tf.function(keras_step(one_model, one_opt))
+  expected = [float(one_step(batch)) for batch in _sequences()]
+  repl = _repl("2x2", layouts=RNN_UNITS[kind])
+  model, opt = rnn(repl.context())
+  step_fn = keras_step(model, opt)
+  dataset = _sequences()
+  losses = [float(repl.run(step_fn, dataset)) for _ in range(RNN_STEPS)]
+  np.testing.assert_allclose(losses, expected, rtol=0, atol=ATOL)
+  assert copies_distance(model.variables + opt.variables, one_model.variables + one_opt.variables) <= ATOL
+  (kernel,) = [v for v in model.variables if v.path.endswith("_cell/kernel")]
+  gates = 4 if kind == "LSTM" else 3
+  assert [c.shape.as_list() for c in replicator.state._variables.underlying(kernel).components] == [[3, gates * 4]] * 4
+  plan = repl.explain(step_fn, dataset)
+  assert not plan.fallbacks
+  assert plan.inside_rows and all(r.axes == ("model",) and r.why.startswith("inside the loop ") for r in plan.inside_rows)

@@ -92,10 +92,9 @@ UNSUPPORTED = (
 )
 FIX_UNSUPPORTED = "keep the variables this op uses replicated (leave them out of the layouts) until the op has a rule"
 FIX_CONTROL_FLOW = (
-    "a tf.cond or tf.while_loop whose body needs no communication (a weight's gradient summed over the steps "
-    "aside) runs partitioned: move what communicates (a reduction over a split dimension, a split variable inside "
-    "a loop) out of it, e.g. compute both branches' values and choose with tf.where; or keep the variables it "
-    "uses replicated (leave them out of the layouts)"
+    "a tf.cond or tf.while_loop runs partitioned with the collectives its body needs inside it: move the op named "
+    "above out of it (e.g. compute both branches' values and choose with tf.where), or keep the variables it uses "
+    "replicated (leave them out of the layouts)"
 )
 _CONTROL_FLOW = ("If", "StatelessIf", "While", "StatelessWhile")
 

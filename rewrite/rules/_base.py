@@ -84,6 +84,11 @@ class Decision:
       dimension it is split over, where it could not keep the split (a
       convolution's halo wider than a tile); ``repl.explain`` adds it to
       the gather's ``why``.
+    inside: the collectives placed inside the functions the op calls (a
+      loop's condition and body, a branch: each device's copy lowers its
+      own, a loop's once per iteration), which the step's plan does not
+      hold: ``(where, placeholder record, why)`` of the first device's,
+      filled as the op is lowered (``repl.explain`` lists them).
   """
 
   inputs: list
@@ -100,18 +105,38 @@ class Decision:
   attrs: dict = dataclasses.field(default_factory=dict)
   scatter: dict = dataclasses.field(default_factory=dict)
   reasons: dict = dataclasses.field(default_factory=dict)
+  inside: list = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
     if not self.reduce:
       self.reduce = [None] * len(self.outputs)
 
   def computed(self, index: int):
-    """Output ``index``'s layout as the op's copies compute it (before any reduce-scatter)."""
+    """Output ``index``'s layout as the op's copies compute it (before any reduce-scatter).
+
+    A dimension the partial sums are scattered along is split, before the scatter, over the axes before the
+    scattered ones (after them, if any: a local slice of the scattered piece, ``scattered``).
+    """
     layout = self.outputs[index]
     scattered = dict(self.scatter.get(index, ()))
-    if not scattered:
+    if not scattered or layout is None:
       return layout
-    return tuple(tuple(a for a in split if a not in scattered.get(d, ())) for d, split in enumerate(layout))
+    return tuple(split[:_start(split, scattered[d])] if d in scattered else split for d, split in enumerate(layout))
+
+  def scattered(self, index: int):
+    """Output ``index``'s layout right after its reduce-scatters (the output's, or one it refines by a slice)."""
+    layout = self.outputs[index]
+    scattered = dict(self.scatter.get(index, ()))
+    if not scattered or layout is None:
+      return layout
+    return tuple(split[:_start(split, scattered[d]) + len(scattered[d])] if d in scattered else split
+                 for d, split in enumerate(layout))
+
+
+def _start(split: tuple, over: tuple) -> int:
+  """Where the axes ``over`` start in ``split`` (their run; its length if absent)."""
+  split, over = tuple(split), tuple(over)
+  return next((i for i in range(len(split)) if split[i:i + len(over)] == over), len(split))
 
 
 def scatter_partials(view, out: tuple, summed: tuple, index: int = 0) -> tuple[tuple, tuple]:
@@ -138,9 +163,11 @@ def scatter_partials(view, out: tuple, summed: tuple, index: int = 0) -> tuple[t
     if isinstance(wanted, Merged) or isinstance(have, Merged) or not wanted:
       continue
     extra = tuple(wanted[len(have):])  # a dimension split over the leading axes already: each piece scattered
-    if (tuple(wanted[:len(have)]) == tuple(have) and extra and set(extra) <= free and shape[d] > 0
-        and shape[d] % view.shards(tuple(wanted)) == 0):
-      out[d] = tuple(wanted)
+    # (over the leading ones of the rest that are summed: the others split the pieces further, a local slice)
+    extra = extra[:next((i for i, a in enumerate(extra) if a not in free), len(extra))]
+    if (tuple(wanted[:len(have)]) == tuple(have) and extra and shape[d] > 0
+        and shape[d] % view.shards(tuple(have) + extra) == 0):
+      out[d] = tuple(have) + extra
       scatter.append((d, extra))
       free -= set(extra)
   return tuple(out), tuple(scatter)

@@ -1,4 +1,4 @@
-"""Rules for control flow: an ``If`` whose branches run on each device's pieces without communicating.
+"""Rules for control flow: an ``If`` whose branches run on each device's pieces, communicating inside if they must.
 
 Keras emits conditionals inside a training step (an optimizer's
 ``gradient_accumulation_steps``: accumulate, or apply and reset; a loss's
@@ -8,23 +8,32 @@ reduction that produced it was all-reduced) and takes the same branch. Each
 branch's body is partitioned like the step (``_partition``), its arguments in
 the layouts they have outside; a split argument from which a branch would
 gather a value is gathered before the ``If`` instead, and the branches
-partitioned again. If then no op of either branch needs a collective and both
-branches give their outputs the same layouts, each device runs a conditional
-over its own copies of the branches, made per device. Otherwise the op falls
-back (gathered, replicated), or, on a sharded variable's handle, is refused.
-Collectives inside branches are not placed yet. ``While`` loops: ``_loops``, which shares the
-branches' checks (:func:`first_gather`, :func:`computed_from`, :func:`sliced_from`).
+partitioned again. If both branches give their outputs the same layouts,
+each device runs a conditional over its own copies of the branches, made per
+device. A branch that needs collectives (a sum over a split dimension)
+has them inside each device's copy (:class:`InBody`: TensorFlow's collective
+ops, which every device's copy asks for in the same order, as every device
+takes the same branch). Otherwise the op falls back (gathered, replicated),
+or, on a sharded variable's handle, is refused. ``While`` loops: ``_loops``,
+which shares the branches' checks (:func:`first_gather`,
+:func:`computed_from`, :func:`sliced_from`) and :class:`InBody`.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
+from rewrite import _apply
+from rewrite import _collective_ops
+from rewrite import _communication
 from rewrite import _functions
+from rewrite import _lowering
+from rewrite import _plan
 from rewrite.rules import _base
 from rewrite.rules import _random
 
@@ -40,6 +49,154 @@ def _communicates(partition) -> str:
     if any(r is not None for r in d.reduce) or d.communicates or d.fallback or d.unsupported:
       return name
   return ""
+
+
+def cannot_communicate(view, graph, partition) -> str:
+  """Why the collectives of a partitioned body cannot be placed inside it ("" if they can, see :class:`InBody`).
+
+  An op of the body that falls back (its gathers would go unseen), or is
+  refused, is named; so is a summary written in it (the first device's copy
+  writes it, and the other devices' copies cannot take its writer, a
+  resource of the first device), and a job of several processes (each would
+  count the collectives' keys its own way). A print runs in the first
+  device's copy only, its inputs relayouted on every device.
+  """
+  for name, d in partition.decisions.items():
+    o = graph.get_operation_by_name(name)
+    if d.unsupported or d.fallback:
+      return f"{o.type} {name} in it {'is refused' if d.unsupported else 'has no rule'}"
+    if d.once and any(t.dtype == tf.resource for t in o.inputs):
+      return f"{o.type} {name} in it writes to a resource of the first device only (a summary's writer)"
+  if len({_lowering.task_of(d) for d in view.mesh.devices}) > 1:
+    return "its devices are in several processes (collectives inside function bodies are placed in one only)"
+  return ""
+
+
+class _BodyKeys:
+  """Collective keys the devices' copies of one function body agree on, without talking.
+
+  Every device's copy asks for the same collectives in the same order (the
+  plan's ``index``); its n-th request for a collective gets the n-th key drawn
+  for it, drawn when the first device asks (each expansion of the body: new
+  keys). Group keys are one per device list, for the process.
+  """
+
+  _GROUPS = _lowering.ProcessKeys()
+
+  def __init__(self):
+    self._drawn: dict = collections.defaultdict(list)  # (group key, index, part) -> keys drawn, in order
+    self._asked: dict = collections.Counter()  # (group key, index, part, device list) -> how many asked
+
+  def group_key(self, devices) -> int:
+    return self._GROUPS.group_key(devices)
+
+  def instance_key(self, group_key: int, collective, part: str = "") -> int:
+    key = (group_key, collective.index, part)
+    asking = key + (tuple(m.device for m in collective.present),)
+    n = self._asked[asking]
+    self._asked[asking] += 1
+    drawn = self._drawn[key]
+    if n == len(drawn):
+      drawn.append(_lowering.new_key())
+    return drawn[n]
+
+
+class _InBodyOps(_collective_ops.CollectiveOps):
+  """TensorFlow's collective ops, made inside a device's copy of a body: its ordering token is the body's own."""
+
+  def external_value(self, key: str):
+    return None  # (fed the token the body takes: InBody)
+
+
+class InBody:
+  """The collectives of one function body (a loop's condition or body, a branch), inside each device's copy.
+
+  A body's placeholders cannot reach the step's plan (the rewrite replaces
+  nodes of the step's graph, not of its functions): each device's copy
+  (``OpView.bodies.expand_on_device(..., collectives=...)``) lowers its own
+  here, as ``CollectiveReduceV2`` and friends whose keys every device's copy
+  agrees on (:class:`_BodyKeys`), chained in the body's order and ordered by
+  the resource ``token`` the copy takes: the op that calls the body takes an
+  ordering token of its device (a ``While`` as a loop variable; without a
+  resource among its loop variables, the collectives of a ``While``'s body
+  time out on logical CPUs, TF 2.21). Every device runs the body as often as
+  the others and in the same order, as the op's predicate or counter is
+  whole on every device.
+
+  ``inside``: where ``repl.explain`` finds them (``Decision.inside``): the
+  first device's, each ``(where, record, why)``.
+  """
+
+  def __init__(self, view, graph, partition, where: str, inside: list, again: str = ""):
+    self.mesh, self.where, self.inside = view.mesh, where, inside
+    self.keys = _BodyKeys()
+    self._expected = collections.defaultdict(list)
+    for event in _communication.walk(graph, partition, [], view.mesh.shape):
+      if isinstance(event, _communication.Needed):
+        self._expected[event.op_name].append((event.kind, event.axes, event.why))
+    self._again = again  # why of a collective the walk does not know (a loop variable relayouted at the body's end)
+    self._first = None  # the device whose collectives are listed
+
+  def lowering(self):
+    ops = _InBodyOps()
+    ops.keys = self.keys
+    return ops
+
+  def __call__(self, token, graph_def, records, names):
+    """``graph_def`` (device ``records[0].replica``'s copy) with its placeholders lowered; see ``expand_on_device``."""
+    r = records[0].replica
+    lowering = self.lowering()
+    plan = _plan.plan([list(records) if k == r else None for k in range(self.mesh.size)], self.mesh,
+                      lambda c: lowering.name)
+    rewritten = _apply.apply(graph_def, plan, {lowering.name: lowering})
+    self._list(r, records)
+    return (rewritten.graph_def, [rewritten.output_name(n) for n in names],
+            {name: token for name in rewritten.external_inputs})
+
+  def _list(self, r, records) -> None:
+    """Lists device ``r``'s collectives for ``repl.explain``: the first device's (of each expansion)."""
+    if self._first is not None and r > self._first:
+      return
+    self._first = r
+    self.inside[:] = [item for item in self.inside if item[0] != self.where]
+    expected = {name: list(items) for name, items in self._expected.items()}
+    for record in records:
+      _, _, op_name = record.call.partition(" ")
+      why = self._again
+      for item in expected.get(op_name, ()):
+        if item[:2] == (record.kind, record.axes):
+          expected[op_name].remove(item)
+          why = item[2]
+          break
+      self.inside.append((self.where, record, why))
+
+
+class Nested:
+  """Lists, in ``inside`` (``Decision.inside``), the collectives inside the loops and conditionals of an op's bodies.
+
+  Their ops are lowered while the op's copies of its bodies are made (:meth:`lowered`, after each device's): the
+  first device's are listed, each ``where`` naming the body and the op in it.
+  """
+
+  def __init__(self, inside: list, parts):
+    self.inside, self.parts, self.first = inside, parts, None  # parts: (where, graph, partition) of each body
+
+  def lowered(self, r: int) -> None:
+    if self.first is not None and r > self.first:
+      return
+    self.first = r
+    found = []
+    for attr, graph, partition in self.parts:
+      for name, d in partition.decisions.items():
+        kind = "loop" if graph.get_operation_by_name(name).type in ("While", "StatelessWhile") else "conditional"
+        found += [(f"{attr}: in the {kind} {name}, its {where}", record, why) for where, record, why in d.inside]
+    self.inside[:] = [item for item in self.inside if ": in the " not in item[0]] + found
+
+
+def ordering_token(device_index: int) -> tf.Tensor:
+  """A fresh ordering token (a resource handle no kernel reads) for the device whose copy is being made."""
+  return tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name=f"in_body_ordering_token_{_lowering.new_key()}",
+                                name=f"ordering_token_{device_index}")
 
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> {(op, layouts, mesh): answer}
@@ -63,24 +220,31 @@ def _partitioned_branches(view, layouts):
   but the arguments can be gathered before the ``If``, where a step without
   the conditional would have gathered them too. So those arguments (tensors,
   not a sharded variable's handle) are asked for replicated, and the branches
-  partitioned again. Returns ``((parts, output layouts, input layouts), "")``.
+  partitioned again. Returns ``((parts, output layouts, input layouts, whether they communicate inside), "")``;
+  failing without collectives in the branches, they are partitioned again with them (:class:`InBody`).
   """
   op = view.op
-  layouts = list(layouts)
-  wanted = [None] * len(op.inputs)  # the If's inputs: as they are, or replicated (gathered before it)
-  while True:
-    branches, why, gather = _try_branches(view, layouts)
-    if branches is not None:
-      parts, unified = branches
-      return (parts, unified, wanted), ""
-    if not gather:
-      return None, why
-    for k in gather:
-      layouts[1 + k] = wanted[1 + k] = _base.replicated(_base.rank_of(op.inputs[1 + k]))
+  given = list(layouts)
+  for talk in (False, True):  # without collectives in the branches, if that can be; else with them
+    layouts = list(given)
+    wanted = [None] * len(op.inputs)  # the If's inputs: as they are, or replicated (gathered before it)
+    while True:
+      branches, why, gather = _try_branches(view, layouts, talk)
+      if branches is not None:
+        parts, unified = branches
+        return (parts, unified, wanted, talk), ""
+      if not gather:
+        break
+      for k in gather:
+        layouts[1 + k] = wanted[1 + k] = _base.replicated(_base.rank_of(op.inputs[1 + k]))
+  return None, why
 
 
-def _try_branches(view, layouts):
-  """``(branches or None, why not, the split tensor arguments whose gathering before the If would help)``."""
+def _try_branches(view, layouts, talk=False):
+  """``(branches or None, why not, the split tensor arguments whose gathering before the If would help)``.
+
+  ``talk``: a branch may need collectives (placed inside it, :class:`InBody`).
+  """
   op = view.op
   args = list(op.inputs[1:])
   parts = []
@@ -95,10 +259,16 @@ def _try_branches(view, layouts):
     gather = first_gather(body, partition)
     if gather is not None:
       o, t = gather
-      return None, f"{o.type} {o.name} in its {attr} gathers a split input", _split_arguments(body, [t], layouts)
+      split = _split_arguments(body, [t], layouts)
+      if split or not talk:  # (gathered before the If, once; else inside the branch)
+        return None, f"{o.type} {o.name} in its {attr} gathers a split input", split
     busy = _communicates(partition)
-    if busy:  # a partial sum, say: gathering its inputs would send more than its collective (left to the fallback)
-      return None, f"{busy} in its {attr} needs communication", []
+    if busy and not talk:  # a partial sum, say: gathering its inputs would send more than its collective
+      o = body.get_operation_by_name(busy)
+      return None, f"{o.type} {busy} in its {attr} needs communication", []
+    refused = cannot_communicate(view, body, partition) if talk else ""
+    if refused:
+      return None, f"its {attr} would communicate inside, and {refused}", []
     parts.append((body, partition))
   outs = [[p.layouts.get(t.name) for t in body.outputs] for body, p in parts]
   unified = [_unify(a, b) for a, b in zip(*outs)]
@@ -238,30 +408,42 @@ def if_(view, layouts):
     elif decision.fallback:
       decision.why = why
     return decision
-  parts, out_layouts, in_layouts = branches
-  (then_body, then_part), (else_body, else_part) = parts
+  parts, out_layouts, in_layouts, talk = branches
+  inside: list = []  # the collectives inside the branches (repl.explain's)
+  talks = [InBody(view, body, part, attr, inside) if talk else None
+           for (body, part), attr in zip(parts, ("then_branch", "else_branch"))]
+  nested = Nested(inside, [(attr, body, part) for (body, part), attr in zip(parts, ("then_branch", "else_branch"))])
   kept = []
 
   def lower(r, inputs):
     pred, args = inputs[0], list(inputs[1:])
+    if any(talks):  # the branches take the device's ordering token
+      args.append(ordering_token(r))
     specs = [tf.TensorSpec(x.shape, x.dtype) for x in args]
-    branches = [tf.function(functools.partial(_on_device, view, body, part, r, out_layouts),
+    branches = [tf.function(functools.partial(_on_device, view, body, part, r, out_layouts, talk),
                             autograph=False).get_concrete_function(*specs)
-                for body, part in ((then_body, then_part), (else_body, else_part))]
+                for (body, part), talk in zip(parts, talks)]
+    nested.lowered(r)
     for branch in branches:
       branch.add_to_graph()  # into the expansion's graph, whose library goes with it
     # Alive as long as the decision (the built step keeps its partition): a collected function is removed
     # from TensorFlow's runtime by name, and the step's imported copy of it with it.
     kept.extend(branches)
-    make = tf.raw_ops.If if view.op.type == "If" else tf.raw_ops.StatelessIf
+    make = tf.raw_ops.If if view.op.type == "If" or any(talks) else tf.raw_ops.StatelessIf
     outputs = make(cond=pred, input=args, Tout=[t.dtype for t in view.op.outputs], then_branch=branches[0],
                    else_branch=branches[1])
     return list(outputs) if isinstance(outputs, (list, tuple)) else []
 
-  return _base.Decision(inputs=in_layouts, outputs=out_layouts, lower=lower)
+  return _base.Decision(inputs=in_layouts, outputs=out_layouts, lower=lower, inside=inside)
 
 
-def _on_device(view, body, partition, r, outputs, *args):
-  """Device ``r``'s copy of a branch, made in the function being traced, with the functions it calls."""
+def _on_device(view, body, partition, r, outputs, talk, *args):
+  """Device ``r``'s copy of a branch, made in the function being traced, with the functions it calls.
+
+  With ``talk`` (its :class:`InBody`), the last argument is the device's ordering token (the branch's collectives
+  take it); else, if the other branch's do, it is left unused.
+  """
   _functions.import_called(view.op)
-  return view.bodies.expand_on_device(body, view.mesh, partition, r, *args, outputs=outputs)
+  n = len(body.inputs)
+  extra = {} if talk is None else {"collectives": functools.partial(talk, args[n])}
+  return view.bodies.expand_on_device(body, view.mesh, partition, r, *args[:n], outputs=outputs, **extra)

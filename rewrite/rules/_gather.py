@@ -48,7 +48,12 @@ def _lookup(view, params, ids, axis, make_lookup):
                       else [1] * axis + shape + [1] * trailing)
     return [tf.where(mask, looked_up, tf.zeros_like(looked_up))]
 
-  return _base.Decision(inputs=inputs, outputs=[out], reduce=[("sum", table_split)], lower=lower)
+  # The lookups' partial sums reduce-scattered where the consumers want them split over the table's axes (ids
+  # split over the axes the table's rows are: gathered, looked up in each device's rows, and the rows scattered
+  # back), else all-reduced.
+  out, scatter = _base.scatter_partials(view, out, table_split)
+  return _base.Decision(inputs=inputs, outputs=[out], reduce=[("sum", table_split)], lower=lower,
+                        scatter={0: scatter} if scatter else {})
 
 
 @_base.register("GatherV2")

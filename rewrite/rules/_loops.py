@@ -15,19 +15,40 @@ gathered before the loop instead, and stays whole in it. Counters and other
 scalars are whole on every device, so every device runs the same number of
 iterations.
 
-The body communicates with nothing, except for one pattern: a loop variable
-that only accumulates partial sums (the gradient of a weight, summed over
-the time steps, each step's a sum over the split batch) holds each device's
-part through the loop (one device starts from the value it enters with, the
-others from zeros), and is all-reduced once, after the loop. Then each
-device runs a ``While`` over its own copies of the condition and the body,
-made per device (``OpView.bodies.expand_on_device``). A loop whose
-condition or body would need any other collective falls back (gathered,
-replicated), naming the op (``Decision.why``): the lists it takes are made
-of whole elements by their makers (a list cannot be gathered; others are
-refused), as is a sharded variable's handle. So does a loop whose
-gradient's loop would not run partitioned: the gradient could not gather
-the lists of pieces this loop pushes.
+A loop variable that only accumulates partial sums (the gradient of a
+weight, summed over the time steps, each step's a sum over the split batch)
+holds each device's part through the loop (one device starts from the value
+it enters with, the others from zeros), and is all-reduced once, after the
+loop. Then each device runs a ``While`` over its own copies of the condition
+and the body, made per device (``OpView.bodies.expand_on_device``).
+
+A loop whose condition or body needs other collectives (a sum or a maximum
+over a split dimension read in the body, a column-parallel layer's output
+gathered, a row-parallel one's all-reduced: Keras's ``LSTM`` with its kernel
+split over a model axis, a decoding loop over split weights) is partitioned
+again, with them allowed: each device's copies make them, as TensorFlow's
+collective ops, every iteration (``_control_flow.InBody``). Every device
+runs as many iterations as the others (the counters are whole on every
+device) and asks for the same collectives in the same order; the loop
+carries the device's ordering token. A print in the body runs in the first
+device's copy, once an iteration (a summary's writer cannot go to the other
+devices' copies: see below). Values the body passes on unchanged are still
+gathered once before the loop; a loop variable the body gives
+back in another layout is relayouted at the body's end; the partial sums
+that only accumulate are still summed after the loop. So is the gradient's
+loop, which pops the lists this loop pushes.
+
+What still falls back (gathered, replicated), naming the op
+(``Decision.why``): a loop whose body communicates and has an op that is
+refused (a sharded variable used by an op without a rule: then the loop is
+refused too, as it cannot gather the handle) or writes a summary (refused
+too, its outputs being used: every device's copy would write it); a loop on a mesh whose devices
+are in several processes (the keys of collectives inside bodies are counted
+in one); a loop whose gradient's loop would not run partitioned (the
+gradient could not gather the lists of pieces this loop pushes: a loop in a
+loop under a gradient tape). The lists a fallback takes are made of whole
+elements by their makers (a list cannot be gathered; others are refused),
+as is a sharded variable's handle.
 """
 
 from __future__ import annotations
@@ -66,6 +87,7 @@ class _Loop:
   body_partition: object
   carried: list  # per loop variable, its layout through the loop
   summed: dict  # loop variable index -> the mesh axes its partial sums are summed over after the loop
+  talk: bool = False  # whether its condition or body may communicate inside (each device's copy, each iteration)
 
   def ends(self) -> list:
     """Per output of the body, the layout it is sliced to at the body's end (None: as it is)."""
@@ -124,6 +146,20 @@ def _gradient_fails(view, loop) -> str:
 
 
 def _settled(view, layouts, free=frozenset()):
+  """The loop partitioned communicating nothing inside, if it can be; else with collectives inside; or None and why.
+
+  The second try (``talk``) places in each device's copy of the condition and
+  the body the collectives they need (``_control_flow.InBody``), where the
+  first would fall back.
+  """
+  loop, why = _settled_as(view, layouts, free, talk=False)
+  if loop is not None:
+    return loop, ""
+  loop, talked = _settled_as(view, layouts, free, talk=True)
+  return (loop, "") if loop is not None else (None, talked or why)
+
+
+def _settled_as(view, layouts, free, talk):
   """The loop variables' layouts at a fixed point of the body, and the partitions there; or None and why not.
 
   Each round partitions the condition and the body with the loop variables
@@ -137,7 +173,7 @@ def _settled(view, layouts, free=frozenset()):
   carried = list(layouts)
   pinned: set = set()  # loop variables gathered before the loop: whole through it
   for _ in range(4 * len(carried) + 4):
-    loop, why, change, gathered = _try(view, carried, pinned, free)
+    loop, why, change, gathered = _try(view, carried, pinned, free, talk)
     if loop is not None:
       return loop, ""
     if not change and not gathered:
@@ -159,10 +195,13 @@ def _partition(view, graph, attr, carried):
                                random_salt=_random.body_salt(view.op, attr))
 
 
-def _try(view, carried, pinned, free=frozenset()):
+def _try(view, carried, pinned, free=frozenset(), talk=False):
   """``(loop or None, why not, loop variable -> a finer layout, loop variables to gather)``: the changes that may
-  help (see :func:`_settled`). ``free``: lists that may enter holding anything (a trial's, see
-  :func:`_gradient_fails`)."""
+  help (see :func:`_settled_as`). ``free``: lists that may enter holding anything (a trial's, see
+  :func:`_gradient_fails`). ``talk``: the condition and the body may communicate inside; then only values the
+  body passes on unchanged are gathered before the loop (once, not each iteration), and a loop variable the
+  body gives back in a layout that no local slice takes to the one it enters with is relayouted at the body's
+  end."""
   op = view.op
   cond, body = _graphs(op)
   partitions = {}
@@ -172,10 +211,17 @@ def _try(view, carried, pinned, free=frozenset()):
     if gather is not None:
       o, t = gather
       why = f"{o.type} {o.name} in its {attr} gathers a split input"
-      return None, why, {}, _gathered_before(graph, t, carried, pinned)
-    busy = _communicates(graph, partition, sums=attr == "body")
-    if busy:
-      return None, f"{busy} in its {attr} needs communication", {}, ()
+      before = _gathered_before(graph, t, carried, pinned)
+      if not talk or (before and all(_passed_on(body, k) for k in before)):
+        return None, why, {}, before
+    if talk:
+      refused = _control_flow.cannot_communicate(view, graph, partition)
+      if refused:
+        return None, f"its {attr} would communicate inside, and {refused}", {}, ()
+    else:
+      busy = _communicates(graph, partition, sums=attr == "body")
+      if busy:
+        return None, f"{busy} in its {attr} needs communication", {}, ()
     partitions[attr] = partition
   change, lists = {}, {}  # (the lists' layouts follow the values put in them: changed once those settle)
   for k, (x, t) in enumerate(zip(body.inputs, body.outputs)):
@@ -191,12 +237,14 @@ def _try(view, carried, pinned, free=frozenset()):
       continue  # the body's value sliced to the loop variable's layout at its end; or whole (of unknown rank)
     finer = _refinement(view, op.inputs[k], have, out)
     if finer is None or k in pinned:
+      if talk and have is not None and out is not None and len(have) == len(out):
+        continue  # relayouted at the body's end (a gather, each iteration)
       return None, (f"its body gives loop variable {k} ({t.op.name}) the layout {out}, and it enters as {have}: "
                     "neither reaches the other by a local slice"), {}, ()
     change[k] = finer  # sliced before the loop
   if change or lists:
     return None, "its loop variables change their layouts", change or lists, ()
-  summed, dropped, why = _partial_sums(body, partitions["body"], cond)
+  summed, dropped, why = _partial_sums(body, partitions["body"], cond, talk)
   if summed is None:
     return None, why, {}, ()
   body_partition = partitions["body"]
@@ -205,7 +253,15 @@ def _try(view, carried, pinned, free=frozenset()):
     for name in dropped:
       decisions[name] = dataclasses.replace(decisions[name], reduce=[None] * len(decisions[name].reduce))
     body_partition = dataclasses.replace(body_partition, decisions=decisions)
-  return _Loop(cond, partitions["cond"], body, body_partition, list(carried), summed), "", {}, ()
+  return _Loop(cond, partitions["cond"], body, body_partition, list(carried), summed, talk), "", {}, ()
+
+
+def _passed_on(body, k) -> bool:
+  """Whether the body gives loop variable ``k`` back as it got it (through identities)."""
+  t = body.outputs[k]
+  while t.op.type in ("Identity", "Snapshot"):
+    t = t.op.inputs[0]
+  return t is body.inputs[k]
 
 
 def _same(a, b) -> bool:
@@ -267,7 +323,7 @@ def _communicates(graph, partition, sums: bool) -> str:
   return ""
 
 
-def _partial_sums(body, partition, cond):
+def _partial_sums(body, partition, cond, talk=False):
   """``(loop variable -> axes, ops whose all-reduce is left out, "")`` of the partial sums a body accumulates.
 
   An op of the body that leaves partial sums (a contraction over the split
@@ -275,83 +331,100 @@ def _partial_sums(body, partition, cond):
   loop if its sums only add up into a loop variable (through ops linear in
   them, ``_LINEAR``) and nothing else reads them or it: each device carries
   its part, and the loop's output is summed once. Returns ``(None, None,
-  why)`` if an op reads a partial sum otherwise.
+  why)`` if an op reads a partial sum otherwise; with ``talk``, the ops whose
+  partial sums are read so are all-reduced inside the loop instead (as are
+  partial maxima, and sums scattered), and the others left to the loop's end.
   """
-  seeds = {}
+  seeds = {}  # tensor name -> (axes, the op whose partial sums it holds)
   for o in body.get_operations():
     d = partition.decisions.get(o.name)
     if d is not None:
-      seeds.update({o.outputs[j].name: tuple(r[1]) for j, r in enumerate(d.reduce) if r is not None})
+      seeds.update({o.outputs[j].name: (tuple(r[1]), o.name) for j, r in enumerate(d.reduce)
+                    if r is not None and (not talk or (r[0] == "sum" and not d.scatter.get(j)))})
+  while True:
+    carried, why, culprits = _accumulated(body, partition, cond, seeds)
+    if carried is not None:
+      return carried, tuple(sorted({name for _, name in seeds.values()})), ""
+    if not talk or not culprits:
+      return None, None, why
+    seeds = {t: seed for t, seed in seeds.items() if seed[1] not in culprits}  # all-reduced inside the loop
+
+
+def _accumulated(body, partition, cond, seeds):
+  """``(loop variable -> axes, "", ())`` of the loop variables accumulating the partial sums ``seeds``; or
+  ``(None, why, the ops whose partial sums are read otherwise)``."""
   if not seeds:
-    return {}, (), ""
-  dropped = tuple(o.name for o in body.get_operations()
-                  if o.name in partition.decisions and any(r is not None for r in partition.decisions[o.name].reduce))
-  partial, why = _spread(body, partition, seeds, lenient=True)  # which loop variables accumulate, at most
+    return {}, "", ()
+  partial, why, culprits = _spread(body, partition, seeds, lenient=True)  # which loop variables accumulate, at most
   if partial is None:
-    return None, None, why
+    return None, why, culprits
   carried = {k: partial[t.name] for k, t in enumerate(body.outputs) if t.name in partial}
   for _ in range(len(body.outputs) + 1):
-    partial, why = _spread(body, partition, {**seeds, **{body.inputs[k].name: a for k, a in carried.items()}},
-                           lenient=False)
+    partial, why, culprits = _spread(body, partition, {**seeds, **{body.inputs[k].name: a for k, a in carried.items()}},
+                                     lenient=False)
     if partial is None:
-      return None, None, why
+      return None, why, culprits
     now = {k: partial[t.name] for k, t in enumerate(body.outputs) if t.name in partial}
     if now == carried:
       break
     carried = now
   else:
-    return None, None, "the partial sums its body carries do not settle"
-  for k in carried:
+    return None, "the partial sums its body carries do not settle", {name for _, name in seeds.values()}
+  for k, (_, origins) in carried.items():
     if body.inputs[k].dtype == tf.bool:
-      return None, None, f"loop variable {k} would carry partial sums of booleans"
+      return None, f"loop variable {k} would carry partial sums of booleans", origins
     if cond.inputs[k].consumers():
-      return None, None, f"its condition reads loop variable {k}, which carries partial sums"
-  return carried, dropped, ""
+      return None, f"its condition reads loop variable {k}, which carries partial sums", origins
+  return {k: axes for k, (axes, _) in carried.items()}, "", ()
 
 
 def _spread(body, partition, seeds: dict, lenient: bool):
-  """``(tensor name -> axes, "")``: the tensors of ``body`` holding partial sums, from ``seeds``; or ``(None, why)``.
+  """``(tensor name -> (axes, origins), "", ())``: the tensors of ``body`` holding partial sums, from ``seeds``
+  (origins: the ops whose partial sums they hold); or ``(None, why, the origins of those an op reads otherwise)``.
 
   ``lenient``: an op adding a partial sum and a value that is not one is let
   through (the value may be a loop variable that accumulates, found after).
   """
-  partial = dict(seeds)
+  partial = {name: (axes, frozenset([origin]) if isinstance(origin, str) else origin)
+             for name, (axes, origin) in seeds.items()}
   for o in body.get_operations():
     d = partition.decisions.get(o.name)
     ins = [partial.get(t.name) for t in o.inputs]
     if d is None or all(a is None for a in ins):
       continue
     need = f"{o.type} {o.name} in its body reads a partial sum (it needs communication)"
+    culprits = frozenset().union(*(a[1] for a in ins if a is not None))
     if any(r is not None for r in d.reduce):
-      return None, need
+      return None, need, culprits
     if o.type == "IdentityN":
       partial.update({t.name: a for t, a in zip(o.outputs, ins) if a is not None})
       continue
     positions = _LINEAR.get(o.type, False)
     if positions is False:
-      return None, need
+      return None, need, culprits
     if positions == "scaled":  # one factor a partial sum, the other the same on every device it is summed over
       summed = [(i, a) for i, a in enumerate(ins) if a is not None]
       if len(summed) != 1:
-        return None, need
-      (i, axes), = summed
+        return None, need, culprits
+      (i, (axes, origins)), = summed
       other = partition.layouts.get(o.inputs[1 - i].name)
       if isinstance(other, _base.Contents) or set(axes) & _base.axes_in(other):
-        return None, need
+        return None, need, culprits
     else:
       if positions is None:
         positions = range(len(o.inputs))
       elif positions == "values":
         positions = range(len(o.inputs) - 1)
       if any(a is not None for i, a in enumerate(ins) if i not in positions):
-        return None, need
-      found = {ins[i] for i in positions}
+        return None, need, culprits
+      found = {ins[i][0] if ins[i] is not None else None for i in positions}
       if len(found - {None}) != 1 or (None in found and not lenient):
-        return None, need
+        return None, need, culprits
       (axes,) = found - {None}
+      origins = frozenset().union(*(ins[i][1] for i in positions if ins[i] is not None))
     for t in o.outputs:
-      partial[t.name] = axes
-  return partial, ""
+      partial[t.name] = (axes, origins)
+  return partial, "", ()
 
 
 @_base.register("While", "StatelessWhile")
@@ -364,6 +437,14 @@ def while_(view, layouts):
   inputs = [layout if t.dtype == tf.resource else carried
             for t, layout, carried in zip(op.inputs, layouts, loop.carried)]
   shapes = [_local_shape(view, t, layout) for t, layout in zip(op.outputs, loop.carried)]
+  inside: list = []  # the collectives inside its condition and body (repl.explain's)
+  talks = (None, None)
+  if loop.talk:  # (each device's copy lowers its own; the loop carries the device's ordering token)
+    talks = (_control_flow.InBody(view, loop.cond, loop.cond_partition, "cond", inside),
+             _control_flow.InBody(view, loop.body, loop.body_partition, "body", inside,
+                                  again="relayouted at the body's end, for the next iteration"))
+  nested = _control_flow.Nested(inside, [("cond", loop.cond, loop.cond_partition),
+                                         ("body", loop.body, loop.body_partition)])
   kept = []
 
   def lower(r, args):
@@ -371,20 +452,24 @@ def while_(view, layouts):
     for k, axes in loop.summed.items():  # one device of each group starts the sum from the value, the others from 0
       if mesh.axis_index(r, axes):
         args[k] = tf.zeros_like(args[k])
+    if loop.talk:
+      args.append(_control_flow.ordering_token(r))
     specs = [tf.TensorSpec(x.shape, x.dtype) for x in args]
-    cond = tf.function(functools.partial(_on_device, view, loop.cond, loop.cond_partition, r, None),
+    cond = tf.function(functools.partial(_on_device, view, loop.cond, loop.cond_partition, r, None, talks[0]),
                        autograph=False).get_concrete_function(*specs)
-    body = tf.function(functools.partial(_on_device, view, loop.body, loop.body_partition, r, loop.ends()),
+    body = tf.function(functools.partial(_on_device, view, loop.body, loop.body_partition, r, loop.ends(), talks[1]),
                        autograph=False).get_concrete_function(*specs)
+    nested.lowered(r)
     for function in (cond, body):
       function.add_to_graph()  # into the expansion's graph, whose library goes with it
     kept.extend((cond, body))  # alive as long as the decision (see the If's rule)
-    make = tf.raw_ops.While if op.type == "While" else tf.raw_ops.StatelessWhile
-    return list(make(input=args, cond=cond, body=body, output_shapes=shapes,
-                     parallel_iterations=op.get_attr("parallel_iterations")))
+    make = tf.raw_ops.While if op.type == "While" or loop.talk else tf.raw_ops.StatelessWhile
+    outputs = make(input=args, cond=cond, body=body, output_shapes=shapes + [tf.TensorShape([])] * loop.talk,
+                   parallel_iterations=op.get_attr("parallel_iterations"))
+    return list(outputs)[:len(op.outputs)]
 
   reduce = [("sum", loop.summed[k]) if k in loop.summed else None for k in range(len(op.outputs))]
-  return _base.Decision(inputs=inputs, outputs=list(loop.carried), reduce=reduce, lower=lower)
+  return _base.Decision(inputs=inputs, outputs=list(loop.carried), reduce=reduce, lower=lower, inside=inside)
 
 
 def _fallback(view, layouts, why):
@@ -417,10 +502,19 @@ def _maker(t):
   return t
 
 
-def _on_device(view, graph, partition, r, outputs, *args):
-  """Device ``r``'s copy of the loop's condition or body (``graph``), made in the function being traced."""
+def _on_device(view, graph, partition, r, outputs, talk, *args):
+  """Device ``r``'s copy of the loop's condition or body (``graph``), made in the function being traced.
+
+  Beyond the loop variables, a loop whose copies communicate carries the device's ordering token (the last
+  argument): its collectives take it (``talk``, its ``InBody``; None: this one does not communicate), and the
+  body gives it back.
+  """
   _functions.import_called(view.op)  # the functions it calls (a Defun's, as CTC's loops call them)
-  return view.bodies.expand_on_device(graph, view.mesh, partition, r, *args, outputs=outputs)
+  n = len(graph.inputs)
+  token = list(args[n:])
+  extra = {} if talk is None else {"collectives": functools.partial(talk, token[0])}
+  pieces = view.bodies.expand_on_device(graph, view.mesh, partition, r, *args[:n], outputs=outputs, **extra)
+  return pieces if outputs is None else pieces + token  # (the condition gives its predicate; the body, the token)
 
 
 def _local_shape(view, t, layout) -> tf.TensorShape:

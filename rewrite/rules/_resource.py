@@ -11,6 +11,7 @@ others'.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from rewrite.rules import _base
@@ -40,6 +41,19 @@ def write(view, layouts):
     return []
 
   return _base.Decision(inputs=[None, whole], outputs=[], lower=lower)
+
+
+@_base.register("VariableShape")
+def variable_shape(view, layouts):
+  """The variable's global shape, on every device (as every shape in the traced step; a loop's gradient makes its
+  weights' zeros from it)."""
+  t = view.op.inputs[0]
+  while t.name not in view.handle_shapes and t.op.type in ("Identity", "While", "StatelessWhile"):
+    t = t.op.inputs[0 if t.op.type == "Identity" else t.value_index]  # (a loop passes a handle on unchanged)
+  if t.name not in view.handle_shapes:
+    return _base.fallback(view, layouts)
+  shape = np.asarray(view.handle_shapes[t.name], dtype=view.attr("out_type").as_numpy_dtype)
+  return _base.Decision(inputs=[None], outputs=[((),)], values={0: shape})
 
 
 @_base.register("NoOp")
