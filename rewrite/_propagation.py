@@ -449,17 +449,19 @@ def _scattered_back(view, context, ins, decision, again, lost) -> bool:
             and all(o == t or (o and _relayout.refined(o, t)) for o, t in zip(ours, theirs))):
       return False
   k = context.mesh.axis_size(tuple(sorted(lost)))
-  data_bytes = weight_bytes = 0
-  for t, have, need in zip(view.op.inputs, ins, decision.inputs):
-    if t.name in context.data and _is_layout(have) and _is_layout(need) and _moved(have, need) & lost:
-      data_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
-  for t, layout in zip(view.op.outputs, decision.outputs):
-    if _is_layout(layout):
-      data_bytes += _bytes(t) // _pieces(context.mesh, layout) * (k - 1)
-  for t, have, need in zip(view.op.inputs, ins, again.inputs):
-    if t.name not in context.data and _is_layout(have) and _is_layout(need) and _moved(have, need) & lost:
-      weight_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
-  return data_bytes < weight_bytes
+  scattered = sum(_bytes(t) // _pieces(context.mesh, layout) * (k - 1)
+                  for t, layout in zip(view.op.outputs, decision.outputs) if _is_layout(layout))
+  return (_gathered_bytes(view, context, ins, decision.inputs, lost, data=True) + scattered
+          < _gathered_bytes(view, context, ins, again.inputs, lost, data=False))
+
+
+def _gathered_bytes(view, context, ins, needs, lost, data: bool) -> int:
+  """The bytes a device sends gathering over ``lost`` the inputs (from ``ins`` to ``needs``) computed from the
+  step's data (``data``) or not (weights)."""
+  k = context.mesh.axis_size(tuple(sorted(lost)))
+  return sum(_bytes(t) // _pieces(context.mesh, have) * (k - 1) for t, have, need in zip(view.op.inputs, ins, needs)
+             if (t.name in context.data) == data and t.dtype != tf.resource and _is_layout(have) and _is_layout(need)
+             and _moved(have, need) & lost)
 
 
 def _weights_stay(rule, view, context, ins, decision) -> _base.Decision:
@@ -520,18 +522,12 @@ def _activations_gathered(rule, view, context, ins, decision) -> _base.Decision:
   again = _data_without(rule, view, context, ins, lost)
   if again is None:
     return decision
+  if any(t.name not in context.data and t.dtype != tf.resource and _is_layout(have) and _is_layout(need)
+         and _moved(have, need) & lost for t, have, need in zip(view.op.inputs, ins, again.inputs)):
+    return decision  # the weight is gathered all the same
   k = context.mesh.axis_size(tuple(sorted(lost)))
-  data_bytes = weight_bytes = 0
-  for t, have, need in zip(view.op.inputs, ins, again.inputs):
-    if not _is_layout(have) or not _is_layout(need) or t.dtype == tf.resource:
-      continue
-    if t.name not in context.data and _moved(have, need) & lost:
-      return decision  # the weight is gathered all the same
-    if t.name in context.data and _moved(have, need) & lost:
-      data_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
-  for t, have, _ in weights:
-    weight_bytes += _bytes(t) // _pieces(context.mesh, have) * (k - 1)
-  return again if data_bytes < weight_bytes else decision
+  weight_bytes = sum(_bytes(t) // _pieces(context.mesh, have) * (k - 1) for t, have, _ in weights)
+  return again if _gathered_bytes(view, context, ins, again.inputs, lost, data=True) < weight_bytes else decision
 
 
 def _weights_gathered(view, context, ins, decision) -> tuple[set, list]:

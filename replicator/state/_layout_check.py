@@ -29,7 +29,8 @@ UNMATCHED = (
 UNMATCHED_OUTPUT = (
     "The layouts' key {key!r} (a layer's output) matches the output of none of the {count} Keras layer(s) the step "
     "called, so it lays out nothing.{closest} Fix: correct the key (the layer's path as Keras names it in a call, "
-    "the path its variables' paths begin with, e.g. 'dense_1/output' for 'dense_1/kernel'; matched by {mode}), or remove it. The layers: {paths}."
+    "the path its variables' paths begin with, e.g. 'dense_1/output' for 'dense_1/kernel'; matched by {mode}), "
+    "or remove it. The layers: {paths}."
 )
 
 
@@ -47,31 +48,26 @@ def check(layouts: mesh_lib.LayoutMap | None, paths: Sequence[str], reported: se
   """Reports each key of ``layouts`` that matches none of ``paths`` (once per key: ``reported`` remembers)."""
   if layouts is None or not paths:
     return
-  for key in layouts.unmatched(paths):
-    if key in reported:
-      continue
-    reported.add(key)
-    closest = _closest(key, paths)
-    shown = ", ".join(repr(p) for p in paths[:12]) + (f" and {len(paths) - 12} more" if len(paths) > 12 else "")
-    message = UNMATCHED.format(key=key, count=len(paths), paths=shown, mode=f"re.{layouts.match_mode}",
-                               closest=f" The closest: {', '.join(repr(p) for p in closest)}." if closest else "")
-    if strict:
-      raise mesh_lib.LayoutError(message)
-    warnings.warn(message, UserWarning, stacklevel=4)
+  _report(layouts, layouts.unmatched(paths), paths, reported, strict, UNMATCHED)
 
 
 def check_outputs(layouts: mesh_lib.LayoutMap, layer_paths: Sequence[str], reported: set, strict: bool) -> None:
   """Reports each output key of ``layouts`` that matches none of the layers at ``layer_paths`` (once per key)."""
-  for key in layouts.unmatched(layer_paths, outputs=True):
+  _report(layouts, layouts.unmatched(layer_paths, outputs=True), layer_paths, reported, strict, UNMATCHED_OUTPUT,
+          suffix="/output")
+
+
+def _report(layouts, keys, paths, reported: set, strict: bool, template: str, suffix: str = "") -> None:
+  """Each of ``keys`` not ``reported`` yet, reported (``template``, with the closest of ``paths``, + ``suffix``)."""
+  for key in keys:
     if key in reported:
       continue
     reported.add(key)
-    closest = _closest(key[:-len("/output")] if key.endswith("/output") else key, layer_paths)
-    shown = ", ".join(repr(p) for p in layer_paths[:12]) + (
-        f" and {len(layer_paths) - 12} more" if len(layer_paths) > 12 else "")
-    message = UNMATCHED_OUTPUT.format(
-        key=key, count=len(layer_paths), paths=shown, mode=f"re.{layouts.match_mode}",
-        closest=f" The closest: {', '.join(repr(p + '/output') for p in closest)}." if closest else "")
+    closest = _closest(key[:-len(suffix)] if suffix and key.endswith(suffix) else key, paths)
+    shown = ", ".join(repr(p) for p in paths[:12]) + (f" and {len(paths) - 12} more" if len(paths) > 12 else "")
+    message = template.format(key=key, count=len(paths), paths=shown, mode=f"re.{layouts.match_mode}",
+                              closest=f" The closest: {', '.join(repr(p + suffix) for p in closest)}." if closest
+                              else "")
     if strict:
       raise mesh_lib.LayoutError(message)
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(message, UserWarning, stacklevel=5)

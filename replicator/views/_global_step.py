@@ -419,12 +419,13 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
   data = frozenset(placeholder.name for placeholder in graph.inputs[:len(specs)])
+  pinned = stated_layouts(trace, graph, mesh)  # (checked once: the layouts the step states)
   auto = layouts.auto
   if auto is not None and auto.result is None:  # layouts="auto": chosen now, from this step
     captured = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
                 if id(external) in trace.owners}
     _auto_layouts.choose(replicator, layouts, graph, mesh, given, handle_shapes, frozenset(summed), data,
-                         tuple(axes), captured, pinned=stated_layouts(trace, graph, mesh))
+                         tuple(axes), captured, pinned=pinned)
     for name, variable in captured.items():  # laid out anew: new layouts, new components
       given[name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
       handles[name] = _handles(variable, mesh, local)
@@ -434,7 +435,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     with tf.init_scope():  # (built from Keras's function too)
       salt = int(config.agree(tf.constant(salt, tf.int64)))
   partition = _partition.propagate(graph, mesh, given, handle_shapes, frozenset(summed), data, tuple(axes),
-                                   random_salt=salt, pinned=stated_layouts(trace, graph, mesh))
+                                   random_salt=salt, pinned=pinned)
   for name, why in partition.unsupported:
     op = graph.get_operation_by_name(name)
     fix = FIX_CONTROL_FLOW if op.type in _CONTROL_FLOW else FIX_UNSUPPORTED
