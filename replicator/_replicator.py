@@ -111,7 +111,7 @@ def check_axis(name: str, axis, per_replica) -> None:
             extra=", or axis=None to combine the replicas elementwise only" if name == "reduce" else ""))
 
 
-CONTEXT_PARALLEL = ("all_gather", "ulysses")
+CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")
 
 
 def _check_input_layouts(input_layouts, mesh: mesh_lib.Mesh, view: str):
@@ -225,7 +225,11 @@ class Replicator(_collective_methods.CollectiveMethods):
       (``MultiHeadAttention``, ``keras.ops.dot_product_attention``) exchanges
       a sequence split over the mesh's non-batch axes: ``"all_gather"`` (the
       default: the keys and values gathered, blockwise softmax, their
-      gradients reduce-scattered) or ``"ulysses"`` (DeepSpeed-Ulysses: the
+      gradients reduce-scattered), ``"ring"`` (ring attention: the keys and
+      values passed from device to device a tile a step, point to point, the
+      scores of one tile pair at a time, their gradients passed back around
+      the ring; where the sequence's axes span worker processes, or its
+      length does not divide, the all-gather) or ``"ulysses"`` (DeepSpeed-Ulysses: the
       queries, keys and values moved by all-to-all from a split of the tokens
       to a split of the heads, attention computed on whole sequences of each
       device's heads, the output moved back; the heads must divide over those
@@ -302,13 +306,14 @@ class Replicator(_collective_methods.CollectiveMethods):
     if context_parallel not in CONTEXT_PARALLEL:
       raise _errors.ArgumentError(
           f"Replicator(context_parallel={context_parallel!r}): expected one of {CONTEXT_PARALLEL} (how the global "
-          "view's attention exchanges a split sequence). Fix: context_parallel='all_gather' (the default) or "
-          "'ulysses'.")
+          "view's attention exchanges a split sequence). Fix: context_parallel='all_gather' (the default), "
+          "'ring' or 'ulysses'.")
     if context_parallel != "all_gather" and view != "global":
       raise _errors.ArgumentError(
           f"Replicator(context_parallel={context_parallel!r}, view={view!r}): the scheme chooses how the global "
           "view's attention exchanges a split sequence; in the local view a step calls it itself. Fix: call "
-          "repl.ulysses_attention(q, k, v, axis=...) in the step, or pass view='global'.")
+          f"repl.{'ring' if context_parallel == 'ring' else 'ulysses'}_attention(q, k, v, axis=...) in the step, or "
+          "pass view='global'.")
     if implementation != "auto":
       rewrite.get_lowering(implementation)  # raises a clear error if unknown
     self._keras_strategy = None

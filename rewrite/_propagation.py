@@ -30,6 +30,7 @@ from rewrite.rules import _loops  # noqa: F401
 from rewrite.rules import _random  # noqa: F401
 from rewrite.rules import _reduction  # noqa: F401
 from rewrite.rules import _resource  # noqa: F401
+from rewrite.rules import _roll  # noqa: F401
 from rewrite.rules import _scatter  # noqa: F401
 from rewrite.rules import _segment  # noqa: F401
 from rewrite.rules import _shape  # noqa: F401

@@ -152,8 +152,8 @@ def test_ulysses_needs_heads_the_axes_divide_and_the_global_view():
   with pytest.raises(replicator.ArgumentError, match=r"in the local view a step calls it itself. Fix: call "
                                                      r"repl.ulysses_attention"):
     replicator.Replicator(cpus(2), context_parallel="ulysses")
-  with pytest.raises(replicator.ArgumentError, match=r"context_parallel='ring'\): expected one of"):
-    replicator.Replicator(cpus(2), view="global", context_parallel="ring")
+  with pytest.raises(replicator.ArgumentError, match=r"context_parallel='p2p'\): expected one of"):
+    replicator.Replicator(cpus(2), view="global", context_parallel="p2p")
 
 
 def _masked_step(layers, kind):

@@ -7,9 +7,9 @@ scores set to ``-0.7`` of the dtype's largest value) as an online softmax over
 ``blocks`` blocks of keys: a running maximum and denominator per query, each
 block's scores made, folded in and dropped. The backward pass is
 FlashAttention's: each block's scores recomputed from ``q`` and the block,
-with the log of each query's denominator kept from the forward pass. What is
-kept for the backward pass is ``q``, ``k``, ``v``, the output and that log,
-never the scores.
+with each query's maximum score and denominator kept from the forward pass.
+What is kept for the backward pass is ``q``, ``k``, ``v``, the output and
+those two, never the scores.
 
 These are plain TensorFlow ops at the step's global shapes, so the global
 view partitions them as any: over a sequence split by queries, each device
@@ -24,7 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 
-def _large_negative(dtype) -> float:
+def large_negative(dtype) -> float:
+  """The score a masked key gets (Keras's: ``-0.7`` of the dtype's largest value; float16's for float16)."""
   return -0.7 * (65500.0 if dtype == tf.float16 else 3.38953e38)
 
 
@@ -60,7 +61,7 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
   queries, keys = q.shape[1], k.shape[1]
   edges = _edges(keys, blocks)
   logits_dtype = tf.float32 if q.dtype in (tf.float16, tf.bfloat16) else q.dtype
-  negative = _large_negative(logits_dtype)
+  negative = large_negative(logits_dtype)
   mask = None if mask is None else tf.convert_to_tensor(mask, tf.bool)
   bias = None if bias is None else tf.convert_to_tensor(bias)
 
@@ -74,22 +75,25 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
       allowed = causal if allowed is None else tf.logical_and(allowed, causal)
     if allowed is not None:
       s = tf.where(allowed, s, tf.constant(negative, logits_dtype))
-    return s
+    return s, allowed
 
   def repeated(t):  # a block's key or value heads, one a query head
     return t if groups == 1 else tf.repeat(t, repeats=groups, axis=2)
 
-  def grouped(d):  # a block's gradient over the query heads, summed into its key or value heads
+  def per_key(d, x):  # d [batch, heads, queries, keys] times x [batch, queries, heads, size], summed over the
+    # queries and each group's query heads: [batch, keys, heads / groups, size], one product (its partial sums
+    # over a split of the queries summed once, in the key heads)
     if groups == 1:
-      return d
-    shape = d.shape.as_list()
-    return tf.reduce_sum(tf.reshape(d, shape[:2] + [shape[2] // groups, groups] + shape[3:]), axis=3)
+      return tf.einsum("bnts,btnh->bsnh", d, x)
+    (b, n, t, s), size = d.shape.as_list(), x.shape[-1]
+    return tf.einsum("bkgts,btkgh->bskh", tf.reshape(d, [b, n // groups, groups, t, s]),
+                     tf.reshape(x, [b, t, n // groups, groups, size]))
 
   @tf.custom_gradient
   def blockwise(q, k, v):
     running_max, total, out = None, None, None
     for start, stop in edges:
-      s = scores_of(q, repeated(k[:, start:stop]), start, stop)
+      s, _ = scores_of(q, repeated(k[:, start:stop]), start, stop)
       block_max = tf.reduce_max(s, axis=-1)
       new_max = block_max if running_max is None else tf.maximum(running_max, block_max)
       weights = tf.exp(s - new_max[..., None])
@@ -102,7 +106,8 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
         out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.cast(part, logits_dtype)
       running_max = new_max
     out = out / tf.transpose(total, [0, 2, 1])[..., None]
-    log_total = running_max + tf.math.log(total)  # [batch, heads, queries]
+    # (the maximum and the denominator kept apart: a row with every key masked has the masked score as its maximum,
+    # a float the log of a denominator added to would not change)
     result = tf.cast(out, v.dtype)
 
     def grad(dout):
@@ -111,17 +116,24 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
 
     def backward(dout):
       dout = tf.cast(dout, logits_dtype)
+      # The keys and values read through an IdentityN on the gradient (their values, a data input on it): over a
+      # split sequence the partition gathers them again once the backward pass reaches attention, not as soon as
+      # their pieces exist (with the forward pass, then held until here).
+      keys, values = tf.raw_ops.IdentityN(input=[k, v, dout])[:2]
       delta = tf.transpose(tf.reduce_sum(dout * tf.cast(result, logits_dtype), axis=-1), [0, 2, 1])
       dq = tf.zeros_like(q, logits_dtype)
       dks, dvs = [], []
       for start, stop in edges:
-        kb, vb = repeated(k[:, start:stop]), repeated(v[:, start:stop])
-        p = tf.exp(scores_of(q, kb, start, stop) - log_total[..., None])  # the block's probabilities
-        dvs.append(grouped(tf.einsum("bnts,btnh->bsnh", p, dout)))
+        kb, vb = repeated(keys[:, start:stop]), repeated(values[:, start:stop])
+        s, allowed = scores_of(q, kb, start, stop)
+        p = tf.exp(s - running_max[..., None]) / total[..., None]  # the block's probabilities
+        dvs.append(per_key(p, dout))
         dp = tf.einsum("btnh,bsnh->bnts", dout, tf.cast(vb, logits_dtype))
         ds = p * (dp - delta[..., None]) * tf.cast(scale, logits_dtype)
+        if allowed is not None:  # (a masked score is a constant: no gradient, even in a row with nothing seen)
+          ds = tf.where(allowed, ds, tf.zeros_like(ds))
         dq += tf.einsum("bnts,bsnh->btnh", ds, tf.cast(kb, logits_dtype))
-        dks.append(grouped(tf.einsum("bnts,btnh->bsnh", ds, tf.cast(q, logits_dtype))))
+        dks.append(per_key(ds, tf.cast(q, logits_dtype)))
       dk, dv = (tf.concat(d, axis=1) if len(d) > 1 else d[0] for d in (dks, dvs))
       return tf.cast(dq, q.dtype), tf.cast(dk, k.dtype), tf.cast(dv, v.dtype)
 

@@ -46,7 +46,8 @@ class Config:
       function ``(index, tf.TensorSpec) -> spec or None``; None: the batch
       split alone.
     context_parallel: how the global view's Keras attention over a split
-      sequence exchanges it: ``"all_gather"`` (keys and values) or
+      sequence exchanges it: ``"all_gather"`` (keys and values), ``"ring"``
+      (keys and values passed around a ring of permutes) or
       ``"ulysses"`` (queries, keys and values all-to-all from tokens to heads).
   """
 

@@ -20,6 +20,11 @@ taking KerasHub's fused path here would hold the keys their layer repeats
 for grouped-query attention whole for the backward pass (measured on Llama),
 where their plain path gathers them again.
 
+With ``Replicator(context_parallel="ring")`` it is ``_blockwise_ring``'s
+ring instead: the keys and values passed from device to device a tile a
+step (where the sequence's axes are in one process and divide its length:
+:func:`ring_tiles`), their gradients passed back.
+
 With ``Replicator(context_parallel="ulysses")`` the queries, keys and values
 are laid out by heads over those axes first (``with_layout``: an all-to-all
 from a split of the tokens to a split of the heads, DeepSpeed-Ulysses), each
@@ -43,10 +48,12 @@ import sys
 import tensorflow as tf
 
 from replicator.core import _blockwise_attention
+from replicator.core import _blockwise_ring
 from replicator.core import _context
 from replicator.core import _errors
 from replicator.core import _layout_constraint
 from replicator.core import _primitives
+from replicator.core import _ring_attention
 
 _MODULE = "keras.src.backend.tensorflow.nn"
 ULYSSES_HEADS = (
@@ -63,6 +70,23 @@ def blocks_for(replicator) -> int:
     return 1
   shape = replicator.mesh.shape
   return math.prod(size for axis, size in shape.items() if axis not in replicator.batch_axes)
+
+
+def ring_tiles(replicator) -> int:
+  """The ring's length with ``context_parallel="ring"``: the devices a sequence is split over (1: no ring).
+
+  The axes of the inputs' second dimension where ``input_layouts`` is one spec, else every non-batch axis; 1 where
+  those axes span worker processes (a point-to-point permute is an all-gather there: the keys and values are
+  all-gathered once instead, the ring's bytes).
+  """
+  axes = _sequence_axes(replicator)
+  spec = replicator.input_layouts
+  if isinstance(spec, (tuple, list)) and len(spec) > 1:
+    second = spec[1] if isinstance(spec[1], (tuple, list)) else (spec[1],) if spec[1] else ()
+    axes = tuple(a for a in second if replicator.mesh.shape.get(a, 1) > 1)
+  if not axes or _ring_attention.exchange_for(replicator.mesh, 0, axes, "auto") != "ring":
+    return 1
+  return math.prod(replicator.mesh.shape[a] for a in axes)
 
 
 def _sequence_axes(replicator) -> tuple[str, ...]:
@@ -110,6 +134,11 @@ def _blockwise(original, blocks: int, replicator):
       return _blockwise_attention.attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, blocks=blocks,
                                             groups=groups)
 
+    if replicator.context_parallel == "ring":
+      tiles = ring_tiles(replicator)
+      if _blockwise_ring.divides(query, key, tiles):
+        return _blockwise_ring.attention(query, key, value, mask=mask, is_causal=is_causal, scale=scale, tiles=tiles,
+                                         groups=groups)
     if replicator.context_parallel == "ulysses":  # (the key heads repeated first: the query heads divide)
       key, value = (tf.repeat(t, repeats=groups, axis=2) if groups > 1 else t for t in (key, value))
       return _ulysses(replicator, query, key, value, functools.partial(attend, groups=1))
