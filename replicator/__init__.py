@@ -40,6 +40,7 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._errors import UnsupportedError
   from replicator.core._errors import VariableCreationError
   from replicator.core._errors import WorkerUnavailableError
+  from replicator.core._pipeline import pipeline_variables
   from replicator.core._sequence import pad_sequence
   from replicator.core._sequence import sequence_positions
   from replicator.core._sequence import shard_sequence
@@ -85,6 +86,7 @@ __all__ = (
     "distribution_replicator",
     "enable_keras_distribution",
     "pad_sequence",
+    "pipeline_variables",
     "remat",
     "sequence_positions",
     "shard_sequence",
@@ -110,6 +112,7 @@ _MODULES = {
         "OutputMismatchError", "ReplicaContextError", "ReplicaInvarianceError", "ReplicasDivergedError",
         "ReplicatorError", "StepFailedError", "UnreplicatedStateError", "UnsupportedError", "VariableCreationError",
         "WorkerUnavailableError"),
+    "replicator.core._pipeline": ("pipeline_variables",),
     "replicator.core._sequence": ("pad_sequence", "sequence_positions", "shard_sequence", "unshard_sequence"),
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),

@@ -515,12 +515,19 @@ def _permute_leaf(ctx, t, pairs, axes, location, call):
   return _emit(ctx, "permute", t, {"perm": pairs}, axes, t.shape, location, call)
 
 
-def permute(ctx, x, perm, axes: tuple[str, ...], location: str):
-  """Group member ``destination`` gets member ``source``'s value; others get zeros."""
+def permute(ctx, x, perm, axes: tuple[str, ...], location: str, differentiable: bool = True):
+  """Group member ``destination`` gets member ``source``'s value; others get zeros.
+
+  ``differentiable=False``: no gradient (a pipeline sends its gradients itself); nothing ties the result to the
+  input for a gradient function.
+  """
   pairs = _check_perm(perm, ctx.replicator.mesh.axis_size(axes), axes)
   inverse = tuple(sorted((d, s) for s, d in pairs))
 
   def one(t, call):
+    if not differentiable:
+      return _permute_leaf(ctx, t, pairs, axes, location, call)
+
     def forward(u):
       y = _permute_leaf(ctx, u, pairs, axes, location, call)
 

@@ -1,0 +1,201 @@
+"""Pipelines in the local view: a model's stages on the devices along a mesh axis, microbatches streamed through.
+
+``repl.pipeline(stages, inputs, targets, loss_fn, axis="stage", microbatches=m, schedule=...)`` in a step:
+the replica at position ``s`` along ``axis`` runs ``stages[s]`` (any callable: a Keras model, a layer, a
+function) on each microbatch of its batch, and returns the loss and the gradients of every stage's
+variables, as one device running the stages in a row on the whole batch would have them (the loss is
+``loss_fn(targets, outputs)``, a mean over the rows: each microbatch's weighted by its rows, so microbatches of
+rows that do not divide evenly, split as ``np.array_split`` splits them, count as their rows do).
+
+How a step runs them. The replica builds, in its schedule's order, the forward pass ``F j`` of each
+microbatch ``j`` (under a ``tf.GradientTape``: its activations kept until its backward pass) and the backward
+pass ``B j`` (``tape.gradient`` of the stage's output, given the next stage's gradient of it; of the weighted
+loss on the last stage), each one waiting for the one before it on the device (control dependencies):
+
+- ``"gpipe"``: every forward pass, then every backward pass (GPipe; the stage keeps ``m`` microbatches'
+  activations);
+- ``"1f1b"``: ``p - s - 1`` forward passes, then one forward and one backward pass in turn, then the
+  backward passes left (PipeDream-Flush, Megatron-LM's 1F1B: the same gradients, at most ``p - s``
+  microbatches' activations kept on stage ``s``).
+
+The bubble is GPipe's for both, ``(p - 1) / (m + p - 1)`` of the step.
+
+Between stages an activation (forward) or its gradient (backward) goes from one device to its neighbour:
+a ``permute`` of one pair, which in one process is a plain cross-device edge (``rewrite/_one_device.py``),
+no collective. Every replica calls the same permutes in the same order, the order of one run of the whole
+schedule (:func:`global_order`), giving zeros where it is not the sender; so the step is one program,
+matched as any local-view step, and cannot wait on a send that never comes.
+
+The gradients of each stage's variables are its replicas'; they are summed over ``axis`` (an all-reduce,
+zeros from the other stages), so that every replica holds every gradient and an optimizer applies them alike
+everywhere (the stages' variables are replicated on every device in this first form: the bytes of an
+all-reduce of the weights over the stages a step; variables placed on their stage only are next). So is the
+loss, summed from the last stage.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tree
+
+from replicator.core import _errors
+from replicator.core import _primitives
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+  """The passes of ``stage`` in the order it runs them: ``("F", j)`` forward and ``("B", j)`` backward."""
+  m = microbatches
+  if schedule == "gpipe":
+    return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+  warmup = min(stages - stage - 1, m)
+  order = [("F", j) for j in range(warmup)]
+  for i in range(m - warmup):
+    order += [("F", warmup + i), ("B", i)]
+  return order + [("B", j) for j in range(m - warmup, m)]
+
+
+def global_order(schedule: str, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+  """Every stage's passes ``(kind, stage, microbatch)`` in one order that runs them all.
+
+  Each stage's in its own order; a forward pass after the previous stage's of its microbatch, a backward pass
+  after the next stage's. Every replica builds its passes and calls the permutes between them in this order.
+  """
+  queues = [stage_order(schedule, s, stages, microbatches) for s in range(stages)]
+  done, out = set(), []
+  while any(queues):
+    moved = False
+    for s, queue in enumerate(queues):
+      if not queue:
+        continue
+      kind, j = queue[0]
+      before = (("F", s - 1, j) if s > 0 else None) if kind == "F" else (("B", s + 1, j) if s < stages - 1 else None)
+      if before is None or before in done:
+        queue.pop(0)
+        done.add((kind, s, j))
+        out.append((kind, s, j))
+        moved = True
+    if not moved:
+      raise RuntimeError(f"The {schedule} schedule of {stages} stages and {microbatches} microbatches waits on "
+                         "itself (a bug in the schedule).")
+  return out
+
+
+def _rows(x) -> int:
+  sizes = {int(t.shape[0]) for t in tree.flatten(x) if t.shape.rank and t.shape[0] is not None}
+  if len(sizes) != 1:
+    raise _errors.ArgumentError(f"repl.pipeline: the inputs' and targets' first dimensions (the rows split into "
+                                f"microbatches) must be one static size; found {sorted(sizes) or 'none'}.")
+  return sizes.pop()
+
+
+def _split(x, edges):
+  return [tree.map_structure(lambda t, a=a, b=b: t[a:b], x) for a, b in edges]
+
+
+def _specs(stages, inputs, sizes) -> dict:
+  """``{(stage, rows): output spec}``: what each stage gives for a microbatch of ``rows`` (traced, not run)."""
+  out = {}
+  for rows in sorted(set(sizes)):
+    spec = tree.map_structure(lambda t, n=rows: tf.TensorSpec([n] + t.shape[1:].as_list(), t.dtype), inputs)
+    for s, stage in enumerate(stages):
+      fn = tf.function(lambda x, stage=stage: stage(x), autograph=False)
+      spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                fn.get_concrete_function(spec).structured_outputs)
+      out[s, rows] = spec
+  return out
+
+
+def _zeros(spec, after):
+  """Zeros of ``spec``, made once ``after`` (this device's last pass) is: not held from the step's start."""
+  with tf.control_dependencies(tree.flatten(after) if after is not None else []):
+    return tree.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
+
+
+def _dense(g, v):
+  if g is None:
+    return tf.zeros(v.shape, v.dtype)
+  return tf.convert_to_tensor(g)
+
+
+def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
+             location: str):
+  """``(loss, grads)``: the stages run over ``axes`` as a pipeline (see the module); ``grads`` as
+  ``pipeline_variables(stages)``."""
+  mesh = ctx.replicator.mesh
+  count = mesh.axis_size(axes)
+  stages = list(stages)
+  if len(stages) != count:
+    raise _errors.ArgumentError(f"repl.pipeline at {location}: {len(stages)} stages over {axes} ({count} devices); "
+                                "expected one stage a device along the axis. Fix: pass as many stages as the axis "
+                                "has devices (join layers into a stage with keras.Sequential), or another axis.")
+  if schedule not in SCHEDULES:
+    raise _errors.ArgumentError(f"repl.pipeline(schedule={schedule!r}) at {location}: expected one of {SCHEDULES}.")
+  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+    raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches!r}) at {location}: expected a positive "
+                                "int, how many pieces each replica's batch is split into.")
+  rows = _rows((inputs, targets))
+  if rows < microbatches:
+    raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}) at {location}: the replica's batch has "
+                                f"{rows} rows, fewer than the microbatches. Fix: at most {rows} microbatches.")
+  m = microbatches
+  sizes = [rows // m + (1 if j < rows % m else 0) for j in range(m)]  # (as np.array_split: the first ones larger)
+  edges = [(sum(sizes[:j]), sum(sizes[:j + 1])) for j in range(m)]
+  stage = mesh.axis_index(ctx.replica_id, axes)
+  specs = _specs(stages, inputs, sizes)
+  xs, ts = _split(inputs, edges), _split(targets, edges)
+  mine = list(stages[stage].trainable_variables) if hasattr(stages[stage], "trainable_variables") else []
+  acts, grads_in, tapes = {}, {}, {}
+  summed = [None] * len(mine)
+  loss = tf.zeros([], tf.float32)
+  last = None  # the outputs of this device's previous pass: the next waits for them
+  for kind, s, j in global_order(schedule, count, m):
+    if s == stage:
+      with tf.control_dependencies(tree.flatten(last) if last is not None else []):
+        if kind == "F":
+          x = xs[j] if s == 0 else acts.pop(j)
+          with tf.GradientTape() as tape:
+            tape.watch(tree.flatten(x))
+            y = stages[s](x)
+            if s == count - 1:
+              y = tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)) * (sizes[j] / rows)
+          tapes[j] = (tape, x, y)
+          last = y
+        else:
+          tape, x, y = tapes.pop(j)
+          given = None if s == count - 1 else grads_in.pop(j)
+          wrt = (tree.flatten(x) if s > 0 else []) + mine
+          got = tape.gradient(y, wrt, output_gradients=given)
+          dx, dw = got[:len(wrt) - len(mine)], got[len(wrt) - len(mine):]
+          summed = [_dense(g, v) if total is None else total + _dense(g, v) for total, g, v in zip(summed, dw, mine)]
+          if s == count - 1:
+            loss = loss + y
+          last = dx if dx else [g for g in summed]
+          if s > 0:
+            dx = tree.unflatten_as(x, [_dense(g, t) for g, t in zip(dx, tree.flatten(x))])
+    # The send after the pass (every replica calls it; zeros from the others).
+    if kind == "F" and s < count - 1:
+      value = last if s == stage else _zeros(specs[s, sizes[j]], last)
+      got = _primitives.permute(ctx, value, [(s, s + 1)], axes, f"{location} (pipeline: activation of microbatch "
+                                f"{j} to stage {s + 1})", differentiable=False)
+      if stage == s + 1:
+        acts[j] = got
+    elif kind == "B" and s > 0:
+      value = dx if s == stage else _zeros(specs[s - 1, sizes[j]], last)
+      got = _primitives.permute(ctx, value, [(s, s - 1)], axes, f"{location} (pipeline: gradient of microbatch "
+                                f"{j} to stage {s - 1})", differentiable=False)
+      if stage == s - 1:
+        grads_in[j] = got
+  grads = []
+  for k, st in enumerate(stages):
+    for v_index, v in enumerate(getattr(st, "trainable_variables", [])):
+      grads.append(summed[v_index] if k == stage else tf.zeros(v.shape, v.dtype))
+  loss, grads = _primitives.all_reduce(ctx, (loss, grads), "sum", axes, f"{location} (pipeline: the loss and the "
+                                       "stages' gradients, from their stages)")
+  return loss, grads
+
+
+def pipeline_variables(stages) -> list:
+  """The trainable variables ``repl.pipeline`` gives gradients for, in its order: each stage's, stage by stage."""
+  return [v for stage in stages for v in getattr(stage, "trainable_variables", [])]
