@@ -20,6 +20,7 @@ from replicator.core import _config
 from replicator.core import _context
 from replicator.core import _errors
 from replicator.core import _gc
+from replicator.core import _pipeline
 from replicator.core import _primitives
 from replicator.core._values import PerReplica
 from replicator.guarantees import _run_state
@@ -112,6 +113,11 @@ def check_axis(name: str, axis, per_replica) -> None:
 
 
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")
+
+
+def _split_over(layout, axes: tuple[str, ...]) -> bool:
+  """Whether ``layout`` (a sharded variable's, or None) splits its first dimension over exactly ``axes``."""
+  return layout is not None and layout.rank > 0 and tuple(layout.axes(0)) == tuple(axes)
 
 
 def _check_input_layouts(input_layouts, mesh: mesh_lib.Mesh, view: str):
@@ -382,6 +388,61 @@ class Replicator(_collective_methods.CollectiveMethods):
   def num_input_pipelines(self) -> int:
     """How many different input streams feed the replicas: the size of ``batch_axes``."""
     return self._mesh.axis_size(self.batch_axes)
+
+  def pipeline(self, stages, inputs, targets, loss_fn, *, axis="stage", microbatches: int, schedule: str = "1f1b",
+               variables=None):
+    """``(loss, grads)`` of ``stages`` run in a row on the batch, as a pipeline over the devices along ``axis``.
+
+    The replica at position ``s`` along ``axis`` runs ``stages[s]`` (a Keras model or layer, or any callable
+    of one value: the previous stage's output, or ``inputs`` for the first) on each of ``microbatches`` pieces
+    of its batch, and the last applies ``loss_fn(targets, outputs)`` (a mean over the rows). Activations go
+    forward and their gradients back between neighbours (in one process, plain cross-device edges);
+    ``schedule`` orders each device's passes: ``"gpipe"`` (every forward pass, then every backward pass) or
+    ``"1f1b"`` (one forward and one backward pass in turn after ``p - s - 1`` forward ones: at most ``p - s``
+    microbatches' activations kept). Both give one device's loss and gradients for the rows (a ragged last
+    microbatch weighted by its rows). See ``docs/concepts/stages.md``.
+
+    A stage's variables may be replicated (its gradients, summed over ``axis`` from the stages that use them, are
+    on every replica: a weight two stages share, an embedding tied to the output layer, gets both parts) or
+    split over ``axis`` along their first dimension, one block a stage (identical blocks' weights stacked, as
+    praxis and JAX's ``shard_map`` pipelines hold them: each device keeps and updates its stage's block alone,
+    ``1 / p`` of the weights and their optimizer slots).
+
+    Examples:
+      >>> import keras, mesh
+      >>> repl = Replicator(mesh=mesh.Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]))
+      >>> with repl.context():
+      ...   stages = [keras.Sequential([keras.layers.Dense(4)]), keras.Sequential([keras.layers.Dense(1)])]
+      ...   stages[0].build((None, 3)); stages[1].build((None, 4))
+      >>> x, y = tf.ones([8, 3]), tf.zeros([8, 1])
+      >>> loss, grads = repl.run(lambda: repl.pipeline(stages, x, y, keras.losses.mean_squared_error,
+      ...                                              microbatches=4))
+      >>> len(grads) == len(replicator.pipeline_variables(stages)), float(loss[0]) == float(loss[1])
+      (True, True)
+
+    Args:
+      stages: one callable a device along ``axis``, in order; their variables built (``trainable_variables``).
+      inputs: the replica's batch for the first stage (a tensor or nest; rows along the first dimension).
+      targets: the last stage's targets (a tensor or nest, the same rows).
+      loss_fn: ``loss_fn(targets, outputs)``: the loss, a mean over the rows (or per-row losses, averaged).
+      axis: the mesh axis (or tuple of axes) of the stages.
+      microbatches: how many pieces each replica's batch is split into (the last smaller if they do not divide).
+      schedule: ``"1f1b"`` (the default) or ``"gpipe"``.
+      variables: the variables to differentiate (default: ``replicator.pipeline_variables(stages)``, each
+        stage's ``trainable_variables``): give them where the stages are functions reading variables, stacked
+        ones among them.
+
+    Returns:
+      ``(loss, grads)``: the batch's loss and the gradients of ``variables``, the same on every replica of the
+      axis; of a variable split over it, each replica's block's, as the local view gives a split variable's
+      gradient (times the stages: ``repl.wrap_optimizer``, which a split variable needs, divides by them).
+    """
+    ctx = _primitives.require_context(self, "pipeline")
+    axes = self._axes(axis)
+    variables = _pipeline.pipeline_variables(stages) if variables is None else list(variables)
+    own = {k for k, v in enumerate(variables) if _split_over(_variables.layout_of(v), axes)}
+    return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
+                              _primitives.user_location(), variables, own)
 
   def input_pipeline(self, replica: int) -> int:
     """The input pipeline (batch shard) that feeds ``replica``."""

@@ -14,7 +14,6 @@ from replicator.core import _context
 from replicator.core import _errors
 from replicator.core import _halo
 from replicator.core import _layout_constraint
-from replicator.core import _pipeline
 from replicator.core import _primitives
 from replicator.core import _ring_attention
 from replicator.core import _ulysses_attention
@@ -170,47 +169,6 @@ class CollectiveMethods:
     """
     ctx = _primitives.require_context(self, "permute")
     return _primitives.permute(ctx, x, perm, self._axes(axis), _primitives.user_location())
-
-  def pipeline(self, stages, inputs, targets, loss_fn, *, axis="stage", microbatches: int, schedule: str = "1f1b"):
-    """``(loss, grads)`` of ``stages`` run in a row on the batch, as a pipeline over the devices along ``axis``.
-
-    The replica at position ``s`` along ``axis`` runs ``stages[s]`` (a Keras model or layer, or any callable
-    of one value: the previous stage's output, or ``inputs`` for the first) on each of ``microbatches`` pieces
-    of its batch, and the last applies ``loss_fn(targets, outputs)`` (a mean over the rows). Activations go
-    forward and their gradients back between neighbours (in one process, plain cross-device edges);
-    ``schedule`` orders each device's passes: ``"gpipe"`` (every forward pass, then every backward pass) or
-    ``"1f1b"`` (one forward and one backward pass in turn after ``p - s - 1`` forward ones: at most ``p - s``
-    microbatches' activations kept). Both give one device's loss and gradients for the rows (a ragged last
-    microbatch weighted by its rows). See ``docs/concepts/stages.md``.
-
-    Examples:
-      >>> import keras, mesh
-      >>> repl = Replicator(mesh=mesh.Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]))
-      >>> with repl.context():
-      ...   stages = [keras.Sequential([keras.layers.Dense(4)]), keras.Sequential([keras.layers.Dense(1)])]
-      ...   stages[0].build((None, 3)); stages[1].build((None, 4))
-      >>> x, y = tf.ones([8, 3]), tf.zeros([8, 1])
-      >>> loss, grads = repl.run(lambda: repl.pipeline(stages, x, y, keras.losses.mean_squared_error,
-      ...                                              microbatches=4))
-      >>> len(grads) == len(replicator.pipeline_variables(stages)), float(loss[0]) == float(loss[1])
-      (True, True)
-
-    Args:
-      stages: one callable a device along ``axis``, in order; their variables built (``trainable_variables``).
-      inputs: the replica's batch for the first stage (a tensor or nest; rows along the first dimension).
-      targets: the last stage's targets (a tensor or nest, the same rows).
-      loss_fn: ``loss_fn(targets, outputs)``: the loss, a mean over the rows (or per-row losses, averaged).
-      axis: the mesh axis (or tuple of axes) of the stages.
-      microbatches: how many pieces each replica's batch is split into (the last smaller if they do not divide).
-      schedule: ``"1f1b"`` (the default) or ``"gpipe"``.
-
-    Returns:
-      ``(loss, grads)``: the batch's loss and the gradients of ``replicator.pipeline_variables(stages)`` (every
-      stage's trainable variables, stage by stage), the same on every replica of the axis.
-    """
-    ctx = _primitives.require_context(self, "pipeline")
-    return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, self._axes(axis), microbatches, schedule,
-                              _primitives.user_location())
 
   def halo_exchange(self, x, *, axis=None, dim: int, width, periodic: bool = False):
     """``x``, a tile of a dimension split over ``axis``, extended by its neighbours' boundary rows along ``dim``.

@@ -114,15 +114,18 @@ def _zeros(spec, after):
 
 
 def _dense(g, v):
-  if g is None:
-    return tf.zeros(v.shape, v.dtype)
+  if g is None:  # (a variable this stage does not use; a split one's zeros are this replica's block's)
+    return tf.zeros_like(v)
   return tf.convert_to_tensor(g)
 
 
 def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
-             location: str):
-  """``(loss, grads)``: the stages run over ``axes`` as a pipeline (see the module); ``grads`` as
-  ``pipeline_variables(stages)``."""
+             location: str, variables, own=frozenset()):
+  """``(loss, grads)``: the stages run over ``axes`` as a pipeline (see the module); ``grads`` of ``variables``.
+
+  ``own``: the indices of ``variables`` split over ``axes`` (a block a stage): their gradients are each replica's
+  own block's, not summed over ``axes``.
+  """
   mesh = ctx.replicator.mesh
   count = mesh.axis_size(axes)
   stages = list(stages)
@@ -145,7 +148,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   stage = mesh.axis_index(ctx.replica_id, axes)
   specs = _specs(stages, inputs, sizes)
   xs, ts = _split(inputs, edges), _split(targets, edges)
-  mine = list(stages[stage].trainable_variables) if hasattr(stages[stage], "trainable_variables") else []
+  mine = list(variables)
   acts, grads_in, tapes = {}, {}, {}
   summed = [None] * len(mine)
   loss = tf.zeros([], tf.float32)
@@ -187,12 +190,14 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
                                 f"{j} to stage {s - 1})", differentiable=False)
       if stage == s - 1:
         grads_in[j] = got
-  grads = []
-  for k, st in enumerate(stages):
-    for v_index, v in enumerate(getattr(st, "trainable_variables", [])):
-      grads.append(summed[v_index] if k == stage else tf.zeros(v.shape, v.dtype))
-  loss, grads = _primitives.all_reduce(ctx, (loss, grads), "sum", axes, f"{location} (pipeline: the loss and the "
-                                       "stages' gradients, from their stages)")
+  shared = [k for k in range(len(mine)) if k not in own]
+  loss, sums = _primitives.all_reduce(ctx, (loss, [summed[k] for k in shared]), "sum", axes,
+                                      f"{location} (pipeline: the loss and the stages' gradients, from their stages)")
+  # A block's gradient counted once a stage (the local view's convention for a loss every replica of an axis holds,
+  # as the gradients of collectives give it: wrap_optimizer divides a split variable's by its pieces).
+  grads = [g * tf.cast(count, g.dtype) if k in own else g for k, g in enumerate(summed)]
+  for k, g in zip(shared, sums):
+    grads[k] = g
   return loss, grads
 
 
