@@ -141,7 +141,7 @@ def test_report_keeps_the_plan_s_interface():
   assert summary["by_op_type"][0] == {"op_type": "MatMul", "counts": {"all_reduce": 3}, "bytes_per_step": 1920}
 
 
-def test_a_roll_over_the_batch_is_a_fallback_with_a_gathered_input():
+def test_a_reverse_of_the_batch_is_a_fallback_with_a_gathered_input():
   repl = _repl(None)
   with repl.context():
     v = tf.Variable(2.0)
@@ -149,23 +149,23 @@ def test_a_roll_over_the_batch_is_a_fallback_with_a_gathered_input():
   ds = tf.data.Dataset.from_tensor_slices(x).batch(4, drop_remainder=True)
 
   def step_fn(batch):
-    return tf.reduce_sum(tf.roll(batch, 1, axis=0)[0]) * v  # the roll line
+    return tf.reduce_sum(tf.reverse(batch, axis=[0])[0]) * v  # the reverse line
 
-  with pytest.warns(UserWarning, match=r"no layout rule for Roll"):
+  with pytest.warns(UserWarning, match=r"no layout rule for ReverseV2"):
     report = repl.explain(step_fn, ds)
-  where = f"test_global_explain.py:{_line('# the roll line')} in step_fn"
+  where = f"test_global_explain.py:{_line('# the reverse line')} in step_fn"
   (fallback,) = report.fallbacks
-  assert fallback.op_type == "Roll" and fallback.location.endswith(where)
+  assert fallback.op_type == "ReverseV2" and fallback.location.endswith(where)
   assert fallback.input_layouts[0] == (("batch",), ())
-  (gathered,) = [r for r in report.relayouts if r.op_type == "Roll"]
+  (gathered,) = [r for r in report.relayouts if r.op_type == "ReverseV2"]
   assert (gathered.source, gathered.target, gathered.input) == ((("batch",), ()), ((), ()), 0)
   assert gathered.gathered == ((0, ("batch",)),) and not gathered.free
   (gather,) = [r for r in report.collective_rows if r.kind == "all_gather"]
-  assert (gather.op_type, gather.axes, gather.shape) == ("Roll", ("batch",), (2, 2))
+  assert (gather.op_type, gather.axes, gather.shape) == ("ReverseV2", ("batch",), (2, 2))
   assert gather.why == f"gather {gathered.tensor} dim 0 (input 0)" and gather.location.endswith(where)
   text = str(report)
-  assert re.search(r"\[batch, -\] +\[-, -\] +all_gather dim 0 over batch +Roll \S+ input 0 ", text)
-  assert re.search(r"\n  Roll \S+ +\[batch, -\], \[\], \[\] +\S+" + re.escape(where), text)
+  assert re.search(r"\[batch, -\] +\[-, -\] +all_gather dim 0 over batch +ReverseV2 \S+ input 0 ", text)
+  assert re.search(r"\n  ReverseV2 \S+ +\[batch, -\], \[-\] +\S+" + re.escape(where), text)
 
 
 def test_relayouts_say_which_slice_for_free_and_which_gather():
@@ -178,17 +178,17 @@ def test_relayouts_say_which_slice_for_free_and_which_gather():
 
   def step_fn(batch):
     h = tf.matmul(batch * c, w1)  # the matmul line: a model-split activation
-    return tf.roll(h, 1, axis=1)  # no rule: h gathered whole
+    return tf.reverse(h, axis=[1])  # no rule: h gathered whole
 
-  with pytest.warns(UserWarning, match=r"no layout rule for Roll"):
+  with pytest.warns(UserWarning, match=r"no layout rule for ReverseV2"):
     report = repl.explain(step_fn, ds)
     out = repl.run(step_fn, ds)
-  np.testing.assert_allclose(out.numpy(), np.roll((x * 3.0) @ np.arange(8.0).reshape(2, 4), 1, axis=1))
+  np.testing.assert_allclose(out.numpy(), ((x * 3.0) @ np.arange(8.0).reshape(2, 4))[:, ::-1])
   (free,) = [r for r in report.relayouts if r.free]
   assert (free.op_type, free.input, free.source, free.target) == ("Mul", 1, ((), ()), (("batch",), ()))
   assert free.location.endswith(f"test_global_explain.py:{_line('# the matmul line')} in step_fn")
   (gathered,) = [r for r in report.relayouts if not r.free]
-  assert (gathered.op_type, gathered.source, gathered.target) == ("Roll", (("batch",), ("model",)), ((), ()))
+  assert (gathered.op_type, gathered.source, gathered.target) == ("ReverseV2", (("batch",), ("model",)), ((), ()))
   assert gathered.gathered == ((0, ("batch",)), (1, ("model",)))  # one all_gather per split dimension
   assert [(r.kind, r.axes, r.shape, r.why) for r in report.collective_rows] == [
       ("all_gather", ("batch",), (2, 2), f"gather {gathered.tensor} dim 0 (input 0)"),
@@ -203,7 +203,7 @@ def test_relayouts_say_which_slice_for_free_and_which_gather():
 STRICT_MESSAGE = (
     "Replicator(strict=True): the global view has no layout rule for 1 op(s) whose inputs are split; each "
     "would gather its inputs and run on whole values on every device:\n"
-    "  Roll (Roll, at {where}): input layouts [batch, -], [], []\n"
+    "  ReverseV2 (ReverseV2, at {where}): input layouts [batch, -], [-]\n"
     "Fix: add a layout rule for the op type (rewrite/rules/_*.py), keep the op's inputs replicated (leave the "
     "variables they come from out of the layouts), or pass Replicator(strict=False) to run it on gathered "
     "inputs, with a warning.")
@@ -214,7 +214,7 @@ def test_strict_refuses_a_fallback_naming_the_op_its_layouts_and_the_line():
   ds = tf.data.Dataset.from_tensor_slices(np.ones([4, 2], "float32")).batch(4, drop_remainder=True)
 
   def step_fn(batch):
-    return tf.roll(batch, 1, axis=0)  # the strict line
+    return tf.reverse(batch, axis=[0])  # the strict line
 
   where = f"{__file__}:{_line('# the strict line')} in step_fn"
   for call in (repl.explain, repl.run):  # refused when the step is built, each time
@@ -269,13 +269,13 @@ def test_a_tensor_relayouted_for_several_consumers_is_gathered_once():
 
   def step_fn(batch):
     h = tf.matmul(batch, w)  # [batch, model]
-    return tf.roll(h, 1, axis=1) + tf.reverse(h, axis=[1])  # two unruled consumers want h whole
+    return tf.reverse(h, axis=[0]) + tf.reverse(h, axis=[1])  # two unruled consumers want h whole
 
   with pytest.warns(UserWarning, match="no layout rule"):
     report = repl.explain(step_fn, ds)
-  gathers = [c for c in report.collectives if c.kind == "all_gather" and c.members[0].call.startswith(("Roll", "ReverseV2"))]
+  gathers = [c for c in report.collectives if c.kind == "all_gather" and c.members[0].call.startswith("ReverseV2")]
   assert len(gathers) == 2  # h gathered over "model" and "batch" once, for both consumers
-  assert sum(not r.free for r in report.relayouts if r.op_type in ("Roll", "ReverseV2")) == 1
+  assert sum(not r.free for r in report.relayouts if r.op_type == "ReverseV2") == 1
   out = repl.run(step_fn, ds)  # the step explain built (it warned then)
   h = x @ np.asarray(w)
-  np.testing.assert_allclose(out.numpy(), np.roll(h, 1, 1) + h[:, ::-1], rtol=1e-6)
+  np.testing.assert_allclose(out.numpy(), h[::-1] + h[:, ::-1], rtol=1e-6)

@@ -290,10 +290,10 @@ def test_reshape_rewrites_its_shape_to_the_local_one():
 
 
 def test_an_op_without_a_rule_runs_replicated_and_is_recorded():
-  graph = _graph(lambda a: tf.roll(a, 1, axis=0), tf.TensorSpec([6, 4]))
+  graph = _graph(lambda a: tf.reverse(a, axis=[0]), tf.TensorSpec([6, 4]))
   (a,) = graph.inputs
   part = _partition.propagate(graph, _mesh(), {a.name: (("batch",), ())})
-  assert [graph.get_operation_by_name(n).type for n in part.fallbacks] == ["Roll"]
+  assert [graph.get_operation_by_name(n).type for n in part.fallbacks] == ["ReverseV2"]
   (decision,) = [d for d in part.decisions.values() if d.fallback]
   assert decision.inputs[0] == ((), ()) and decision.outputs == [((), ())]
 
@@ -368,9 +368,9 @@ def test_fallback_is_right_and_warns():
   ds = tf.data.Dataset.from_tensor_slices(x).batch(4, drop_remainder=True)
 
   def step_fn(batch):
-    return tf.reduce_sum(tf.roll(batch, 1, axis=0)[0]) * v  # the last row first
+    return tf.reduce_sum(tf.reverse(batch, axis=[0])[0]) * v  # the last row first
 
-  with pytest.warns(UserWarning, match=r"no layout rule for Roll .* at .*test_global_view.py"):
+  with pytest.warns(UserWarning, match=r"no layout rule for ReverseV2 .* at .*test_global_view.py"):
     out = repl.run(step_fn, ds)
   assert float(out) == float(x[-1].sum() * 2.0)
 
