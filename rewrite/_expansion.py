@@ -16,6 +16,7 @@ traced), renamed, placed and rewired.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import re
 from typing import Callable
@@ -35,6 +36,10 @@ from rewrite.rules import _base
 _ALIASES = ("Identity", "IdentityN", "StopGradient", "Snapshot")
 
 _ABSENT = object()  # a local value a device does not compute (another device of its group owns the op)
+
+# The lowerings of the step being expanded (``expand``'s), for the collectives of the bodies expanded per device
+# meanwhile (``expand_on_device``, called by the rules of the ops that call them).
+_LOWERINGS: contextvars.ContextVar = contextvars.ContextVar("expansion_lowerings", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,7 +602,7 @@ class Expansion:
 
 def expand(graph: tf.Graph, mesh, partition: _propagation.Partition, local_inputs: dict, outputs,
            locate: Callable[[tf.Operation], str] = lambda op: f"{op.type} {op.name}", ownership=None,
-           only=None) -> Expansion:
+           only=None, lowerings=None) -> Expansion:
   """Every device's copy of ``graph``, with the ops the current graph holds.
 
   Call it with a plain ``tf.Graph`` as the default graph, holding the
@@ -620,12 +625,20 @@ def expand(graph: tf.Graph, mesh, partition: _propagation.Partition, local_input
       hold None for the others): its records are None for the others'
       devices, as :func:`rewrite.plan` takes them, and its outputs are its
       devices' values only.
+    lowerings: the lowering instances the step's collectives use, by name
+      (``Config.lowerings``; a multi-worker Replicator's carry its collective
+      timeout): the collectives inside function bodies, lowered as each
+      device's copy is made (:func:`expand_on_device`), take their settings.
 
   Returns:
     The :class:`Expansion`.
   """
   expander = _Expander(graph, mesh, partition, locate, ownership, only)
-  expander.run(local_inputs)
+  reset = _LOWERINGS.set(dict(lowerings or {}))
+  try:
+    expander.run(local_inputs)
+  finally:
+    _LOWERINGS.reset(reset)
   return expander.finish([expander.output(t) for t in outputs])
 
 
@@ -654,10 +667,12 @@ def expand_on_device(graph: tf.Graph, mesh, partition: _propagation.Partition, r
   relayouted to those layouts). Call it while tracing a ``tf.function`` (its
   automatic control dependencies order the body's reads and writes and keep
   its effects). A body whose layouts need collectives needs ``collectives``:
-  ``collectives(graph_def, records, names) -> (graph_def, names, input_map)``
-  lowers the placeholders (``records``, device ``r``'s) of the copy in
-  ``graph_def`` inside it, and says where the outputs ``names`` went and what
-  to feed its new inputs (a loop's, ``rules._control_flow.InBody``).
+  ``collectives(graph_def, records, names, lowerings) -> (graph_def, names,
+  input_map)`` lowers the placeholders (``records``, device ``r``'s) of the
+  copy in ``graph_def`` inside it, with the settings of the step's
+  ``lowerings`` (:func:`expand`'s, by name; empty outside it), and says where
+  the outputs ``names`` went and what to feed its new inputs (a loop's,
+  ``rules._control_flow.InBody``).
   """
   scratch = tf.Graph()
   with scratch.as_default():
@@ -679,7 +694,7 @@ def expand_on_device(graph: tf.Graph, mesh, partition: _propagation.Partition, r
     if collectives is None:
       raise _errors.RewriteError("A function body expanded per device needs communication (a bug: its rule "
                                  "should have refused it, or passed collectives=).")
-    graph_def, names, fed = collectives(graph_def, expansion.records[r], names)
+    graph_def, names, fed = collectives(graph_def, expansion.records[r], names, _LOWERINGS.get() or {})
     input_map.update(fed)
   imported = tf.graph_util.import_graph_def(graph_def, input_map=input_map, return_elements=names or None,
                                             name="body")

@@ -18,6 +18,7 @@ from tensorflow.python.framework import function_def_to_graph  # private: see th
 from tensorflow.python.ops import handle_data_util  # private: see the module docstring
 
 _LIBRARIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (version, name -> FunctionDef)
+_PATHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a body's graph -> its place in the step (path)
 
 
 def _library(graph: tf.Graph) -> dict:
@@ -71,7 +72,19 @@ def body(op: tf.Operation, attr: str, arguments: list) -> tf.Graph:
   returned = [flat[fdef.ret[a.name]] for a in fdef.signature.output_arg]
   graph.outputs = [passed[name] if name in passed else graph.get_tensor_by_name(name) for name in returned]
   graph.control_outputs = [graph.get_operation_by_name(fdef.control_ret[n]) for n in fdef.signature.control_output]
+  _PATHS[graph] = f"{path(op.graph)}{op.name}/{attr}/"
   return graph
+
+
+def path(graph) -> str:
+  """Where ``graph`` sits in the step: ``"<op>/<attr>/"`` of each op down to it whose function it is the body of.
+
+  Empty for the step's own graph (any graph not made by :func:`body`); ``"outer/body/inner/cond/"`` for the
+  condition of a loop ``inner`` in the body of a loop ``outer``. The names a trace gives its ops are the same in every process that
+  traces one step (unlike its functions' names, which carry a per-process counter), so every process of a
+  multi-client job names a body alike.
+  """
+  return _PATHS.get(graph, "")
 
 
 def _called(attrs) -> list:

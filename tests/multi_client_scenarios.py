@@ -28,6 +28,7 @@ else:
   repl = replicator.MultiWorkerReplicator.from_tf_config(collective_timeout=TIMEOUT)
 
 import keras  # noqa: E402
+import loop_steps  # noqa: E402  (steps with loops and branches that communicate inside)
 import tensorflow as tf  # noqa: E402
 from mse_step import mse_step  # noqa: E402  (one replica's step: mean squared error, the optimizer's update)
 
@@ -130,6 +131,62 @@ def train_global(out):
   np.savez(os.path.join(out, f"worker_{repl.task}.npz"), losses=np.array(losses), sharded=np.array(sharded),
            replicas=np.array(global_repl.local_replicas), restored=str(restored), **initial, **found, **pieces,
            **back)
+
+
+def loops_global(out):
+  """Loops and branches whose bodies communicate, in the global view of every process (2 workers x 2 devices).
+
+  The model axis is "device" (SCENARIO_LAYOUT "within": a split weight's pieces on each worker's devices, the batch
+  over the workers) or "worker" ("across": its pieces in both processes, the batch over each worker's devices).
+  Keras's LSTM ("within") or GRU ("across") with its kernels split, and a decoding loop over a column- and a
+  row-parallel weight with a tf.cond reducing over the batch, 3 Adam steps each (strict: nothing may fall back).
+  Saves each one's variables and slots (as this process reads them), losses, and repl.explain's rows of the
+  collectives inside bodies.
+  """
+  model_axis, batch, names = loop_steps.PLACEMENTS[os.environ["SCENARIO_LAYOUT"]]
+  global_repl = replicator.MultiWorkerReplicator.from_tf_config(
+      view="global", layouts=loop_steps.layouts(model_axis, names), batch_axes=batch, strict=True,
+      collective_timeout=TIMEOUT)
+  with global_repl.context():
+    made = loop_steps.made(names)
+  found = {}
+  for name, (step, data, variables) in made.items():
+    found.update({f"{name}/initial/{k}": v for k, v in loop_steps.numbered(variables).items()})
+    found[f"{name}/inside"] = np.array(loop_steps.inside_rows(global_repl.explain(step, data)))
+    found[f"{name}/losses"] = np.array([float(global_repl.run(step, data)) for _ in range(loop_steps.STEPS)])
+    found.update({f"{name}/final/{k}": v for k, v in loop_steps.numbered(variables).items()})
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), **found)
+
+
+def loop_mismatch(out):
+  """Worker 1's loop runs one iteration more than worker 0's, its body gathering a weight's columns split over the
+  workers: its fourth iteration's gather waits for a worker that never comes to it. Worker 1 writes the error its
+  step raises; worker 0, its step done, waits for that (or 60 s) before it leaves."""
+  import time
+  global_repl = replicator.MultiWorkerReplicator.from_tf_config(
+      view="global", layouts={r"^w$": (None, "worker")}, batch_axes=("device",), collective_timeout=TIMEOUT)
+  with global_repl.context():
+    w = tf.Variable(np.random.RandomState(0).randn(6, 6).astype(np.float32), name="w")
+  iterations = 3 + repl.task
+
+  def step(x):
+    _, h = tf.while_loop(lambda t, h: t < iterations, lambda t, h: (t + 1, tf.nn.softmax(tf.matmul(h, w)) + x),
+                         [tf.constant(0), x])
+    return tf.reduce_sum(h)
+
+  start = time.monotonic()
+  try:
+    x = np.random.RandomState(1).randn(8, 6).astype(np.float32)
+    found = f"ran: {float(global_repl.run(step, tf.data.Dataset.from_tensors(x).repeat()))}"
+  except replicator.WorkerUnavailableError as e:
+    found = f"{type(e).__name__}: {e}"
+  path = os.path.join(out, f"worker_{repl.task}.txt")
+  with open(path + ".tmp", "w") as f:
+    f.write(f"{time.monotonic() - start:.1f}\n{found}")
+  os.rename(path + ".tmp", path)
+  deadline = time.monotonic() + 60
+  while repl.task == 0 and not os.path.exists(os.path.join(out, "worker_1.txt")) and time.monotonic() < deadline:
+    time.sleep(0.2)
 
 
 def fit(out):
@@ -554,5 +611,6 @@ if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
   {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "sharded": sharded, "sharded_global": sharded_global, "fit_sharded": fit_sharded,
    "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
-   "restore_damaged": restore_damaged, "memory": memory, "preempt": preempt}[name](out)
+   "restore_damaged": restore_damaged, "memory": memory, "preempt": preempt, "loops_global": loops_global,
+   "loop_mismatch": loop_mismatch}[name](out)
   print("done", repl.task, flush=True)

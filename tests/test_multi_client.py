@@ -17,11 +17,15 @@ import sys
 import time
 
 import keras
+import loop_steps
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import cpus
 from mse_step import mse_step
 
+import mesh
+import replicator
 from replicator import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +37,11 @@ SHARD_FILES = (24, 24, 32, 16)  # multi_client_scenarios.SHARD_FILES
 # Float32 sums in another order (4 replicas' means, then their mean, against one mean of 16 rows) moved the
 # 4-step Adam weights by at most 3e-7 here; the bound leaves room.
 TOLERANCE = dict(rtol=1e-5, atol=2e-6)
+# The loops' and branches' steps against one device after 3 Adam steps, measured in both placements: every variable
+# and slot within 6e-8 (one float32 ulp of a value in [0.5, 1): LSTM 3e-8, GRU 6e-8, the decoder 3e-8), the losses
+# within 2.1e-7 of their size (the decoder's 4.6: two ulps; the RNNs' equal). The bounds are 8x and 5x those.
+LOOPS_VARIABLES = dict(rtol=0, atol=5e-7)
+LOOPS_LOSSES = dict(rtol=1e-6, atol=0)
 
 
 def _launch(tmp_path, scenario: str, workers: int, devices: int, suffix: str = "npz", env=None, expect=0):
@@ -311,6 +320,63 @@ def test_the_global_view_on_every_worker_equals_one_device(tmp_path, workers, de
         want = [expected[name]] * devices
       for d in range(devices):
         np.testing.assert_allclose(pieces[d], want[d], err_msg=f"worker {task} device {d}: {name}", **TOLERANCE)
+
+
+def _loops_on_one_device(first, names) -> dict:
+  """``loop_steps``' steps on one device from worker 0's initial values: name -> (final values by key, losses)."""
+  found = {}
+  for name, (step, data, variables) in loop_steps.made(names).items():
+    for (key, _), v in zip(sorted(loop_steps.numbered(variables).items()), variables):
+      v.assign(first[f"{name}/initial/{key}"])
+    step = tf.function(step)
+    losses = [float(step(batch)) for batch in data]
+    found[name] = (loop_steps.numbered(variables), losses)
+  return found
+
+
+@pytest.mark.parametrize("placement", ["within", "across"])
+def test_loops_and_branches_that_communicate_inside_run_split_across_processes_equal_to_one_device(tmp_path,
+                                                                                                  placement):
+  """Keras's LSTM (the model axis within each worker: "device") or GRU (across them: "worker") with its kernels split
+  over it, and a decoding loop over a column- and a row-parallel weight with a tf.cond reducing over the batch, on
+  2 workers x 2 devices (the global view, strict). Each device's copy of a loop's body or a branch makes its
+  collectives inside it, with keys every process computes alike. Was: each loop fell back (its inputs gathered, run
+  whole), "its devices are in several processes". Every variable and Adam slot after 3 steps equals one device's;
+  repl.explain lists the collectives inside bodies in each process as one process does."""
+  results = _launch(tmp_path, "loops_global", 2, 2, env=dict(SCENARIO_LAYOUT=placement))
+  model_axis, batch_axes, names = loop_steps.PLACEMENTS[placement]
+  expected = _loops_on_one_device(results[0], names)
+  one_process = replicator.Replicator(mesh=mesh.Mesh({"worker": 2, "device": 2}, devices=cpus(4)), view="global",
+                                      layouts=mesh.LayoutMap(loop_steps.layouts(model_axis, names)),
+                                      batch_axes=batch_axes, strict=True)
+  with one_process.context():
+    made = loop_steps.made(names)
+  for name, (values, losses) in expected.items():
+    step, data, _ = made[name]
+    listed = loop_steps.inside_rows(one_process.explain(step, data))
+    assert listed and all(f"|{model_axis}|" in row for row in listed if "inside the loop" in row), listed
+    for task, found in enumerate(results):
+      assert found[f"{name}/inside"].tolist() == listed, (task, name)
+      assert {k.split("/", 2)[2] for k in found if k.startswith(f"{name}/final/")} == set(values)
+      for key, value in values.items():
+        np.testing.assert_allclose(found[f"{name}/final/{key}"], value, err_msg=f"worker {task}: {name} {key}",
+                                   **LOOPS_VARIABLES)
+      np.testing.assert_allclose(found[f"{name}/losses"], losses, err_msg=f"worker {task}: {name}", **LOOPS_LOSSES)
+
+
+def test_a_loop_that_runs_more_iterations_in_one_process_fails_there_with_a_named_error_at_the_timeout(tmp_path):
+  """Worker 1's loop runs once more than worker 0's (2 workers x 1 device, a weight split over the workers): the
+  gather inside its body in the extra iteration waits for a worker that never comes to it. The collectives inside
+  bodies carry the step's collective timeout (and margin): worker 1's step fails at it, naming what happened. Was:
+  they waited forever (worker 1 failed only when worker 0's process ended, 60 s later here)."""
+  texts = _launch(tmp_path, "loop_mismatch", 2, 1, suffix="txt", env=dict(SCENARIO_COLLECTIVE_TIMEOUT="3"))
+  seconds, found = texts[1].split("\n", 1)
+  assert found.startswith("WorkerUnavailableError: A collective of this step waited 8 s (collective_timeout=3 s and a "
+                          "margin) for the other workers, and not all came, though every worker came to the step: "
+                          "they run different collectives"), found
+  assert "Collective has timed out" in found and "Fix: look at the other workers' output" in found, found
+  assert 8.0 <= float(seconds) < 8.0 + 5.0
+  assert texts[0].split("\n", 1)[1].startswith("ran: ")  # worker 0's three iterations found their peers
 
 
 @pytest.mark.parametrize("scenario", ["fit", "keras_distribution"])

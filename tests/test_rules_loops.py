@@ -12,10 +12,12 @@ import pytest
 import tensorflow as tf
 from conftest import copies_distance
 from conftest import cpus
+from conftest import global_step_of
 from conftest import keras_step
 
 import mesh
 import replicator
+from rewrite import _lowering
 
 MESHES = {"2x2": {"batch": 2, "model": 2}, "4x1": {"batch": 4}}
 BATCH_AXES = ("batch",)
@@ -310,6 +312,50 @@ def test_a_decoding_loop_with_split_weights_communicates_inside_its_bodies_and_e
   assert {kind for kind, axes, _ in _inside(plan, "gradient_tape/while/while_grad")} == {"all_reduce"}
   after = [c for c in plan.collective_rows if "While" in c.op_type]  # the weights' gradients, after the loop
   assert len(after) == 3 and all(c.axes == BATCH_AXES and c.why.startswith("partial sum") for c in after), after
+
+
+def _keys_inside_bodies(repl) -> list:
+  """``(op type, device, group key, instance key)`` of each collective op in the functions of ``repl``'s built step."""
+  found = []
+  for function in global_step_of(repl).graph_def.library.function:
+    nodes = {n.name: n for n in function.node_def}
+    for n in function.node_def:
+      if n.op.startswith("Collective"):  # inputs: the value, group size, group key, instance key, ordering token
+        keys = [int(tf.make_ndarray(nodes[n.input[k].split(":")[0]].attr["value"].tensor)) for k in (2, 3)]
+        found.append((n.op, n.device, *keys))
+  return sorted(found)
+
+
+def test_the_keys_of_collectives_inside_a_loop_s_body_are_the_same_in_every_build_of_the_step():
+  # What lets every process of a multi-client job build its own devices' copies of a body: the instance keys are
+  # hashes of what every process knows alike (the body's place in the step, the collective's position in it, its
+  # kind, dtype and shape), not draws from the process's counter. Two builds, the counter moved in between: the same
+  # keys, the same on the devices of one group, in [2**30, 2**31). (Across processes: tests/test_multi_client.py.)
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(8, 6)).astype("float32")
+  values = [rng.normal(size=shape).astype("float32") for shape in ((6, 8), (8, 6), (6, 6))]
+
+  def build():
+    repl = _repl(layouts=DECODER)
+    with repl.context():
+      weights = [tf.Variable(v, name=name) for name, v in zip(("w_in", "w_out", "embedding"), values)]
+
+    def step_fn(batch):
+      return _decode(batch, *weights)[1]
+
+    repl.run(step_fn, tf.data.Dataset.from_tensors(x))
+    return _keys_inside_bodies(repl)
+
+  first = build()
+  for _ in range(3):
+    _lowering.new_key()
+  assert build() == first
+  assert [(op, device) for op, device, _, _ in first] == [
+      (op, f"/device:CPU:{d}") for op in ("CollectiveGatherV2", "CollectiveReduceV2") for d in range(4)]
+  for k in range(0, 8, 2):  # devices 0 and 1 ("model" group 0), 2 and 3: one group key, one instance key
+    assert first[k][2:] == first[k + 1][2:]
+  assert all(2**30 <= instance < 2**31 for _, _, _, instance in first)
+  assert len({instance for _, _, _, instance in first}) == 4  # (two collectives, two groups)
 
 
 def test_a_loop_whose_gradient_s_loop_cannot_run_partitioned_falls_back_with_it():

@@ -476,7 +476,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
         local_inputs[internal.name] = [feed(external, f"capture_{k}")] * n
     expansion = _expansion.expand(graph, mesh, partition, local_inputs, graph.outputs,
                                   locate=_primitives.location_of, ownership=ownership,
-                                  only=None if len(local) == n else local)
+                                  only=None if len(local) == n else local, lowerings=config.lowerings)
   expanded, records = expansion.graph_def, expansion.records
   chosen = []
   if auto is not None and auto.result is not None and auto.result.remat:  # blocks the search rematerialized

@@ -13,7 +13,8 @@ each device runs a conditional over its own copies of the branches, made per
 device. A branch that needs collectives (a sum over a split dimension)
 has them inside each device's copy (:class:`InBody`: TensorFlow's collective
 ops, which every device's copy asks for in the same order, as every device
-takes the same branch). Otherwise the op falls back (gathered, replicated),
+takes the same branch; in whichever process makes the copy, with keys every
+process computes alike). Otherwise the op falls back (gathered, replicated),
 or, on a sharded variable's handle, is refused. ``While`` loops: ``_loops``,
 which shares the branches' checks (:func:`first_gather`,
 :func:`computed_from`, :func:`sliced_from`) and :class:`InBody`.
@@ -57,9 +58,9 @@ def cannot_communicate(view, graph, partition) -> str:
   An op of the body that falls back (its gathers would go unseen), or is
   refused, is named; so is a summary written in it (the first device's copy
   writes it, and the other devices' copies cannot take its writer, a
-  resource of the first device), and a job of several processes (each would
-  count the collectives' keys its own way). A print runs in the first
-  device's copy only, its inputs relayouted on every device.
+  resource of the first device). A print runs in the first device's copy
+  only, its inputs relayouted on every device. Devices in several processes
+  are no reason: every process keys the collectives alike (:class:`_BodyKeys`).
   """
   for name, d in partition.decisions.items():
     o = graph.get_operation_by_name(name)
@@ -67,38 +68,42 @@ def cannot_communicate(view, graph, partition) -> str:
       return f"{o.type} {name} in it {'is refused' if d.unsupported else 'has no rule'}"
     if d.once and any(t.dtype == tf.resource for t in o.inputs):
       return f"{o.type} {name} in it writes to a resource of the first device only (a summary's writer)"
-  if len({_lowering.task_of(d) for d in view.mesh.devices}) > 1:
-    return "its devices are in several processes (collectives inside function bodies are placed in one only)"
   return ""
 
 
+def _processes(mesh) -> int:
+  """How many processes (tasks) ``mesh``'s devices are in."""
+  return len({_lowering.task_of(d) for d in mesh.devices})
+
+
 class _BodyKeys:
-  """Collective keys the devices' copies of one function body agree on, without talking.
+  """Collective keys the devices' copies of one function body agree on, in every process, without talking.
 
   Every device's copy asks for the same collectives in the same order (the
-  plan's ``index``); its n-th request for a collective gets the n-th key drawn
-  for it, drawn when the first device asks (each expansion of the body: new
-  keys). Group keys are one per device list, for the process.
+  plan's ``index``), in whichever process makes it. An instance key is a
+  hash (``_lowering.AgreedKeys``) of what every process knows alike: the
+  body's place in the step (``_functions.path``: the names of the ops down to
+  it), the collective's position in the body, its kind, parameters, dtype
+  and shape. A group key is a hash of the group's devices' job-wide names on
+  a mesh whose devices are in several processes, else counted in this
+  process (as the step's own collectives' are). One body run again (each
+  iteration, each call of the step, each build of it) uses the same keys: the
+  instances are the same, and one device's run one after the other.
   """
 
+  _AGREED = _lowering.AgreedKeys()  # (one per process: its check of two hashes colliding covers every body)
   _GROUPS = _lowering.ProcessKeys()
 
-  def __init__(self):
-    self._drawn: dict = collections.defaultdict(list)  # (group key, index, part) -> keys drawn, in order
-    self._asked: dict = collections.Counter()  # (group key, index, part, device list) -> how many asked
+  def __init__(self, body: str, agreed: bool):
+    self._body, self._agreed = body, agreed
 
   def group_key(self, devices) -> int:
-    return self._GROUPS.group_key(devices)
+    return (self._AGREED if self._agreed else self._GROUPS).group_key(devices)
 
   def instance_key(self, group_key: int, collective, part: str = "") -> int:
-    key = (group_key, collective.index, part)
-    asking = key + (tuple(m.device for m in collective.present),)
-    n = self._asked[asking]
-    self._asked[asking] += 1
-    drawn = self._drawn[key]
-    if n == len(drawn):
-      drawn.append(_lowering.new_key())
-    return drawn[n]
+    shape = None if collective.shape.rank is None else collective.shape.as_list()
+    return self._AGREED.named_key(group_key, f"{self._body}|{collective.index}|{collective.describe()}|"
+                                             f"{collective.dtype.name}|{shape}|{part}")
 
 
 class _InBodyOps(_collective_ops.CollectiveOps):
@@ -123,13 +128,21 @@ class InBody:
   the others and in the same order, as the op's predicate or counter is
   whole on every device.
 
+  On a mesh whose devices are in several processes, each process makes its
+  own devices' copies (a multi-client job's): the keys are ones every process
+  computes alike, and the ops wait for their group at most the timeout of
+  the step's collective ops (``expand_on_device``'s ``lowerings``; a
+  multi-worker Replicator's collective timeout and a margin), so that a
+  process whose loop runs other iterations than its peers' fails with a
+  named error instead of waiting forever.
+
   ``inside``: where ``repl.explain`` finds them (``Decision.inside``): the
   first device's, each ``(where, record, why)``.
   """
 
   def __init__(self, view, graph, partition, where: str, inside: list, again: str = ""):
     self.mesh, self.where, self.inside = view.mesh, where, inside
-    self.keys = _BodyKeys()
+    self.keys = _BodyKeys(_functions.path(graph), agreed=_processes(view.mesh) > 1)
     self._expected = collections.defaultdict(list)
     for event in _communication.walk(graph, partition, [], view.mesh.shape):
       if isinstance(event, _communication.Needed):
@@ -137,15 +150,17 @@ class InBody:
     self._again = again  # why of a collective the walk does not know (a loop variable relayouted at the body's end)
     self._first = None  # the device whose collectives are listed
 
-  def lowering(self):
-    ops = _InBodyOps()
+  def lowering(self, lowerings=None):
+    """Collective ops with this body's keys, and the timeout of the step's (``lowerings``: its lowerings by name)."""
+    step = (lowerings or {}).get(_collective_ops.CollectiveOps.name)
+    ops = _InBodyOps(step.timeout_seconds if isinstance(step, _collective_ops.CollectiveOps) else 0.0)
     ops.keys = self.keys
     return ops
 
-  def __call__(self, token, graph_def, records, names):
+  def __call__(self, token, graph_def, records, names, lowerings=None):
     """``graph_def`` (device ``records[0].replica``'s copy) with its placeholders lowered; see ``expand_on_device``."""
     r = records[0].replica
-    lowering = self.lowering()
+    lowering = self.lowering(lowerings)
     plan = _plan.plan([list(records) if k == r else None for k in range(self.mesh.size)], self.mesh,
                       lambda c: lowering.name)
     rewritten = _apply.apply(graph_def, plan, {lowering.name: lowering})

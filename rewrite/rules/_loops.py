@@ -30,25 +30,27 @@ again, with them allowed: each device's copies make them, as TensorFlow's
 collective ops, every iteration (``_control_flow.InBody``). Every device
 runs as many iterations as the others (the counters are whole on every
 device) and asks for the same collectives in the same order; the loop
-carries the device's ordering token. A print in the body runs in the first
-device's copy, once an iteration (a summary's writer cannot go to the other
-devices' copies: see below). Values the body passes on unchanged are still
-gathered once before the loop; a loop variable the body gives
-back in another layout is relayouted at the body's end; the partial sums
-that only accumulate are still summed after the loop. So is the gradient's
-loop, which pops the lists this loop pushes.
+carries the device's ordering token. On a mesh whose devices are in several
+processes (a multi-client job: each process makes its own devices' copies)
+the keys of those collectives are ones every process computes alike, and
+they wait at most the step's collective timeout. A print in the body runs
+in the first device's copy, once an iteration (a summary's writer cannot go
+to the other devices' copies: see below). Values the body passes on
+unchanged are still gathered once before the loop; a loop variable the
+body gives back in another layout is relayouted at the body's end; the
+partial sums that only accumulate are still summed after the loop. So is
+the gradient's loop, which pops the lists this loop pushes.
 
 What still falls back (gathered, replicated), naming the op
 (``Decision.why``): a loop whose body communicates and has an op that is
 refused (a sharded variable used by an op without a rule: then the loop is
 refused too, as it cannot gather the handle) or writes a summary (refused
-too, its outputs being used: every device's copy would write it); a loop on a mesh whose devices
-are in several processes (the keys of collectives inside bodies are counted
-in one); a loop whose gradient's loop would not run partitioned (the
-gradient could not gather the lists of pieces this loop pushes: a loop in a
-loop under a gradient tape). The lists a fallback takes are made of whole
-elements by their makers (a list cannot be gathered; others are refused),
-as is a sharded variable's handle.
+too, its outputs being used: every device's copy would write it); a loop
+whose gradient's loop would not run partitioned (the gradient could not
+gather the lists of pieces this loop pushes: a loop in a loop under a
+gradient tape). The lists a fallback takes are made of whole elements by
+their makers (a list cannot be gathered; others are refused), as is a
+sharded variable's handle.
 """
 
 from __future__ import annotations
