@@ -638,3 +638,13 @@ def test_a_trainer_method_with_a_tf_function_helper_equals_one_device(layout):
   step = _built(repl)
   assert not step.partition.fallbacks
   assert tf.config.functions_run_eagerly() is False  # restored after the trace
+
+
+def test_a_reduction_of_a_tensor_of_unknown_rank_runs_whole():
+  # (Was a TypeError in the rule: found in a gradient's loop of a loop in a loop, whose sums' ranks are unknown.)
+  graph = _graph(lambda a, shape: tf.reduce_sum(tf.reshape(a, shape), axis=0), tf.TensorSpec([6, 4]),
+                 tf.TensorSpec([None], tf.int32))
+  a, _ = graph.inputs
+  part = _partition.propagate(graph, _mesh(), {a.name: (("batch",), ())})
+  (decision,) = [d for name, d in part.decisions.items() if graph.get_operation_by_name(name).type == "Sum"]
+  assert decision.outputs == [None] and not decision.reduce[0]

@@ -14,7 +14,7 @@ _COMBINE = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "All": "mi
 def reduce(view, layouts):
   layout = layouts[0]
   axes = view.const(1)
-  if axes is None:
+  if axes is None or layout is None:  # (an input of unknown rank: whole, as its maker gave it)
     return _base.fallback(view, layouts)
   rank = len(layout)
   dims = {int(d) % rank for d in np.atleast_1d(axes)} if rank else set()
