@@ -397,9 +397,11 @@ class Replicator(_collective_methods.CollectiveMethods):
     of one value: the previous stage's output, or ``inputs`` for the first) on each of ``microbatches`` pieces
     of its batch, and the last applies ``loss_fn(targets, outputs)`` (a mean over the rows). Activations go
     forward and their gradients back between neighbours (in one process, plain cross-device edges);
-    ``schedule`` orders each device's passes: ``"gpipe"`` (every forward pass, then every backward pass) or
+    ``schedule`` orders each device's passes: ``"gpipe"`` (every forward pass, then every backward pass),
     ``"1f1b"`` (one forward and one backward pass in turn after ``p - s - 1`` forward ones: at most ``p - s``
-    microbatches' activations kept). Both give one device's loss and gradients for the rows (a ragged last
+    microbatches' activations kept) or ``"interleaved"`` (Megatron-LM's interleaved 1F1B: ``v`` stages a
+    device, given as ``v p`` stages, device ``d`` running stages ``d, d + p, ...``; a bubble ``v`` times
+    smaller; ``microbatches`` a multiple of ``p``). Both give one device's loss and gradients for the rows (a ragged last
     microbatch weighted by its rows). See ``docs/concepts/stages.md``.
 
     A stage's variables may be replicated (its gradients, summed over ``axis`` from the stages that use them, are
@@ -421,13 +423,14 @@ class Replicator(_collective_methods.CollectiveMethods):
       (True, True)
 
     Args:
-      stages: one callable a device along ``axis``, in order; their variables built (``trainable_variables``).
+      stages: one callable a device along ``axis``, in order (a multiple of the devices with ``"interleaved"``
+        and ``"gpipe"``: device ``d`` runs stages ``d, d + p, ...``); their variables built.
       inputs: the replica's batch for the first stage (a tensor or nest; rows along the first dimension).
       targets: the last stage's targets (a tensor or nest, the same rows).
       loss_fn: ``loss_fn(targets, outputs)``: the loss, a mean over the rows (or per-row losses, averaged).
       axis: the mesh axis (or tuple of axes) of the stages.
       microbatches: how many pieces each replica's batch is split into (the last smaller if they do not divide).
-      schedule: ``"1f1b"`` (the default) or ``"gpipe"``.
+      schedule: ``"1f1b"`` (the default), ``"gpipe"`` or ``"interleaved"``.
       variables: the variables to differentiate (default: ``replicator.pipeline_variables(stages)``, each
         stage's ``trainable_variables``): give them where the stages are functions reading variables, stacked
         ones among them.

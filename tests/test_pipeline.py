@@ -7,6 +7,8 @@ their gradients sent between neighbours only: ``2 m (p - 1)`` permutes of one pa
 process) and the memory report (1F1B's activations on the first stage against GPipe's).
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ import replicator
 from replicator.core import _pipeline
 
 ROWS, IN = 10, 6
-WIDTHS = (8, 5, 7, 1)
+WIDTHS = (9, 4, 6, 3, 8, 5, 7, 1)
 
 
 def _stages(p, seed=1, widths=WIDTHS):
@@ -52,44 +54,71 @@ def _one_device(stages, x, y):
 def test_the_schedules_run_each_stage_s_passes_in_their_order(p):
   m = 6
   for s in range(p):
-    gpipe = _pipeline.stage_order("gpipe", s, p, m)
-    assert gpipe == [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    one = _pipeline.stage_order("1f1b", s, p, m)
+    gpipe = _pipeline.device_order("gpipe", s, p, 1, m)
+    assert gpipe == [("F", s, j) for j in range(m)] + [("B", s, j) for j in range(m)]
+    one = _pipeline.device_order("1f1b", s, p, 1, m)
     warmup = p - s - 1
-    assert one[:warmup] == [("F", j) for j in range(warmup)]
-    assert one[warmup:warmup + 2] == [("F", warmup), ("B", 0)]
+    assert one[:warmup] == [("F", s, j) for j in range(warmup)]
+    assert one[warmup:warmup + 2] == [("F", s, warmup), ("B", s, 0)]
     assert sorted(one) == sorted(gpipe)
-    in_flight, most = 0, 0
-    for kind, _ in one:
-      in_flight += 1 if kind == "F" else -1
-      most = max(most, in_flight)
-    assert most == p - s  # GPipe's: m
-  for schedule in _pipeline.SCHEDULES:
-    for m in (1, 2, 3, 8):
+    assert _in_flight(one) == p - s  # GPipe's: m
+  for v, m in ((2, p), (2, 2 * p), (3, 2 * p)):  # interleaved: v stages a device, microbatches in groups of p
+    for d in range(p):
+      order = _pipeline.device_order("interleaved", d, p, v, m)
+      mine = [d + c * p for c in range(v)]
+      assert sorted(order) == sorted((k, g, j) for k in "FB" for g in mine for j in range(m))
+      warmup = m * v if m == p else 2 * (p - d - 1) + (v - 1) * p
+      assert all(k == "F" for k, _, _ in order[:warmup]) and (warmup == m * v or order[warmup + 1][0] == "B")
+      # forward passes stage by stage in groups of p microbatches (Megatron-LM's order)
+      assert [g for k, g, _ in order if k == "F"][:p] == [mine[0]] * p
+  for schedule, v in (("gpipe", 1), ("1f1b", 1), ("gpipe", 2), ("interleaved", 2)):
+    for m in (p, 2 * p) if schedule == "interleaved" else (1, 2, 3, 8):
       done = set()
-      for kind, s, j in _pipeline.global_order(schedule, p, m):  # each pass after what it needs
-        if kind == "F" and s > 0:
-          assert ("F", s - 1, j) in done
+      for kind, g, j in _pipeline.global_order(schedule, p, v, m):  # each pass after what it needs
+        if kind == "F" and g > 0:
+          assert ("F", g - 1, j) in done
         if kind == "B":
-          assert ("F", s, j) in done and (s == p - 1 or ("B", s + 1, j) in done)
-        done.add((kind, s, j))
-      assert len(done) == 2 * p * m
+          assert ("F", g, j) in done and (g == p * v - 1 or ("B", g + 1, j) in done)
+        done.add((kind, g, j))
+      assert len(done) == 2 * p * v * m
+
+
+def _in_flight(order) -> int:
+  """The most microbatches whose forward pass has run and backward pass not, over ``order``."""
+  in_flight, most = 0, 0
+  for kind, _, _ in order:
+    in_flight += 1 if kind == "F" else -1
+    most = max(most, in_flight)
+  return most
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4), (4, 8), (4, 3)])
 def test_the_loss_and_every_gradient_are_one_devices(schedule, p, m):
+  _check_against_one_device(schedule, p, m)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 8), (2, 3, 4)])
+def test_interleaved_stages_give_one_devices_loss_and_gradients(p, v, m):
+  _check_against_one_device("interleaved", p, m, v)
+
+
+def test_gpipe_runs_several_stages_a_device_too():
+  _check_against_one_device("gpipe", 2, 4, 2)
+
+
+def _check_against_one_device(schedule, p, m, v=1):
   # 10 rows: microbatches of 5, 3+3+2+2, 2+1+..., 4+3+3 (weighted by their rows). Measured: 1.2e-7 from one device
   # at most (float32 sums in another order), so 1e-6; a microbatch weighted wrongly or a gradient sent to the
   # wrong stage is 1e-2 off or more.
   x, y = _data()
-  expected_loss, expected = _one_device(_stages(p), x, y)
+  expected_loss, expected = _one_device(_stages(p * v), x, y)
   repl = replicator.Replicator(mesh=mesh.Mesh({"stage": p}, devices=cpus(p)))
   with repl.context():
-    stages = _stages(p)
+    stages = _stages(p * v)
   loss, grads = repl.run(lambda: repl.pipeline(stages, tf.constant(x), tf.constant(y),
                                                keras.losses.mean_squared_error, microbatches=m, schedule=schedule))
-  np.testing.assert_allclose([float(v) for v in loss], [expected_loss] * p, atol=1e-6)
+  np.testing.assert_allclose([float(value) for value in loss], [expected_loss] * p, atol=1e-6)
   for got, want in zip(grads, expected):  # every replica holds every stage's gradients
     for r in range(p):
       np.testing.assert_allclose(np.asarray(got[r]), want, atol=1e-6)
@@ -183,13 +212,22 @@ def test_mistakes_are_named():
 
   def run(stages=stages, **kwargs):
     kwargs = {"microbatches": 2, **kwargs}
-    return repl.run(lambda: repl.pipeline(stages, tf.constant(x), tf.constant(y), keras.losses.mean_squared_error,
-                                          **kwargs))
+    with warnings.catch_warnings():  # (a new step object each call: warned that it is built anew)
+      warnings.simplefilter("ignore", UserWarning)
+      return repl.run(lambda: repl.pipeline(stages, tf.constant(x), tf.constant(y), keras.losses.mean_squared_error,
+                                            **kwargs))
 
   with pytest.raises(replicator.ArgumentError, match=r"3 stages over \('stage',\) \(2 devices\); expected one stage"):
     run(stages + stages[:1])
-  with pytest.raises(replicator.ArgumentError, match=r"schedule='zb'\).*expected one of \('gpipe', '1f1b'\)"):
+  with pytest.raises(replicator.ArgumentError,
+                     match=r"schedule='zb'\).*expected one of \('gpipe', '1f1b', 'interleaved'\)"):
     run(schedule="zb")
+  with pytest.raises(replicator.ArgumentError, match=r"schedule='interleaved'\).*2 stages over \('stage',\) \(2 "
+                                                     r"devices\); expected several stages a device"):
+    run(schedule="interleaved")
+  with pytest.raises(replicator.ArgumentError, match=r"microbatches=3, schedule='interleaved'\).*expected a multiple "
+                                                     r"of 2. Fix: microbatches=4"):
+    run(stages + stages, schedule="interleaved", microbatches=3)
   with pytest.raises(replicator.ArgumentError, match=r"microbatches=11\).*has 10 rows, fewer than the microbatches"):
     run(microbatches=11)
   with pytest.raises(replicator.ReplicaContextError):

@@ -16,9 +16,13 @@ loss on the last stage), each one waiting for the one before it on the device (c
   activations);
 - ``"1f1b"``: ``p - s - 1`` forward passes, then one forward and one backward pass in turn, then the
   backward passes left (PipeDream-Flush, Megatron-LM's 1F1B: the same gradients, at most ``p - s``
-  microbatches' activations kept on stage ``s``).
+  microbatches' activations kept on stage ``s``);
+- ``"interleaved"``: ``v`` stages a device (device ``d`` runs stages ``d, d + p, ...``), Megatron-LM's
+  interleaved 1F1B: the passes in groups of ``p`` microbatches a stage, then one forward and one backward
+  in turn (``m`` a multiple of ``p``).
 
-The bubble is GPipe's for both, ``(p - 1) / (m + p - 1)`` of the step.
+The bubble is GPipe's for the first two, ``(p - 1) / (m + p - 1)`` of the step; the interleaved schedule's
+is ``(p - 1) / (v m + p - 1)``, for ``v`` times the sends.
 
 Between stages an activation (forward) or its gradient (backward) goes from one device to its neighbour:
 a ``permute`` of one pair, which in one process is a plain cross-device edge (``rewrite/_one_device.py``),
@@ -41,44 +45,68 @@ import tree
 from replicator.core import _errors
 from replicator.core import _primitives
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-  """The passes of ``stage`` in the order it runs them: ``("F", j)`` forward and ``("B", j)`` backward."""
-  m = microbatches
+def device_order(schedule: str, device: int, devices: int, chunks: int, microbatches: int) -> list[tuple[str, int, int]]:
+  """The passes of ``device`` in the order it runs them: ``(kind, stage, microbatch)``, ``kind`` ``"F"`` or ``"B"``.
+
+  The device holds stages ``device, device + devices, ...`` (``chunks`` of them). ``"gpipe"``: every forward pass,
+  its stages in turn, then every backward pass, the stages in reverse. ``"1f1b"`` (one stage a device):
+  ``devices - device - 1`` forward passes, then a forward and a backward in turn, then the backward passes left.
+  ``"interleaved"`` (Megatron-LM's interleaved 1F1B; ``microbatches`` a multiple of ``devices``): the passes in
+  groups of ``devices`` microbatches a stage, stage after stage, ``2 (devices - device - 1) + (chunks - 1) devices``
+  forward passes first, then a forward and a backward in turn.
+  """
+  p, v, m = devices, chunks, microbatches
+  mine = [device + c * p for c in range(v)]
   if schedule == "gpipe":
-    return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-  warmup = min(stages - stage - 1, m)
-  order = [("F", j) for j in range(warmup)]
-  for i in range(m - warmup):
-    order += [("F", warmup + i), ("B", i)]
-  return order + [("B", j) for j in range(m - warmup, m)]
+    return [("F", g, j) for g in mine for j in range(m)] + [("B", g, j) for g in reversed(mine) for j in range(m)]
+  if schedule == "1f1b":
+    (g,) = mine
+    warmup = min(p - device - 1, m)
+    order = [("F", g, j) for j in range(warmup)]
+    for i in range(m - warmup):
+      order += [("F", g, warmup + i), ("B", g, i)]
+    return order + [("B", g, j) for j in range(m - warmup, m)]
+
+  def unit(k: int, forward: bool) -> tuple[str, int, int]:
+    group, within = divmod(k, p * v)
+    chunk = within // p if forward else v - 1 - within // p
+    return ("F" if forward else "B", mine[chunk], group * p + within % p)
+
+  total = m * v
+  warmup = total if m == p else min(2 * (p - device - 1) + (v - 1) * p, total)
+  order = [unit(k, True) for k in range(warmup)]
+  for i in range(total - warmup):
+    order += [unit(warmup + i, True), unit(i, False)]
+  return order + [unit(k, False) for k in range(total - warmup, total)]
 
 
-def global_order(schedule: str, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
-  """Every stage's passes ``(kind, stage, microbatch)`` in one order that runs them all.
+def global_order(schedule: str, devices: int, chunks: int, microbatches: int) -> list[tuple[str, int, int]]:
+  """Every device's passes ``(kind, stage, microbatch)`` in one order that runs them all.
 
-  Each stage's in its own order; a forward pass after the previous stage's of its microbatch, a backward pass
+  Each device's in its own order; a forward pass after the previous stage's of its microbatch, a backward pass
   after the next stage's. Every replica builds its passes and calls the permutes between them in this order.
   """
-  queues = [stage_order(schedule, s, stages, microbatches) for s in range(stages)]
+  stages = devices * chunks
+  queues = [device_order(schedule, d, devices, chunks, microbatches) for d in range(devices)]
   done, out = set(), []
   while any(queues):
     moved = False
-    for s, queue in enumerate(queues):
+    for queue in queues:
       if not queue:
         continue
-      kind, j = queue[0]
-      before = (("F", s - 1, j) if s > 0 else None) if kind == "F" else (("B", s + 1, j) if s < stages - 1 else None)
+      kind, g, j = queue[0]
+      before = (("F", g - 1, j) if g > 0 else None) if kind == "F" else (("B", g + 1, j) if g < stages - 1 else None)
       if before is None or before in done:
         queue.pop(0)
-        done.add((kind, s, j))
-        out.append((kind, s, j))
+        done.add((kind, g, j))
+        out.append((kind, g, j))
         moved = True
     if not moved:
-      raise RuntimeError(f"The {schedule} schedule of {stages} stages and {microbatches} microbatches waits on "
-                         "itself (a bug in the schedule).")
+      raise RuntimeError(f"The {schedule} schedule of {devices} devices, {chunks} stages each and {microbatches} "
+                         "microbatches waits on itself (a bug in the schedule).")
   return out
 
 
@@ -129,67 +157,91 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   mesh = ctx.replicator.mesh
   count = mesh.axis_size(axes)
   stages = list(stages)
-  if len(stages) != count:
-    raise _errors.ArgumentError(f"repl.pipeline at {location}: {len(stages)} stages over {axes} ({count} devices); "
-                                "expected one stage a device along the axis. Fix: pass as many stages as the axis "
-                                "has devices (join layers into a stage with keras.Sequential), or another axis.")
   if schedule not in SCHEDULES:
     raise _errors.ArgumentError(f"repl.pipeline(schedule={schedule!r}) at {location}: expected one of {SCHEDULES}.")
+  chunks = len(stages) // count if count else 0
+  if schedule == "gpipe" and len(stages) % count == 0 and chunks >= 1:
+    pass  # (several stages a device: each device's in turn, forward then backward)
+  elif schedule == "interleaved":
+    if len(stages) % count or chunks < 2:
+      raise _errors.ArgumentError(
+          f"repl.pipeline(schedule='interleaved') at {location}: {len(stages)} stages over {axes} ({count} devices); "
+          "expected several stages a device (a multiple of the devices, at least twice as many: device d runs "
+          f"stages d, d + {count}, ...). Fix: cut the model into {2 * count} or more stages, or schedule='1f1b'.")
+  elif len(stages) != count:
+    raise _errors.ArgumentError(f"repl.pipeline at {location}: {len(stages)} stages over {axes} ({count} devices); "
+                                "expected one stage a device along the axis. Fix: pass as many stages as the axis "
+                                "has devices (join layers into a stage with keras.Sequential), a multiple of them "
+                                "with schedule='interleaved' or 'gpipe', or another axis.")
   if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
     raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches!r}) at {location}: expected a positive "
                                 "int, how many pieces each replica's batch is split into.")
+  if schedule == "interleaved" and microbatches % count:
+    raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}, schedule='interleaved') at {location}: "
+                                f"the interleaved schedule takes the microbatches in groups of the {count} devices; "
+                                f"expected a multiple of {count}. Fix: microbatches={-(-microbatches // count) * count}.")
   rows = _rows((inputs, targets))
   if rows < microbatches:
     raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}) at {location}: the replica's batch has "
                                 f"{rows} rows, fewer than the microbatches. Fix: at most {rows} microbatches.")
-  m = microbatches
+  m, last_stage = microbatches, len(stages) - 1
   sizes = [rows // m + (1 if j < rows % m else 0) for j in range(m)]  # (as np.array_split: the first ones larger)
   edges = [(sum(sizes[:j]), sum(sizes[:j + 1])) for j in range(m)]
-  stage = mesh.axis_index(ctx.replica_id, axes)
+  device = mesh.axis_index(ctx.replica_id, axes)
   specs = _specs(stages, inputs, sizes)
   xs, ts = _split(inputs, edges), _split(targets, edges)
   mine = list(variables)
   acts, grads_in, tapes = {}, {}, {}
   summed = [None] * len(mine)
   loss = tf.zeros([], tf.float32)
-  last = None  # the outputs of this device's previous pass: the next waits for them
-  for kind, s, j in global_order(schedule, count, m):
-    if s == stage:
+  last = dx = None  # the outputs of this device's previous pass: the next waits for them
+  for kind, g, j in global_order(schedule, count, len(stages) // count, m):
+    if g % count == device:
       with tf.control_dependencies(tree.flatten(last) if last is not None else []):
         if kind == "F":
-          x = xs[j] if s == 0 else acts.pop(j)
+          x = xs[j] if g == 0 else acts.pop((g, j))
           with tf.GradientTape() as tape:
             tape.watch(tree.flatten(x))
-            y = stages[s](x)
-            if s == count - 1:
+            y = stages[g](x)
+            if g == last_stage:
               y = tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)) * (sizes[j] / rows)
-          tapes[j] = (tape, x, y)
+          tapes[g, j] = (tape, x, y)
           last = y
         else:
-          tape, x, y = tapes.pop(j)
-          given = None if s == count - 1 else grads_in.pop(j)
-          wrt = (tree.flatten(x) if s > 0 else []) + mine
+          tape, x, y = tapes.pop((g, j))
+          given = None if g == last_stage else grads_in.pop((g, j))
+          wrt = (tree.flatten(x) if g > 0 else []) + mine
           got = tape.gradient(y, wrt, output_gradients=given)
           dx, dw = got[:len(wrt) - len(mine)], got[len(wrt) - len(mine):]
-          summed = [_dense(g, v) if total is None else total + _dense(g, v) for total, g, v in zip(summed, dw, mine)]
-          if s == count - 1:
+          summed = [_dense(d, v) if total is None else total + _dense(d, v) for total, d, v in zip(summed, dw, mine)]
+          if g == last_stage:
             loss = loss + y
-          last = dx if dx else [g for g in summed]
-          if s > 0:
-            dx = tree.unflatten_as(x, [_dense(g, t) for g, t in zip(dx, tree.flatten(x))])
-    # The send after the pass (every replica calls it; zeros from the others).
-    if kind == "F" and s < count - 1:
-      value = last if s == stage else _zeros(specs[s, sizes[j]], last)
-      got = _primitives.permute(ctx, value, [(s, s + 1)], axes, f"{location} (pipeline: activation of microbatch "
-                                f"{j} to stage {s + 1})", differentiable=False)
-      if stage == s + 1:
-        acts[j] = got
-    elif kind == "B" and s > 0:
-      value = dx if s == stage else _zeros(specs[s - 1, sizes[j]], last)
-      got = _primitives.permute(ctx, value, [(s, s - 1)], axes, f"{location} (pipeline: gradient of microbatch "
-                                f"{j} to stage {s - 1})", differentiable=False)
-      if stage == s - 1:
-        grads_in[j] = got
+          last = dx if dx else [d for d in summed]
+          if g > 0:
+            dx = tree.unflatten_as(x, [_dense(d, t) for d, t in zip(dx, tree.flatten(x))])
+    # The send after the pass (every replica calls it; zeros from the others); none between a device's own stages.
+    if kind == "F" and g < last_stage:
+      source, target = g % count, (g + 1) % count
+      if source == target:
+        if device == source:
+          acts[g + 1, j] = last
+        continue
+      value = last if device == source else _zeros(specs[g, sizes[j]], last)
+      got = _primitives.permute(ctx, value, [(source, target)], axes, f"{location} (pipeline: activation of "
+                                f"microbatch {j} to stage {g + 1})", differentiable=False)
+      if device == target:
+        acts[g + 1, j] = got
+    elif kind == "B" and g > 0:
+      source, target = g % count, (g - 1) % count
+      if source == target:
+        if device == source:
+          grads_in[g - 1, j] = dx
+        continue
+      value = dx if device == source else _zeros(specs[g - 1, sizes[j]], last)
+      got = _primitives.permute(ctx, value, [(source, target)], axes, f"{location} (pipeline: gradient of "
+                                f"microbatch {j} to stage {g - 1})", differentiable=False)
+      if device == target:
+        grads_in[g - 1, j] = got
   shared = [k for k in range(len(mine)) if k not in own]
   loss, sums = _primitives.all_reduce(ctx, (loss, [summed[k] for k in shared]), "sum", axes,
                                       f"{location} (pipeline: the loss and the stages' gradients, from their stages)")
