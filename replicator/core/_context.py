@@ -34,6 +34,8 @@ class ReplicaContext:
     batch_axes: the Replicator's batch axes (``Config.batch_axes``; None: none).
     first: whether this is the first replica of the trace (replica 0, or in a
       multi-client job this process's first).
+    shared: what the replicas of one trace find once and share, by key (a
+      pipeline's stages' output shapes); None: nothing is shared.
   """
 
   replicator: Any
@@ -50,6 +52,7 @@ class ReplicaContext:
   analysis: Any = None  # _invariance.Analysis of this trace (None: writes are not checked)
   batch_axes: tuple[str, ...] | None = None
   first: bool = True
+  shared: dict | None = None
 
 
 _state = threading.local()

@@ -122,8 +122,18 @@ def _split(x, edges):
   return [tree.map_structure(lambda t, a=a, b=b: t[a:b], x) for a, b in edges]
 
 
-def _specs(stages, inputs, sizes) -> dict:
-  """``{(stage, rows): output spec}``: what each stage gives for a microbatch of ``rows`` (traced, not run)."""
+def _specs(ctx, stages, inputs, sizes) -> dict:
+  """``{(stage, rows): output spec}``: what each stage gives for a microbatch of ``rows`` (traced, not run; once a
+  trace, for every replica)."""
+  key = ("pipeline specs", tuple(id(stage) for stage in stages), str(tree.map_structure(
+      lambda t: (t.shape, t.dtype), inputs)), tuple(sizes))
+  shared = {} if ctx.shared is None else ctx.shared
+  if key not in shared:
+    shared[key] = _traced_specs(stages, inputs, sizes)
+  return shared[key]
+
+
+def _traced_specs(stages, inputs, sizes) -> dict:
   out = {}
   for rows in sorted(set(sizes)):
     spec = tree.map_structure(lambda t, n=rows: tf.TensorSpec([n] + t.shape[1:].as_list(), t.dtype), inputs)
@@ -188,7 +198,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   sizes = [rows // m + (1 if j < rows % m else 0) for j in range(m)]  # (as np.array_split: the first ones larger)
   edges = [(sum(sizes[:j]), sum(sizes[:j + 1])) for j in range(m)]
   device = mesh.axis_index(ctx.replica_id, axes)
-  specs = _specs(stages, inputs, sizes)
+  specs = _specs(ctx, stages, inputs, sizes)
   xs, ts = _split(inputs, edges), _split(targets, edges)
   mine = list(variables)
   acts, grads_in, tapes = {}, {}, {}
@@ -213,10 +223,11 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
           wrt = (tree.flatten(x) if g > 0 else []) + mine
           got = tape.gradient(y, wrt, output_gradients=given)
           dx, dw = got[:len(wrt) - len(mine)], got[len(wrt) - len(mine):]
-          summed = [_dense(d, v) if total is None else total + _dense(d, v) for total, d, v in zip(summed, dw, mine)]
+          summed = [total if d is None else tf.convert_to_tensor(d) if total is None else total + tf.convert_to_tensor(d)
+                    for total, d in zip(summed, dw)]
           if g == last_stage:
             loss = loss + y
-          last = dx if dx else [d for d in summed]
+          last = dx if dx else [d for d in summed if d is not None]
           if g > 0:
             dx = tree.unflatten_as(x, [_dense(d, t) for d, t in zip(dx, tree.flatten(x))])
     # The send after the pass (every replica calls it; zeros from the others); none between a device's own stages.
@@ -242,6 +253,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
                                 f"microbatch {j} to stage {g - 1})", differentiable=False)
       if device == target:
         grads_in[g - 1, j] = got
+  summed = [_dense(total, v) for total, v in zip(summed, mine)]  # (zeros for the variables this device leaves)
   shared = [k for k in range(len(mine)) if k not in own]
   loss, sums = _primitives.all_reduce(ctx, (loss, [summed[k] for k in shared]), "sum", axes,
                                       f"{location} (pipeline: the loss and the stages' gradients, from their stages)")

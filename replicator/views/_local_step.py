@@ -324,7 +324,7 @@ def build(replicator, config: _config.Config, creator: Callable, step_fn: Callab
     analysis = _invariance.Analysis(all_axes, source.varying_axes(mesh) & all_axes,
                                     {t.op.name for t in flat_elements},
                                     lambda handle: _variables.read_axes(handle, all_axes))
-    flat_outputs = []
+    flat_outputs, shared = [], {}
     with tf.variable_creator_scope(creator):
       for position, replica in enumerate(replicas):
         device = devices[replica]
@@ -332,7 +332,7 @@ def build(replicator, config: _config.Config, creator: Callable, step_fn: Callab
                                       graph=graph, placeholders=placeholders[replica],
                                       gradient_names=gradient_names, accumulating=accumulating, created=created,
                                       lifted=lifted, analysis=analysis, batch_axes=config.batch_axes,
-                                      first=position == 0)
+                                      first=position == 0, shared=shared)
         with (tf.name_scope(f"replica_{replica}"), tf.device(device), _context.replica_scope(ctx),
               _tf_distribute.replica_context(ctx), _callables.inline_functions()):
           result = fn(*source.step_args(position, flat_elements))
