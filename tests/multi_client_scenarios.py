@@ -607,10 +607,37 @@ def preempt(out):
   print("stopped", repl.task, done, preemption.signalled, int(optimizer.iterations.numpy()), flush=True)
 
 
+def pipeline(out):
+  """repl.pipeline with its stages on different workers (the stage axis is "worker", the batch over each worker's
+  devices): the model of the other scenarios cut in two, SCENARIO_SCHEDULE's schedule, 2 microbatches a replica."""
+  stage_repl = replicator.MultiWorkerReplicator.from_tf_config(batch_axes=("device",), collective_timeout=TIMEOUT)
+  keras.utils.set_random_seed(100 + repl.task)
+  with stage_repl.context():
+    stages = [keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh")]),
+              keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])]
+    optimizer = stage_repl.wrap_optimizer(keras.optimizers.Adam(0.05))
+  variables = replicator.pipeline_variables(stages)
+  initial = {f"initial/{k}": components([v])[v.path] for k, v in enumerate(variables)}
+  schedule = os.environ.get("SCENARIO_SCHEDULE", "1f1b")
+
+  def step(batch):
+    loss, grads = stage_repl.pipeline(stages, batch[0], batch[1], keras.losses.mean_squared_error, axis="worker",
+                                      microbatches=2, schedule=schedule)
+    optimizer.apply_gradients(zip(grads, variables))
+    return stage_repl.all_reduce(loss, "mean", axis="device")
+
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+  losses = [float(stage_repl.run(step, dataset)[0]) for _ in range(STEPS)]
+  permutes = [c for c in stage_repl.explain(step, dataset).collectives if c.kind == "permute"]
+  found = {f"final/{k}": components([v])[v.path] for k, v in enumerate(variables)}
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), losses=np.array(losses), permutes=len(permutes),
+           replicas=np.array(stage_repl.local_replicas), **initial, **found)
+
+
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
   {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "sharded": sharded, "sharded_global": sharded_global, "fit_sharded": fit_sharded,
    "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
    "restore_damaged": restore_damaged, "memory": memory, "preempt": preempt, "loops_global": loops_global,
-   "loop_mismatch": loop_mismatch}[name](out)
+   "loop_mismatch": loop_mismatch, "pipeline": pipeline}[name](out)
   print("done", repl.task, flush=True)

@@ -364,6 +364,27 @@ def test_loops_and_branches_that_communicate_inside_run_split_across_processes_e
       np.testing.assert_allclose(found[f"{name}/losses"], losses, err_msg=f"worker {task}: {name}", **LOOPS_LOSSES)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipeline_with_its_stages_on_two_workers_trains_as_one_device(tmp_path, schedule):
+  # repl.pipeline over the "worker" axis (stage 0 on worker 0's devices, stage 1 on worker 1's), the batch over each
+  # worker's 2 devices: the activations and gradients go between the processes (permutes as collectives).
+  results = _launch(tmp_path, "pipeline", 2, 2, env={"SCENARIO_SCHEDULE": schedule})
+  first = results[0]
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+  for k, v in enumerate(model.trainable_variables):
+    v.assign(first[f"initial/{k}"][0])
+  optimizer = keras.optimizers.Adam(0.05)
+  step = tf.function(mse_step(model, optimizer))
+  losses = [float(step((X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])))
+            for i in range(STEPS)]
+  for task, found in enumerate(results):
+    np.testing.assert_allclose(found["losses"], losses, **TOLERANCE)
+    for k, v in enumerate(model.trainable_variables):  # every copy in every process
+      for copy in found[f"final/{k}"]:
+        np.testing.assert_allclose(copy, v.numpy(), err_msg=f"worker {task}: {v.path}", **TOLERANCE)
+    assert int(found["permutes"]) == 2 * 2  # 2 microbatches' activations forward, their gradients back
+
+
 def test_a_loop_that_runs_more_iterations_in_one_process_fails_there_with_a_named_error_at_the_timeout(tmp_path):
   """Worker 1's loop runs once more than worker 0's (2 workers x 1 device, a weight split over the workers): the
   gather inside its body in the extra iteration waits for a worker that never comes to it. The collectives inside

@@ -293,3 +293,24 @@ def test_stacked_blocks_split_over_the_stages_keep_a_block_a_device_and_train_as
   blocks, head_bytes = (kernels.size + biases.size) * 4, (d + 1) * 4
   for device in memory.devices:  # the weights and their two Adam slots (and Adam's counters)
     assert 3 * blocks / p <= device.variable_bytes <= 3 * (blocks / p + head_bytes) + 16, device
+
+
+def test_a_batch_of_unknown_rows_is_split_at_run_time():
+  # A dataset batched without drop_remainder: the rows are not static; 10 of them in 4 microbatches (3, 3, 2, 2)
+  # and 3 of them in 4 (one empty, weighted 0).
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2}, devices=cpus(2)), batch_axes=())
+  with repl.context():
+    stages = _stages(2)
+
+  def step(batch):
+    return repl.pipeline(stages, batch[0], batch[1], keras.losses.mean_squared_error, microbatches=4)
+
+  for rows in (10, 3):
+    x, y = _data(rows)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    assert data.element_spec[0].shape[0] is None
+    expected_loss, expected = _one_device(_stages(2), x, y)
+    loss, grads = repl.run(step, data)
+    np.testing.assert_allclose([float(value) for value in loss], [expected_loss] * 2, atol=1e-6)
+    for got, want in zip(grads, expected):
+      np.testing.assert_allclose(np.asarray(got[0]), want, atol=1e-6)

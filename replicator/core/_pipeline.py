@@ -110,32 +110,35 @@ def global_order(schedule: str, devices: int, chunks: int, microbatches: int) ->
   return out
 
 
-def _rows(x) -> int:
-  sizes = {int(t.shape[0]) for t in tree.flatten(x) if t.shape.rank and t.shape[0] is not None}
-  if len(sizes) != 1:
-    raise _errors.ArgumentError(f"repl.pipeline: the inputs' and targets' first dimensions (the rows split into "
-                                f"microbatches) must be one static size; found {sorted(sizes) or 'none'}.")
-  return sizes.pop()
+def _rows(x, location: str):
+  """The rows of ``x``'s leaves: an int where static, else a scalar tensor (a batch of any size)."""
+  leaves = [t for t in tree.flatten(x) if t.shape.rank]
+  static = {int(t.shape[0]) for t in leaves if t.shape[0] is not None}
+  if not leaves or len(static) > 1:
+    raise _errors.ArgumentError(f"repl.pipeline at {location}: the inputs and targets are split into microbatches "
+                                "along their first dimension, which must be the same rows for every tensor; found "
+                                f"{sorted(static) if leaves else 'no tensor with a dimension'}.")
+  return static.pop() if static and all(t.shape[0] is not None for t in leaves) else tf.shape(leaves[0])[0]
 
 
 def _split(x, edges):
   return [tree.map_structure(lambda t, a=a, b=b: t[a:b], x) for a, b in edges]
 
 
-def _specs(ctx, stages, inputs, sizes) -> dict:
-  """``{(stage, rows): output spec}``: what each stage gives for a microbatch of ``rows`` (traced, not run; once a
-  trace, for every replica)."""
+def _specs(ctx, stages, inputs, keys) -> dict:
+  """``{(stage, rows): output spec}``: what each stage gives for a microbatch of ``rows`` (None: any) rows (traced,
+  not run; once a trace, for every replica)."""
   key = ("pipeline specs", tuple(id(stage) for stage in stages), str(tree.map_structure(
-      lambda t: (t.shape, t.dtype), inputs)), tuple(sizes))
+      lambda t: (t.shape, t.dtype), inputs)), tuple(keys))
   shared = {} if ctx.shared is None else ctx.shared
   if key not in shared:
-    shared[key] = _traced_specs(stages, inputs, sizes)
+    shared[key] = _traced_specs(stages, inputs, keys)
   return shared[key]
 
 
-def _traced_specs(stages, inputs, sizes) -> dict:
+def _traced_specs(stages, inputs, keys) -> dict:
   out = {}
-  for rows in sorted(set(sizes)):
+  for rows in set(keys):
     spec = tree.map_structure(lambda t, n=rows: tf.TensorSpec([n] + t.shape[1:].as_list(), t.dtype), inputs)
     for s, stage in enumerate(stages):
       fn = tf.function(lambda x, stage=stage: stage(x), autograph=False)
@@ -145,10 +148,15 @@ def _traced_specs(stages, inputs, sizes) -> dict:
   return out
 
 
-def _zeros(spec, after):
-  """Zeros of ``spec``, made once ``after`` (this device's last pass) is: not held from the step's start."""
+def _zeros(spec, after, rows):
+  """Zeros of ``spec`` (its first dimension ``rows``), made once ``after`` (this device's last pass) is: not held
+  from the step's start."""
+  def zeros(s):
+    shape = s.shape if s.shape.is_fully_defined() else tf.stack([rows] + [int(n) for n in s.shape[1:]])
+    return tf.zeros(shape, s.dtype)
+
   with tf.control_dependencies(tree.flatten(after) if after is not None else []):
-    return tree.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
+    return tree.map_structure(zeros, spec)
 
 
 def _dense(g, v):
@@ -190,15 +198,20 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
     raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}, schedule='interleaved') at {location}: "
                                 f"the interleaved schedule takes the microbatches in groups of the {count} devices; "
                                 f"expected a multiple of {count}. Fix: microbatches={-(-microbatches // count) * count}.")
-  rows = _rows((inputs, targets))
-  if rows < microbatches:
+  rows = _rows((inputs, targets), location)
+  if isinstance(rows, int) and rows < microbatches:
     raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}) at {location}: the replica's batch has "
                                 f"{rows} rows, fewer than the microbatches. Fix: at most {rows} microbatches.")
   m, last_stage = microbatches, len(stages) - 1
-  sizes = [rows // m + (1 if j < rows % m else 0) for j in range(m)]  # (as np.array_split: the first ones larger)
+  if isinstance(rows, int):  # (as np.array_split: the first ones larger)
+    sizes = [rows // m + (1 if j < rows % m else 0) for j in range(m)]
+    keys, weights = sizes, [size / rows for size in sizes]
+  else:  # a batch of any size: the same split, at run time (a microbatch of a batch too small is empty)
+    sizes = [rows // m + tf.cast(j < rows % m, rows.dtype) for j in range(m)]
+    keys, weights = [None] * m, [tf.cast(size, tf.float32) / tf.cast(rows, tf.float32) for size in sizes]
   edges = [(sum(sizes[:j]), sum(sizes[:j + 1])) for j in range(m)]
   device = mesh.axis_index(ctx.replica_id, axes)
-  specs = _specs(ctx, stages, inputs, sizes)
+  specs = _specs(ctx, stages, inputs, keys)
   xs, ts = _split(inputs, edges), _split(targets, edges)
   mine = list(variables)
   acts, grads_in, tapes = {}, {}, {}
@@ -214,7 +227,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
             tape.watch(tree.flatten(x))
             y = stages[g](x)
             if g == last_stage:
-              y = tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)) * (sizes[j] / rows)
+              y = tf.math.multiply_no_nan(tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)), weights[j])
           tapes[g, j] = (tape, x, y)
           last = y
         else:
@@ -237,7 +250,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
         if device == source:
           acts[g + 1, j] = last
         continue
-      value = last if device == source else _zeros(specs[g, sizes[j]], last)
+      value = last if device == source else _zeros(specs[g, keys[j]], last, sizes[j])
       got = _primitives.permute(ctx, value, [(source, target)], axes, f"{location} (pipeline: activation of "
                                 f"microbatch {j} to stage {g + 1})", differentiable=False)
       if device == target:
@@ -248,7 +261,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
         if device == source:
           grads_in[g - 1, j] = dx
         continue
-      value = dx if device == source else _zeros(specs[g - 1, sizes[j]], last)
+      value = dx if device == source else _zeros(specs[g - 1, keys[j]], last, sizes[j])
       got = _primitives.permute(ctx, value, [(source, target)], axes, f"{location} (pipeline: gradient of "
                                 f"microbatch {j} to stage {g - 1})", differentiable=False)
       if device == target:
