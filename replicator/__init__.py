@@ -48,6 +48,7 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._values import PerReplica
   from replicator.input._inputs import InputContext
   from replicator.integrations._batch_norm import CrossReplicaBatchNorm
+  from replicator.integrations._keras_stages import split_stages
   from replicator.integrations._remat import remat
   from replicator.state._optimizer import ReplicatedOptimizer
   from replicator.state._variables import ReplicatedVariable
@@ -90,6 +91,7 @@ __all__ = (
     "remat",
     "sequence_positions",
     "shard_sequence",
+    "split_stages",
     "testing",
     "unshard_sequence",
     "virtual_cpus",
@@ -117,6 +119,7 @@ _MODULES = {
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),
+    "replicator.integrations._keras_stages": ("split_stages",),
     "replicator.integrations._remat": ("remat",),
     "replicator.state._optimizer": ("ReplicatedOptimizer",),
     "replicator.state._variables": ("ReplicatedVariable", "bytes_per_device"),
