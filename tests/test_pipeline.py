@@ -377,3 +377,22 @@ def test_a_pipeline_checkpoint_restores_on_another_number_of_stages_and_on_one_d
     repl2.run(step2)
   for a, b in zip(vars2, vars4):
     np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+
+
+def test_a_stage_that_writes_its_replicated_state_is_named():
+  # BatchNormalization's moving statistics: written by its stage's devices only (the copies would differ: was
+  # silent, the other stages' copies left as they were). Dropout's seed state is each replica's own: allowed.
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2}, devices=cpus(2)))
+  with repl.context():
+    keras.utils.set_random_seed(1)
+    first = keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization(name="bn")])
+    first.build((None, IN))
+    last = keras.Sequential([keras.layers.Dense(1)])
+    last.build((None, 8))
+  x, y = _data()
+  stages = [lambda h: first(h, training=True), last]
+  with pytest.raises(replicator.UnsupportedError, match=r"stage 0 writes the variables '.*bn/moving_mean.*', '.*bn/moving_variance.*', which "
+                                                          r"every device along \('stage',\) holds.*Fix: .*"
+                                                          r"LayerNormalization"):
+    repl.run(lambda: repl.pipeline(stages, tf.constant(x), tf.constant(y), keras.losses.mean_squared_error,
+                                   microbatches=2, variables=first.trainable_variables + last.trainable_variables))

@@ -36,6 +36,9 @@ class ReplicaContext:
       multi-client job this process's first).
     shared: what the replicas of one trace find once and share, by key (a
       pipeline's stages' output shapes); None: nothing is shared.
+    stage_writes: while a pipeline's stage runs (on its own devices only),
+      the names of the variables it writes that every replica holds alike;
+      None: not in a stage.
   """
 
   replicator: Any
@@ -53,6 +56,7 @@ class ReplicaContext:
   batch_axes: tuple[str, ...] | None = None
   first: bool = True
   shared: dict | None = None
+  stage_writes: list | None = None
 
 
 _state = threading.local()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import tensorflow as tf
 import tree
 
+from replicator.core import _context
 from replicator.core import _errors
 from replicator.core import _primitives
 
@@ -137,6 +138,11 @@ def _specs(ctx, stages, inputs, keys) -> dict:
 
 
 def _traced_specs(stages, inputs, keys) -> dict:
+  with _context.cross_replica_scope():  # (traced for shapes only: no replica's reads, writes or collectives)
+    return _shapes(stages, inputs, keys)
+
+
+def _shapes(stages, inputs, keys) -> dict:
   out = {}
   for rows in set(keys):
     spec = tree.map_structure(lambda t, n=rows: tf.TensorSpec([n] + t.shape[1:].as_list(), t.dtype), inputs)
@@ -163,6 +169,29 @@ def _dense(g, v):
   if g is None:  # (a variable this stage does not use; a split one's zeros are this replica's block's)
     return tf.zeros_like(v)
   return tf.convert_to_tensor(g)
+
+
+STAGE_STATE = (
+    "repl.pipeline at {location}: stage {stage} writes {what}, which every device along {axes} holds, but only "
+    "stage {stage}'s devices run it: the copies would differ (the stages' variables are replicated over the stage "
+    "axis, and a stage's writes are its own devices'). Fix: keep state the stages write out of them: "
+    "LayerNormalization for BatchNormalization, or call the layer with training=False (its statistics frozen).")
+
+
+def _run_stage(ctx, stage, x, index: int, axes, location: str):
+  """``stage(x)``; a write of a variable every replica holds alike, inside it, is an ``UnsupportedError``."""
+  if ctx is None:
+    return stage(x)
+  ctx.stage_writes = []
+  try:
+    y = stage(x)
+    written = sorted(set(ctx.stage_writes))
+  finally:
+    ctx.stage_writes = None
+  if written:
+    what = ("the variable " if len(written) == 1 else "the variables ") + ", ".join(repr(w) for w in written)
+    raise _errors.UnsupportedError(STAGE_STATE.format(location=location, stage=index, what=what, axes=axes))
+  return y
 
 
 def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
@@ -225,7 +254,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
           x = xs[j] if g == 0 else acts.pop((g, j))
           with tf.GradientTape() as tape:
             tape.watch(tree.flatten(x))
-            y = stages[g](x)
+            y = _run_stage(ctx, stages[g], x, g, axes, location)
             if g == last_stage:
               y = tf.math.multiply_no_nan(tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)), weights[j])
           tapes[g, j] = (tape, x, y)

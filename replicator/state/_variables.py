@@ -590,6 +590,8 @@ class ReplicatedVariable(tf.Variable):
     if checked is None:
       return value
     ctx, axes = checked
+    if ctx.stage_writes is not None:  # (a pipeline's stage: only its devices write; the pipeline refuses it)
+      ctx.stage_writes.append(self.name)
     from replicator.core import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
     value = tf.convert_to_tensor(value, self.dtype)
     aggregation = self.aggregation
@@ -615,6 +617,8 @@ class ReplicatedVariable(tf.Variable):
     if checked is None:
       return sparse_delta
     ctx, axes = checked
+    if ctx.stage_writes is not None:
+      ctx.stage_writes.append(self.name)
     from replicator.core import _primitives  # pylint: disable=import-outside-toplevel
     aggregation = self.aggregation
     location = _primitives.user_location()
