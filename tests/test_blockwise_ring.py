@@ -159,3 +159,18 @@ def test_the_ring_is_the_all_gather_across_processes_and_where_the_length_does_n
 def test_the_local_view_is_told_to_call_the_ring_itself():
   with pytest.raises(replicator.ArgumentError, match=r"context_parallel='ring'.*repl\.ring_attention"):
     replicator.Replicator(cpus(2), context_parallel="ring")
+
+
+def test_explain_says_the_ring_took_the_all_gather_across_processes(monkeypatch):
+  # (One process here: the ring's length made 1, as ring_tiles makes it where "seq" spans worker processes.)
+  monkeypatch.setattr(_keras_attention, "ring_tiles", lambda repl: 1)
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "seq": 2}, devices=cpus(4)), view="global",
+                               input_layouts=("batch", "seq"), context_parallel="ring", strict=True)
+  with repl.context():
+    model, opt = _decoder(), keras.optimizers.Adam(1e-2)
+  rows = repl.explain(keras_step(model, opt), _data()).collective_rows
+  gathers = [c for c in rows if c.kind == "all_gather" and c.shape and len(c.shape) == 4]
+  assert len(gathers) == 4 and not [c for c in rows if c.kind == "permute"]  # keys and values, each pass
+  forward = [c for c in gathers if not c.op_name.startswith("gradients/")]  # (the backward's: tape.gradient's line)
+  assert len(forward) == 2 and all(c.location.endswith(f"({_keras_attention.RING_ACROSS})") for c in forward), [
+      (c.op_name, c.location) for c in gathers]

@@ -8,9 +8,11 @@ backward pass's communication also goes through placeholders and the rewrite.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import sys
+import weakref
 
 import tensorflow as tf
 import tree
@@ -82,13 +84,34 @@ def _user_frame(filename: str, lineno: int, name: str) -> str | None:
   return f"{filename}:{lineno} in {name}"
 
 
+_NOTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> [(name scope, note)]
+
+
+@contextlib.contextmanager
+def noted(note: str, name: str = "noted"):
+  """Ops made inside carry ``note`` where ``explain`` names the line that made them (:func:`location_of`).
+
+  For a choice the library made for them that the line does not show (ring attention taking the all-gather
+  across processes).
+  """
+  with tf.name_scope(name) as scope:
+    graph = tf.compat.v1.get_default_graph()
+    _NOTES.setdefault(graph, []).append((scope, note))
+    yield
+
+
 def location_of(op: tf.Operation) -> str:
-  """Where user code created ``op`` ("file.py:12 in step_fn"), from its traceback."""
+  """Where user code created ``op`` ("file.py:12 in step_fn"), from its traceback, with its :func:`noted` note."""
+  where = "<unknown location>"
   for frame in reversed(op.traceback):
-    where = _user_frame(frame.filename, frame.lineno, frame.name)
-    if where is not None:
-      return where
-  return "<unknown location>"
+    found = _user_frame(frame.filename, frame.lineno, frame.name)
+    if found is not None:
+      where = found
+      break
+  for scope, note in _NOTES.get(op.graph, ()):
+    if op.name.startswith(scope):
+      return f"{where} ({note})"
+  return where
 
 
 def require_context(replicator, name: str, extra: str = "") -> _context.ReplicaContext:

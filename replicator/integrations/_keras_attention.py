@@ -56,6 +56,11 @@ from replicator.core import _primitives
 from replicator.core import _ring_attention
 
 _MODULE = "keras.src.backend.tensorflow.nn"
+RING_ACROSS = ("context_parallel='ring': keys and values all-gathered, as the sequence's axes span worker "
+               "processes (TensorFlow's collectives have no point-to-point send there: a ring step would be an "
+               "all-gather)")
+RING_UNEVEN = ("context_parallel='ring': keys and values all-gathered, as {tiles} tiles do not divide {queries} "
+               "queries and {keys} keys")
 ULYSSES_HEADS = (
     "Replicator(context_parallel='ulysses') moves attention from a split of the tokens to a split of the heads over "
     "{axes} ({devices} devices), but the attention at {location} has {heads} heads (after grouped keys are "
@@ -139,6 +144,10 @@ def _blockwise(original, blocks: int, replicator):
       if _blockwise_ring.divides(query, key, tiles):
         return _blockwise_ring.attention(query, key, value, mask=mask, is_causal=is_causal, scale=scale, tiles=tiles,
                                          groups=groups)
+      why = (RING_ACROSS if tiles == 1 and _sequence_axes(replicator) else
+             RING_UNEVEN.format(tiles=tiles, queries=query.shape[1], keys=key.shape[1]))
+      with _primitives.noted(why, "ring_as_all_gather"):  # (explain's "called at" says why)
+        return attend(query, key, value)
     if replicator.context_parallel == "ulysses":  # (the key heads repeated first: the query heads divide)
       key, value = (tf.repeat(t, repeats=groups, axis=2) if groups > 1 else t for t in (key, value))
       return _ulysses(replicator, query, key, value, functools.partial(attend, groups=1))
