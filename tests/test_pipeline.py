@@ -396,3 +396,53 @@ def test_a_stage_that_writes_its_replicated_state_is_named():
                                                           r"LayerNormalization"):
     repl.run(lambda: repl.pipeline(stages, tf.constant(x), tf.constant(y), keras.losses.mean_squared_error,
                                    microbatches=2, variables=first.trainable_variables + last.trainable_variables))
+
+
+def test_a_keras_hub_decoder_cut_by_hand_over_two_stages_with_its_tied_embedding_is_one_device():
+  # KerasHub's Llama (rotary positions, grouped-query attention, a padding mask passed along with the activations)
+  # cut into the docs' recipe's two stages; its token embedding is also its output layer (tie_word_embeddings): on
+  # both stages, its gradient the sum of the two. Loss and every gradient: 3e-8 from one device (measured), so 1e-6.
+  keras_hub = pytest.importorskip("keras_hub", reason="KerasHub is a test dependency: see the README's test command")
+  vocabulary, length, rows = 64, 8, 4
+
+  def backbone():
+    keras.utils.set_random_seed(2)
+    return keras_hub.models.LlamaBackbone(vocabulary_size=vocabulary, num_layers=2, num_query_heads=2,
+                                          num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+                                          tie_word_embeddings=True)
+
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, vocabulary, (rows, length)).astype("int32")
+  mask = np.ones((rows, length), "int32")
+  mask[:, -2:] = 0
+  labels = rng.integers(0, vocabulary, (rows, length)).astype("int32")
+
+  def loss_fn(y, logits):
+    return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+
+  one = backbone()
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_mean(loss_fn(labels, one.token_embedding(one({"token_ids": ids, "padding_mask": mask}),
+                                                              reverse=True)))
+  expected = tape.gradient(loss, one.trainable_variables)
+
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2}, devices=cpus(2)))
+  with repl.context():
+    model = backbone()
+
+  def first(batch):  # the embedding and the first decoder block; the padding mask goes along
+    tokens, padding = batch
+    return model.transformer_layers[0](model.token_embedding(tokens), decoder_padding_mask=padding), padding
+
+  def last(carried):  # the second block, the final norm, and the embedding again as the output layer
+    x, padding = carried
+    x = model.layer_norm(model.transformer_layers[1](x, decoder_padding_mask=padding))
+    return model.token_embedding(x, reverse=True)
+
+  got, grads = repl.run(lambda: repl.pipeline([first, last], (tf.constant(ids), tf.constant(mask)),
+                                              tf.constant(labels), loss_fn, microbatches=2,
+                                              variables=model.trainable_variables))
+  np.testing.assert_allclose([float(value) for value in got], [float(loss)] * 2, atol=1e-6)
+  for g, want in zip(grads, expected):
+    for r in range(2):
+      np.testing.assert_allclose(np.asarray(g[r]), want.numpy(), atol=1e-6)

@@ -165,6 +165,11 @@ def _zeros(spec, after, rows):
     return tree.map_structure(zeros, spec)
 
 
+def _floating(x) -> list:
+  """The float tensors of nest ``x`` (those a gradient flows through)."""
+  return [t for t in tree.flatten(x) if t.dtype.is_floating]
+
+
 def _dense(g, v):
   if g is None:  # (a variable this stage does not use; a split one's zeros are this replica's block's)
     return tf.zeros_like(v)
@@ -253,7 +258,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
         if kind == "F":
           x = xs[j] if g == 0 else acts.pop((g, j))
           with tf.GradientTape() as tape:
-            tape.watch(tree.flatten(x))
+            tape.watch(_floating(x))
             y = _run_stage(ctx, stages[g], x, g, axes, location)
             if g == last_stage:
               y = tf.math.multiply_no_nan(tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)), weights[j])
@@ -261,17 +266,24 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
           last = y
         else:
           tape, x, y = tapes.pop((g, j))
-          given = None if g == last_stage else grads_in.pop((g, j))
-          wrt = (tree.flatten(x) if g > 0 else []) + mine
-          got = tape.gradient(y, wrt, output_gradients=given)
-          dx, dw = got[:len(wrt) - len(mine)], got[len(wrt) - len(mine):]
+          if g == last_stage:
+            target, given = y, None
+          else:  # (the stage's float outputs, and their gradients: an integer value passed on has none)
+            given = grads_in.pop((g, j))
+            pairs = [(t, d) for t, d in zip(tree.flatten(y), tree.flatten(given)) if t.dtype.is_floating]
+            target, given = [t for t, _ in pairs], [d for _, d in pairs]
+          inputs_in = _floating(x) if g > 0 else []
+          got = tape.gradient(target, inputs_in + mine, output_gradients=given)
+          dx, dw = got[:len(inputs_in)], got[len(inputs_in):]
           summed = [total if d is None else tf.convert_to_tensor(d) if total is None else total + tf.convert_to_tensor(d)
                     for total, d in zip(summed, dw)]
           if g == last_stage:
             loss = loss + y
           last = dx if dx else [d for d in summed if d is not None]
           if g > 0:
-            dx = tree.unflatten_as(x, [_dense(d, t) for d, t in zip(dx, tree.flatten(x))])
+            found = iter(dx)
+            dx = tree.unflatten_as(x, [_dense(next(found), t) if t.dtype.is_floating else tf.zeros_like(t)
+                                       for t in tree.flatten(x)])
     # The send after the pass (every replica calls it; zeros from the others); none between a device's own stages.
     if kind == "F" and g < last_stage:
       source, target = g % count, (g + 1) % count
