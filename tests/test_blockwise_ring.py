@@ -2,7 +2,8 @@
 
 Checked against Keras's attention in float64 (the function, every mask kind,
 grouped heads, rings of 2 to 4 tiles), one device (a decoder trained over a
-split sequence; masks built from the global batch), and ``explain``: the
+split sequence; masks built from the global batch: test_keras_attention's
+scheme "ring"), and ``explain``: the
 keys and values go around the ring by permutes a tile at a time (never
 gathered), their gradients back, no scores kept for the backward pass.
 """
@@ -16,15 +17,16 @@ import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
 from conftest import keras_step
-from test_keras_attention import _mask_layers
-from test_keras_attention import _masked_step
+from test_keras_attention import HEADS
+from test_keras_attention import B
+from test_keras_attention import S
+from test_keras_attention import _data
+from test_keras_attention import _decoder
 
 import mesh
 import replicator
 from replicator.core import _blockwise_ring
 from replicator.integrations import _keras_attention
-
-B, S, D, V, HEADS = 4, 64, 16, 32, 2
 
 
 @pytest.mark.parametrize("mask_kind", [None, "keys", "queries", "both"])
@@ -68,21 +70,6 @@ def test_a_query_seeing_no_key_has_keras_gradients(scheme):
     np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-13)
 
 
-def _decoder():
-  keras.utils.set_random_seed(1)
-  ids = keras.Input((S,), dtype="int32")
-  h = keras.layers.Embedding(V, D, name="emb")(ids)
-  h = keras.layers.LayerNormalization(name="ln")(h + keras.layers.MultiHeadAttention(HEADS, 8, name="mha")(
-      h, h, use_causal_mask=True))
-  return keras.Model(ids, keras.layers.Dense(V, name="head")(h))
-
-
-def _data():
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, V, (B, S)).astype(np.int32), rng.integers(0, V, (B, S)).astype(np.int32)
-  return tf.data.Dataset.from_tensors(tokens).repeat()
-
-
 @pytest.mark.parametrize("shape", [{"batch": 2, "seq": 2}, {"seq": 4}])
 def test_a_decoder_over_a_ring_trains_as_on_one_device_passing_tiles_not_gathering(shape):
   # 3 Adam steps at 1e-2: 3e-7 from one device at most (measured; the all-gather's: 3.0e-7), so 1e-6; a wrong tile
@@ -114,25 +101,6 @@ def test_a_decoder_over_a_ring_trains_as_on_one_device_passing_tiles_not_gatheri
   scores = {(rows, 1, HEADS, s, s), (rows, HEADS, s, S)}  # a tile pair's scores, a device's score rows
   saved = [t for t in report.memory.saved if t.device.endswith("CPU:0")]
   assert not any(tuple(t.shape or ()) in scores for t in saved), [t for t in saved if t.bytes > 8192]
-
-
-@pytest.mark.parametrize("kind", ["padding", "window", "segments"])
-def test_masks_built_from_the_global_batch_mean_on_a_ring_what_they_mean_on_one_device(kind):
-  # Loss and every gradient: 2.4e-7 from one device at most (measured with the other schemes), so 1e-6.
-  rng = np.random.default_rng(4)
-  ids = rng.integers(0, V, (B, S)).astype(np.int32)
-  ids[:, -10:] = 0
-  segments = np.repeat(np.arange(4), S // 4)[None].repeat(B, 0).astype(np.int32)
-  labels = rng.integers(0, V, (B, S)).astype(np.int32)
-  data = tf.data.Dataset.from_tensors((ids, segments, labels)).repeat()
-  expected = tf.function(_masked_step(_mask_layers(), kind))(next(iter(data)))
-  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "seq": 2}, devices=cpus(4)), view="global",
-                               input_layouts=("batch", "seq"), context_parallel="ring", strict=True)
-  with repl.context():
-    layers = _mask_layers()
-  got = repl.run(_masked_step(layers, kind), data)
-  for ours, theirs in zip(got, expected):
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-6)
 
 
 def test_the_ring_is_the_all_gather_across_processes_and_where_the_length_does_not_divide():

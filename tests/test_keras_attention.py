@@ -190,7 +190,7 @@ def _mask_layers():
 
 
 @pytest.mark.parametrize("kind", ["padding", "window", "segments"])
-@pytest.mark.parametrize("scheme", ["all_gather", "ulysses"])
+@pytest.mark.parametrize("scheme", ["all_gather", "ring", "ulysses"])
 def test_masks_built_from_the_global_batch_mean_what_they_mean_on_one_device(kind, scheme):
   # Loss and every gradient: 2.4e-7 from one device at most (measured over these cases), so 1e-6; a mask read at
   # the wrong offsets is 1e-2 off or more.

@@ -3,11 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import cpus
-from conftest import loss_and_grads
-
-import mesh
-import replicator
+from test_partition_rules import _equal_to_one_device
 
 CASES = {
     # (the output [8, 4]: rows split over "batch" in 2 tiles of 4, columns over "model" in 2 of 2)
@@ -20,20 +16,7 @@ CASES = {
 
 
 def _run(fn, x, w0):
-  expected = tf.function(lambda x, w: loss_and_grads(fn, x, w))(tf.constant(x), tf.Variable(w0))
-  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(4)),
-                               layouts=mesh.LayoutMap({r"^w$": (None, "model")}), batch_axes=("batch",),
-                               view="global", strict=True)
-  with repl.context():
-    w = tf.Variable(w0, name="w")
-  ds = tf.data.Dataset.from_tensors(x)
-
-  def step(batch):
-    return loss_and_grads(fn, batch, w)
-
-  got = repl.run(step, ds)
-  for what, a, b in zip(("output", "loss", "d/dw", "d/dx"), got, expected):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6, err_msg=what)
+  repl, _, step, ds = _equal_to_one_device(fn, x, w0, (None, "model"), strict=True)
   return repl.explain(step, ds)
 
 
