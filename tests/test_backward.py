@@ -44,3 +44,22 @@ def test_rewire_keeps_the_readers():
   (source,) = list(node.input)
   flow.rewire("block/Relu", [source, "^x"])
   assert "block/Relu" in flow.readers["x"] and list(flow.nodes["block/Relu"].input) == [source, "^x"]
+
+
+def test_the_gradient_arriving_is_found_past_readers_that_read_only_forward_values_and_constants():
+  # A backward op slicing a forward value with constants (a blockwise attention's backward pass takes a block of
+  # its keys so) has no backward input: the gradient arriving is found where its slice meets the gradient, taken
+  # from before the slice in the graph's order (a reshape of it made after is followed up to it).
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="x")
+    begin, size = tf.constant([0, 0], name="begin"), tf.constant([4, 2], name="size")
+    y = tf.nn.relu(x, name="block/y")
+    dy = tf.identity(tf.reduce_sum(y) * tf.ones([8]), name="gradient_tape/dy")
+    piece = tf.slice(y, begin, size, name="gradient_tape/piece")
+    shaped = tf.reshape(dy, [4, 2], name="gradient_tape/shaped")
+    tf.multiply(piece, shaped, name="gradient_tape/product")
+  flow = _backward.Flow(graph.as_graph_def())
+  assert piece.op.name in flow.backward and "begin" not in flow.backward
+  assert flow.triggers([piece.op.name]) == ["gradient_tape/dy"]
+  assert not set(flow.triggers([piece.op.name])) & flow.after([piece.op.name])

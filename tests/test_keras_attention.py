@@ -21,6 +21,8 @@ import mesh
 import replicator
 from replicator.core import _blockwise_attention
 from replicator.integrations import _keras_attention
+from rewrite import _backward
+from rewrite import _deferred
 
 B, S, D, V, HEADS = 4, 64, 16, 32, 2
 
@@ -86,9 +88,13 @@ def test_a_decoder_over_a_split_sequence_trains_as_on_one_device_keeping_no_scor
   saved = [t for t in report.memory.saved if t.device.endswith("CPU:0")]
   assert not any(tuple(t.shape or ()) in scores for t in saved), [t for t in saved if t.bytes > 8192]
   assert not any(c.shape in scores for c in report.collective_rows)
-  # The keys and the values: each one all-gather in the forward pass and one in the backward pass.
+  # The keys and the values: each one all-gather in the forward pass and one in the backward pass, which waits for
+  # the gradient to reach attention (rewrite._deferred: not made with the forward pass and held until then).
   gathers = [c for c in report.collective_rows if c.kind == "all_gather" and c.axes == ("seq",)]
   assert len(gathers) == 4 and all(c.shape == (tokens, s, HEADS, 8) for c in gathers)
+  again = [c for c in report.plan.collectives if c.kind == "all_gather" and c.members[0].call.split(" ")[1].startswith(
+      "gradients")]
+  assert len(again) == 2 and all(c.members[0].input.startswith(_deferred.DEFERRED + "/") for c in again), again
 
   # The plain attention (Keras's own, the same split) keeps its score rows for the backward pass.
   monkeypatch.setattr(_keras_attention, "blocks_for", lambda repl: 1)
@@ -224,3 +230,24 @@ def test_grouped_query_attention_repeats_each_block_of_keys_and_sums_their_gradi
   np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-13)
   for a, b in zip(tape.gradient(our_loss, [q, k, v]), tape.gradient(their_loss, [q, k, v])):
     np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-13)
+
+
+def test_the_backward_pass_makes_the_scores_again_once_the_gradient_arrives():
+  # FlashAttention's backward pass makes each block's scores again from q and the block's keys, which exist with the
+  # forward pass: TensorFlow's executor runs an op as soon as its inputs are ready, so those scores would be made
+  # then and held until the gradient comes (a layer's score rows, as if kept). Every product of the backward pass
+  # reads the gradient (q through a select on it), grouped-query attention's too.
+  @tf.function
+  def step(q, k, v, dout):
+    with tf.GradientTape() as tape:
+      tape.watch([q, k, v])
+      out = _blockwise_attention.attention(q, k, v, mask=tf.ones([2, 1, 12, 12], tf.bool), scale=0.5, blocks=3,
+                                           groups=2, is_causal=True)
+    return tape.gradient(out, [q, k, v], output_gradients=dout)
+
+  four = tf.TensorSpec([2, 12, 4, 4])
+  graph = step.get_concrete_function(four, tf.TensorSpec([2, 12, 2, 4]), tf.TensorSpec([2, 12, 2, 4]), four).graph
+  flow = _backward.Flow(graph.as_graph_def())
+  gradient = flow.closure([graph.inputs[3].op.name])  # what reads the gradient arriving
+  products = [op.name for op in graph.get_operations() if op.type == "Einsum" and op.name in flow.backward]
+  assert len(products) == 3 * 5 and all(name in gradient for name in products), set(products) - gradient

@@ -65,8 +65,8 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
   mask = None if mask is None else tf.convert_to_tensor(mask, tf.bool)
   bias = None if bias is None else tf.convert_to_tensor(bias)
 
-  def scores_of(q, kb, start, stop):  # [batch, heads, queries, keys of the block], masked
-    s = tf.cast(tf.einsum("btnh,bsnh->bnts", q, kb), logits_dtype) * tf.cast(scale, logits_dtype)
+  def scores_of(qg, kb, start, stop):  # [batch, heads, queries, keys of the block], masked (qg: by_group(q))
+    s = tf.cast(per_query(qg, kb), logits_dtype) * tf.cast(scale, logits_dtype)
     if bias is not None:
       s += tf.cast(_block(bias, start, stop, -1), logits_dtype)
     allowed = _block(mask, start, stop, -1)
@@ -77,35 +77,55 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
       s = tf.where(allowed, s, tf.constant(negative, logits_dtype))
     return s, allowed
 
-  def repeated(t):  # a block's key or value heads, one a query head
-    return t if groups == 1 else tf.repeat(t, repeats=groups, axis=2)
-
-  def per_key(d, x):  # d [batch, heads, queries, keys] times x [batch, queries, heads, size], summed over the
-    # queries and each group's query heads: [batch, keys, heads / groups, size], one product (its partial sums
-    # over a split of the queries summed once, in the key heads)
+  # Grouped-query attention: each key and value head meets its group of query heads in one product (the query
+  # heads [kv heads, groups] by a reshape), never repeated (a repeat is a dozen ops a block, and its copy).
+  def by_group(x):  # [batch, queries, heads, size] -> [batch, queries, heads / groups, groups, size]
     if groups == 1:
-      return tf.einsum("bnts,btnh->bsnh", d, x)
-    (b, n, t, s), size = d.shape.as_list(), x.shape[-1]
-    return tf.einsum("bkgts,btkgh->bskh", tf.reshape(d, [b, n // groups, groups, t, s]),
-                     tf.reshape(x, [b, t, n // groups, groups, size]))
+      return x
+    b, t, n, size = x.shape.as_list()
+    return tf.reshape(x, [b, t, n // groups, groups, size])
+
+  def per_query(xg, kb):  # xg (by_group) times a block kb [batch, keys, heads / groups, size], summed over the
+    # size: [batch, heads, queries, keys]
+    if groups == 1:
+      return tf.einsum("btnh,bsnh->bnts", xg, kb)
+    b, t, kv_heads, _, _ = xg.shape.as_list()
+    return tf.reshape(tf.einsum("btkgh,bskh->bkgts", xg, kb), [b, kv_heads * groups, t, kb.shape[1]])
+
+  def per_head(d, vb):  # d [batch, heads, queries, keys] times a block vb [batch, keys, heads / groups, size],
+    # summed over the keys: [batch, queries, heads, size]
+    if groups == 1:
+      return tf.einsum("bnts,bsnh->btnh", d, vb)
+    (b, n, t, s), size = d.shape.as_list(), vb.shape[-1]
+    product = tf.einsum("bkgts,bskh->btkgh", tf.reshape(d, [b, n // groups, groups, t, s]), vb)
+    return tf.reshape(product, [b, t, n, size])
+
+  def per_key(d, xg):  # d [batch, heads, queries, keys] times xg (by_group), summed over the queries and each
+    # group's query heads: [batch, keys, heads / groups, size], one product (its partial sums over a split of the
+    # queries summed once, in the key heads)
+    if groups == 1:
+      return tf.einsum("bnts,btnh->bsnh", d, xg)
+    b, n, t, s = d.shape.as_list()
+    return tf.einsum("bkgts,btkgh->bskh", tf.reshape(d, [b, n // groups, groups, t, s]), xg)
 
   @tf.custom_gradient
   def blockwise(q, k, v):
     running_max, total, out = None, None, None
+    qg = by_group(q)
     for start, stop in edges:
-      s, _ = scores_of(q, repeated(k[:, start:stop]), start, stop)
+      s, _ = scores_of(qg, _block(k, start, stop, 1), start, stop)
       block_max = tf.reduce_max(s, axis=-1)
       new_max = block_max if running_max is None else tf.maximum(running_max, block_max)
-      weights = tf.exp(s - new_max[..., None])
-      part = tf.einsum("bnts,bsnh->btnh", tf.cast(weights, v.dtype), repeated(v[:, start:stop]))
+      weights = tf.exp(s - tf.expand_dims(new_max, -1))
+      part = per_head(tf.cast(weights, v.dtype), _block(v, start, stop, 1))
       if running_max is None:
         total, out = tf.reduce_sum(weights, axis=-1), tf.cast(part, logits_dtype)
       else:
         rescale = tf.exp(running_max - new_max)  # [batch, heads, queries]
         total = total * rescale + tf.reduce_sum(weights, axis=-1)
-        out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.cast(part, logits_dtype)
+        out = out * tf.expand_dims(tf.transpose(rescale, [0, 2, 1]), -1) + tf.cast(part, logits_dtype)
       running_max = new_max
-    out = out / tf.transpose(total, [0, 2, 1])[..., None]
+    out = out / tf.expand_dims(tf.transpose(total, [0, 2, 1]), -1)
     # (the maximum and the denominator kept apart: a row with every key masked has the masked score as its maximum,
     # a float the log of a denominator added to would not change)
     result = tf.cast(out, v.dtype)
@@ -116,24 +136,27 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
 
     def backward(dout):
       dout = tf.cast(dout, logits_dtype)
-      # The keys and values read through an IdentityN on the gradient (their values, a data input on it): over a
-      # split sequence the partition gathers them again once the backward pass reaches attention, not as soon as
-      # their pieces exist (with the forward pass, then held until here).
-      keys, values = tf.raw_ops.IdentityN(input=[k, v, dout])[:2]
       delta = tf.transpose(tf.reduce_sum(dout * tf.cast(result, logits_dtype), axis=-1), [0, 2, 1])
-      dq = tf.zeros_like(q, logits_dtype)
+      # q read once the gradient exists (q or q as it says: q, a data input on it), so that the scores are made
+      # again as the backward pass reaches attention, not as soon as q and a block of keys exist (with the
+      # forward pass or a layer early, then held until here)
+      qg = by_group(tf.where(tf.math.is_nan(dout[..., :1]), q, q))
+      qg_logits, dout_g = tf.cast(qg, logits_dtype), by_group(dout)
+      maximum, denominator, delta = (tf.expand_dims(t, -1) for t in (running_max, total, delta))
+      dq = None  # (no zeros to start from: a Fill of constants runs when the step starts, held until here)
       dks, dvs = [], []
       for start, stop in edges:
-        kb, vb = repeated(keys[:, start:stop]), repeated(values[:, start:stop])
-        s, allowed = scores_of(q, kb, start, stop)
-        p = tf.exp(s - running_max[..., None]) / total[..., None]  # the block's probabilities
-        dvs.append(per_key(p, dout))
-        dp = tf.einsum("btnh,bsnh->bnts", dout, tf.cast(vb, logits_dtype))
-        ds = p * (dp - delta[..., None]) * tf.cast(scale, logits_dtype)
+        kb, vb = _block(k, start, stop, 1), _block(v, start, stop, 1)
+        s, allowed = scores_of(qg, kb, start, stop)
+        p = tf.exp(s - maximum) / denominator  # the block's probabilities
+        dvs.append(per_key(p, dout_g))
+        dp = per_query(dout_g, tf.cast(vb, logits_dtype))
+        ds = p * (dp - delta) * tf.cast(scale, logits_dtype)
         if allowed is not None:  # (a masked score is a constant: no gradient, even in a row with nothing seen)
-          ds = tf.where(allowed, ds, tf.zeros_like(ds))
-        dq += tf.einsum("bnts,bsnh->btnh", ds, tf.cast(kb, logits_dtype))
-        dks.append(per_key(ds, tf.cast(q, logits_dtype)))
+          ds = tf.where(allowed, ds, tf.constant(0, logits_dtype))  # (a scalar: see dq)
+        dq_block = per_head(ds, tf.cast(kb, logits_dtype))
+        dq = dq_block if dq is None else dq + dq_block
+        dks.append(per_key(ds, qg_logits))
       dk, dv = (tf.concat(d, axis=1) if len(d) > 1 else d[0] for d in (dks, dvs))
       return tf.cast(dq, q.dtype), tf.cast(dk, k.dtype), tf.cast(dv, v.dtype)
 

@@ -15,10 +15,11 @@ results are one device's (the same function, summed in another order).
 Other calls (flash attention asked for, a soft cap, a bias, not 4-D) are
 Keras's own. KerasHub's attention layers compute attention with plain ops
 on TensorFlow (they call ``dot_product_attention`` only where KerasHub finds
-a fused kernel, on JAX and PyTorch), so they keep their plain attention:
-taking KerasHub's fused path here would hold the keys their layer repeats
-for grouped-query attention whole for the backward pass (measured on Llama),
-where their plain path gathers them again.
+a fused kernel, on JAX and PyTorch); for the trace ``_keras_hub_attention``
+makes Llama's and Gemma's call this one instead, with their keys and values
+as they were before the layer repeated them for grouped-query attention (the
+heads of a block of keys meet their group of query heads in one product,
+never repeated).
 
 With ``Replicator(context_parallel="ring")`` it is ``_blockwise_ring``'s
 ring instead: the keys and values passed from device to device a tile a
@@ -54,6 +55,7 @@ from replicator.core import _errors
 from replicator.core import _layout_constraint
 from replicator.core import _primitives
 from replicator.core import _ring_attention
+from replicator.integrations import _keras_hub_attention
 
 _MODULE = "keras.src.backend.tensorflow.nn"
 RING_ACROSS = ("context_parallel='ring': keys and values all-gathered, as the sequence's axes span worker "
@@ -168,7 +170,8 @@ def blockwise_attention(replicator):
   original = nn.dot_product_attention
   nn.dot_product_attention = _blockwise(original, blocks, replicator)
   try:
-    yield
+    with _keras_hub_attention.routed(nn.dot_product_attention):  # KerasHub's layers: this attention too
+      yield
   finally:
     nn.dot_product_attention = original
 
