@@ -7,6 +7,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from mse_step import keras_step  # noqa: E402, F401  (the tests import it from here)
 
 import replicator  # noqa: E402
 
@@ -155,20 +156,6 @@ def pytest_report_header(config):
   return f"tensorflow {tf.__version__}, {NUM_CPUS} logical CPUs"
 
 
-def keras_step(model, opt):
-  """The single-device Keras training step the global view's tests run unchanged (sparse labels, logits)."""
-  import keras  # pylint: disable=import-outside-toplevel
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  def step_fn(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-  return step_fn
 
 
 def loss_and_grads(fn, x, w):

@@ -8,6 +8,7 @@ runtime starts: it makes nothing when imported.
 import keras
 import numpy as np
 import tensorflow as tf
+from mse_step import keras_step
 
 STEPS = 3
 RNN_BATCH = 12
@@ -32,17 +33,6 @@ def rnn_data() -> tf.data.Dataset:
   return tf.data.Dataset.from_tensor_slices((x, y)).batch(RNN_BATCH, drop_remainder=True)
 
 
-def rnn_step(model, optimizer):
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-
-  return step
 
 
 def decoder():
@@ -114,7 +104,7 @@ def made(names) -> dict:
       found[name] = (decoder_step(weights, optimizer), decoder_data(), list(weights) + optimizer.variables)
     else:
       model, optimizer = rnn(name)
-      found[name] = (rnn_step(model, optimizer), rnn_data(), model.variables + optimizer.variables)
+      found[name] = (keras_step(model, optimizer), rnn_data(), model.variables + optimizer.variables)
   return found
 
 

@@ -1,4 +1,4 @@
-"""The training step the multi-worker scenarios and their one-device references share.
+"""The training steps the tests, the multi-worker scenarios and their one-device references share.
 
 Importable by a multi-client worker script before its runtime starts: it sets
 nothing up (unlike ``multiworker_scenarios``, which makes logical CPUs).
@@ -18,3 +18,19 @@ def mse_step(model, optimizer):
     return loss
 
   return step
+
+
+def keras_step(model, opt):
+  """The single-device Keras training step the global view's tests run unchanged (sparse labels, logits)."""
+  import keras  # pylint: disable=import-outside-toplevel
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def step_fn(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step_fn
