@@ -1,19 +1,18 @@
 """The benchmark guard: the core path's headline ratios, against the values recorded at earlier commits.
 
 Run before every stop that touches ``replicator/``, ``rewrite/`` or ``mesh/``
-(about 5 minutes on 2 cores)::
+(about 10 minutes on 2 cores, 5 of them the builds)::
 
   python -m benchmarks.guard                 # measure, compare with benchmarks/results/guard.json
   python -m benchmarks.guard --record        # ... and record the new values (an intended change)
   python -m benchmarks.guard --only mlp_deep,atomic   # some entries (names as in the table)
-  python -m benchmarks.guard --only build --against 194c59a   # builds, alternating with another commit's
+  python -m benchmarks.guard --only build --record    # ... and record only those (--record merges)
+  python -m benchmarks.guard --only build --build-rounds 4   # the builds, more rounds of them
+  python -m benchmarks.guard --only build --against 194c59a   # our builds also alternating with another commit's
   python -m benchmarks.guard --only multiworker   # the multi-worker step against MultiWorkerMirroredStrategy
 
-A build's time follows the machine's speed, which drifted by 15-20% over one
-day here: ``--against COMMIT`` builds each entry at that commit too (a
-temporary git worktree running this file), the two alternating in fresh
-processes, and flags the head when the median of its builds exceeds the
-reference's by more than 10%.
+``--record`` writes the entries it measured over the recorded ones and keeps
+the others: ``--only`` records only the named entries.
 
 Every configuration runs in a process of its own kind, so that no baseline
 runs under settings the library chose for itself:
@@ -37,14 +36,39 @@ ratios with its 95% bootstrap interval (``_timing.paired_ratio``). Before
 timing, every configuration runs the same 3 steps from the same weights and
 their losses must agree (to 1e-3 relative).
 
-The builds (first call of a fresh step) are one measurement each, in a fresh
-``library`` process; their wall time and process CPU time are printed. A build
-is flagged when it exceeds the recorded one by more than ``BUILD_TOLERANCE``
-(the spread of repeated builds measured when they were recorded).
+The builds (the first call of a fresh step) are ratios too: ours over a
+peer's first call of the same step (model, optimizer, data, devices), each
+build in a fresh process (``benchmarks/build_peers.py``), ours and the peer's
+in turn for ``--build-rounds`` rounds (default ``BUILD_ROUNDS``, 2: the order
+swapped every round, A B, B A), the ratio the median of the rounds' ratios
+with ``_timing.paired_ratio``'s interval (with 2 or 3 rounds, their range).
+Seconds follow the machine (they moved 2.5x between machines, and 15-20% over
+one day here); the ratio of two builds a minute apart does not. The peers:
 
-A ratio is flagged as a regression when its new interval lies wholly above the
-recorded interval widened by ``DRIFT`` (3%): between runs of the same library
-the ratios move more than one run's interval says.
+* MobileNetV2, the local view on 4 logical CPUs: ``tf.distribute.MirroredStrategy``
+  on 4 logical CPUs (a ``plain`` process), ``strategy.run`` inside a
+  ``tf.function``, its first call (the distributed dataset's iterator too);
+* the one-block transformer, the global view's Megatron on 2x4: one device's
+  first call of the same one-device step (a ``one`` process): the global view
+  traces that step once and partitions it into one program, so the ratio is
+  what the partitioning and the 8-device program cost over the program it
+  starts from;
+* the deep MLP, multi-client on 8 worker processes x 1 CPU:
+  ``MultiWorkerMirroredStrategy``'s job, worker 0's first call in each, the
+  workers meeting before it (``replicator.launch``, as
+  ``benchmarks/multiworker.py``).
+
+The table shows each build's ratio with the medians of the two sides' seconds
+as context; both sides' first losses must agree (to 1e-3 relative: the same
+step). ``--against COMMIT`` also builds our side at that commit (a temporary
+git worktree running this file and ``build_peers.py``), alternating in fresh
+processes, and flags the head when the median of its builds exceeds the
+reference's by more than ``BUILD_TOLERANCE`` (10%).
+
+A ratio is flagged as a regression when its new interval lies wholly above
+the recorded interval widened by ``DRIFT`` (3%; a build's by ``BUILD_DRIFT``,
+10%): between runs of the same library the ratios move more than one run's
+interval says.
 """
 
 from __future__ import annotations
@@ -63,11 +87,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "guard.json")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD_TOLERANCE = 0.10
+BUILD_TOLERANCE = 0.10  # --against: how much slower than the reference commit's our builds may be (medians)
 # How far a ratio moved between runs of the same library on this machine (2026-11-27, four guard runs: the global
 # view's 2x2 MLP 1.09-1.13, its all-or-nothing ratio 0.96-1.05, the wide MLP 0.58-0.60): more than one run's
 # bootstrap interval says, so a regression must clear the recorded interval by this much too.
 DRIFT = 0.03
+# The same for a build's ratio (fresh processes, 27-45 s builds under other jobs' load): between guard runs on one day
+# (2026-12-07) MobileNetV2's went from 0.84 [0.74, 0.89] to 0.67 [0.62, 0.73], and at one commit the 8-worker
+# multi-client job's from 0.93 [0.91, 0.98] to 1.04 [1.03, 1.06].
+BUILD_DRIFT = 0.10
 LOSS_TOLERANCE = 1e-3
 CHECK_STEPS = 3
 MAX_ROUNDS = 400
@@ -129,14 +157,49 @@ STEPS = (
     _benchmark("global_2x2", "one", None, "global view, 784-4096-10 split over 'model' on 2x2, SGD: ours / one device"),
 )
 
-# The builds: name -> (devices, what, target seconds). The targets are 194c59a's builds on this machine (2 cores,
-# 2026-11-27, two fresh processes each, alternating with the head: 27.1 and 27.4 s; 3.2 and 3.2 s): issue 40 asks
-# for builds no slower than then (its figures, 44.5 s then, were taken on a slower machine).
-BUILDS = {
-    "build mobilenet_v2 local": (4, "MobileNetV2 96x96, batch 32, Adam, local view on 4 devices: first call (s)", 27.3),
-    "build transformer 2x4 global": (8, "one-block transformer, Megatron over 'model' on 2x4, Adam, global view: "
-                                        "first call (s)", 3.2),
-}
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+  """A guarded build: our first call of a fresh step over its peer's first call of the same step.
+
+  ``builder`` names the two sides' code (``benchmarks.build_peers``);
+  ``devices``: the logical CPUs of each process (``"multiclient"``: the
+  workers, one CPU each); ``peer_kind``: the peer's process kind (ours run in
+  ``library`` processes; ``"multiclient"``: jobs of worker processes).
+  """
+
+  name: str
+  builder: str
+  devices: int
+  peer_kind: str
+  peer: str
+  target: float | None
+  what: str
+
+
+# The builds (issue 58, item 2): a build in seconds follows the machine (2.5x between machines, 15-20% within a day
+# here), so each is a ratio to a peer building the same step on the same devices, each build in a fresh process,
+# ours and the peer's in turn (the order swapped every round), BUILD_ROUNDS rounds: the median of the rounds'
+# ratios, its interval their range (``_timing.paired_ratio``'s bootstrap interval of so few rounds). The
+# transformer's target is the top of its interval when recorded (10 rounds at 031e9b5, 2026-12-07: 4.41 [3.69, 4.75],
+# 3.7 s against one device's 0.9 s): issue 58 asks for none above it.
+BUILDS = (
+    Build("build mobilenet_v2 local / MirroredStrategy", "mobilenet_v2", 4, "plain", "MirroredStrategy", 1.0,
+          "MobileNetV2 96x96, batch 32, Adam, 4 logical CPUs: the local view's first call / MirroredStrategy's "
+          "(strategy.run in a tf.function, its default cross-device ops); fresh processes in turn (issue 58: <= 1.0, "
+          "goal 0.8)"),
+    Build("build transformer 2x4 global / one device", "transformer", 8, "one", "one device", 4.75,
+          "one-block transformer, Megatron over 'model' on 2x4, Adam: the global view's first call (the one-device "
+          "step traced once at global shapes, partitioned into one program for 8 devices) / one device's first call "
+          "of the same step (the one program the global view starts from); fresh processes in turn"),
+    Build("build multi-client 8x1 / MWMS", "multiclient", 8, "multiclient", "MultiWorkerMirroredStrategy", 1.0,
+          "deep MLP 16 Dense(128), batch 64, Adam, 8 worker processes x 1 CPU: worker 0's first call in our "
+          "multi-client job (local view) / in MultiWorkerMirroredStrategy's, the workers meeting first; fresh jobs in "
+          "turn (issue 58: <= 1.0)"),
+)
+# --build-rounds. A round of MobileNetV2 takes about 80 s (two fresh processes, 30 and 37 s builds), of the 8-worker
+# jobs 50 s (4 workers: 40 s), of the transformer 12 s: 3 rounds would take the builds alone to about 7 minutes.
+BUILD_ROUNDS = 2
 
 # The multi-worker step: our multi-client job against MultiWorkerMirroredStrategy's on loopback worker processes,
 # name -> (model, workers, what, target ratio, our view). Jobs of fresh processes in turn (MULTIWORKER_PAIRS of each);
@@ -218,33 +281,11 @@ def _setup(config: str, devices: int):
   return setup.call
 
 
-def _build(name: str) -> dict:
-  """One build (first call) in this fresh process: wall and CPU seconds."""
-  import numpy as np
-  import tensorflow as tf
-
-  import replicator
-  if name == "build mobilenet_v2 local":
-    from benchmarks import global_view
-    record = global_view.child_build(global_view.LOCAL_BUILD)
-    return dict(seconds=record["first_call_s"], loss=record["loss"], nodes=record["graph_nodes"])
-  import keras
-
-  import mesh
-  from benchmarks import global_view
-  rng = np.random.default_rng(0)
-  x = rng.integers(0, global_view.VOCAB, size=(global_view.TF_BATCH, global_view.TIME)).astype("int32")
-  y = rng.integers(0, global_view.VOCAB, size=(global_view.TF_BATCH, global_view.TIME)).astype("int32")
-  dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
-  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 4}, devices=_cpus(8)),
-                               layouts=mesh.LayoutMap(global_view.MEGATRON), batch_axes=("batch",), view="global")
-  with repl.context():
-    model, optimizer = global_view._transformer(), keras.optimizers.Adam(global_view.ADAM_LR)  # pylint: disable=protected-access
-    optimizer.build(model.trainable_variables)
-  step_fn = global_view._transformer_step(model, optimizer)  # pylint: disable=protected-access
-  cpu0, t0 = _cpu_seconds(), time.perf_counter()
-  loss = float(repl.run(step_fn, dataset))
-  return dict(seconds=time.perf_counter() - t0, cpu_seconds=_cpu_seconds() - cpu0, loss=loss)
+def _build(config: str) -> dict:
+  """One build (first call) of ``"<builder>:<side>"`` in this fresh process (``benchmarks.build_peers``)."""
+  from benchmarks import build_peers
+  builder, _, side = config.partition(":")
+  return build_peers.BUILDERS[builder](side)
 
 
 def _cpu_seconds() -> float:
@@ -317,14 +358,15 @@ class _Child:
                          f"benchmarks.guard --serve {self.kind} and send that request)")
     return json.loads(line)
 
-  def close(self) -> None:
-    """Ends the process (killed if it does not exit: TF 2.21 can hang destroying autotuned tf.data iterators)."""
+  def close(self, timeout: float = 30) -> None:
+    """Ends the process (killed if it does not exit in ``timeout`` s: TF 2.21 can hang destroying autotuned
+    tf.data iterators; a build's process, used once, is not waited for)."""
     try:
       self.process.stdin.close()
     except OSError:
       pass
     try:
-      self.process.wait(timeout=30)
+      self.process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
       self.process.kill()
       self.process.wait()
@@ -380,29 +422,70 @@ def measure_steps(bench: StepBenchmark, rounds: int, log, budget_seconds: float 
               denominators={r.name: denominator(r) for r in bench.ratios})
 
 
-def measure_build(name: str, log, root: str = ROOT, label: str = "") -> dict:
-  devices = BUILDS[name][0]
-  child = _Child("library", devices, root)
-  try:
-    t0 = time.perf_counter()
-    record = child.ask(op="build", config=name)
-  finally:
-    child.close()
-  log(f"  {name}{label}: {record['seconds']:.1f} s ({record['cpu_seconds']:.1f} s of CPU in the process; "
-      f"{time.perf_counter() - t0:.0f} s with its start)")
+def measure_build(build: Build, side: str, log, root: str = ROOT, label: str = "") -> dict:
+  """One fresh build of ``build``'s side ``side`` (``"ours"`` or ``"peer"``): its first call's record."""
+  from benchmarks import build_peers
+  t0 = time.perf_counter()
+  if build.builder == "multiclient":
+    record = build_peers.multiclient(side, build.devices, root)
+  else:
+    child = _Child("library" if side == build_peers.OURS else build.peer_kind, build.devices, root)
+    try:
+      record = child.ask(op="build", config=f"{build.builder}:{side}")
+    finally:
+      child.close(timeout=0)
+  who = "ours" if side == build_peers.OURS else build.peer
+  log(f"  {who + label:<28} {record['seconds']:6.2f} s ({record['cpu_seconds']:.1f} s of CPU in the process; "
+      f"{time.perf_counter() - t0:.0f} s with its start); loss {record['loss']:.6f}")
   return record
+
+
+def alternate(run, rounds: int) -> tuple[list, list]:
+  """``run(side)`` for ``rounds`` rounds of ours and the peer in turn, the order swapped every round (A B, B A, ...).
+
+  Returns ``(ours, peer)``: each side's results, round by round.
+  """
+  from benchmarks import build_peers
+  ours, peer = [], []
+  for r in range(rounds):
+    for side in (build_peers.OURS, build_peers.PEER)[::1 if r % 2 == 0 else -1]:
+      (ours if side == build_peers.OURS else peer).append(run(side))
+  return ours, peer
+
+
+def build_ratio(ours: list[dict], peer: list[dict]) -> dict:
+  """A build's entry from its rounds' records (``seconds``, ``cpu_seconds``, ``loss``), ours and the peer's.
+
+  The ratio is the median of the rounds' ratios (ours / the peer's, round by
+  round: the two builds of a round share the machine's state) with the
+  bootstrap interval of ``_timing.paired_ratio`` (with 2 or 3 rounds, their range);
+  the seconds of every build stay as context.
+  """
+  from benchmarks import _timing
+  p = _timing.paired_ratio([o["seconds"] for o in ours], [q["seconds"] for q in peer])
+  return dict(median=p["median"], ci_low=p["ci_low"], ci_high=p["ci_high"], n=p["n"],
+              build_s=dict(ours=[round(o["seconds"], 3) for o in ours], peer=[round(q["seconds"], 3) for q in peer]),
+              cpu_s=dict(ours=[round(o["cpu_seconds"], 2) for o in ours],
+                         peer=[round(q["cpu_seconds"], 2) for q in peer]),
+              loss=dict(ours=ours[0]["loss"], peer=peer[0]["loss"]))
+
+
+def loss_mismatch(entry: dict) -> float:
+  """The relative difference of a build entry's first losses, ours against the peer's (the same step, same data)."""
+  return abs(entry["loss"]["ours"] - entry["loss"]["peer"]) / abs(entry["loss"]["peer"])
 
 
 BUILD_PAIRS = 2  # --against: builds of each tree, alternating
 
 
 def _reference_tree(commit: str) -> str:
-  """A temporary worktree of ``commit`` with this file as its ``benchmarks/guard.py`` (older trees lack it)."""
+  """A temporary worktree of ``commit`` with this file and ``build_peers.py`` as its own (older trees lack them)."""
   import shutil
   import tempfile
   path = os.path.join(tempfile.mkdtemp(prefix="guard-reference-"), "tree")
   subprocess.run(["git", "worktree", "add", "--detach", "--quiet", path, commit], cwd=ROOT, check=True)
-  shutil.copyfile(os.path.abspath(__file__), os.path.join(path, "benchmarks", "guard.py"))
+  for name in ("guard.py", "build_peers.py"):
+    shutil.copyfile(os.path.join(ROOT, "benchmarks", name), os.path.join(path, "benchmarks", name))
   return path
 
 
@@ -418,12 +501,12 @@ def build_verdict(head: list[float], reference: list[float]) -> dict:
               ratio=ratio, regressed=ratio > 1 + BUILD_TOLERANCE)
 
 
-def measure_builds_against(name: str, commit: str, tree: str, log) -> dict:
-  """Builds ``name`` at ``commit`` (its worktree ``tree``) and at the head in turn; :func:`build_verdict` of them."""
+def measure_builds_against(build: Build, commit: str, tree: str, log) -> dict:
+  """Our side of ``build`` at ``commit`` (its worktree ``tree``) and at the head in turn; :func:`build_verdict`."""
   head, reference = [], []
   for _ in range(BUILD_PAIRS):
-    reference.append(measure_build(name, log, tree, f" at {commit}")["seconds"])
-    head.append(measure_build(name, log)["seconds"])
+    reference.append(measure_build(build, "ours", log, tree, f" at {commit}")["seconds"])
+    head.append(measure_build(build, "ours", log)["seconds"])
   return build_verdict(head, reference)
 
 
@@ -446,33 +529,35 @@ def _load() -> dict:
 
 
 def regressed(new: dict, old: dict | None) -> bool:
-  """Whether ratio ``new`` is worse than the recorded ``old`` by more than either's interval."""
-  if old is None:
+  """Whether ratio ``new`` (a step's or a build's) is worse than the recorded ``old`` by more than either's interval."""
+  if old is None or "median" not in old:  # nothing recorded, or a build recorded in seconds (before issue 58)
     return False
-  if "seconds" in new:
-    return new["seconds"] > old["seconds"] * (1 + BUILD_TOLERANCE)
-  return new["ci_low"] > old["ci_high"] * (1 + DRIFT)
+  return new["ci_low"] > old["ci_high"] * (1 + (BUILD_DRIFT if "build_s" in new else DRIFT))
 
 
 def _cell(entry: dict | None) -> str:
+  """A ratio with its interval; a build's also with the medians of its first calls, ours / the peer's."""
   if entry is None:
     return ""
-  if "seconds" in entry:
+  if "median" not in entry:  # a build recorded in seconds (before issue 58)
     return f"{entry['seconds']:.1f} s"
-  return f"{entry['median']:.2f} [{entry['ci_low']:.2f}, {entry['ci_high']:.2f}]"
+  text = f"{entry['median']:.2f} [{entry['ci_low']:.2f}, {entry['ci_high']:.2f}]"
+  if "build_s" in entry:
+    import numpy as np
+    text += f" ({np.median(entry['build_s']['ours']):.1f} / {np.median(entry['build_s']['peer']):.1f} s)"
+  return text
 
 
 def table(entries: dict, recorded: dict) -> str:
   from benchmarks import _timing
   targets = {r.name: r.target for b in STEPS for r in b.ratios}
-  targets.update({name: target for name, (_, _, target) in BUILDS.items()})
+  targets.update({b.name: b.target for b in BUILDS})
   targets.update({name: target for name, (_, _, _, target, _) in MULTIWORKER.items()})
   rows = []
   for name, entry in entries.items():
     old = recorded.get(name)
     target = targets.get(name)
-    value = entry["seconds"] if "seconds" in entry else entry["median"]
-    met = "" if target is None else ("met" if value <= target else "NOT MET")
+    met = "" if target is None else ("met" if entry["median"] <= target else "NOT MET")
     rows.append([name, _cell(entry), _cell(old), "" if old is None else old.get("commit", ""),
                  "" if target is None else f"<= {target:g} ({met})",
                  "REGRESSED" if regressed(entry, old) else "ok"])
@@ -484,8 +569,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--record", action="store_true", help="write the new values to benchmarks/results/guard.json")
   parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
   parser.add_argument("--rounds", type=int, default=40)
+  parser.add_argument("--build-rounds", type=int, default=BUILD_ROUNDS,
+                      help="rounds of each build and its peer's, in turn in fresh processes")
   parser.add_argument("--against", default=None,
-                      help="a commit whose builds to time too, alternating with the head's (e.g. 194c59a)")
+                      help="a commit whose builds (our side) to time too, alternating with the head's (e.g. 194c59a)")
   parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -522,16 +609,18 @@ def main(argv=None) -> dict:
       log(f"{name}:")
       entries[name] = dict(measure_multiworker(name, log), commit=commit, date=date, what=MULTIWORKER[name][2])
   against = {}
-  tree = _reference_tree(args.against) if args.against and any(wanted(n) for n in BUILDS) else None
+  tree = (_reference_tree(args.against) if args.against and any(wanted(b.name) for b in BUILDS
+                                                                 if b.builder != "multiclient") else None)
   try:
-    for name in BUILDS:
-      if wanted(name):
-        log(f"{name}:")
-        record = measure_build(name, log)
-        entries[name] = dict(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], commit=commit,
-                             date=date, what=BUILDS[name][1])
-        if tree is not None:
-          against[name] = measure_builds_against(name, args.against, tree, log)
+    for build in BUILDS:
+      if wanted(build.name):
+        log(f"{build.name} ({args.build_rounds} rounds, fresh processes in turn):")
+        ours, peer = alternate(lambda side, build=build: measure_build(build, side, log), args.build_rounds)
+        entries[build.name] = dict(build_ratio(ours, peer), commit=commit, date=date, what=build.what,
+                                   denominator=build.peer)
+        checks[build.name] = {build.name: loss_mismatch(entries[build.name])}
+        if tree is not None and build.builder != "multiclient":
+          against[build.name] = measure_builds_against(build, args.against, tree, log)
   finally:
     if tree is not None:
       _remove_tree(tree)
@@ -539,7 +628,7 @@ def main(argv=None) -> dict:
   print()
   print(table(entries, recorded))
   if against:
-    print(f"\nBuilds alternating with {args.against}'s in fresh processes ({BUILD_PAIRS} of each after the one above):")
+    print(f"\nOur builds alternating with {args.against}'s in fresh processes ({BUILD_PAIRS} of each):")
     for name, v in against.items():
       print(f"  {name}: head {v['head_s']} s, {args.against} {v['reference_s']} s, ratio of medians "
             f"{v['ratio']:.2f}{' REGRESSED' if v['regressed'] else ''}")
@@ -547,7 +636,7 @@ def main(argv=None) -> dict:
   if bad:
     print(f"\nLOSSES DISAGREE (relative difference above {LOSS_TOLERANCE}): {checks}")
   print(f"\n{len(entries)} entries in {time.perf_counter() - start:.0f} s at {commit}; interleaved rounds: at least "
-        f"{args.rounds}.")
+        f"{args.rounds}; builds: {args.build_rounds} rounds of ours and the peer's in turn, fresh processes.")
   if args.record:
     merged = dict(recorded)
     merged.update(entries)
