@@ -411,9 +411,9 @@ def test_a_keras_hub_mixture_of_experts_split_is_as_near_the_float64_truth_as_on
 
 
 SEQUENCE_CASES = [  # (backbone, mesh axes and sizes, with its map): a token batch [batch, seq] split over "seq"
-    pytest.param("LlamaBackbone", ("batch", "seq"), (2, 2), False, id="llama_batch_x_seq"),
+    pytest.param("LlamaBackbone", ("batch", "seq"), (2, 2), False, id="llama_batch_x_seq", marks=pytest.mark.full_grid),
     pytest.param("LlamaBackbone", ("batch", "seq", "model"), (1, 2, 2), True, id="llama_seq_x_model_with_map"),
-    pytest.param("GemmaBackbone", ("batch", "seq"), (2, 2), False, id="gemma_batch_x_seq"),
+    pytest.param("GemmaBackbone", ("batch", "seq"), (2, 2), False, id="gemma_batch_x_seq", marks=pytest.mark.full_grid),
 ]
 
 

@@ -334,7 +334,7 @@ def _loops_on_one_device(first, names) -> dict:
   return found
 
 
-@pytest.mark.parametrize("placement", ["within", "across"])
+@pytest.mark.parametrize("placement", [pytest.param("within", marks=pytest.mark.full_grid), "across"])
 def test_loops_and_branches_that_communicate_inside_run_split_across_processes_equal_to_one_device(tmp_path,
                                                                                                   placement):
   """Keras's LSTM (the model axis within each worker: "device") or GRU (across them: "worker") with its kernels split
@@ -364,7 +364,7 @@ def test_loops_and_branches_that_communicate_inside_run_split_across_processes_e
       np.testing.assert_allclose(found[f"{name}/losses"], losses, err_msg=f"worker {task}: {name}", **LOOPS_LOSSES)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.full_grid)])
 def test_a_pipeline_with_its_stages_on_two_workers_trains_as_one_device(tmp_path, schedule):
   # repl.pipeline over the "worker" axis (stage 0 on worker 0's devices, stage 1 on worker 1's), the batch over each
   # worker's 2 devices: the activations and gradients go between the processes (permutes as collectives).

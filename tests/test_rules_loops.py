@@ -499,7 +499,7 @@ LSTM_UNITS = {r"lstm/lstm_cell/(recurrent_)?kernel$": (None, "model")}
 RNN_UNITS = {"LSTM": LSTM_UNITS, "GRU": {r"gru/gru_cell/(recurrent_)?kernel$": (None, "model")}}
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("kind", ["LSTM", pytest.param("GRU", marks=pytest.mark.full_grid)])
 def test_a_keras_rnn_with_a_split_kernel_trains_with_collectives_inside_its_loops_and_equals_one_device(kind):
   # The kernels split over "model" (the bias not), the batch over "batch": the forward loop's body gathers the
   # gates for the bias, the gradient loop's all-reduces the state's gradient, inside each device's copy, each time
