@@ -45,6 +45,7 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._sequence import sequence_positions
   from replicator.core._sequence import shard_sequence
   from replicator.core._sequence import unshard_sequence
+  from replicator.core._stacked_pipeline import stacked_pipeline
   from replicator.core._values import PerReplica
   from replicator.input._inputs import InputContext
   from replicator.integrations._batch_norm import CrossReplicaBatchNorm
@@ -92,6 +93,7 @@ __all__ = (
     "sequence_positions",
     "shard_sequence",
     "split_stages",
+    "stacked_pipeline",
     "testing",
     "unshard_sequence",
     "virtual_cpus",
@@ -116,6 +118,7 @@ _MODULES = {
         "WorkerUnavailableError"),
     "replicator.core._pipeline": ("pipeline_variables",),
     "replicator.core._sequence": ("pad_sequence", "sequence_positions", "shard_sequence", "unshard_sequence"),
+    "replicator.core._stacked_pipeline": ("stacked_pipeline",),
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),

@@ -21,7 +21,8 @@ def test_replicator_public_names():
       "VariableCreationError", "UnreplicatedStateError", "bytes_per_device", "calibrate", "ArgumentError",
       "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus", "enable_keras_distribution", "distribution_replicator",
       "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "CheckpointDamagedError", "testing",
-      "remat", "pad_sequence", "sequence_positions", "shard_sequence", "unshard_sequence", "pipeline_variables", "split_stages"}
+      "remat", "pad_sequence", "sequence_positions", "shard_sequence", "unshard_sequence", "pipeline_variables", "split_stages",
+      "stacked_pipeline"}
   for name in replicator.__all__:
     assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"
 

@@ -1,0 +1,156 @@
+"""A pipeline of identical blocks written at global shapes: the stacked form, for the global view.
+
+``replicator.stacked_pipeline(block, weights, inputs, microbatches=m)`` computes what running the ``p`` blocks
+in a row on ``inputs`` computes, ``block(weights[p - 1], ... block(weights[0], inputs))``, where each leaf of
+``weights`` stacks the ``p`` blocks' values along its first dimension. It is one-device TensorFlow: on one
+device it is a slower way to run the blocks; in the global view, with the stacked weights laid out over a
+stage axis (``("stage", None, ...)``), it is a pipeline, as praxis and MaxText write theirs on JAX:
+
+- a state ``[p, rows, ...]`` holds what each stage works on; every one of ``m + p - 1`` iterations applies each
+  stage's block to its row of the state (``tf.vectorized_map`` over the stage dimension: with the weights and the
+  state split over ``"stage"``, each device computes its own stage's block, nothing gathered), then rolls the
+  state one stage on (``tf.roll`` by one tile along a split dimension: the partitioner's point-to-point
+  ``permute`` to the next device);
+- stage 0 takes microbatch ``t`` at iteration ``t``; the last stage's result at iteration ``t`` is microbatch
+  ``t - p + 1``'s output (selected by a sum over the stage dimension: an all-reduce of one microbatch's output a
+  iteration);
+- the iterations are a ``tf.while_loop``, so the graph does not grow with ``m``; TensorFlow's gradient of the loop
+  runs the iterations back, the rolls' gradients rolling the other way.
+
+The schedule is GPipe's: the forward passes of every microbatch, then the backward passes (the loop's saved
+values: each stage keeps its blocks' activations of all ``m`` microbatches; wrap the block in
+``replicator.remat`` to keep its inputs only). In the ``p - 1`` iterations that fill the pipeline and the
+``p - 1`` that drain it, stages compute on zeros: the bubble, ``(p - 1) / (m + p - 1)`` of the step, is
+spent computing rather than waiting.
+
+The microbatches are strided: microbatch ``j`` holds rows ``j, j + m, j + 2 m, ...`` of the batch, so that a
+batch split over batch axes splits every microbatch alike (each device's rows of a microbatch are its own
+rows); the outputs come back in the inputs' order.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tree
+
+from replicator.core import _errors
+from replicator.core import _primitives
+
+NOT_A_BLOCK = (
+    "replicator.stacked_pipeline at {location}: block(weights, x) returned {found} for x of {expected}; expected "
+    "the same structure, shapes and dtypes (each stage's output is the next stage's input). Fix: make the block "
+    "keep its input's shape (a residual block), with what changes it before or after the pipeline.")
+
+
+def _stages(weights, location: str) -> int:
+  """``p``, the stacked blocks: the first dimension every leaf of ``weights`` has."""
+  leaves = tree.flatten(weights)
+  sizes = {int(w.shape[0]) if w.shape.rank and w.shape[0] is not None else None for w in leaves}
+  if not leaves or len(sizes) != 1 or None in sizes:
+    raise _errors.ArgumentError(
+        f"replicator.stacked_pipeline at {location}: expected the blocks' weights stacked along a first dimension "
+        f"of the same size in every leaf (the number of stages); found first dimensions "
+        f"{[w.shape[0] if w.shape.rank else 'a scalar' for w in leaves] if leaves else 'no weights'}. Fix: stack "
+        "each weight of the blocks, tf.stack([block_0_kernel, block_1_kernel, ...]).")
+  return sizes.pop()
+
+
+def _rows(inputs, microbatches: int, location: str) -> int:
+  leaves = tree.flatten(inputs)
+  rows = {w.shape[0] if w.shape.rank else None for w in leaves}
+  if not leaves or len(rows) != 1 or None in rows:
+    raise _errors.ArgumentError(
+        f"replicator.stacked_pipeline at {location}: expected inputs with the same static first dimension (the "
+        f"batch's rows) in every leaf; found {[w.shape for w in leaves] if leaves else 'no inputs'}.")
+  (count,) = rows
+  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+    raise _errors.ArgumentError(f"replicator.stacked_pipeline(microbatches={microbatches!r}) at {location}: "
+                                "expected a positive int, how many pieces the batch is split into.")
+  if count % microbatches:
+    raise _errors.ArgumentError(
+        f"replicator.stacked_pipeline(microbatches={microbatches}) at {location}: the batch has {count} rows, "
+        f"which {microbatches} microbatches do not divide (this form keeps every microbatch the same shape). "
+        f"Fix: a number of microbatches dividing {count}, or a batch of a multiple of {microbatches} rows.")
+  return count // microbatches
+
+
+def _specs(x) -> str:
+  try:
+    return str(tree.map_structure(lambda t: (t.shape[1:].as_list(), t.dtype.name), x))
+  except (TypeError, ValueError, AttributeError):
+    return repr(x)
+
+
+def stacked_pipeline(block, weights, inputs, *, microbatches: int):
+  """``block`` applied to ``inputs`` once a stage, in a row, as a pipeline over the stages' devices.
+
+  Computes ``block(weights[p - 1], ... block(weights[1], block(weights[0], inputs)))``, where each leaf of
+  ``weights`` stacks the ``p`` blocks' values along its first dimension. Written at global shapes, it runs on one
+  device as it reads; in the global view, with the stacked weights laid out over a stage axis (for example
+  ``LayoutMap({"blocks/.*": ("stage", None, None)})``), each device computes its stage's block on each of
+  ``microbatches`` pieces of the batch, and a piece's activation goes to the next stage's device point to point
+  (GPipe's schedule; the graph the same for any number of microbatches). See ``docs/concepts/stages.md``.
+
+  Examples:
+    >>> w = tf.stack([tf.eye(3), 2 * tf.eye(3)])  # two blocks' weights, stacked
+    >>> replicator.stacked_pipeline(lambda w, x: x @ w, w, tf.ones([4, 3]), microbatches=2).numpy()[0]
+    array([2., 2., 2.], dtype=float32)
+
+  Args:
+    block: ``block(weights, x) -> y``: one stage's computation, given one block's weights (each leaf without its
+      first dimension) and a microbatch ``x`` (a tensor or nest, rows first); ``y`` as ``x`` (structure, shapes,
+      dtypes). Traced once, vectorized over the stages (``tf.vectorized_map``): plain TensorFlow ops or Keras
+      layers' stateless calls, no variable reads or writes of its own.
+    weights: a tensor, variable or nest of them, each with the stages first.
+    inputs: the batch (a tensor or nest, rows first, the same static rows in every leaf).
+    microbatches: how many pieces the batch is split into: ``m`` dividing the rows; microbatch ``j`` holds rows
+      ``j, j + m, ...`` (so a batch split over the batch axes splits each microbatch alike).
+
+  Returns:
+    The last block's outputs for ``inputs``, in their order (as ``inputs``: structure and shapes).
+  """
+  location = _primitives.user_location()
+  stages = _stages(weights, location)
+  rows = _rows(inputs, microbatches, location)
+  m = microbatches
+
+  def microbatched(x):  # [m * rows, ...] -> [m + p - 1, rows, ...]: microbatch j = rows j, j + m, ...; zeros after
+    shape = x.shape[1:].as_list()
+    x = tf.reshape(x, [rows, m] + shape)
+    x = tf.transpose(x, [1, 0] + list(range(2, len(shape) + 2)))
+    return tf.concat([x, tf.zeros([stages - 1, rows] + shape, x.dtype)], 0)
+
+  def restored(x):  # [m, rows, ...] -> [m * rows, ...] in the inputs' order
+    shape = x.shape[2:].as_list()
+    return tf.reshape(tf.transpose(x, [1, 0] + list(range(2, len(shape) + 2))), [m * rows] + shape)
+
+  xs = tree.map_structure(microbatched, inputs)
+  first = tf.reshape(tf.range(stages), [stages])
+
+  def on_stage(index, rank):  # [p, 1, 1, ...]: whether each stage is `index`
+    return tf.reshape(tf.equal(first, index), [stages] + [1] * (rank - 1))
+
+  def step(t, state, outputs):
+    taken = tree.map_structure(lambda s, x: tf.where(on_stage(0, s.shape.rank), tf.gather(x, t)[None], s), state, xs)
+    done = tf.vectorized_map(lambda args: block(*args), (weights, taken), fallback_to_while_loop=False)
+    found, expected = _specs(done), _specs(taken)
+    if found != expected:
+      raise _errors.ArgumentError(NOT_A_BLOCK.format(location=location, found=found, expected=expected))
+    out = t - (stages - 1)  # the microbatch leaving the last stage (negative: none yet, no row written)
+
+    def keep(o, d):  # (elementwise, so that the outputs keep the batch's split: no scatter into a replicated buffer)
+      last = tf.reduce_sum(tf.where(on_stage(stages - 1, d.shape.rank), d, tf.zeros_like(d)), axis=0)
+      row = tf.reshape(tf.equal(tf.range(m), out), [m] + [1] * (o.shape.rank - 1))
+      return tf.where(row, last[None], o)
+
+    outputs = tree.map_structure(keep, outputs, done)
+    return t + 1, tree.map_structure(lambda d: tf.roll(d, 1, axis=0), done), outputs
+
+  def zeros(x, count):
+    return tf.zeros([count, rows] + x.shape[1:].as_list(), x.dtype)
+
+  state = tree.map_structure(lambda x: zeros(x, stages), inputs)
+  outputs = tree.map_structure(lambda x: zeros(x, m), inputs)
+  _, _, outputs = tf.while_loop(lambda t, *_: t < m + stages - 1, step, (tf.constant(0), state, outputs),
+                                maximum_iterations=m + stages - 1)
+  return tree.map_structure(restored, outputs)
