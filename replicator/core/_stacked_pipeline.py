@@ -12,14 +12,13 @@ stage axis (``("stage", None, ...)``), it is a pipeline, as praxis and MaxText w
   state one stage on (``tf.roll`` by one tile along a split dimension: the partitioner's point-to-point
   ``permute`` to the next device);
 - stage 0 takes microbatch ``t`` at iteration ``t``; the last stage's result at iteration ``t`` is microbatch
-  ``t - p + 1``'s output (selected by a sum over the stage dimension: an all-reduce of one microbatch's output a
+  ``t - p + 1``'s output (selected by a sum over the stage dimension: an all-reduce of one microbatch's output an
   iteration);
 - the iterations are a ``tf.while_loop``, so the graph does not grow with ``m``; TensorFlow's gradient of the loop
   runs the iterations back, the rolls' gradients rolling the other way.
 
 The schedule is GPipe's: the forward passes of every microbatch, then the backward passes (the loop's saved
-values: each stage keeps its blocks' activations of all ``m`` microbatches; wrap the block in
-``replicator.remat`` to keep its inputs only). In the ``p - 1`` iterations that fill the pipeline and the
+values: each stage keeps its block's activations of all ``m`` microbatches). In the ``p - 1`` iterations that fill the pipeline and the
 ``p - 1`` that drain it, stages compute on zeros: the bubble, ``(p - 1) / (m + p - 1)`` of the step, is
 spent computing rather than waiting.
 
@@ -125,7 +124,7 @@ def stacked_pipeline(block, weights, inputs, *, microbatches: int):
     return tf.reshape(tf.transpose(x, [1, 0] + list(range(2, len(shape) + 2))), [m * rows] + shape)
 
   xs = tree.map_structure(microbatched, inputs)
-  first = tf.reshape(tf.range(stages), [stages])
+  first = tf.range(stages)
 
   def on_stage(index, rank):  # [p, 1, 1, ...]: whether each stage is `index`
     return tf.reshape(tf.equal(first, index), [stages] + [1] * (rank - 1))
