@@ -49,6 +49,7 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._values import PerReplica
   from replicator.input._inputs import InputContext
   from replicator.integrations._batch_norm import CrossReplicaBatchNorm
+  from replicator.integrations._keras_stacked import StackedBlocks
   from replicator.integrations._keras_stages import split_stages
   from replicator.integrations._remat import remat
   from replicator.state._optimizer import ReplicatedOptimizer
@@ -77,6 +78,7 @@ __all__ = (
     "ReplicatedVariable",
     "Replicator",
     "ReplicatorError",
+    "StackedBlocks",
     "StepFailedError",
     "UnreplicatedStateError",
     "UnsupportedError",
@@ -122,6 +124,7 @@ _MODULES = {
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),
+    "replicator.integrations._keras_stacked": ("StackedBlocks",),
     "replicator.integrations._keras_stages": ("split_stages",),
     "replicator.integrations._remat": ("remat",),
     "replicator.state._optimizer": ("ReplicatedOptimizer",),
@@ -129,9 +132,11 @@ _MODULES = {
 }
 _MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
 # What importing the package did for the program before any name was used, done at the first use of any: the
-# Keras registrations of CrossReplicaBatchNorm and of replicator.remat's layer ("replicator>CrossReplicaBatchNorm",
-# "replicator>Remat", which keras.saving.load_model looks up).
-_AT_FIRST_USE = ("replicator.integrations._batch_norm", "replicator.integrations._remat")
+# Keras registrations of CrossReplicaBatchNorm, StackedBlocks and of replicator.remat's layer
+# ("replicator>CrossReplicaBatchNorm", "replicator>StackedBlocks", "replicator>Remat", which keras.saving.load_model
+# looks up).
+_AT_FIRST_USE = ("replicator.integrations._batch_norm", "replicator.integrations._keras_stacked",
+                 "replicator.integrations._remat")
 
 
 def __getattr__(name: str):
