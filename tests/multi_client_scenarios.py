@@ -29,8 +29,11 @@ else:
 
 import keras  # noqa: E402
 import loop_steps  # noqa: E402  (steps with loops and branches that communicate inside)
+import residual_block  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mse_step import mse_step  # noqa: E402  (one replica's step: mean squared error, the optimizer's update)
+
+import mesh  # noqa: E402
 
 X = np.random.RandomState(0).randn(96, 5).astype(np.float32)
 Y = np.random.RandomState(1).randn(96, 2).astype(np.float32)
@@ -634,10 +637,33 @@ def pipeline(out):
            replicas=np.array(stage_repl.local_replicas), **initial, **found)
 
 
+def stacked_global(out):
+  """replicator.StackedBlocks in the global view with its stages on different workers (the stacked weights split
+  over "worker", the batch over each worker's devices): a microbatch's activation goes between the processes
+  inside the pipeline's loop. 4 Adam steps of the one-device step."""
+  global_repl = replicator.MultiWorkerReplicator.from_tf_config(
+      view="global", layouts=mesh.LayoutMap({r"^blocks/": ("worker",)}, pad=True), batch_axes=("device",),
+      collective_timeout=TIMEOUT)
+  keras.utils.set_random_seed(100 + repl.task)
+  with global_repl.context():
+    model = residual_block.two_blocks(stacked=True)
+    optimizer = keras.optimizers.Adam(0.05)
+    optimizer.build(model.trainable_variables)
+  initial = {f"initial/{k}": v for k, v in _whole(model.trainable_variables).items()}
+  step = tf.function(mse_step(model, optimizer))
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH)
+  losses = [float(global_repl.run(step, dataset)) for _ in range(STEPS)]
+  final = {f"final/{k}": v for k, v in _whole(model.trainable_variables).items()}
+  inside = [f"{r.kind} over {'+'.join(r.axes)}" for r in global_repl.explain(step, dataset).inside_rows]
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), losses=np.array(losses), inside=np.array(inside),
+           held=np.array(sum(replicator.bytes_per_device(model.weights + optimizer.variables).values())), **initial,
+           **final)
+
+
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
   {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "sharded": sharded, "sharded_global": sharded_global, "fit_sharded": fit_sharded,
    "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
    "restore_damaged": restore_damaged, "memory": memory, "preempt": preempt, "loops_global": loops_global,
-   "loop_mismatch": loop_mismatch, "pipeline": pipeline}[name](out)
+   "loop_mismatch": loop_mismatch, "pipeline": pipeline, "stacked_global": stacked_global}[name](out)
   print("done", repl.task, flush=True)

@@ -6,6 +6,8 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from residual_block import Residual
+from residual_block import in_a_row
 
 import mesh
 import replicator
@@ -13,33 +15,15 @@ import replicator
 STAGES, WIDTH, FEATURES, ROWS = 2, 8, 6, 32
 
 
-@keras.saving.register_keras_serializable("test_keras_stacked")
-class Block(keras.layers.Layer):
-  """A pre-norm residual MLP: LayerNormalization, two Dense layers."""
-
-  def __init__(self, width, **kwargs):
-    super().__init__(**kwargs)
-    self.width = width
-    self.norm = keras.layers.LayerNormalization()
-    self.up = keras.layers.Dense(2 * width, activation="tanh")
-    self.down = keras.layers.Dense(width)
-
-  def call(self, x):
-    return x + self.down(self.up(self.norm(x)))
-
-  def get_config(self):
-    return {**super().get_config(), "width": self.width}
-
-
 def _model(stacked: bool, microbatches=4):
   keras.utils.set_random_seed(0)
   inputs = keras.Input((FEATURES,))
   h = keras.layers.Dense(WIDTH, name="inp")(inputs)
   if stacked:
-    h = replicator.StackedBlocks(Block(WIDTH), stages=STAGES, microbatches=microbatches, name="blocks")(h)
+    h = replicator.StackedBlocks(Residual(WIDTH), stages=STAGES, microbatches=microbatches, name="blocks")(h)
   else:
     for s in range(STAGES):
-      h = Block(WIDTH, name=f"block{s}")(h)
+      h = Residual(WIDTH, name=f"block{s}")(h)
   model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
   model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
   return model
@@ -47,15 +31,7 @@ def _model(stacked: bool, microbatches=4):
 
 def _in_a_row(stacked_model):
   """The one-device model of the blocks in a row, with ``stacked_model``'s values."""
-  model = _model(stacked=False)
-  stacked = [w for w in stacked_model.trainable_weights if w.path.startswith("blocks/")]
-  for s in range(STAGES):
-    for k, w in enumerate(model.get_layer(f"block{s}").trainable_weights):
-      w.assign(stacked[k].numpy()[s])
-  for name in ("inp", "out"):
-    for w, v in zip(model.get_layer(name).weights, stacked_model.get_layer(name).weights):
-      w.assign(v.numpy())
-  return model
+  return in_a_row(stacked_model, lambda: _model(stacked=False), STAGES)
 
 
 def _data():

@@ -20,6 +20,7 @@ import keras
 import loop_steps
 import numpy as np
 import pytest
+import residual_block
 import tensorflow as tf
 from conftest import cpus
 from mse_step import mse_step
@@ -383,6 +384,40 @@ def test_a_pipeline_with_its_stages_on_two_workers_trains_as_one_device(tmp_path
       for copy in found[f"final/{k}"]:
         np.testing.assert_allclose(copy, v.numpy(), err_msg=f"worker {task}: {v.path}", **TOLERANCE)
     assert int(found["permutes"]) == 2 * 2  # 2 microbatches' activations forward, their gradients back
+
+
+def test_stacked_blocks_with_their_stages_on_two_workers_train_as_one_device(tmp_path):
+  # replicator.StackedBlocks in the global view, its stacked weights split over "worker" (a stage a process), the
+  # batch over each worker's 2 devices: the pipeline's roll a permute between the processes inside its loop, as is
+  # its gradient's. 4 Adam steps against the blocks in a row on one device.
+  results = _launch(tmp_path, "stacked_global", 2, 2)
+  first = results[0]
+  plain = residual_block.two_blocks(stacked=False)
+  stacked = residual_block.stacked_paths(plain, 2)
+  for path, weights in stacked.items():
+    for s, w in enumerate(weights):
+      w.assign(first[f"initial/{path}"][s])
+  others = [w for w in plain.trainable_weights if not w.path.startswith("block")]
+  for w in others:
+    w.assign(first[f"initial/{w.path}"])
+  optimizer = keras.optimizers.Adam(0.05)
+  step = tf.function(mse_step(plain, optimizer))
+  losses = [float(step((X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])))
+            for i in range(STEPS)]
+  expected = {**{path: np.stack([w.numpy() for w in weights]) for path, weights in stacked.items()},
+              **{w.path: w.numpy() for w in others}}
+  for task, found in enumerate(results):
+    np.testing.assert_allclose(found["losses"], losses, **TOLERANCE)
+    for path, value in expected.items():
+      np.testing.assert_allclose(found[f"final/{path}"], value, err_msg=f"worker {task}: {path}", **TOLERANCE)
+    # Inside the loops: the roll, its gradient's, the last stage's output to every device, the first stage's input
+    # gradient back (each over the processes).
+    assert found["inside"].tolist() == ["all_reduce over worker", "permute over worker", "permute over worker",
+                                        "all_reduce over worker"], found["inside"]
+    # Each of its 2 devices: its stage's blocks, the other layers, each with Adam's two slots, and Adam's counters.
+    blocks = sum(v.nbytes for path, v in expected.items() if path.startswith("blocks/"))
+    others = sum(v.nbytes for path, v in expected.items() if not path.startswith("blocks/"))
+    assert int(found["held"]) == 2 * (3 * (blocks // 2 + others) + 4 + 8), int(found["held"])
 
 
 def test_a_loop_that_runs_more_iterations_in_one_process_fails_there_with_a_named_error_at_the_timeout(tmp_path):
