@@ -85,9 +85,10 @@ MESHES = {"stage": {"stage": P}, "stage_x_batch": {"stage": P, "batch": 2},
 
 
 def _global(shape, steps, initial, data, microbatches):
-  sizes = MESHES[shape]
+  sizes = MESHES[shape] if isinstance(shape, str) else shape
   repl = replicator.Replicator(mesh=mesh.Mesh(sizes, devices=cpus(int(np.prod(list(sizes.values()))))),
-                               layouts=mesh.LayoutMap(LAYOUTS[shape]), view="global",
+                               layouts=mesh.LayoutMap(LAYOUTS[shape] if isinstance(shape, str) else STAGES),
+                               view="global",
                                batch_axes=("batch",) if "batch" in sizes else ())
   with repl.context():
     variables = {k: tf.Variable(v, name=k) for k, v in initial.items()}
@@ -121,6 +122,23 @@ def test_a_stacked_pipeline_trains_as_one_device_every_weight_and_slot(shape):
   for a, b in zip(opt.variables, one_opt.variables):  # Adam's slots and its step counter
     np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=0, atol=5e-7, err_msg=a.path)
   del repl
+
+
+GRID = [pytest.param(p, m, marks=() if (p, m) in ((2, 1), (4, 8)) else (pytest.mark.full_grid,))
+        for p in (2, 4) for m in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_two_and_four_stages_and_one_to_eight_microbatches_train_as_one_device_for_20_steps(p, m):
+  # 20 Adam steps on {"stage": p} against the blocks in a row on one device. Measured: 1.2e-7 to 5.2e-7 over the 8
+  # cases (p = 2, m = 8 the most); the same steps through stacked_pipeline on one device are 1.2e-7 to 4.3e-7 from
+  # it (p = 2 and 4, m = 2 and 8). Bound 2e-6.
+  initial, data = _initial(stages=p), _data()
+  one, _, one_losses = _one_device(20, initial, data)
+  _, ours, _, losses, _, _ = _global({"stage": p}, 20, initial, data, microbatches=m)
+  np.testing.assert_allclose(losses, one_losses, rtol=0, atol=2e-6)
+  for name in initial:
+    np.testing.assert_allclose(ours[name].numpy(), one[name].numpy(), rtol=0, atol=2e-6, err_msg=name)
 
 
 def test_each_device_keeps_its_stage_and_sends_one_microbatch_a_tile_each_way():
