@@ -106,20 +106,52 @@ class StackedBlocks(keras.layers.Layer):
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
       raise _errors.ArgumentError(f"replicator.StackedBlocks(stages={stages!r}): expected a positive int.")
     self.stages, self.microbatches = stages, microbatches
-    self._config = keras.layers.serialize(block)
     self._template = _Untracked(block)  # (not a sublayer: its weights are not the model's)
     self._stacked = []
+    self._given = None  # (from_layers: the stages' values, given)
+
+  @classmethod
+  def from_layers(cls, layers, microbatches: int, **kwargs) -> "StackedBlocks":
+    """``StackedBlocks`` of built layers of one kind and config (a backbone's transformer layers), holding their
+    current values: stage ``s``'s weights are ``layers[s]``'s (trained or loaded ones kept).
+
+    Build the layers where their values cost no device memory (outside a Replicator, or loaded on the host), and
+    make this layer in the Replicator's context: only the stacked weights are then the Replicator's.
+
+    Args:
+      layers: the blocks in their order, each built, of one class and the same weights' shapes (the first is the
+        template every stage calls, given its values).
+      microbatches: how many pieces the batch is split into.
+      **kwargs: Keras's layer arguments (``name``).
+    """
+    layers = list(layers)
+    if not layers or not all(isinstance(layer, keras.layers.Layer) and layer.built for layer in layers):
+      raise _errors.ArgumentError(f"replicator.StackedBlocks.from_layers({layers!r}): expected built Keras layers, "
+                                  "the blocks in their order.")
+
+    kinds = {(type(layer).__name__, tuple(tuple(w.shape) for w in layer.trainable_weights)) for layer in layers}
+    if len(kinds) != 1:
+      raise _errors.ArgumentError(
+          f"replicator.StackedBlocks.from_layers: the layers {[layer.name for layer in layers]} differ in their "
+          "class or their weights' shapes; expected identical blocks (only their values may differ). Fix: stack "
+          "the repeated blocks only; keep the others (an embedding, a head) before or after.")
+    # The first layer is the template (read through a StatelessScope only: its own values are never read).
+    made = cls(layers[0], stages=len(layers), microbatches=microbatches, **kwargs)
+    made._given = [[tf.convert_to_tensor(w.numpy()) for w in layer.trainable_weights] for layer in layers]
+    return made
 
   def build(self, input_shape):
     template = self._template.layer
-    _built_empty(template, input_shape)
+    if self._given is None:  # (from_layers: the first layer, built, is the template)
+      _built_empty(template, input_shape)
     stateful = [v.path for v in template.non_trainable_variables]
     if stateful:
       raise _errors.UnsupportedError(STATEFUL_BLOCK.format(name=self.name, block=template.name,
                                                            found=", ".join(stateful)))
     # Each stage's initial values drawn as a block of its own would draw them (a copy built alone, its values kept).
-    draws = [_built_empty(template.__class__.from_config(template.get_config()), input_shape)[1]
-             for _ in range(self.stages)]
+    draws = self._given or [_built_empty(template.__class__.from_config(template.get_config()), input_shape)[1]
+                             for _ in range(self.stages)]
+    self._given = None
     self._stacked = []
     for k, variable in enumerate(template.trainable_variables):
       # Named by position (kernel_2: the block's third weight, a kernel): its sublayers' names are Keras's counters'.
@@ -143,7 +175,9 @@ class StackedBlocks(keras.layers.Layer):
     return input_shape
 
   def get_config(self):
-    return {**super().get_config(), "block": self._config, "stages": self.stages, "microbatches": self.microbatches}
+    block = keras.layers.serialize(self._template.layer)
+    block.pop("build_config", None)  # (the template is built here, by build(), not by Keras's loader)
+    return {**super().get_config(), "block": block, "stages": self.stages, "microbatches": self.microbatches}
 
   @classmethod
   def from_config(cls, config):
