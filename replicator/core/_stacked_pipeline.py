@@ -17,10 +17,13 @@ stage axis (``("stage", None, ...)``), it is a pipeline, as praxis and MaxText w
 - the iterations are a ``tf.while_loop``, so the graph does not grow with ``m``; TensorFlow's gradient of the loop
   runs the iterations back, the rolls' gradients rolling the other way.
 
-The schedule is GPipe's: the forward passes of every microbatch, then the backward passes (the loop's saved
-values: each stage keeps its block's activations of all ``m`` microbatches). In the ``p - 1`` iterations that fill the pipeline and the
-``p - 1`` that drain it, stages compute on zeros: the bubble, ``(p - 1) / (m + p - 1)`` of the step, is
-spent computing rather than waiting.
+The schedule is GPipe's: the forward passes of every microbatch, then the backward passes. By default
+(``remat=True``, as GPipe) the blocks' gradient computes each block again from its input: the loop keeps each
+stage's block inputs of the ``m`` microbatches, not their activations, and the gradient loop's body holds its own
+ops (their shapes and constant operands known: a block vectorized by ``tf.vectorized_map``, KerasHub's attention
+among them, has values whose shapes TensorFlow's loop accumulators lose, and a gradient of the loop reading them
+could not be split). In the ``p - 1`` iterations that fill the pipeline and the ``p - 1`` that drain it, stages
+compute on zeros: the bubble, ``(p - 1) / (m + p - 1)`` of the step, is spent computing rather than waiting.
 
 The microbatches are strided: microbatch ``j`` holds rows ``j, j + m, j + 2 m, ...`` of the batch, so that a
 batch split over batch axes splits every microbatch alike (each device's rows of a microbatch are its own
@@ -80,7 +83,41 @@ def _specs(x) -> str:
     return repr(x)
 
 
-def stacked_pipeline(block, weights, inputs, *, microbatches: int):
+def _vectorized(block, weights, x):
+  """Every stage's block on its row of ``x``: ``block`` vectorized over the stages (their weights' first dimension)."""
+  return tf.vectorized_map(lambda args: block(*args), (weights, x), fallback_to_while_loop=False)
+
+
+def _recomputed(block, weights, x):
+  """:func:`_vectorized`, its gradient computing the blocks again from their inputs (saved: the inputs only).
+
+  The gradient is each stage's, vectorized too: its own ops (their shapes and constant operands known in the loop's
+  gradient body), none of the forward's values accumulated by the loop.
+  """
+  leaves, weight_leaves = tree.flatten(x), tree.flatten(weights)
+
+  @tf.custom_gradient
+  def run(*flat):
+    ws, xs = tree.unflatten_as(weights, flat[:len(weight_leaves)]), tree.unflatten_as(x, flat[len(weight_leaves):])
+    out = _vectorized(block, ws, xs)
+
+    def grad(*dys):
+      def one(args):
+        w, h, dy = args
+        with tf.GradientTape() as tape:
+          tape.watch(tree.flatten((w, h)))
+          y = block(w, h)
+        return tape.gradient(tree.flatten(y), tree.flatten((w, h)), output_gradients=list(dy),
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+      return tf.vectorized_map(one, (ws, xs, list(dys)), fallback_to_while_loop=False)
+
+    return tree.flatten(out), grad
+
+  return tree.unflatten_as(x, run(*weight_leaves, *leaves))
+
+
+def stacked_pipeline(block, weights, inputs, *, microbatches: int, remat: bool = True):
   """``block`` applied to ``inputs`` once a stage, in a row, as a pipeline over the stages' devices.
 
   Computes ``block(weights[p - 1], ... block(weights[1], block(weights[0], inputs)))``, where each leaf of
@@ -104,6 +141,9 @@ def stacked_pipeline(block, weights, inputs, *, microbatches: int):
     inputs: the batch (a tensor or nest, rows first, the same static rows in every leaf).
     microbatches: how many pieces the batch is split into: ``m`` dividing the rows; microbatch ``j`` holds rows
       ``j, j + m, ...`` (so a batch split over the batch axes splits each microbatch alike).
+    remat: the backward pass computes each block again from its inputs (each stage keeps its blocks' inputs of
+      the ``m`` microbatches, not their activations; a forward pass more), as GPipe does; False: TensorFlow's
+      gradient of the loop, which keeps every value the blocks' gradients read.
 
   Returns:
     The last block's outputs for ``inputs``, in their order (as ``inputs``: structure and shapes).
@@ -131,7 +171,7 @@ def stacked_pipeline(block, weights, inputs, *, microbatches: int):
 
   def step(t, state, outputs):
     taken = tree.map_structure(lambda s, x: tf.where(on_stage(0, s.shape.rank), tf.gather(x, t)[None], s), state, xs)
-    done = tf.vectorized_map(lambda args: block(*args), (weights, taken), fallback_to_while_loop=False)
+    done = (_recomputed if remat else _vectorized)(block, weights, taken)
     found, expected = _specs(done), _specs(taken)
     if found != expected:
       raise _errors.ArgumentError(NOT_A_BLOCK.format(location=location, found=found, expected=expected))
