@@ -10,6 +10,7 @@ after another was measured 1-3% slow against neutral variants.)
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -105,3 +106,10 @@ def table(header: list[str], rows: list[list[object]], align: str | None = None)
            "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
   lines += ["| " + " | ".join(row) + " |" for row in cells]
   return "\n".join(lines)
+
+
+def save_json(results, path: str | None) -> None:
+  """Writes ``results`` to ``path`` (``--json``), if given."""
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1)

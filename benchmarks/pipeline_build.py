@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import _timing
+
 VARIANTS = ("local_pipeline", "local_plain", "stacked_m2", "stacked_m8", "global_plain")
 BLOCKS, WIDTH, FEATURES, ROWS = 4, 128, 32, 64
 
@@ -145,9 +147,7 @@ def main(argv=None) -> dict:
   for name in ("local_pipeline / local_plain", "stacked_m8 / stacked_m2", "stacked_m8 / global_plain"):
     print(f"{name}: per round {', '.join(f'{x:.2f}' for x in results[name]['per_round'])} "
           f"(median {results[name]['median']:.2f})")
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=1)
+  _timing.save_json(results, args.json)
   return results
 
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import _timing
+
 SPLITS = {"seq": ({"batch": 2, "seq": 2}, ("batch", "seq")), "data": ({"batch": 4}, None)}
 LENGTH, BATCH, HIDDEN, VOCABULARY = 128, 8, 64, 256
 
@@ -99,9 +101,7 @@ def main(argv=None) -> dict:
     print(f"{model}: sequence split {', '.join(f'{s:.1f}' for s in builds['seq'])} s; data parallel "
           f"{', '.join(f'{s:.1f}' for s in builds['data'])} s; ratio per round "
           f"{', '.join(f'{x:.2f}' for x in ratios)} (median {results[model]['median_ratio']:.2f}; target <= 1.3)")
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=1)
+  _timing.save_json(results, args.json)
   return results
 
 
