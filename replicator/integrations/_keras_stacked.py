@@ -42,8 +42,9 @@ def _built_empty(layer, input_shape):
   """``(layer, values)``: ``layer`` built on ``input_shape`` with no storage, and its trainable weights' initial values.
 
   Its variables are made with an empty value (``tf.variable_creator_scope``: a tensor of no element, its dimensions
-  unknown to TensorFlow; Keras keeps their shapes) and are only read under a ``keras.StatelessScope`` mapping them to the stacked weights' values; their
-  initializers' values are returned, in ``layer.trainable_variables``' order (eager tensors on the host).
+  unknown to TensorFlow; Keras keeps their shapes) and are only read under a ``keras.StatelessScope`` mapping them
+  to the stacked weights' values; their initializers' values are returned, in ``layer.trainable_variables``' order
+  (eager tensors on the host).
   """
   drawn = {}
 
@@ -80,8 +81,9 @@ class StackedBlocks(keras.layers.Layer):
   """``stages`` copies of a Keras block, their weights stacked, called in a row as a pipeline over a stage axis.
 
   On one device the copies run in a row: ``block_{p-1}( ... block_0(x))``. In the global view, with the stacked
-  weights laid out over a stage axis (``stage_layouts``), a microbatch's activation goes from stage to stage
-  (``replicator.stacked_pipeline``: GPipe's schedule, the graph the same for any number of microbatches).
+  weights laid out over a stage axis (below), a microbatch's activation goes from stage to stage
+  (``replicator.stacked_pipeline``: GPipe's schedule, each block computed again in the backward pass, the graph the
+  same for any number of microbatches); Keras's ``fit`` trains a model holding it so.
 
   Examples:
     >>> layer = replicator.StackedBlocks(keras.layers.Dense(4), stages=3, microbatches=2, name="blocks")
