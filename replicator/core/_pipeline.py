@@ -111,6 +111,14 @@ def global_order(schedule: str, devices: int, chunks: int, microbatches: int) ->
   return out
 
 
+def check_microbatches(microbatches, call: str, location: str, batch: str) -> None:
+  """Raises ``ArgumentError`` unless ``microbatches`` is a positive int (``call``'s argument; ``batch``: what it
+  splits, as the message says it)."""
+  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+    raise _errors.ArgumentError(f"{call}(microbatches={microbatches!r}) at {location}: expected a positive int, how "
+                                f"many pieces {batch} is split into.")
+
+
 def _rows(x, location: str):
   """The rows of ``x``'s leaves: an int where static, else a scalar tensor (a batch of any size)."""
   leaves = [t for t in tree.flatten(x) if t.shape.rank]
@@ -225,9 +233,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
                                 "expected one stage a device along the axis. Fix: pass as many stages as the axis "
                                 "has devices (join layers into a stage with keras.Sequential), a multiple of them "
                                 "with schedule='interleaved' or 'gpipe', or another axis.")
-  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-    raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches!r}) at {location}: expected a positive "
-                                "int, how many pieces each replica's batch is split into.")
+  check_microbatches(microbatches, "repl.pipeline", location, "each replica's batch")
   if schedule == "interleaved" and microbatches % count:
     raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}, schedule='interleaved') at {location}: "
                                 f"the interleaved schedule takes the microbatches in groups of the {count} devices; "

@@ -36,6 +36,7 @@ import tensorflow as tf
 import tree
 
 from replicator.core import _errors
+from replicator.core import _pipeline
 from replicator.core import _primitives
 
 NOT_A_BLOCK = (
@@ -65,9 +66,7 @@ def _rows(inputs, microbatches: int, location: str) -> int:
         f"replicator.stacked_pipeline at {location}: expected inputs with the same static first dimension (the "
         f"batch's rows) in every leaf; found {[w.shape for w in leaves] if leaves else 'no inputs'}.")
   (count,) = rows
-  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-    raise _errors.ArgumentError(f"replicator.stacked_pipeline(microbatches={microbatches!r}) at {location}: "
-                                "expected a positive int, how many pieces the batch is split into.")
+  _pipeline.check_microbatches(microbatches, "replicator.stacked_pipeline", location, "the batch")
   if count % microbatches:
     raise _errors.ArgumentError(
         f"replicator.stacked_pipeline(microbatches={microbatches}) at {location}: the batch has {count} rows, "
