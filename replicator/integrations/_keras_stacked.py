@@ -38,8 +38,8 @@ class _Untracked:
     self.layer = layer
 
 
-def _built_empty(layer, input_shape):
-  """``(layer, values)``: ``layer`` built on ``input_shape`` with no storage, and its trainable weights' initial values.
+def _built_empty(layer, input_shape) -> list:
+  """Builds ``layer`` on ``input_shape`` with no storage; returns its trainable weights' initial values.
 
   Its variables are made with an empty value (``tf.variable_creator_scope``: a tensor of no element, its dimensions
   unknown to TensorFlow; Keras keeps their shapes) and are only read under a ``keras.StatelessScope`` mapping them
@@ -73,7 +73,7 @@ def _built_empty(layer, input_shape):
           "holds a value); expected a block not yet built, which StackedBlocks builds as a template. Fix: pass "
           "a new block (keras.layers.Dense(...), not one already called).")
     values.append(value)
-  return layer, values
+  return values
 
 
 @keras.saving.register_keras_serializable("replicator")
@@ -151,7 +151,7 @@ class StackedBlocks(keras.layers.Layer):
       raise _errors.UnsupportedError(STATEFUL_BLOCK.format(name=self.name, block=template.name,
                                                            found=", ".join(stateful)))
     # Each stage's initial values drawn as a block of its own would draw them (a copy built alone, its values kept).
-    draws = self._given or [_built_empty(template.__class__.from_config(template.get_config()), input_shape)[1]
+    draws = self._given or [_built_empty(template.__class__.from_config(template.get_config()), input_shape)
                              for _ in range(self.stages)]
     self._given = None
     self._stacked = []
