@@ -11,9 +11,13 @@ after another was measured 1-3% slow against neutral variants.)
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -113,3 +117,24 @@ def save_json(results, path: str | None) -> None:
   if path:
     with open(path, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=1)
+
+
+def fresh_builds(module: str, children: Mapping[str, Sequence[str]], rounds: int) -> dict[str, list[float]]:
+  """``{name: [build seconds a round]}``: ``python -m module --child *args`` for each of ``children`` in a fresh
+  process, ``rounds`` times, the order reversed every other round (a machine's speed drifts; neighbours' ratio not).
+
+  Each child prints a JSON object with ``build_s`` on its last line.
+  """
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  builds = {name: [] for name in children}
+  for r in range(rounds):
+    for name in (list(children) if r % 2 == 0 else list(children)[::-1]):
+      out = subprocess.run([sys.executable, "-m", module, "--child", *children[name]], capture_output=True,
+                           text=True, check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), cwd=root)
+      builds[name].append(json.loads(out.stdout.strip().splitlines()[-1])["build_s"])
+  return builds
+
+
+def round_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+  """The ratio of each round's two builds, sorted (its median: the middle one)."""
+  return sorted(a / b for a, b in zip(numerators, denominators))

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
 from benchmarks import _timing
@@ -127,16 +124,10 @@ def main(argv=None) -> dict:
   if args.child:
     print(json.dumps(_child(args.child)))
     return {}
-  builds = {v: [] for v in VARIANTS}
-  for r in range(args.rounds):
-    for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-      out = subprocess.run([sys.executable, "-m", "benchmarks.pipeline_build", "--child", variant],
-                           capture_output=True, text=True, check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-      builds[variant].append(json.loads(out.stdout.strip().splitlines()[-1])["build_s"])
+  builds = _timing.fresh_builds("benchmarks.pipeline_build", {v: [v] for v in VARIANTS}, args.rounds)
 
   def ratios(a, b):
-    found = sorted(x / y for x, y in zip(builds[a], builds[b]))
+    found = _timing.round_ratios(builds[a], builds[b])
     return {"per_round": found, "median": found[len(found) // 2]}
 
   results = {"builds_s": builds, "local_pipeline / local_plain": ratios("local_pipeline", "local_plain"),

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
 from benchmarks import _timing
@@ -88,14 +85,9 @@ def main(argv=None) -> dict:
     return {}
   results = {}
   for model in args.models.split(","):
-    builds = {"seq": [], "data": []}
-    for r in range(args.rounds):
-      for split in (("seq", "data") if r % 2 == 0 else ("data", "seq")):
-        out = subprocess.run([sys.executable, "-m", "benchmarks.sequence_build", "--child", model, split],
-                             capture_output=True, text=True, check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        builds[split].append(json.loads(out.stdout.strip().splitlines()[-1])["build_s"])
-    ratios = sorted(s / d for s, d in zip(builds["seq"], builds["data"]))
+    builds = _timing.fresh_builds("benchmarks.sequence_build", {"seq": [model, "seq"], "data": [model, "data"]},
+                                  args.rounds)
+    ratios = _timing.round_ratios(builds["seq"], builds["data"])
     results[model] = {"seq_s": builds["seq"], "data_s": builds["data"], "ratios": ratios,
                       "median_ratio": ratios[len(ratios) // 2]}
     print(f"{model}: sequence split {', '.join(f'{s:.1f}' for s in builds['seq'])} s; data parallel "
