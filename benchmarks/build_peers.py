@@ -49,10 +49,6 @@ def _cpu_seconds() -> float:
   return usage.ru_utime + usage.ru_stime
 
 
-def _cpus(n: int) -> list[str]:
-  return [f"/device:CPU:{i}" for i in range(n)]
-
-
 def _first_call(call) -> dict:
   cpu0, t0 = _cpu_seconds(), time.perf_counter()
   loss = call()
@@ -78,7 +74,7 @@ def mobilenet_v2(side: str) -> dict:
   x = rng.uniform(size=(global_view.NET_BATCH, global_view.IMAGE, global_view.IMAGE, 3)).astype("float32")
   y = rng.integers(0, global_view.NET_CLASSES, size=(global_view.NET_BATCH,)).astype("int32")
   dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
-  devices = _cpus(global_view.DEVICES)
+  devices = global_view.cpus(global_view.DEVICES)
   t0 = time.perf_counter()
   if side == OURS:
     import replicator
@@ -143,7 +139,7 @@ def transformer(side: str) -> dict:
   if side == OURS:
     import mesh
     import replicator
-    repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 4}, devices=_cpus(8)),
+    repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "model": 4}, devices=global_view.cpus(8)),
                                  layouts=mesh.LayoutMap(global_view.MEGATRON), batch_axes=("batch",), view="global")
     with repl.context():
       model, optimizer = global_view._transformer(), keras.optimizers.Adam(global_view.ADAM_LR)  # pylint: disable=protected-access

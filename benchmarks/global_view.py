@@ -169,7 +169,8 @@ def log(message: str) -> None:
   print(message, flush=True)
 
 
-def _cpus(n: int) -> list[str]:
+def cpus(n: int) -> list[str]:
+  """The names of the first ``n`` logical CPU devices (the benchmarks' configurations place their steps on them)."""
   return [f"/device:CPU:{i}" for i in range(n)]
 
 
@@ -233,7 +234,7 @@ def _mlp_global(weights, x, y) -> _Mlp:
   import tensorflow as tf
 
   import mesh
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=_cpus(DEVICES))
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(DEVICES))
   repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(MLP_LAYOUTS), batch_axes=("batch",), view="global")
   with repl.context():
     variables = _variables(tf, weights)
@@ -250,7 +251,7 @@ def _mlp_local(weights, x, y, wrapped: bool) -> _Mlp:
   import tensorflow as tf
 
   import mesh
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=_cpus(DEVICES))
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(DEVICES))
   repl = replicator.Replicator(mesh=m, batch_axes=("batch",))
   with repl.context(layouts=mesh.LayoutMap(MLP_LAYOUTS)):
     variables = _variables(tf, weights)
@@ -408,7 +409,7 @@ def _megatron_local(weights: dict, dataset):
   import tensorflow as tf
 
   import mesh
-  m = mesh.Mesh({"batch": 2, "model": 2}, devices=_cpus(DEVICES))
+  m = mesh.Mesh({"batch": 2, "model": 2}, devices=cpus(DEVICES))
   repl = replicator.Replicator(mesh=m, batch_axes=("batch",))
   batches, model_size = m.shape["batch"], m.shape["model"]
   paths = list(weights)
@@ -525,7 +526,7 @@ def transformer(rounds: int, budget_seconds: float) -> dict:
       (TF_MEGATRON, {"batch": 2, "model": 2}, MEGATRON, DROPOUT, "auto"),
       (TF_DATA, {"batch": 4}, None, DROPOUT, "auto"),
       (TF_MEGATRON_NODROP, {"batch": 2, "model": 2}, MEGATRON, 0.0, "replicated")):
-    repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=_cpus(DEVICES)),
+    repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=cpus(DEVICES)),
                                  layouts=mesh.LayoutMap(layouts) if layouts else None, batch_axes=("batch",),
                                  view="global", update=update)
     with repl.context():
@@ -534,7 +535,7 @@ def transformer(rounds: int, budget_seconds: float) -> dict:
     step_fn = _transformer_step(model, optimizer)
     calls[name] = functools.partial(lambda repl, step_fn: float(repl.run(step_fn, dataset)), repl, step_fn)
     models[name], repls[name], steps[name] = model, repl, step_fn
-  repl = replicator.Replicator(devices=_cpus(DEVICES))
+  repl = replicator.Replicator(devices=cpus(DEVICES))
   with repl.context():
     model, optimizer = _transformer(), repl.wrap_optimizer(keras.optimizers.Adam(ADAM_LR))
     optimizer.build(model.trainable_variables)
@@ -693,10 +694,10 @@ def child_build(config: str) -> dict:
       return float(fn(iterator))
   else:
     if view == GLOBAL:
-      repl = replicator.Replicator(mesh=mesh.Mesh({"batch": DEVICES}, devices=_cpus(DEVICES)), batch_axes=("batch",),
+      repl = replicator.Replicator(mesh=mesh.Mesh({"batch": DEVICES}, devices=cpus(DEVICES)), batch_axes=("batch",),
                                    view="global")
     else:
-      repl = replicator.Replicator(devices=_cpus(DEVICES))
+      repl = replicator.Replicator(devices=cpus(DEVICES))
     with repl.context():
       model = make()
       optimizer = keras.optimizers.Adam(1e-3)

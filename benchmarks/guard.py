@@ -227,10 +227,6 @@ def measure_multiworker(name: str, log) -> dict:
 # -- the configurations (run in the child processes) ---------------------------------------------------------------
 
 
-def _cpus(n: int) -> list[str]:
-  return [f"/device:CPU:{i}" for i in range(n)]
-
-
 def _setup(config: str, devices: int):
   """Builds ``config`` in this process; returns a function running one call and returning its loss (a float)."""
   import keras
@@ -247,7 +243,7 @@ def _setup(config: str, devices: int):
     if variant == "one device":
       return global_view._mlp_one(weights, x, y).step  # pylint: disable=protected-access
     import mesh
-    m = mesh.Mesh({"batch": 2, "model": 2}, devices=_cpus(4))
+    m = mesh.Mesh({"batch": 2, "model": 2}, devices=global_view.cpus(4))
     repl = replicator.Replicator(mesh=m, layouts=mesh.LayoutMap(global_view.MLP_LAYOUTS), batch_axes=("batch",),
                                  view="global", atomic=variant == "ours")
     with repl.context():
@@ -263,9 +259,9 @@ def _setup(config: str, devices: int):
   if variant == "one device":
     return step_time.single_device(spec, weights, x, y).call
   if variant == "MirroredStrategy":
-    return step_time.mirrored(spec, weights, x, y, _cpus(devices)).call
+    return step_time.mirrored(spec, weights, x, y, global_view.cpus(devices)).call
   if variant == "MirroredStrategy R2OD":
-    return step_time.mirrored(spec, weights, x, y, _cpus(devices), tf.distribute.ReductionToOneDevice()).call
+    return step_time.mirrored(spec, weights, x, y, global_view.cpus(devices), tf.distribute.ReductionToOneDevice()).call
   original = replicator.Replicator.__init__
   atomic = variant == "ours"
 
@@ -274,7 +270,7 @@ def _setup(config: str, devices: int):
 
   replicator.Replicator.__init__ = init  # step_time.ours makes the Replicator with the library's defaults
   try:
-    setup = step_time.ours(spec, weights, x, y, _cpus(devices))
+    setup = step_time.ours(spec, weights, x, y, global_view.cpus(devices))
   finally:
     replicator.Replicator.__init__ = original
   del np
