@@ -1,6 +1,7 @@
 """A pre-norm residual MLP block (LayerNormalization, two Dense layers): the block the stacked-pipeline tests stack."""
 
 import keras
+import numpy as np
 
 
 @keras.saving.register_keras_serializable("tests")
@@ -21,24 +22,27 @@ class Residual(keras.layers.Layer):
     return {**super().get_config(), "width": self.width}
 
 
-def in_a_row(stacked_model, make_plain, stages: int, layer="blocks"):
-  """``make_plain()`` (a model whose blocks are layers ``block0``, ``block1``, ...) given ``stacked_model``'s values:
-  each block the stacked weights' slice of its stage, every other layer its namesake's."""
-  model = make_plain()
-  stacked = stacked_model.get_layer(layer).trainable_weights
-  for s in range(stages):
-    for k, w in enumerate(model.get_layer(f"block{s}").trainable_weights):
-      w.assign(stacked[k].numpy()[s])
-  for own in model.layers:
-    if not own.name.startswith("block") and own.weights:
-      for w, v in zip(own.weights, stacked_model.get_layer(own.name).weights):
-        w.assign(v.numpy())
-  return model
+def given_stacked(plain, values: dict, stages: int):
+  """``plain`` (a model whose blocks are layers ``block0``, ``block1``, ...) given a stacked model's values (``{path:
+  array}``): each block its stage's slice of the stacked weights, every other weight its namesake's."""
+  for path, weights in stacked_paths(plain, stages).items():
+    for s, w in enumerate(weights):
+      w.assign(values[path][s])
+  for w in plain.trainable_weights:
+    if not w.path.startswith("block"):
+      w.assign(values[w.path])
+  return plain
+
+
+def as_stacked(plain, stages: int) -> dict:
+  """``plain``'s values as the stacked model holds them: ``{path: array}`` (the inverse of :func:`given_stacked`)."""
+  return {**{path: np.stack([w.numpy() for w in weights]) for path, weights in stacked_paths(plain, stages).items()},
+          **{w.path: w.numpy() for w in plain.trainable_weights if not w.path.startswith("block")}}
 
 
 def two_blocks(stacked: bool, features=5, width=8, outputs=2, microbatches=2):
   """Dense(width) "inp", two Residual blocks (replicator.StackedBlocks "blocks", or layers block0 and block1), Dense
-  (outputs) "out": the multi-client scenario's model and its one-device reference."""
+  (outputs) "out": the stacked tests' model and its one-device reference."""
   import replicator  # pylint: disable=import-outside-toplevel
   inputs = keras.Input((features,))
   hidden = keras.layers.Dense(width, name="inp")(inputs)

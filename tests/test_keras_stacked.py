@@ -6,8 +6,9 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
-from residual_block import Residual
-from residual_block import in_a_row
+from residual_block import as_stacked
+from residual_block import given_stacked
+from residual_block import two_blocks
 
 import mesh
 import replicator
@@ -17,21 +18,14 @@ STAGES, WIDTH, FEATURES, ROWS = 2, 8, 6, 32
 
 def _model(stacked: bool, microbatches=4):
   keras.utils.set_random_seed(0)
-  inputs = keras.Input((FEATURES,))
-  h = keras.layers.Dense(WIDTH, name="inp")(inputs)
-  if stacked:
-    h = replicator.StackedBlocks(Residual(WIDTH), stages=STAGES, microbatches=microbatches, name="blocks")(h)
-  else:
-    for s in range(STAGES):
-      h = Residual(WIDTH, name=f"block{s}")(h)
-  model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+  model = two_blocks(stacked, features=FEATURES, width=WIDTH, outputs=1, microbatches=microbatches)
   model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
   return model
 
 
 def _in_a_row(stacked_model):
   """The one-device model of the blocks in a row, with ``stacked_model``'s values."""
-  return in_a_row(stacked_model, lambda: _model(stacked=False), STAGES)
+  return given_stacked(_model(stacked=False), {w.path: w.numpy() for w in stacked_model.weights}, STAGES)
 
 
 def _data():
@@ -39,13 +33,10 @@ def _data():
   return rng.normal(size=(ROWS, FEATURES)).astype("float32"), rng.normal(size=(ROWS, 1)).astype("float32")
 
 
-def _as_stacked(model):
-  """``model``'s (the blocks in a row) weights in the stacked model's order: the blocks' stacked."""
-  blocks = [model.get_layer(f"block{s}").trainable_weights for s in range(STAGES)]
-  stacked = [np.stack([b[k].numpy() for b in blocks]) for k in range(len(blocks[0]))]
-  values = [w.numpy() for w in model.get_layer("inp").weights] + stacked + [w.numpy() for w in
-                                                                           model.get_layer("out").weights]
-  return [tf.Variable(v, name=f"reference_{k}") for k, v in enumerate(values)]
+def _as_stacked(model, stacked_model):
+  """``model``'s (the blocks in a row) weights as ``stacked_model`` holds them, in its order."""
+  values = as_stacked(model, STAGES)
+  return [tf.Variable(values[w.path], name=f"reference_{k}") for k, w in enumerate(stacked_model.trainable_weights)]
 
 
 def test_the_stacked_weights_are_the_blocks_each_drawn_as_alone_and_on_one_device_they_run_in_a_row():
@@ -83,7 +74,7 @@ def test_keras_fit_with_stacked_blocks_over_a_stage_axis_is_one_device_fit(shape
   with repl.context():
     ours = _model(stacked=True)
   ours.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  assert_every_copy(ours.trainable_weights, _as_stacked(reference), atol=2e-6)
+  assert_every_copy(ours.trainable_weights, _as_stacked(reference, ours), atol=2e-6)
   assert int(ours.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 4
   # Each device: its stage's blocks and their two Adam slots, the rest replicated (and Adam's counters).
   stacked = sum(w.numpy().nbytes for w in ours.trainable_weights if w.path.startswith("blocks/"))

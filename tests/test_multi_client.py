@@ -392,20 +392,13 @@ def test_stacked_blocks_with_their_stages_on_two_workers_train_as_one_device(tmp
   # its gradient's. 4 Adam steps against the blocks in a row on one device.
   results = _launch(tmp_path, "stacked_global", 2, 2)
   first = results[0]
-  plain = residual_block.two_blocks(stacked=False)
-  stacked = residual_block.stacked_paths(plain, 2)
-  for path, weights in stacked.items():
-    for s, w in enumerate(weights):
-      w.assign(first[f"initial/{path}"][s])
-  others = [w for w in plain.trainable_weights if not w.path.startswith("block")]
-  for w in others:
-    w.assign(first[f"initial/{w.path}"])
+  initial = {k[len("initial/"):]: v for k, v in first.items() if k.startswith("initial/")}
+  plain = residual_block.given_stacked(residual_block.two_blocks(stacked=False), initial, 2)
   optimizer = keras.optimizers.Adam(0.05)
   step = tf.function(mse_step(plain, optimizer))
   losses = [float(step((X[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], Y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])))
             for i in range(STEPS)]
-  expected = {**{path: np.stack([w.numpy() for w in weights]) for path, weights in stacked.items()},
-              **{w.path: w.numpy() for w in others}}
+  expected = residual_block.as_stacked(plain, 2)
   for task, found in enumerate(results):
     np.testing.assert_allclose(found["losses"], losses, **TOLERANCE)
     for path, value in expected.items():
