@@ -1,4 +1,4 @@
-"""``core/_tf_op_callbacks.py``: a trace's random draws and reads of written variables, replayed in a second trace."""
+"""``core/_tf_op_callbacks.py``: a trace's random draws and variable reads, replayed in a second trace."""
 
 import pytest
 import tensorflow as tf

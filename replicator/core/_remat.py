@@ -18,15 +18,17 @@ the gradients, are the first pass's:
 * random draws: stateless ops (``tf.random.stateless_*``, Keras's Dropout on
   TensorFlow) draw again from the same seed tensors; stateful random ops
   (``tf.random.uniform``, ``tf.random.normal``, ``tf.random.Generator``'s
-  draws) give the first pass's outputs; reads of a variable the function
-  writes (Keras's ``SeedGenerator`` state, a layer's moving statistics) give
-  the values the first pass read. Each variable the function writes is set
+  draws) give the first pass's outputs; every variable read gives the value
+  the first pass read (the weights, and the variables the function writes:
+  Keras's ``SeedGenerator`` state, a layer's moving statistics), however
+  TensorFlow orders the step's writes. Each variable the function writes is set
   back, after the recomputation, to the value it held when the backward pass
   began: the function's writes happen once, as without remat.
 
 What the backward pass keeps from the forward pass: the inputs, the outputs
-of the stateful random ops and the values read of the variables the function
-writes (a Keras seed is two integers). It recomputes every other op, once the
+of the stateful random ops and the values it read of variables (a read
+holds the variable's buffer: no copy, unless the variable is written before
+the backward pass; a Keras seed is two integers). It recomputes every other op, once the
 gradient of the outputs exists (the inputs of the recomputation depend on it,
 so TensorFlow cannot run it early, nor merge it with the forward pass).
 

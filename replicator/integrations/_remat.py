@@ -113,12 +113,13 @@ def remat(fn):
     TensorFlow) draw from the same seeds again; stateful ops
     (``tf.random.uniform``, ``tf.random.Generator``) give the first pass's
     values, which the backward pass keeps (as it keeps the inputs);
-  * variables the block writes (Keras's seed generators, BatchNormalization's
-    moving statistics) are read as the first pass read them and written once,
-    as without remat.
+  * variables are read as the first pass read them (its weights, and what
+    it writes: Keras's seed generators, BatchNormalization's moving
+    statistics), and written once, as without remat.
 
   What is saved for the backward pass: the block's inputs, the outputs of its
-  stateful random ops, and the values it read of the variables it writes.
+  stateful random ops, and the values it read of variables (the variables'
+  own buffers, no copy unless they are written before the backward pass).
   Everything else is recomputed, once the gradient of the block's outputs
   exists. Executed eagerly (outside any ``tf.function``) the block runs as
   without remat: the recomputation needs a graph to replay draws in; so does
