@@ -28,10 +28,11 @@ outputs of the random ops and of every variable read (a read's output holds
 the variable's buffer, so keeping it costs no copy unless the variable is
 written before the replay consumes it); everything else is computed again.
 Every read, not only those of variables the function writes: a read made
-again in the backward pass is ordered before the step's later writes, but
-TensorFlow 2.21 ran an optimizer's update of a weight before such a read
-about once in 200 fresh Keras models (nested ``RematScope`` blocks, 2
-threads), and the gradient came from the updated weight.
+again in the backward pass is ordered before the step's later writes, yet
+with nested ``RematScope`` blocks and an optimizer in the step such a read
+gave another value than the first pass's about once in 200 fresh Keras
+models on TensorFlow 2.21 (none with Grappler off or one inter-op thread;
+the cause inside TensorFlow not pinned down), and a gradient was off.
 """
 
 from __future__ import annotations
