@@ -40,16 +40,17 @@ def as_stacked(plain, stages: int) -> dict:
           **{w.path: w.numpy() for w in plain.trainable_weights if not w.path.startswith("block")}}
 
 
-def two_blocks(stacked: bool, features=5, width=8, outputs=2, microbatches=2):
-  """Dense(width) "inp", two Residual blocks (replicator.StackedBlocks "blocks", or layers block0 and block1), Dense
-  (outputs) "out": the stacked tests' model and its one-device reference."""
+def two_blocks(stacked: bool, features=5, width=8, outputs=2, microbatches=2, blocks=2, repeats=1):
+  """Dense(width) "inp", ``blocks`` Residual blocks (replicator.StackedBlocks "blocks" of ``repeats`` rounds, or
+  layers block0, block1, ...), Dense(outputs) "out": the stacked tests' model and its one-device reference."""
   import replicator  # pylint: disable=import-outside-toplevel
   inputs = keras.Input((features,))
   hidden = keras.layers.Dense(width, name="inp")(inputs)
   if stacked:
-    hidden = replicator.StackedBlocks(Residual(width), stages=2, microbatches=microbatches, name="blocks")(hidden)
+    hidden = replicator.StackedBlocks(Residual(width), stages=blocks // repeats, microbatches=microbatches,
+                                      repeats=repeats, name="blocks")(hidden)
   else:
-    for s in range(2):
+    for s in range(blocks):
       hidden = Residual(width, name=f"block{s}")(hidden)
   return keras.Model(inputs, keras.layers.Dense(outputs, name="out")(hidden))
 

@@ -78,11 +78,13 @@ def _built_empty(layer, input_shape) -> list:
 
 @keras.saving.register_keras_serializable("replicator")
 class StackedBlocks(keras.layers.Layer):
-  """``stages`` copies of a Keras block, their weights stacked, called in a row as a pipeline over a stage axis.
+  """``stages`` copies of a Keras block (``repeats`` rounds of them), their weights stacked, called in a row as a
+  pipeline over a stage axis.
 
-  On one device the copies run in a row: ``block_{p-1}( ... block_0(x))``. In the global view, with the stacked
-  weights laid out over a stage axis (below), a microbatch's activation goes from stage to stage
-  (``replicator.stacked_pipeline``: GPipe's schedule, each block computed again in the backward pass, the graph the
+  On one device the copies run in a row: ``block_{n-1}( ... block_0(x))``, ``n = repeats * stages``. In the global
+  view, with the stacked weights laid out over a stage axis (below), a microbatch's activation goes from stage to
+  stage (``replicator.stacked_pipeline``: GPipe's schedule, or with ``repeats = v`` the circular one, each
+  microbatch going round the stages ``v`` times; each block computed again in the backward pass, the graph the
   same for any number of microbatches); Keras's ``fit`` trains a model holding it so.
 
   Examples:
@@ -91,29 +93,34 @@ class StackedBlocks(keras.layers.Layer):
     (TensorShape([6, 4]), [('blocks/kernel_0', (3, 4, 4)), ('blocks/bias_1', (3, 4))])
 
   Their layouts over a stage axis, for every stacked weight whatever its rank:
-  ``mesh.LayoutMap({r"^blocks/": ("stage",)}, pad=True)``.
+  ``mesh.LayoutMap({r"^blocks/": ("stage",)}, pad=True)``; with ``repeats > 1`` the weights are stacked
+  ``[repeats, stages, ...]`` (block ``r * stages + s`` at ``[r, s]``, on stage ``s``):
+  ``mesh.LayoutMap({r"^blocks/": (None, "stage")}, pad=True)``.
 
   Args:
     block: a Keras layer, not built, whose output has its input's shape (its config is what the stages copy).
-    stages: how many copies, one a device along the stage axis.
-    microbatches: how many pieces the batch is split into (dividing its rows).
+    stages: how many copies a round, one a device along the stage axis.
+    microbatches: how many pieces the batch is split into (dividing its rows; at least ``stages`` with repeats).
+    repeats: how many rounds of the stages (``repeats * stages`` blocks in a row, ``repeats`` a device).
     **kwargs: Keras's layer arguments (``name``: the stacked weights' paths start with it).
   """
 
-  def __init__(self, block, stages: int, microbatches: int, **kwargs):
+  def __init__(self, block, stages: int, microbatches: int, repeats: int = 1, **kwargs):
     super().__init__(**kwargs)
     if not isinstance(block, keras.layers.Layer):
       raise _errors.ArgumentError(f"replicator.StackedBlocks(block={block!r}): expected a Keras layer (the block "
                                   "the stages copy).")
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
       raise _errors.ArgumentError(f"replicator.StackedBlocks(stages={stages!r}): expected a positive int.")
-    self.stages, self.microbatches = stages, microbatches
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+      raise _errors.ArgumentError(f"replicator.StackedBlocks(repeats={repeats!r}): expected a positive int.")
+    self.stages, self.microbatches, self.repeats = stages, microbatches, repeats
     self._template = _Untracked(block)  # (not a sublayer: its weights are not the model's)
     self._stacked = []
     self._given = None  # (from_layers: the stages' values, given)
 
   @classmethod
-  def from_layers(cls, layers, microbatches: int, **kwargs) -> "StackedBlocks":
+  def from_layers(cls, layers, microbatches: int, repeats: int = 1, **kwargs) -> "StackedBlocks":
     """``StackedBlocks`` of built layers of one kind and config (a backbone's transformer layers), holding their
     current values: stage ``s``'s weights are ``layers[s]``'s (trained or loaded ones kept).
 
@@ -124,6 +131,8 @@ class StackedBlocks(keras.layers.Layer):
       layers: the blocks in their order, each built, of one class and the same weights' shapes (the first is the
         template every stage calls, given its values).
       microbatches: how many pieces the batch is split into.
+      repeats: how many rounds of the stages: ``len(layers) / repeats`` stages, ``layers[r * stages + s]`` on
+        stage ``s``.
       **kwargs: Keras's layer arguments (``name``).
     """
     layers = list(layers)
@@ -137,8 +146,12 @@ class StackedBlocks(keras.layers.Layer):
           f"replicator.StackedBlocks.from_layers: the layers {[layer.name for layer in layers]} differ in their "
           "class or their weights' shapes; expected identical blocks (only their values may differ). Fix: stack "
           "the repeated blocks only; keep the others (an embedding, a head) before or after.")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1 or len(layers) % repeats:
+      raise _errors.ArgumentError(
+          f"replicator.StackedBlocks.from_layers(repeats={repeats!r}): expected a positive int dividing the "
+          f"{len(layers)} layers (each round of the stages holds len(layers) / repeats of them).")
     # The first layer is the template (read through a StatelessScope only: its own values are never read).
-    made = cls(layers[0], stages=len(layers), microbatches=microbatches, **kwargs)
+    made = cls(layers[0], stages=len(layers) // repeats, microbatches=microbatches, repeats=repeats, **kwargs)
     made._given = [[tf.convert_to_tensor(w.numpy()) for w in layer.trainable_weights] for layer in layers]
     return made
 
@@ -152,13 +165,15 @@ class StackedBlocks(keras.layers.Layer):
                                                            found=", ".join(stateful)))
     # Each stage's initial values drawn as a block of its own would draw them (a copy built alone, its values kept).
     draws = self._given or [_built_empty(template.__class__.from_config(template.get_config()), input_shape)
-                             for _ in range(self.stages)]
+                             for _ in range(self.stages * self.repeats)]
     self._given = None
     self._stacked = []
     for k, variable in enumerate(template.trainable_variables):
       # Named by position (kernel_2: the block's third weight, a kernel): its sublayers' names are Keras's counters'.
       path = f"{variable.name}_{k}"
       values = tf.stack([draw[k] for draw in draws])
+      if self.repeats > 1:  # [repeats, stages, ...]: block r * stages + s at [r, s]
+        values = tf.reshape(values, [self.repeats, self.stages] + values.shape[1:].as_list())
       self._stacked.append(self.add_weight(shape=tuple(values.shape), dtype=variable.dtype, name=path,
                                            initializer=lambda shape, dtype=None, v=values: tf.cast(v, dtype)))
     self.built = True
@@ -171,7 +186,7 @@ class StackedBlocks(keras.layers.Layer):
         return template(x)
 
     return _stacked_pipeline.stacked_pipeline(block, [w.value for w in self._stacked], inputs,
-                                              microbatches=self.microbatches)
+                                              microbatches=self.microbatches, repeats=self.repeats)
 
   def compute_output_shape(self, input_shape):
     return input_shape
@@ -179,7 +194,8 @@ class StackedBlocks(keras.layers.Layer):
   def get_config(self):
     block = keras.layers.serialize(self._template.layer)
     block.pop("build_config", None)  # (the template is built here, by build(), not by Keras's loader)
-    return {**super().get_config(), "block": block, "stages": self.stages, "microbatches": self.microbatches}
+    return {**super().get_config(), "block": block, "stages": self.stages, "microbatches": self.microbatches,
+            "repeats": self.repeats}
 
   @classmethod
   def from_config(cls, config):
