@@ -233,6 +233,8 @@ def test_mistakes_are_named():
   with pytest.raises(replicator.ArgumentError, match=r"stacked as \[repeats = 3, stages, ...\].*found leading "
                      r"dimensions \[\(2, 2\)\]"):
     replicator.stacked_pipeline(lambda w, h: h @ w, tf.ones([2, 2, 3, 3]), x, microbatches=2, repeats=3)
+  with pytest.raises(replicator.ArgumentError, match=r"found leading dimensions \['too few dimensions'\]"):
+    replicator.stacked_pipeline(lambda w, h: h, tf.ones([2]), x, microbatches=2, repeats=2)
   with pytest.raises(replicator.ArgumentError, match=r"repeats=0.*expected a positive int"):
     replicator.stacked_pipeline(lambda w, h: h @ w, tf.ones([2, 3, 3]), x, microbatches=2, repeats=0)
   with pytest.raises(replicator.ArgumentError, match=r"returned \(\[3, 4\], 'float32'\) for x of \(\[3, 3\], 'float32'\); expected the same"):

@@ -60,8 +60,8 @@ def _stages(weights, repeats: int, location: str) -> int:
   lead = 1 if repeats == 1 else 2
   found = [tuple(w.shape[:lead]) if w.shape.rank is not None and w.shape.rank >= lead else "too few dimensions"
            for w in leaves]
-  sizes = set(found)
-  if not leaves or len(sizes) != 1 or None in next(iter(sizes)) or (repeats > 1 and found[0][0] != repeats):
+  if (not leaves or len(set(found)) != 1 or not isinstance(found[0], tuple) or None in found[0]
+      or (repeats > 1 and found[0][0] != repeats)):
     expected = ("stacked along a first dimension of the same size in every leaf (the number of stages)"
                 if repeats == 1 else f"stacked as [repeats = {repeats}, stages, ...] in every leaf (block r * stages "
                 "+ s at [r, s])")
