@@ -273,12 +273,11 @@ def test_a_variable_the_block_writes_is_written_once():
   assert values["remat"][1] == values["plain"][1]
 
 
-
 def test_the_recomputation_reads_the_weights_the_first_pass_read():
   # The backward pass computes the block from the weights its first pass read, not from the variables as they are
-  # then: a weight written between the two passes (here by hand; in Keras fit with nested RematScope blocks, an
-  # optimizer update that TensorFlow ran before a recomputed read, about one fresh model in 200 on 2 threads: the
-  # last Dense's kernel gradient 5e-3 off) changes no gradient.
+  # then: a weight written between the two passes (here by hand) changes no gradient. (Reading them again, nested
+  # RematScope blocks in a step with an optimizer got another value about once in 200 fresh models: the last
+  # Dense's kernel gradient 5e-3 off; see core/_tf_op_callbacks.)
   dense = keras.layers.Dense(3, activation="tanh")
   dense.build((None, 2))
   x = tf.reshape(tf.range(8.0), [4, 2]) / 8
@@ -303,6 +302,7 @@ def test_the_recomputation_reads_the_weights_the_first_pass_read():
   plain = gradient(dense)
   # 1.2e-7 measured (tanh computed again, its gradient from the second value); reading the written kernel: 1.16.
   assert _distance(gradient(replicator.remat(dense)), plain) <= 1e-6
+
 
 def test_batch_normalization_statistics_update_once():
   def run(remat):
