@@ -410,6 +410,12 @@ class Replicator(_collective_methods.CollectiveMethods):
     praxis and JAX's ``shard_map`` pipelines hold them: each device keeps and updates its stage's block alone,
     ``1 / p`` of the weights and their optimizer slots).
 
+    State a stage writes that every replica holds alike is written once a step on every replica, from its
+    microbatches' values averaged by their rows: BatchNormalization normalizes each microbatch by its own
+    statistics, and its moving mean moves by the batch's mean, its moving variance by the microbatches' mean
+    variance (as Keras 2's ``virtual_batch_size``). A write by a delta, of a trainable variable, or of a variable
+    two stages write is an ``UnsupportedError``.
+
     Examples:
       >>> import keras, mesh
       >>> repl = Replicator(mesh=mesh.Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]))

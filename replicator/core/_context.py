@@ -37,8 +37,10 @@ class ReplicaContext:
     shared: what the replicas of one trace find once and share, by key (a
       pipeline's stages' output shapes); None: nothing is shared.
     stage_writes: while a pipeline's stage runs (on its own devices only),
-      the names of the variables it writes that every replica holds alike;
-      None: not in a stage.
+      ``(variable, method, value)`` of each write of a variable every replica
+      holds alike along ``stage_axes``, which the pipeline makes once a step
+      (not written there); None: not in a stage.
+    stage_axes: the axes of the pipeline whose stage is running.
   """
 
   replicator: Any
@@ -57,6 +59,7 @@ class ReplicaContext:
   first: bool = True
   shared: dict | None = None
   stage_writes: list | None = None
+  stage_axes: tuple[str, ...] = ()
 
 
 _state = threading.local()
@@ -66,6 +69,29 @@ def _stack() -> list[ReplicaContext]:
   if not hasattr(_state, "stack"):
     _state.stack = []
   return _state.stack
+
+
+@contextlib.contextmanager
+def recording_writes(axes: tuple[str, ...]):
+  """Collects ``(variable, method)`` of each write, made outside a replica while entered, of a variable whose
+  replicas along ``axes`` hold it alike (and keep it so: not each replica's own, as a seed state or a metric is).
+
+  For code tracing what others will run (a pipeline traces its stages once for their shapes, and learns which
+  state each stage writes, the same on every replica): the variables note their writes (:func:`note_write`).
+  """
+  saved = getattr(_state, "writes", None)
+  _state.writes = (tuple(axes), found := [])
+  try:
+    yield found
+  finally:
+    _state.writes = saved
+
+
+def note_write(variable, method: str, alike: tuple[str, ...]) -> None:
+  """Notes a write for :func:`recording_writes`, if one is entered: of ``variable``, held alike along ``alike``."""
+  recording = getattr(_state, "writes", None)
+  if recording is not None and set(recording[0]) <= set(alike):
+    recording[1].append((variable, method))
 
 
 def current_context() -> ReplicaContext | None:

@@ -35,6 +35,14 @@ zeros from the other stages), so that every replica holds every gradient and an 
 everywhere (the stages' variables are replicated on every device in this first form: the bytes of an
 all-reduce of the weights over the stages a step; variables placed on their stage only are next). So is the
 loss, summed from the last stage.
+
+State a stage writes that every replica holds alike (BatchNormalization's moving statistics) is not written by
+the stage (only its devices run it, each microbatch in turn): the variables hand their assigns to the pipeline
+(``ReplicaContext.stage_writes``), which sums each microbatch's value weighted by its rows and writes the result
+once, after the passes, on every replica (in the same all-reduce, zeros from the other stages). Which variables
+each stage writes is learnt when the stages are traced for their shapes (``_context.recording_writes``), so every
+replica's all-reduce is the same. The moving mean is then the batch's, the moving variance the microbatches'
+variances' mean (Keras 2's ``virtual_batch_size`` update); each microbatch is normalized by its own statistics.
 """
 
 from __future__ import annotations
@@ -134,31 +142,34 @@ def _split(x, edges):
   return [tree.map_structure(lambda t, a=a, b=b: t[a:b], x) for a, b in edges]
 
 
-def _specs(ctx, stages, inputs, keys) -> dict:
-  """``{(stage, rows): output spec}``: what each stage gives for a microbatch of ``rows`` (None: any) rows (traced,
-  not run; once a trace, for every replica)."""
+def _specs(ctx, stages, inputs, keys, axes) -> dict:
+  """``{(stage, rows): output spec}``: what each stage gives for a microbatch of ``rows`` (None: any) rows, and
+  ``{("writes", stage): [variable]}``: the variables held alike along ``axes`` it writes (traced, not run; once a
+  trace, for every replica)."""
   key = ("pipeline specs", tuple(id(stage) for stage in stages), str(tree.map_structure(
-      lambda t: (t.shape, t.dtype), inputs)), tuple(keys))
+      lambda t: (t.shape, t.dtype), inputs)), tuple(keys), tuple(axes))
   shared = {} if ctx.shared is None else ctx.shared
   if key not in shared:
-    shared[key] = _traced_specs(stages, inputs, keys)
+    shared[key] = _traced_specs(stages, inputs, keys, axes)
   return shared[key]
 
 
-def _traced_specs(stages, inputs, keys) -> dict:
+def _traced_specs(stages, inputs, keys, axes) -> dict:
   with _context.cross_replica_scope():  # (traced for shapes only: no replica's reads, writes or collectives)
-    return _shapes(stages, inputs, keys)
+    return _shapes(stages, inputs, keys, axes)
 
 
-def _shapes(stages, inputs, keys) -> dict:
+def _shapes(stages, inputs, keys, axes) -> dict:
   out = {}
   for rows in set(keys):
     spec = tree.map_structure(lambda t, n=rows: tf.TensorSpec([n] + t.shape[1:].as_list(), t.dtype), inputs)
     for s, stage in enumerate(stages):
       fn = tf.function(lambda x, stage=stage: stage(x), autograph=False)
-      spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
-                                fn.get_concrete_function(spec).structured_outputs)
+      with _context.recording_writes(axes) as written:
+        traced = fn.get_concrete_function(spec)
+      spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
       out[s, rows] = spec
+      out.setdefault(("writes", s), list({id(v): v for v, _ in written}.values()))
   return out
 
 
@@ -185,26 +196,56 @@ def _dense(g, v):
 
 
 STAGE_STATE = (
-    "repl.pipeline at {location}: stage {stage} writes {what}, which every device along {axes} holds, but only "
-    "stage {stage}'s devices run it: the copies would differ (the stages' variables are replicated over the stage "
-    "axis, and a stage's writes are its own devices'). Fix: keep state the stages write out of them: "
-    "LayerNormalization for BatchNormalization, or call the layer with training=False (its statistics frozen).")
+    "repl.pipeline at {location}: stage {stage} {how} {what}, which every device along {axes} holds, but only "
+    "stage {stage}'s devices run it. A stage's state is written once a step from its microbatches' values (their "
+    "mean by rows, as BatchNormalization's moving statistics are), which takes a plain assign of a variable that "
+    "is not trained, by one stage. Fix: {fix}")
+STATE_FIXES = {
+    "method": "write it with assign (the value, not a delta) or keep the write out of the stages.",
+    "trainable": "make the variable not trainable (an optimizer writes trainable ones, from the gradients), or keep "
+                 "the write out of the stages.",
+    "stages": "give each stage its own variables (one layer object a stage).",
+}
+
+
+def _state_error(location, stage, how, variables, axes, fix):
+  names = sorted({repr(v.name) for v in variables})
+  what = ("the variable " if len(names) == 1 else "the variables ") + ", ".join(names)
+  return _errors.UnsupportedError(STAGE_STATE.format(location=location, stage=stage, how=how, what=what, axes=axes,
+                                                     fix=STATE_FIXES[fix]))
 
 
 def _run_stage(ctx, stage, x, index: int, axes, location: str):
-  """``stage(x)``; a write of a variable every replica holds alike, inside it, is an ``UnsupportedError``."""
+  """``(stage(x), {id(variable): value})``: the stage's output, and the last value it assigned to each variable
+  every replica holds alike (not written: the pipeline writes them once a step)."""
   if ctx is None:
-    return stage(x)
-  ctx.stage_writes = []
+    return stage(x), {}
+  ctx.stage_writes, ctx.stage_axes = [], tuple(axes)
   try:
     y = stage(x)
-    written = sorted(set(ctx.stage_writes))
+    written = ctx.stage_writes
   finally:
-    ctx.stage_writes = None
-  if written:
-    what = ("the variable " if len(written) == 1 else "the variables ") + ", ".join(repr(w) for w in written)
-    raise _errors.UnsupportedError(STAGE_STATE.format(location=location, stage=index, what=what, axes=axes))
-  return y
+    ctx.stage_writes, ctx.stage_axes = None, ()
+  deltas = [v for v, method, _ in written if method != "assign"]
+  if deltas:
+    raise _state_error(location, index, "writes (by a delta or rows)", deltas, axes, "method")
+  trained = [v for v, _, _ in written if v.trainable]
+  if trained:
+    raise _state_error(location, index, "assigns the trained", trained, axes, "trainable")
+  return y, {id(v): tf.convert_to_tensor(value, v.dtype) for v, _, value in written}
+
+
+def _state(specs, stages: int, location: str, axes) -> list:
+  """The variables every replica holds alike that the stages write, in stage order, each by one stage."""
+  out, writer = [], {}
+  for g in range(stages):
+    for v in specs["writes", g]:
+      if id(v) in writer and writer[id(v)] != g:
+        raise _state_error(location, g, f"and stage {writer[id(v)]} both write", [v], axes, "stages")
+      if id(v) not in writer:
+        writer[id(v)] = g
+        out.append(v)
+  return out
 
 
 def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
@@ -251,7 +292,9 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
     keys, weights = [None] * m, [tf.cast(size, tf.float32) / tf.cast(rows, tf.float32) for size in sizes]
   edges = [(sum(sizes[:j]), sum(sizes[:j + 1])) for j in range(m)]
   device = mesh.axis_index(ctx.replica_id, axes)
-  specs = _specs(ctx, stages, inputs, keys)
+  specs = _specs(ctx, stages, inputs, keys, axes)
+  state = _state(specs, len(stages), location, axes)
+  pending = {}  # id(state variable) -> its microbatches' values, weighted by their rows, summed
   xs, ts = _split(inputs, edges), _split(targets, edges)
   mine = list(variables)
   acts, grads_in, tapes = {}, {}, {}
@@ -265,9 +308,12 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
           x = xs[j] if g == 0 else acts.pop((g, j))
           with tf.GradientTape() as tape:
             tape.watch(_floating(x))
-            y = _run_stage(ctx, stages[g], x, g, axes, location)
+            y, written = _run_stage(ctx, stages[g], x, g, axes, location)
             if g == last_stage:
               y = tf.math.multiply_no_nan(tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)), weights[j])
+          for k, value in written.items():
+            part = value * tf.cast(weights[j], value.dtype)
+            pending[k] = part if k not in pending else pending[k] + part
           tapes[g, j] = (tape, x, y)
           last = y
         else:
@@ -315,8 +361,15 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
         grads_in[g - 1, j] = got
   summed = [_dense(total, v) for total, v in zip(summed, mine)]  # (zeros for the variables this device leaves)
   shared = [k for k in range(len(mine)) if k not in own]
-  loss, sums = _primitives.all_reduce(ctx, (loss, [summed[k] for k in shared]), "sum", axes,
-                                      f"{location} (pipeline: the loss and the stages' gradients, from their stages)")
+  # The stages' state (zeros from the devices that do not run its stage): written once, alike on every replica.
+  values = [pending.get(id(v), tf.zeros(v.shape, v.dtype)) for v in state]
+  loss, sums, values = _primitives.all_reduce(
+      ctx, (loss, [summed[k] for k in shared], values), "sum", axes,
+      f"{location} (pipeline: the loss, the stages' gradients and state, from their stages)")
+  for v, value in zip(state, values):
+    if ctx.analysis is not None:  # (its stage's replicas' value may vary along the other axes: combined alike on all)
+      ctx.analysis.set(value, ctx.analysis.all_axes - set(axes))
+    v.assign(value)
   # A block's gradient counted once a stage (the local view's convention for a loss every replica of an axis holds,
   # as the gradients of collectives give it: wrap_optimizer divides a split variable's by its pieces).
   grads = [g * tf.cast(count, g.dtype) if k in own else g for k, g in enumerate(summed)]

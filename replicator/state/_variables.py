@@ -565,11 +565,17 @@ class ReplicatedVariable(tf.Variable):
     sharded = () if self._sharding is None else self._sharding.sharded_axes
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in sharded)
 
+  def _alike_axes(self) -> tuple[str, ...]:
+    """The axes along which replicas' writes must agree (none: each replica's own value, or one device)."""
+    if self._on_read or self._offsets is not None:
+      return ()
+    return self._replicated_axes()
+
   def _checked_writes(self):
     """``(replica context, replicated axes)`` if this replica's writes must agree with the others', else None."""
     ctx = _context.current_context()
-    axes = self._replicated_axes()
-    if ctx.analysis is None or self._on_read or self._offsets is not None or not axes:
+    axes = self._alike_axes()
+    if ctx.analysis is None or not axes:
       return None  # not checked (a step built without analysis), each replica's own value, or one device
     return ctx, axes
 
@@ -590,8 +596,6 @@ class ReplicatedVariable(tf.Variable):
     if checked is None:
       return value
     ctx, axes = checked
-    if ctx.stage_writes is not None:  # (a pipeline's stage: only its devices write; the pipeline refuses it)
-      ctx.stage_writes.append(self.name)
     from replicator.core import _primitives  # pylint: disable=import-outside-toplevel  (imports this module)
     value = tf.convert_to_tensor(value, self.dtype)
     aggregation = self.aggregation
@@ -617,8 +621,6 @@ class ReplicatedVariable(tf.Variable):
     if checked is None:
       return sparse_delta
     ctx, axes = checked
-    if ctx.stage_writes is not None:
-      ctx.stage_writes.append(self.name)
     from replicator.core import _primitives  # pylint: disable=import-outside-toplevel
     aggregation = self.aggregation
     location = _primitives.user_location()
@@ -660,11 +662,24 @@ class ReplicatedVariable(tf.Variable):
         name=self.name, trainable=self.trainable, aggregation=self.aggregation, axes=axes, values=values,
         written=written, graph=tf.compat.v1.get_default_graph(), location=location))
 
+  def _deferred(self, method: str, value) -> bool:
+    """Inside a pipeline's stage (run on its own devices only): a write of state every replica holds alike is
+    handed to the pipeline, which makes it once a step on every replica (``ReplicaContext.stage_writes``)."""
+    ctx = _context.current_context()
+    if ctx.stage_writes is None or self._checked_writes() is None or \
+        not set(ctx.stage_axes) <= set(self._replicated_axes()):
+      return False
+    ctx.stage_writes.append((self, method, value))
+    return True
+
   def _write(self, method: str, *args, **kwargs):
     standin = self._global_standin()
     if standin is not None:  # the global view: the partitioner decides the communication
       return getattr(standin, method)(*args, **kwargs)
+    _context.note_write(self, method, self._alike_axes())
     if self._in_replica():
+      if self._deferred(method, args[0]):
+        return None if kwargs.get("read_value") is False else tf.convert_to_tensor(args[0], self.dtype)
       args = (self._combined(method, args[0]),) + args[1:]
       component = self._current()
       if method != "assign" and id(self) in getattr(_out_of_place, "ids", ()):
@@ -699,7 +714,10 @@ class ReplicatedVariable(tf.Variable):
     standin = self._global_standin()
     if standin is not None:
       return getattr(standin, method)(*args, **kwargs)
+    _context.note_write(self, method, self._alike_axes())
     if self._in_replica():
+      if self._deferred(method, args[0]):
+        return self
       if isinstance(args[0], tf.IndexedSlices):
         args = (self._combined_rows(method, args[0]),) + args[1:]
       return getattr(self._current(), method)(*args, **kwargs)
