@@ -254,7 +254,7 @@ class MultiWorkerReplicator(Replicator):
           "replicas are on every worker. Fix: leave tasks out (or run one client without task=).")
     if devices_per_worker is None:
       devices_per_worker = _collective_runtime.devices_per_worker_from_environment()
-    if not isinstance(devices_per_worker, int) or isinstance(devices_per_worker, bool) or devices_per_worker < 1:
+    if not _errors.positive_int(devices_per_worker):
       raise _errors.ArgumentError(f"MultiWorkerReplicator(devices_per_worker={devices_per_worker!r}): expected a "
                                   f"positive int, the logical CPUs of each worker.")
     workers = len(self._cluster.workers)

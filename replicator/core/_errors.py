@@ -9,6 +9,12 @@ from mesh._errors import ReplicatorError
 from mesh._errors import UnsupportedError  # noqa: F401
 from rewrite import CollectiveMismatchError  # noqa: F401  (re-exported)
 
+
+def positive_int(value) -> bool:
+  """Whether ``value`` is an ``int`` of at least 1, not a ``bool``: the check of a count a user gives."""
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 NO_REPLICA_CONTEXT = (
     "repl.{name}() was called outside a replica context. Collectives and "
     "repl.replica_id only exist while a step is being built, i.e. inside the "

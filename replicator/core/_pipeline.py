@@ -122,7 +122,7 @@ def global_order(schedule: str, devices: int, chunks: int, microbatches: int) ->
 def check_microbatches(microbatches, call: str, location: str, batch: str) -> None:
   """Raises ``ArgumentError`` unless ``microbatches`` is a positive int (``call``'s argument; ``batch``: what it
   splits, as the message says it)."""
-  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+  if not _errors.positive_int(microbatches):
     raise _errors.ArgumentError(f"{call}(microbatches={microbatches!r}) at {location}: expected a positive int, how "
                                 f"many pieces {batch} is split into.")
 

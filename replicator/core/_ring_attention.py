@@ -135,7 +135,7 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   mine = _sequence.sequence_positions(length, index, count, order)
   scale = float(q.shape[3]) ** -0.5 if scale is None else float(scale)
   ring = [(i, (i + 1) % count) for i in range(count)]
-  if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+  if window is not None and not _errors.positive_int(window):
     raise _errors.ArgumentError(f"repl.ring_attention(window={window!r}) at {location}: expected a positive int, "
                                 "the number of positions a query sees (itself included).")
   # What travels with the keys: their padding mask and their segments (packed sequences), as int32.

@@ -188,7 +188,7 @@ def stacked_pipeline(block, weights, inputs, *, microbatches: int, repeats: int 
     The last block's outputs for ``inputs``, in their order (as ``inputs``: structure and shapes).
   """
   location = _primitives.user_location()
-  if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+  if not _errors.positive_int(repeats):
     raise _errors.ArgumentError(f"replicator.stacked_pipeline(repeats={repeats!r}) at {location}: expected a "
                                 "positive int (how many rounds of the stages a microbatch makes).")
   stages = _stages(weights, repeats, location)

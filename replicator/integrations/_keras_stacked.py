@@ -110,9 +110,9 @@ class StackedBlocks(keras.layers.Layer):
     if not isinstance(block, keras.layers.Layer):
       raise _errors.ArgumentError(f"replicator.StackedBlocks(block={block!r}): expected a Keras layer (the block "
                                   "the stages copy).")
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+    if not _errors.positive_int(stages):
       raise _errors.ArgumentError(f"replicator.StackedBlocks(stages={stages!r}): expected a positive int.")
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+    if not _errors.positive_int(repeats):
       raise _errors.ArgumentError(f"replicator.StackedBlocks(repeats={repeats!r}): expected a positive int.")
     self.stages, self.microbatches, self.repeats = stages, microbatches, repeats
     self._template = _Untracked(block)  # (not a sublayer: its weights are not the model's)
@@ -146,7 +146,7 @@ class StackedBlocks(keras.layers.Layer):
           f"replicator.StackedBlocks.from_layers: the layers {[layer.name for layer in layers]} differ in their "
           "class or their weights' shapes; expected identical blocks (only their values may differ). Fix: stack "
           "the repeated blocks only; keep the others (an embedding, a head) before or after.")
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1 or len(layers) % repeats:
+    if not _errors.positive_int(repeats) or len(layers) % repeats:
       raise _errors.ArgumentError(
           f"replicator.StackedBlocks.from_layers(repeats={repeats!r}): expected a positive int dividing the "
           f"{len(layers)} layers (each round of the stages holds len(layers) / repeats of them).")

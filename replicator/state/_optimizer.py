@@ -194,7 +194,7 @@ class ReplicatedOptimizer(tf.Module):
 
   def __init__(self, replicator, optimizer, reduction: str = "mean", accumulation_steps: int = 1,
                bucket_bytes: int | None = None, update: str = "auto", densify_above: float | None = None):
-    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
+    if not _errors.positive_int(accumulation_steps):
       raise _errors.ArgumentError(f"wrap_optimizer(accumulation_steps={accumulation_steps!r}): needs a positive integer.")
     if reduction not in REDUCTIONS:
       raise _errors.ArgumentError(f"wrap_optimizer(reduction={reduction!r}): reduction must be one of {REDUCTIONS}.")

@@ -73,7 +73,7 @@ class GlobalView:
     replicator = self._replicator
     if isinstance(dataset, _distributed_dataset.DistributedDataset):
       dataset = dataset.source  # its global batches: the partitioner splits them
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    if not _errors.positive_int(steps):
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     shard = self.shard_for(dataset) if inputs is None else None
     if shard is not None:  # this process reads its own shard (a multi-client job, the dataset's sharding policy)

@@ -70,7 +70,7 @@ class LocalView:
 
   def run(self, step_fn: Callable, input_fn, inputs, steps: int, all_steps: bool):
     """``steps`` steps of ``step_fn`` on every replica, from Python; their results as ``PerReplica`` values."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    if not _errors.positive_int(steps):
       raise _errors.ArgumentError(f"repl.run(steps={steps!r}): steps must be a positive integer.")
     step, source = self.step(step_fn, input_fn, inputs)
     if steps > 1 and step.accumulating:
