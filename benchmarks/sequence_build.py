@@ -7,7 +7,8 @@ against ``{"batch": 4}``, alternated round by round (a machine's speed drifts;
 the ratio of neighbours does not). Models: a Keras decoder (``keras``: 2 blocks
 of ``MultiHeadAttention`` + MLP, so attention runs blockwise over the split
 sequence) and KerasHub's Llama (``llama``: 2 layers, grouped-query attention,
-rotary positions, its attention in plain ops).
+rotary positions; its attention routed to the same blockwise attention,
+``replicator/integrations/_keras_hub_attention.py``).
 
 Run by hand: ``python -m benchmarks.sequence_build [--models keras,llama] [--rounds 3] [--json F]``.
 """

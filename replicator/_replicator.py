@@ -226,9 +226,12 @@ class Replicator(_collective_methods.CollectiveMethods):
       of each input's position in the flattened batch and its
       ``tf.TensorSpec``. Inputs given no spec are split over ``batch_axes``
       alone. The split is kept through the layers whose rules allow it;
-      ``explain`` says where it is gathered and why.
+      ``explain`` says where it is gathered and why. In one process of a
+      multi-client job, only the batch dimension may be split
+      (``UnsupportedError`` otherwise).
     context_parallel: in the global view, how Keras's attention
-      (``MultiHeadAttention``, ``keras.ops.dot_product_attention``) exchanges
+      (``MultiHeadAttention``, ``keras.ops.dot_product_attention``, and
+      KerasHub's Llama and Gemma attention, routed to it) exchanges
       a sequence split over the mesh's non-batch axes: ``"all_gather"`` (the
       default: the keys and values gathered, blockwise softmax, their
       gradients reduce-scattered), ``"ring"`` (ring attention: the keys and
