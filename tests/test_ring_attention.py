@@ -101,6 +101,33 @@ def test_sliding_windows_and_packed_segments_mean_what_they_mean_on_one_device(o
   assert_split_attention_equals_one_device(attend, _values(2), order, True, None, window=6, segments=segments)
 
 
+def _score_work(order, exchange, causal=True, window=None):
+  """Each device's score products in a step of ring attention and its gradient, from the built graph's shapes:
+  the elements of every ``[batch, heads, queries, keys]`` einsum placed on it (forward, and again backward)."""
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": P}, devices=cpus(P)))
+  values = _values()
+
+  def step():
+    index = int(tf.get_static_value(repl.axis_index("seq")))
+    q, k, v, w = (replicator.shard_sequence(x, index, P, order=order) for x in values)
+    with tf.GradientTape() as tape:
+      tape.watch([q, k, v])
+      loss = tf.reduce_sum(repl.ring_attention(q, k, v, axis="seq", causal=causal, order=order, exchange=exchange,
+                                               window=window) * w)
+    return tape.gradient(loss, [q, k, v])
+
+  compiled, _ = repl._views["local"].step(step, None, None)  # pylint: disable=protected-access
+  graph = compiled._build(1, False).graph  # pylint: disable=protected-access
+  work = {}
+  for op in graph.get_operations():
+    if op.type == "Einsum" and op.get_attr("equation").decode() in ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"):
+      shape = op.outputs[0].shape if op.get_attr("equation").decode().endswith("bhqk") else None
+      if shape is not None:
+        device = tf.DeviceSpec.from_string(op.device).device_index
+        work[device] = work.get(device, 0) + shape.num_elements()
+  return [work.get(d, 0) for d in range(P)]
+
+
 def test_the_zigzag_order_balances_the_causal_scores_each_device_needs():
   # The scores a device's queries need under a causal mask (the unmasked ones), from the positions it holds:
   # contiguous, device i needs (2i + 1) / (2P) of its block row; zigzag, every device the same.
@@ -112,6 +139,21 @@ def test_the_zigzag_order_balances_the_causal_scores_each_device_needs():
   block = S // P
   assert contiguous == [sum(q + 1 for q in range(i * block, (i + 1) * block)) for i in range(P)]  # 36 ... 228
   assert zigzag == [S * (S + 1) // 2 // P] * P
+
+
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
+def test_causal_attention_skips_the_masked_pieces_and_the_zigzag_order_balances_the_work(exchange):
+  # Counted from the built graph: the score-shaped products each device makes (the forward pass's scores; the
+  # backward pass's recomputed scores and their gradient), in B x H x queries x keys elements. Pieces wholly above the diagonal are skipped: contiguous,
+  # device i makes i + 1 of its P blocks a pass (P times between the last device and the first); zigzag (each
+  # device's two chunks against each block's two), 2P + 1 quarter-blocks a pass on every device; without a mask,
+  # all P blocks everywhere.
+  block = B * H * (S // P) ** 2
+  assert _score_work("contiguous", exchange) == [3 * (i + 1) * block for i in range(P)]
+  assert _score_work("zigzag", exchange) == [3 * (2 * P + 1) * block // 4] * P
+  assert _score_work("zigzag", exchange, causal=False) == [3 * P * block] * P
+  # A sliding window of a block's length: the blocks it reaches, the diagonal and the one before it.
+  assert _score_work("contiguous", exchange, window=S // P) == [3 * min(i + 1, 2) * block for i in range(P)]
 
 
 def test_shapes_that_do_not_agree_are_named():

@@ -210,7 +210,9 @@ class CollectiveMethods:
     online softmax: no member holds or gathers the scores of the whole sequence (a member's scores are
     ``1 / P`` of one device's), and the gradients ride the ring back. Masks are built from global positions
     (``order``: which tokens each member holds, see :func:`replicator.sequence_positions`), so a causal mask
-    means what it means on one device in either order; ``order="zigzag"`` balances causal work.
+    means what it means on one device in either order. Pieces of blocks no query may see by ``causal`` and
+    ``window`` are skipped: with a causal mask, ``order="zigzag"`` gives every member the same work (about half
+    of the scores), the contiguous order member ``i`` ``i + 1`` blocks of ``P``.
 
     Examples:
       >>> import numpy as np

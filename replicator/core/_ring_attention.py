@@ -13,13 +13,15 @@ time, and keeps none of them for the backward pass (below).
 Masks are computed from global positions (``_sequence.sequence_positions`` of the
 block's device of origin, known while the step is built), so causal attention
 and a sliding window mean on every device what they mean on one, in either
-token order; segment ids (packed sequences) travel with their keys. Every
-block is computed, those entirely above the diagonal too (their terms are
-zero): skipping them on some devices and not others would make the devices'
-backward passes differ in the order of their permutes, which are matched by
-order (same shapes: one device's keys' gradient would meet another's values').
-So a causal split costs a whole split's scores in either order; the zigzag
-order balances the useful ones (for a later skip that keeps the order). ``key_mask``
+token order; segment ids (packed sequences) travel with their keys. Pieces
+of a block that no query of this device may see by those static masks are
+skipped, forward and backward (whole blocks above the diagonal in the
+contiguous order; in the zigzag order, pairs of the device's two chunks and
+the block's two): the block still goes on around the ring, so every device
+calls the same permutes in the same order, and only the score products
+differ between devices. The zigzag order gives every device the same work
+(``2P + 1`` quarter-blocks a pass), the contiguous one ``i + 1`` blocks to
+device ``i``. ``key_mask``
 (``[batch, tokens]``, True where a key may be attended: padding) travels
 with its keys. Masked scores get ``-1e9`` added, as Keras's softmax does, so
 the result equals one device's attention with the same mask.
@@ -110,6 +112,11 @@ def allowed_positions(queries: np.ndarray, keys: np.ndarray, causal: bool, windo
   return allowed
 
 
+def chunks(tokens: int, order: str) -> list[tuple[int, int]]:
+  """Index ranges of a device's ``tokens`` holding runs of positions: the zigzag order's two chunks, else one."""
+  return [(0, tokens // 2), (tokens // 2, tokens)] if order == "zigzag" else [(0, tokens)]
+
+
 def segment_bias(query_segments, key_segments, dtype):
   """``[batch, 1, queries, keys]``: 0 where a query's and a key's segments (packed sequences) are one, else masked."""
   same = tf.equal(query_segments[:, :, None], key_segments[:, None, :])
@@ -132,7 +139,8 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
         f"repl.ring_attention at {location}: every device's queries and keys hold the same tokens of one sequence "
         f"(static sizes); found q {q.shape}, k {k.shape}. Fix: split the sequence evenly (replicator.shard_sequence).")
   length = tokens * count
-  mine = _sequence.sequence_positions(length, index, count, order)
+  positions = [_sequence.sequence_positions(length, j, count, order) for j in range(count)]
+  mine = positions[index]
   scale = float(q.shape[3]) ** -0.5 if scale is None else float(scale)
   ring = [(i, (i + 1) % count) for i in range(count)]
   if window is not None and not _errors.positive_int(window):
@@ -149,15 +157,31 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   def send(*tensors):
     return tuple(_primitives.permute(ctx, t, ring, axes, said) for t in tensors)
 
-  def scores_of(q, kb, extra, origin):  # [batch, heads, queries, keys] of the block of device `origin`, masked
-    allowed = allowed_positions(mine, _sequence.sequence_positions(length, origin, count, order), causal, window)
-    scores = tf.einsum("bqhd,bkhd->bhqk", q, kb) * tf.cast(scale, q.dtype)
-    if allowed is not None:  # (on every block, all-allowed ones too: the same ops on every device)
+  def pieces(origin):
+    """``[((q0, q1), (k0, k1))]``: the index ranges of this device's queries and of the block's keys (from device
+    ``origin``) whose scores are made: every pair of chunks in which some query may see some key by the causal
+    mask and window (known while the step is built); the others' terms are zero."""
+    allowed = allowed_positions(mine, positions[origin], causal, window)
+    out = []
+    for q0, q1 in chunks(tokens, order):
+      seen = [(k0, k1) for k0, k1 in chunks(tokens, order) if allowed is None or allowed[q0:q1, k0:k1].any()]
+      merged = []
+      for k0, k1 in seen:  # (adjacent ranges as one)
+        merged = merged[:-1] + [(merged[-1][0], k1)] if merged and merged[-1][1] == k0 else merged + [(k0, k1)]
+      out += [((q0, q1), kr) for kr in merged]
+    return out
+
+  def scores_of(qs, ks, kb, extra, origin):  # [batch, heads, queries, keys] of a piece of a block, masked
+    (q0, q1), (k0, k1) = qs, ks
+    allowed = allowed_positions(mine[q0:q1], positions[origin][k0:k1], causal, window)
+    scores = tf.einsum("bqhd,bkhd->bhqk", q[:, q0:q1], kb[:, k0:k1]) * tf.cast(scale, q.dtype)
+    if allowed is not None and not allowed.all():
       scores += tf.constant(np.where(allowed, 0.0, masked(q.dtype)), q.dtype)
     if "mask" in extra:
-      scores += ((1 - tf.cast(extra["mask"], q.dtype)) * tf.constant(masked(q.dtype), q.dtype))[:, None, None, :]
+      keys_mask = tf.cast(extra["mask"][:, k0:k1], q.dtype)
+      scores += ((1 - keys_mask) * tf.constant(masked(q.dtype), q.dtype))[:, None, None, :]
     if "segments" in extra:
-      scores += segment_bias(extras["segments"], extra["segments"], q.dtype)
+      scores += segment_bias(extras["segments"][:, q0:q1], extra["segments"][:, k0:k1], q.dtype)
     return scores
 
   def blocks(k, v):
@@ -175,33 +199,51 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
         kb, vb, *rest = send(kb, vb, *[extra[n] for n in names])
         extra = dict(zip(names, rest))
 
+  def by_rows(parts, axis):  # one tensor of this device's queries from each run's
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=axis)
+
+  def padded(part, ks):  # a piece's keys' gradient, in place among the block's keys
+    return tf.pad(part, [[0, 0], [ks[0], tokens - ks[1]], [0, 0], [0, 0]]) if ks != (0, tokens) else part
+
   @tf.custom_gradient
   def attention(q, k, v):
     shape = tf.shape(q)
-    running_max = tf.fill([shape[0], shape[2], tokens], tf.constant(-np.inf, q.dtype))  # [batch, heads, queries]
-    total = tf.zeros([shape[0], shape[2], tokens], q.dtype)
-    out = tf.zeros_like(q)
+    # A running softmax for each run of this device's queries: [batch, heads, queries of the run] and the output.
+    state = {qs: (tf.fill([shape[0], shape[2], qs[1] - qs[0]], tf.constant(-np.inf, q.dtype)),
+                  tf.zeros([shape[0], shape[2], qs[1] - qs[0]], q.dtype), tf.zeros_like(q[:, qs[0]:qs[1]]))
+             for qs in chunks(tokens, order)}
     for kb, vb, extra, origin in blocks(k, v):
-      scores = scores_of(q, kb, extra, origin)
-      new_max = tf.maximum(running_max, tf.reduce_max(scores, axis=-1))
-      weights = tf.exp(scores - new_max[..., None])
-      rescale = tf.exp(running_max - new_max)
-      total = total * rescale + tf.reduce_sum(weights, axis=-1)
-      out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.einsum("bhqk,bkhd->bqhd", weights, vb)
-      running_max = new_max
-    out = out / tf.transpose(total, [0, 2, 1])[..., None]
-    logsumexp = running_max + tf.math.log(total)  # [batch, heads, queries]
+      for qs, ks in pieces(origin):
+        running_max, total, out = state[qs]
+        scores = scores_of(qs, ks, kb, extra, origin)
+        new_max = tf.maximum(running_max, tf.reduce_max(scores, axis=-1))
+        weights = tf.exp(scores - new_max[..., None])
+        rescale = tf.exp(running_max - new_max)
+        total = total * rescale + tf.reduce_sum(weights, axis=-1)
+        out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.einsum("bhqk,bkhd->bqhd", weights,
+                                                                            vb[:, ks[0]:ks[1]])
+        state[qs] = (new_max, total, out)
+    out = by_rows([o / tf.transpose(t, [0, 2, 1])[..., None] for _, t, o in state.values()], 1)
+    logsumexp = by_rows([m + tf.math.log(t) for m, t, _ in state.values()], 2)  # [batch, heads, queries]
 
     def grad(dout):
       with tf.name_scope(BACKWARD_SCOPE):  # (TensorFlow's tape does not scope a custom gradient's ops)
         return backward(dout)
 
     def block_grads(dout, delta, kb, vb, extra, origin):
-      probabilities = tf.exp(scores_of(q, kb, extra, origin) - logsumexp[..., None])
-      dp = tf.einsum("bqhd,bkhd->bhqk", dout, vb)
-      ds = probabilities * (dp - delta[..., None]) * tf.cast(scale, q.dtype)
-      return (tf.einsum("bhqk,bkhd->bqhd", ds, kb), tf.einsum("bhqk,bqhd->bkhd", ds, q),
-              tf.einsum("bhqk,bqhd->bkhd", probabilities, dout))
+      """This device's queries' gradient and the block's keys' and values' from it: the pieces' sums."""
+      dq = {qs: [] for qs in chunks(tokens, order)}
+      dk, dv = [], []
+      for qs, ks in pieces(origin):
+        (q0, q1), (k0, k1) = qs, ks
+        probabilities = tf.exp(scores_of(qs, ks, kb, extra, origin) - logsumexp[:, :, q0:q1, None])
+        dp = tf.einsum("bqhd,bkhd->bhqk", dout[:, q0:q1], vb[:, k0:k1])
+        ds = probabilities * (dp - delta[:, :, q0:q1, None]) * tf.cast(scale, q.dtype)
+        dq[qs].append(tf.einsum("bhqk,bkhd->bqhd", ds, kb[:, k0:k1]))
+        dk.append(padded(tf.einsum("bhqk,bqhd->bkhd", ds, q[:, q0:q1]), ks))
+        dv.append(padded(tf.einsum("bhqk,bqhd->bkhd", probabilities, dout[:, q0:q1]), ks))
+      dq = by_rows([tf.add_n(parts) if parts else tf.zeros_like(q[:, qs[0]:qs[1]]) for qs, parts in dq.items()], 1)
+      return dq, tf.add_n(dk) if dk else tf.zeros_like(kb), tf.add_n(dv) if dv else tf.zeros_like(vb)
 
     def backward(dout):
       # FlashAttention's backward: each block's scores recomputed from q and the block. Around the ring, each
