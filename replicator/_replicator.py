@@ -29,6 +29,7 @@ from replicator.input import _process_shards
 from replicator.integrations import _keras
 from replicator.integrations import _keras_attention  # noqa: F401  (registers its trace hook: blockwise attention)
 from replicator.integrations import _keras_distribution
+from replicator.integrations import _keras_hub_sequence
 from replicator.integrations import _keras_outputs  # noqa: F401  (registers its trace hook: Keras's output keys)
 from replicator.state import _layout_state
 from replicator.state import _optimizer
@@ -455,6 +456,34 @@ class Replicator(_collective_methods.CollectiveMethods):
     own = {k for k, v in enumerate(variables) if _split_over(_variables.layout_of(v), axes)}
     return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
                               _primitives.user_location(), variables, own)
+
+  def sequence_parallel(self, axis="seq", *, order: str = "contiguous"):
+    """A context for a local-view step: KerasHub's Llama run on this replica's tokens as on the whole sequence.
+
+    Each replica holds its tokens of every sequence along ``axis`` (``replicator.shard_sequence(x, i, P,
+    order=order)``, ``i`` the replica's ``repl.axis_index(axis)``). Inside, while the step is traced, the rotary
+    embeddings take the tokens' global positions and Llama's attention is ``repl.ring_attention`` over ``axis``
+    (causal by global positions, the padding mask's keys with it), so each replica computes its tokens' rows of
+    the whole sequence's model; its gradients, summed over ``axis``, are the whole sequence's (a mean of the
+    replicas' losses: their mean). Other layers are per token. See
+    ``replicator/integrations/_keras_hub_sequence.py``.
+
+    Examples:
+      >>> import keras_hub  # doctest: +SKIP
+      >>> def step_fn(batch):  # doctest: +SKIP
+      ...   index = int(tf.get_static_value(repl.axis_index("seq")))
+      ...   mine = {k: replicator.shard_sequence(v, index, 2) for k, v in batch.items()}
+      ...   with tf.GradientTape() as tape, repl.sequence_parallel("seq"):
+      ...     hidden = backbone({"token_ids": mine["token_ids"], "padding_mask": mine["padding_mask"]})
+      ...     ...
+
+    Args:
+      axis: the mesh axis (or tuple of axes) the sequence is split over.
+      order: ``"contiguous"`` or ``"zigzag"`` (balanced causal attention): which tokens each replica holds, as
+        ``replicator.shard_sequence`` took them.
+    """
+    _primitives.require_context(self, "sequence_parallel")
+    return _keras_hub_sequence.split(self, self._axes(axis), order, _primitives.user_location())
 
   def input_pipeline(self, replica: int) -> int:
     """The input pipeline (batch shard) that feeds ``replica``."""
