@@ -198,8 +198,10 @@ class MultiWorkerReplicator(Replicator):
     connect_timeout: seconds to wait for every worker to accept connections.
     collective_timeout: seconds a step waits for its peers before failing: in a
       multi-client job, a worker that has not come to a step this long after
-      this process did is named, dead or hung (a watchdog thread), and a
-      collective that every worker came to fails after it and a margin
+      this process did is named, dead or hung, and so is one that finished a
+      step this process is still in this long after it started it (it ran
+      fewer collectives: a watchdog thread; keep it above the longest step);
+      a collective that every worker is still in fails after it and a margin
       (``max(5 s, 20%)``); with one client, a cross-worker collective fails
       after it. 0: wait forever.
     **kwargs: other :class:`Replicator` arguments (``implementation``, ...).
@@ -443,6 +445,10 @@ class MultiWorkerReplicator(Replicator):
           cause = e.__cause__ if isinstance(e.__cause__, tf.errors.OpError) else e
           dead = [t for t in self._unreachable() if t != self._task]
           if dead:
+            # One that finished this step and ended is not dead (unknown when worker 0, the store, is gone).
+            left = self._watchdog.gone(dead[0]) if 0 not in dead else None
+            if left is not None:
+              raise _errors.WorkerUnavailableError(left.message, left.task, left.address) from e
             raise self._lost(dead[0], cause, PEER_LOST) from e
           if isinstance(cause, tf.errors.DeadlineExceededError):
             raise _errors.WorkerUnavailableError(PEER_SILENT.format(
