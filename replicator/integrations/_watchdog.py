@@ -326,6 +326,7 @@ class Watchdog:
         return self._left(task, found[task], call, waited, timeout, what, "")
     return None
 
+
 _watchdogs: dict = {}
 
 
