@@ -31,6 +31,7 @@ from replicator.integrations import _keras_attention  # noqa: F401  (registers i
 from replicator.integrations import _keras_distribution
 from replicator.integrations import _keras_hub_sequence
 from replicator.integrations import _keras_outputs  # noqa: F401  (registers its trace hook: Keras's output keys)
+from replicator.integrations import _keras_spatial
 from replicator.state import _layout_state
 from replicator.state import _optimizer
 from replicator.state import _restore
@@ -484,6 +485,28 @@ class Replicator(_collective_methods.CollectiveMethods):
     """
     _primitives.require_context(self, "sequence_parallel")
     return _keras_hub_sequence.split(self, self._axes(axis), order, _primitives.user_location())
+
+  def spatial_parallel(self, *axes):
+    """A context for a local-view step: Keras's convolution layers run on this replica's tile of each image.
+
+    ``axes[i]``: the mesh axis (or tuple of axes) splitting spatial dimension ``i + 1`` of channels-last images
+    (``repl.spatial_parallel("rows", "cols")``: height and width), or None for a dimension kept whole; each
+    replica holds its tile (the ``repl.axis_index`` of each axis picks it). Inside, while the step is traced,
+    ``Conv1D``/``Conv2D``/``Conv3D`` extend each tile by the rows their windows need of the neighbours'
+    (``halo_exchange``, zeros at the image's edges: ``"same"``'s padding; any kernel, stride and dilation whose
+    stride divides the tile), pooling runs on the tile where its windows stay in it, global pooling combines
+    the tiles', and BatchNormalization's statistics span every tile and the batch axes: each replica computes its
+    tile of the whole images' model. Its gradients averaged over the axes (``wrap_optimizer``), with a loss that
+    is a mean over each tile's pixels, are one device's. Layers that would compute across tiles otherwise
+    (transposed, separable or depthwise convolutions, bilinear upsampling, padding, cropping, ``Flatten``) are an
+    ``UnsupportedError``. See ``replicator/integrations/_keras_spatial.py``.
+
+    Args:
+      *axes: one per spatial dimension, in order (height, width, depth), a mesh axis, a tuple of axes, or None.
+    """
+    _primitives.require_context(self, "spatial_parallel")
+    return _keras_spatial.split(self, [None if a is None else self._axes(a) for a in axes],
+                                _primitives.user_location())
 
   def input_pipeline(self, replica: int) -> int:
     """The input pipeline (batch shard) that feeds ``replica``."""

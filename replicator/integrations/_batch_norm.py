@@ -29,17 +29,22 @@ class CrossReplicaBatchNorm(keras.layers.BatchNormalization):
     repl = _context.current()
     if repl is None:
       return super()._moments(inputs, mask)
-    axes = list(self._reduction_axes)
-    if mask is None:
-      weights = tf.ones_like(inputs)
-    else:
-      weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), inputs.dtype), tf.shape(inputs))
-    local_sum = tf.reduce_sum(inputs * weights, axis=axes)
-    local_count = tf.reduce_sum(weights, axis=axes)
-    total, count = repl.all_sum((local_sum, local_count))
-    count = tf.maximum(count, 1.0)
-    mean = total / count
-    # Two passes, like tf.nn.moments: the variance of the deviations from the global mean.
-    deviations = tf.square(inputs - tf.stop_gradient(mean)) * weights
-    variance = repl.all_sum(tf.reduce_sum(deviations, axis=axes)) / count
-    return mean, variance
+    return moments(repl, inputs, mask, list(self._reduction_axes), None)
+
+
+def moments(repl, inputs, mask, reduction_axes, axis):
+  """BatchNormalization's ``(mean, variance)`` over ``reduction_axes`` of every replica's ``inputs`` along mesh
+  ``axis`` (None: every replica), the rows a ``mask`` hides left out: two all-reduces, differentiable."""
+  if mask is None:
+    weights = tf.ones_like(inputs)
+  else:
+    weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), inputs.dtype), tf.shape(inputs))
+  local_sum = tf.reduce_sum(inputs * weights, axis=reduction_axes)
+  local_count = tf.reduce_sum(weights, axis=reduction_axes)
+  total, count = repl.all_sum((local_sum, local_count), axis=axis)
+  count = tf.maximum(count, 1.0)
+  mean = total / count
+  # Two passes, like tf.nn.moments: the variance of the deviations from the global mean.
+  deviations = tf.square(inputs - tf.stop_gradient(mean)) * weights
+  variance = repl.all_sum(tf.reduce_sum(deviations, axis=reduction_axes), axis=axis) / count
+  return mean, variance
