@@ -126,10 +126,10 @@ def test_the_keys_before_their_repeat_are_the_repeats_own_input_in_a_trace():
   @tf.function
   def traced(x):
     repeated = keras.ops.repeat(x, repeats=3, axis=2)
-    found = _keras_hub_attention._unrepeated(repeated, 3)  # pylint: disable=protected-access
+    found = _keras_hub_attention.unrepeated(repeated, 3)
     assert found is x, found
     return found
 
   np.testing.assert_array_equal(traced(keys).numpy(), keys.numpy())
-  eager = _keras_hub_attention._unrepeated(keras.ops.repeat(keys, repeats=3, axis=2), 3)  # pylint: disable=protected-access
+  eager = _keras_hub_attention.unrepeated(keras.ops.repeat(keys, repeats=3, axis=2), 3)
   np.testing.assert_array_equal(eager.numpy(), keys.numpy())

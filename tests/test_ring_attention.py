@@ -161,8 +161,46 @@ def test_shapes_that_do_not_agree_are_named():
   q = tf.zeros([1, 4, 2, 8])
   with pytest.raises(replicator.ArgumentError, match=r"expected \[batch, tokens, heads, head size\]"):
     repl.run(lambda: repl.ring_attention(tf.zeros([4, 8]), q, q, axis="seq"))
-  with pytest.raises(replicator.ArgumentError, match=r"do not agree.*Fix: repeat grouped key/value heads"):
-    repl.run(lambda: repl.ring_attention(q, tf.zeros([1, 4, 1, 8]), tf.zeros([1, 4, 1, 8]), axis="seq"))
+  with pytest.raises(replicator.ArgumentError, match=r"do not agree.*query heads a multiple of the key heads"):
+    repl.run(lambda: repl.ring_attention(tf.zeros([1, 4, 3, 8]), tf.zeros([1, 4, 2, 8]), tf.zeros([1, 4, 2, 8]),
+                                         axis="seq"))
+
+
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
+def test_grouped_query_heads_travel_unrepeated_and_equal_one_devices_repeated_attention(exchange):
+  # 4 query heads over 2 key and value heads (each serving 2): the blocks go around with their 2 heads (half the
+  # bytes of repeated ones), repeated on each device for its products, their gradients summed over each group.
+  # The reference: one device's attention of the keys and values repeated to the query heads.
+  rng = np.random.default_rng(3)
+  q, w = (rng.normal(size=(B, S, 2 * H, D)).astype(np.float32) for _ in range(2))
+  k, v = (rng.normal(size=(B, S, H, D)).astype(np.float32) for _ in range(2))
+
+  def one(dtype):
+    qt, kt, vt, wt = (tf.constant(x.astype(dtype)) for x in (q, k, v, w))
+    with tf.GradientTape() as tape:
+      tape.watch([qt, kt, vt])
+      out = _attention(qt, tf.repeat(kt, 2, axis=2), tf.repeat(vt, 2, axis=2), True, None)
+      loss = tf.reduce_sum(out * wt)
+    return [t.numpy() for t in [out, *tape.gradient(loss, [qt, kt, vt])]]
+
+  truth, float32 = one(np.float64), one(np.float32)
+  repl = replicator.Replicator(mesh=mesh.Mesh({"seq": P}, devices=cpus(P)))
+
+  def step():
+    index = int(tf.get_static_value(repl.axis_index("seq")))
+    mine = [replicator.shard_sequence(x, index, P, order="zigzag") for x in (q, k, v, w)]
+    with tf.GradientTape() as tape:
+      tape.watch(mine[:3])
+      out = repl.ring_attention(*mine[:3], axis="seq", causal=True, order="zigzag", exchange=exchange)
+      loss = tf.reduce_sum(out * mine[3])
+    return [out, *tape.gradient(loss, mine[:3])]
+
+  for per_device, expected, reference in zip(repl.run(step), truth, float32):
+    whole = replicator.unshard_sequence([t.numpy() for t in per_device], order="zigzag").numpy()
+    noise = np.max(np.abs(reference - expected))
+    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6, (np.max(np.abs(whole - expected)), noise)
+  sent = [c for c in repl.explain(step).collectives if c.kind in ("permute", "all_gather")]
+  assert sent and all(c.shape[2] == H for c in sent if c.shape.rank == 4)  # (the key heads, not the query heads)
 
 
 def test_the_backward_pass_keeps_a_devices_tokens_not_its_scores():

@@ -230,7 +230,9 @@ class CollectiveMethods:
 
     Args:
       q: this member's queries, ``[batch, tokens, heads, head size]``.
-      k: its keys, ``[batch, tokens, heads, head size]`` (the same tokens).
+      k: its keys, ``[batch, tokens, heads, head size]`` (the same tokens; fewer heads for grouped-query
+        attention, the query heads a multiple of them: each key head serves that many query heads in a row, as
+        ``tf.repeat(k, groups, axis=2)`` gives them, and travels unrepeated).
       v: its values, ``[batch, tokens, heads, value size]``.
       axis: mesh axis name or tuple of names the sequence is split over (default: all).
       causal: whether a query attends only to keys at its position or before (global positions).

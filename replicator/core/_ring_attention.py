@@ -55,17 +55,23 @@ def masked(dtype) -> float:
   return -3e4 if dtype == tf.float16 else MASKED
 
 
-def check(q, k, v, location: str, call: str = "repl.ring_attention") -> None:
-  """Raises a named error unless q, k, v are ``[batch, tokens, heads, head size]`` and agree."""
+def check(q, k, v, location: str, call: str = "repl.ring_attention", grouped: bool = False) -> None:
+  """Raises a named error unless q, k, v are ``[batch, tokens, heads, head size]`` and agree (``grouped``: the
+  query heads a multiple of the key and value heads, grouped-query attention)."""
   for name, t in (("q", q), ("k", k), ("v", v)):
     if t.shape.rank != 4:
       raise _errors.ArgumentError(f"{call} at {location}: {name} has shape {t.shape}; expected "
                                   "[batch, tokens, heads, head size] (a device's tokens). Fix: reshape it "
                                   "(Keras's MultiHeadAttention and KerasHub's layers use this layout).")
-  if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2] or q.shape[3] != k.shape[3] or q.shape[2] != k.shape[2]:
-    raise _errors.ArgumentError(f"{call} at {location}: q {q.shape}, k {k.shape}, v {v.shape} do not "
-                                "agree: k and v need the same tokens and heads, q and k the same heads and head "
-                                "size. Fix: repeat grouped key/value heads to the query heads first.")
+  heads_agree = (q.shape[2] is not None and k.shape[2] is not None and q.shape[2] % k.shape[2] == 0) if grouped \
+      else q.shape[2] == k.shape[2]
+  if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2] or q.shape[3] != k.shape[3] or not heads_agree:
+    raise _errors.ArgumentError(
+        f"{call} at {location}: q {q.shape}, k {k.shape}, v {v.shape} do not agree: k and v need the same tokens "
+        "and heads, q and k the same head size and " + ("query heads a multiple of the key heads (grouped-query "
+                                                         "attention). Fix: reshape the heads." if grouped else
+                                                         "the same heads. Fix: repeat grouped key/value heads to "
+                                                         "the query heads first."))
 
 
 EXCHANGES = ("auto", "ring", "all_gather")
@@ -127,7 +133,8 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
                    location: str, exchange: str = "auto", window: int | None = None, segment_ids=None):
   """Attention of this device's queries over the whole split sequence (see the module)."""
   q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
-  check(q, k, v, location)
+  check(q, k, v, location, grouped=True)
+  groups = q.shape[2] // k.shape[2]  # (grouped-query attention: the blocks travel with their key heads only)
   mesh = ctx.replicator.mesh
   count, index = mesh.axis_size(axes), mesh.axis_index(ctx.replica_id, axes)
   chosen = exchange_for(mesh, ctx.replica_id, axes, exchange)
@@ -174,7 +181,7 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
   def scores_of(qs, ks, kb, extra, origin):  # [batch, heads, queries, keys] of a piece of a block, masked
     (q0, q1), (k0, k1) = qs, ks
     allowed = allowed_positions(mine[q0:q1], positions[origin][k0:k1], causal, window)
-    scores = tf.einsum("bqhd,bkhd->bhqk", q[:, q0:q1], kb[:, k0:k1]) * tf.cast(scale, q.dtype)
+    scores = tf.einsum("bqhd,bkhd->bhqk", q[:, q0:q1], repeated(kb[:, k0:k1])) * tf.cast(scale, q.dtype)
     if allowed is not None and not allowed.all():
       scores += tf.constant(np.where(allowed, 0.0, masked(q.dtype)), q.dtype)
     if "mask" in extra:
@@ -199,6 +206,15 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
         kb, vb, *rest = send(kb, vb, *[extra[n] for n in names])
         extra = dict(zip(names, rest))
 
+  def repeated(t):  # a block's keys or values for every query head
+    return tf.repeat(t, groups, axis=2) if groups > 1 else t
+
+  def folded(t):  # a gradient of repeated keys or values, summed over each key head's group
+    if groups == 1:
+      return t
+    shape = t.shape.as_list()
+    return tf.reduce_sum(tf.reshape(t, shape[:2] + [shape[2] // groups, groups] + shape[3:]), axis=3)
+
   def by_rows(parts, axis):  # one tensor of this device's queries from each run's
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=axis)
 
@@ -221,7 +237,7 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
         rescale = tf.exp(running_max - new_max)
         total = total * rescale + tf.reduce_sum(weights, axis=-1)
         out = out * tf.transpose(rescale, [0, 2, 1])[..., None] + tf.einsum("bhqk,bkhd->bqhd", weights,
-                                                                            vb[:, ks[0]:ks[1]])
+                                                                            repeated(vb[:, ks[0]:ks[1]]))
         state[qs] = (new_max, total, out)
     out = by_rows([o / tf.transpose(t, [0, 2, 1])[..., None] for _, t, o in state.values()], 1)
     logsumexp = by_rows([m + tf.math.log(t) for m, t, _ in state.values()], 2)  # [batch, heads, queries]
@@ -237,11 +253,11 @@ def ring_attention(ctx, q, k, v, axes: tuple[str, ...], causal: bool, order: str
       for qs, ks in pieces(origin):
         (q0, q1), (k0, k1) = qs, ks
         probabilities = tf.exp(scores_of(qs, ks, kb, extra, origin) - logsumexp[:, :, q0:q1, None])
-        dp = tf.einsum("bqhd,bkhd->bhqk", dout[:, q0:q1], vb[:, k0:k1])
+        dp = tf.einsum("bqhd,bkhd->bhqk", dout[:, q0:q1], repeated(vb[:, k0:k1]))
         ds = probabilities * (dp - delta[:, :, q0:q1, None]) * tf.cast(scale, q.dtype)
-        dq[qs].append(tf.einsum("bhqk,bkhd->bqhd", ds, kb[:, k0:k1]))
-        dk.append(padded(tf.einsum("bhqk,bqhd->bkhd", ds, q[:, q0:q1]), ks))
-        dv.append(padded(tf.einsum("bhqk,bqhd->bkhd", probabilities, dout[:, q0:q1]), ks))
+        dq[qs].append(tf.einsum("bhqk,bkhd->bqhd", ds, repeated(kb[:, k0:k1])))
+        dk.append(padded(folded(tf.einsum("bhqk,bqhd->bkhd", ds, q[:, q0:q1])), ks))
+        dv.append(padded(folded(tf.einsum("bhqk,bqhd->bkhd", probabilities, dout[:, q0:q1])), ks))
       dq = by_rows([tf.add_n(parts) if parts else tf.zeros_like(q[:, qs[0]:qs[1]]) for qs, parts in dq.items()], 1)
       return dq, tf.add_n(dk) if dk else tf.zeros_like(kb), tf.add_n(dv) if dv else tf.zeros_like(vb)
 

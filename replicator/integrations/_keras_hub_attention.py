@@ -68,13 +68,13 @@ def _llama(original, attention):
     if not _static(query, key, value) or key.shape[2] != query.shape[2] or query.shape[2] % groups:
       return original(self, query, key, value, attention_mask)
     if groups > 1:
-      key, value = _unrepeated(key, groups), _unrepeated(value, groups)
+      key, value = unrepeated(key, groups), unrepeated(value, groups)
     return attention(query, key, value, mask=_mask(attention_mask), scale=self._inv_norm_factor)
 
   return _compute_attention
 
 
-def _unrepeated(t, groups: int):
+def unrepeated(t, groups: int):
   """``t`` as it was before ``ops.repeat(t, repeats=groups, axis=2)`` (each head ``groups`` times in a row).
 
   In a trace, the repeat's own input, read off the graph: TensorFlow's repeat is a reshape of a tile of

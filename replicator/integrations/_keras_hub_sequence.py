@@ -14,9 +14,11 @@ step is traced:
   is ``repl.ring_attention`` over the axis: causal by global positions, the
   keys' padding read off the mask's diagonal (KerasHub's mask is the padding
   mask's minimum with the causal one, so a key's own row says whether it is
-  padding), the layer's scale. Its keys and values come repeated to the
-  query heads (the layer repeats them before the call), so the ring carries
-  the repeated heads.
+  padding), the layer's scale. The layer repeats its keys and values to the
+  query heads before the call; the repeat's own input is taken back off the
+  traced graph (``_keras_hub_attention.unrepeated``), so the ring carries the
+  key heads only (``1 / groups`` of the bytes) and repeats each block where
+  it computes.
 
 The rest of the model is per token. Every replica then computes its tokens'
 part of the loss; the gradients of each replica's tokens (the ring's
@@ -26,7 +28,7 @@ summed over the axis are the whole sequence's.
 Private KerasHub API, in this module only (KerasHub 0.32.0;
 tests/test_keras_hub_sequence.py fails if it changes): ``RotaryEmbedding``
 and its ``call(inputs, start_index, positions)`` and ``sequence_axis``;
-``LlamaAttention._compute_attention`` and ``_inv_norm_factor``. A layer whose
+``LlamaAttention._compute_attention``, ``_inv_norm_factor`` and ``num_key_value_groups``. A layer whose
 method's parameters differ is a named ``UnsupportedError``.
 """
 
@@ -42,6 +44,7 @@ import tensorflow as tf
 from replicator.core import _context
 from replicator.core import _errors
 from replicator.core import _sequence
+from replicator.integrations import _keras_hub_attention
 
 ROTARY = ("keras_hub.src.layers.modeling.rotary_embedding", "RotaryEmbedding", "call",
           ("self", "inputs", "start_index", "positions"))
@@ -90,6 +93,9 @@ def _llama(original, replicator, axes, order):
     keys_mask = None
     if attention_mask is not None:  # (the padding mask's minimum with the causal one: a key's own row)
       keys_mask = tf.cast(tf.linalg.diag_part(tf.cast(attention_mask, tf.float32)), tf.bool)
+    groups = self.num_key_value_groups
+    if groups > 1 and key.shape[2] == query.shape[2] and query.shape[2] % groups == 0:
+      key, value = _keras_hub_attention.unrepeated(key, groups), _keras_hub_attention.unrepeated(value, groups)
     return replicator.ring_attention(query, key, value, axis=axes, causal=True, order=order, key_mask=keys_mask,
                                      scale=float(self._inv_norm_factor))
 
