@@ -661,10 +661,33 @@ def stacked_global(out):
            **final)
 
 
+def ring_across(out):
+  """repl.ring_attention over the "worker" axis (a sequence split over the processes, causal, zigzag order) with
+  exchange="auto": the all-gather of the keys and values across processes; each process's output and gradients."""
+  rng = np.random.RandomState(7)
+  q, k, v, w = (rng.randn(1, 8, 2, 4).astype(np.float32) for _ in range(4))
+
+  def step():
+    index = int(tf.get_static_value(repl.axis_index("worker")))
+    mine = [replicator.shard_sequence(x, index, 2, order="zigzag") for x in (q, k, v, w)]
+    with tf.GradientTape() as tape:
+      tape.watch(mine[:3])
+      attended = repl.ring_attention(*mine[:3], axis="worker", causal=True, order="zigzag")
+      loss = tf.reduce_sum(attended * mine[3])
+    return [attended, *tape.gradient(loss, mine[:3])]
+
+  found = [t.values[0].numpy() for t in repl.run(step)]
+  said = [c.location for c in repl.explain(step).collectives]
+  np.savez(os.path.join(out, f"worker_{repl.task}.npz"), out=found[0], dq=found[1], dk=found[2], dv=found[3],
+           kinds=np.array(sorted({c.kind for c in repl.explain(step).collectives})),
+           gathered=np.array(any("all-gathered, as the axis spans worker processes" in s for s in said)))
+
+
 if __name__ == "__main__":
   name, out = sys.argv[1], sys.argv[2]
   {"train": train, "train_global": train_global, "fit": fit, "keras_distribution": keras_distribution, "uneven": uneven, "sharded": sharded, "sharded_global": sharded_global, "fit_sharded": fit_sharded,
    "refusals": refusals, "dead_peer": dead_peer, "save_crash": save_crash, "resume": resume,
    "restore_damaged": restore_damaged, "memory": memory, "preempt": preempt, "loops_global": loops_global,
-   "loop_mismatch": loop_mismatch, "pipeline": pipeline, "stacked_global": stacked_global}[name](out)
+   "loop_mismatch": loop_mismatch, "pipeline": pipeline, "stacked_global": stacked_global,
+   "ring_across": ring_across}[name](out)
   print("done", repl.task, flush=True)

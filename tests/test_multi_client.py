@@ -386,6 +386,26 @@ def test_a_pipeline_with_its_stages_on_two_workers_trains_as_one_device(tmp_path
     assert int(found["permutes"]) == 2 * 2  # 2 microbatches' activations forward, their gradients back
 
 
+def test_ring_attention_over_the_worker_processes_gathers_the_keys_and_equals_one_device(tmp_path):
+  # A sequence split over 2 worker processes (zigzag, causal): exchange="auto" takes the all-gather there (a permute
+  # across processes would be an all-gather P - 1 times), and explain says why. Each process's tokens' output and
+  # gradients against one device's attention in float64, within 1e-5 (one device in float32: 2.3e-7 from it).
+  results = _launch(tmp_path, "ring_across", 2, 1)
+  rng = np.random.RandomState(7)
+  q, k, v, w = (tf.constant(rng.randn(1, 8, 2, 4).astype(np.float64)) for _ in range(4))
+  with tf.GradientTape() as tape:
+    tape.watch([q, k, v])
+    scores = tf.einsum("bqhd,bkhd->bhqk", q, k) * 4 ** -0.5 + np.triu(np.full((8, 8), -1e9), 1)
+    attended = tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores), v)
+    loss = tf.reduce_sum(attended * w)
+  expected = [attended.numpy(), *[g.numpy() for g in tape.gradient(loss, [q, k, v])]]
+  for which, name in enumerate(("out", "dq", "dk", "dv")):
+    whole = replicator.unshard_sequence([found[name] for found in results], order="zigzag").numpy()
+    np.testing.assert_allclose(whole, expected[which], atol=1e-5, err_msg=name)
+  for found in results:
+    assert bool(found["gathered"]) and "all_gather" in list(found["kinds"]) and "permute" not in list(found["kinds"])
+
+
 def test_stacked_blocks_with_their_stages_on_two_workers_train_as_one_device(tmp_path):
   # replicator.StackedBlocks in the global view, its stacked weights split over "worker" (a stage a process), the
   # batch over each worker's 2 devices: the pipeline's roll a permute between the processes inside its loop, as is
