@@ -67,6 +67,12 @@ def _split_dims(layer, inputs, dims, location: str) -> dict[int, tuple]:
   return {d: axes for d, axes in dims.items() if d < inputs.shape.rank - 1}
 
 
+def _ours(replicator) -> bool:
+  """Whether a step of ``replicator`` is being traced (the context's layers change only there)."""
+  ctx = _context.current_context()
+  return ctx is not None and ctx.replicator is replicator
+
+
 def _same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
   """TensorFlow's ``"same"`` zero padding (before, after) of a dimension of ``size``."""
   out = -(-size // stride)
@@ -76,10 +82,9 @@ def _same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
 
 def _conv(original, replicator, dims, location):
   def convolution_op(self, inputs, kernel):
-    ctx = _context.current_context()
-    inputs = tf.convert_to_tensor(inputs)
-    if ctx is None or ctx.replicator is not replicator:
+    if not _ours(replicator):
       return original(self, inputs, kernel)
+    inputs = tf.convert_to_tensor(inputs)
     split = _split_dims(self, inputs, dims, location)
     if not split:
       return original(self, inputs, kernel)
@@ -113,10 +118,9 @@ def _conv(original, replicator, dims, location):
 
 def _pooling(original, replicator, dims, location):
   def call(self, inputs):
-    ctx = _context.current_context()
-    inputs = tf.convert_to_tensor(inputs)
-    if ctx is None or ctx.replicator is not replicator:
+    if not _ours(replicator):
       return original(self, inputs)
+    inputs = tf.convert_to_tensor(inputs)
     for d, axis in _split_dims(self, inputs, dims, location).items():
       pool, s, tile = self.pool_size[d - 1], self.strides[d - 1], inputs.shape[d]
       if tile is None or tile % s or pool > s:
@@ -131,10 +135,9 @@ def _pooling(original, replicator, dims, location):
 
 def _global_pooling(original, replicator, dims, location):
   def call(self, inputs):
-    ctx = _context.current_context()
-    inputs = tf.convert_to_tensor(inputs)
-    if ctx is None or ctx.replicator is not replicator:
+    if not _ours(replicator):
       return original(self, inputs)
+    inputs = tf.convert_to_tensor(inputs)
     split = _split_dims(self, inputs, dims, location)
     out = original(self, inputs)
     axes = tuple(a for d in sorted(split) for a in _tuple(split[d]))
@@ -147,8 +150,7 @@ def _global_pooling(original, replicator, dims, location):
 
 def _moments(original, replicator, dims, location):
   def _moments(self, inputs, mask):
-    ctx = _context.current_context()
-    if ctx is None or ctx.replicator is not replicator:
+    if not _ours(replicator):
       return original(self, inputs, mask)
     inputs = tf.convert_to_tensor(inputs)
     spatial = [a for d in sorted(_split_dims(self, inputs, dims, location)) for a in _tuple(dims[d])]
@@ -161,9 +163,7 @@ def _moments(original, replicator, dims, location):
 def _refused(kind: str, fix: str, location: str, dims):
   def make(original, replicator, _dims, _location):
     def call(self, inputs, *args, **kwargs):
-      ctx = _context.current_context()
-      if ctx is None or ctx.replicator is not replicator or (
-              kind == "UpSampling" and getattr(self, "interpolation", "nearest") == "nearest"):
+      if not _ours(replicator) or (kind == "UpSampling" and getattr(self, "interpolation", "nearest") == "nearest"):
         return original(self, inputs, *args, **kwargs)
       raise _errors.UnsupportedError(REFUSED.format(location=location, layer=self.name, dims=sorted(dims),
                                                     kind=type(self).__name__, fix=FIXES[fix]))
