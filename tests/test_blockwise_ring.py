@@ -70,7 +70,7 @@ def test_a_query_seeing_no_key_has_keras_gradients(scheme):
     np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-13)
 
 
-@pytest.mark.parametrize("shape", [{"batch": 2, "seq": 2}, pytest.param({"seq": 4}, marks=pytest.mark.full_grid)])
+@pytest.mark.parametrize("shape", [{"batch": 2, "seq": 2}, {"seq": 4}])  # {"seq": 4}: the traffic's P - 1 at P = 4
 def test_a_decoder_over_a_ring_trains_as_on_one_device_passing_tiles_not_gathering(shape):
   # 3 Adam steps at 1e-2: 3e-7 from one device at most (measured; the all-gather's: 3.0e-7), so 1e-6; a wrong tile
   # pairing or mask offset is 1e-3 off or more.

@@ -7,7 +7,9 @@ over "model" and "batch"), the others run data-parallel over 4 devices. CI
 runs a representative set (Gemma's map, whose step once failed to import;
 Llama's map through ``fit`` below; Mixtral with its experts over "model" on
 2x2, data-parallel over "batch" too, below, and against a float64 truth at
-Adam's 1e-2); ``--full-grid`` runs them all.
+Adam's 1e-2; of the sequence splits, Llama's seq x model with its map, Gemma's
+batch x seq, and Llama's by the ring and by Ulysses); ``--full-grid`` runs
+them all.
 
 Tolerance: Adam divides by the root of the second moment, which amplifies
 float32 differences in the order of sums. Measured for these configurations
@@ -413,15 +415,15 @@ def test_a_keras_hub_mixture_of_experts_split_is_as_near_the_float64_truth_as_on
 SEQUENCE_CASES = [  # (backbone, mesh axes and sizes, with its map): a token batch [batch, seq] split over "seq"
     pytest.param("LlamaBackbone", ("batch", "seq"), (2, 2), False, id="llama_batch_x_seq", marks=pytest.mark.full_grid),
     pytest.param("LlamaBackbone", ("batch", "seq", "model"), (1, 2, 2), True, id="llama_seq_x_model_with_map"),
-    pytest.param("GemmaBackbone", ("batch", "seq"), (2, 2), False, id="gemma_batch_x_seq", marks=pytest.mark.full_grid),
+    pytest.param("GemmaBackbone", ("batch", "seq"), (2, 2), False, id="gemma_batch_x_seq"),  # (9 s; Llama's 14)
 ]
 
 
-def _sequence_split(name, axes, sizes, with_map, data):
+def _sequence_split(name, axes, sizes, with_map, data, context_parallel="all_gather"):
   device_mesh = keras.distribution.DeviceMesh(sizes, list(axes), devices=cpus(int(np.prod(sizes))))
   layouts = getattr(keras_hub.models, name).get_layout_map(device_mesh) if with_map else None
   repl = replicator.Replicator(mesh=device_mesh, layouts=layouts, view="global", input_layouts=("batch", "seq"),
-                               strict=True)
+                               context_parallel=context_parallel, strict=True)
   with repl.context():
     backbone, optimizer = _backbone(name), keras.optimizers.Adam(1e-3)
   step = _step(backbone, optimizer)
@@ -433,6 +435,14 @@ def _saved(report):
   return [t for t in report.memory.saved if t.device.endswith("CPU:0")]
 
 
+def _padded_dataset():
+  ids = np.random.RandomState(0).randint(1, VOCABULARY, size=(STEPS * BATCH, LENGTH + 1)).astype(np.int32)
+  padding = np.ones((STEPS * BATCH, LENGTH), np.int32)
+  padding[::3, -5:] = 0  # some rows padded at the end
+  return tf.data.Dataset.from_tensor_slices({"token_ids": ids[:, :-1], "padding_mask": padding,
+                                             "labels": ids[:, 1:]}).batch(BATCH, drop_remainder=True)
+
+
 @pytest.mark.parametrize("name,axes,sizes,with_map", SEQUENCE_CASES)
 def test_a_keras_hub_decoder_with_its_sequence_split_trains_as_on_one_device(name, axes, sizes, with_map, monkeypatch):
   # Llama and Gemma (rotary positions, grouped-query attention, a causal and a padding mask), the token batch split
@@ -442,11 +452,7 @@ def test_a_keras_hub_decoder_with_its_sequence_split_trains_as_on_one_device(nam
   # from one device, every copy of every weight: 2.4e-7 (Llama), 2.5e-7 (Llama with its map), 7.6e-7 (Gemma: it
   # scales its queries, the blockwise attention its scores); KerasHub's own attention over the same splits 1.6e-7,
   # 2.2e-7 and 1.4e-7; the slots 1e-8.
-  ids = np.random.RandomState(0).randint(1, VOCABULARY, size=(STEPS * BATCH, LENGTH + 1)).astype(np.int32)
-  padding = np.ones((STEPS * BATCH, LENGTH), np.int32)
-  padding[::3, -5:] = 0  # some rows padded at the end
-  data = tf.data.Dataset.from_tensor_slices({"token_ids": ids[:, :-1], "padding_mask": padding,
-                                             "labels": ids[:, 1:]}).batch(BATCH, drop_remainder=True)
+  data = _padded_dataset()
   one, one_opt = _backbone(name), keras.optimizers.Adam(1e-3)
   one_step = tf.function(_step(one, one_opt))
   expected = [float(one_step(batch)) for batch in data]
@@ -486,3 +492,35 @@ def test_a_keras_hub_decoder_with_its_sequence_split_trains_as_on_one_device(nam
   assert len(rows) == 2, plain_saved
   ours, theirs = (sum(t.bytes or 0 for t in saved) for saved in (_saved(report), plain_saved))
   assert ours < theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("scheme", ["ring", "ulysses"])
+def test_a_keras_hub_llama_over_a_split_sequence_trains_as_on_one_device_by_ring_and_ulysses(scheme):
+  # Replicator(context_parallel=) on Llama ({"batch": 2, "seq": 2}; rotary positions, grouped-query attention, a
+  # causal and a padding mask): its attention routed to Keras's runs as a ring of key and value tiles, or by
+  # all-to-alls from tokens to heads. Tolerance: the module's (2e-6); measured from one device, every weight: 2.7e-7
+  # (ring) and 1.2e-7 (Ulysses), the slots 1.0e-8, the losses equal.
+  data = _padded_dataset()
+  one, one_opt = _backbone("LlamaBackbone"), keras.optimizers.Adam(1e-3)
+  one_step = tf.function(_step(one, one_opt))
+  expected = [float(one_step(batch)) for batch in data]
+  repl, backbone, optimizer, step, losses = _sequence_split("LlamaBackbone", ("batch", "seq"), (2, 2), False, data,
+                                                            context_parallel=scheme)
+  np.testing.assert_allclose(losses, expected, atol=2e-6)
+  assert_every_copy(backbone.weights, one.weights, atol=2e-6)
+  assert_every_copy(optimizer.variables, one_opt.variables, atol=2e-6)
+  rows = [c for c in repl.explain(step, data).collective_rows if c.shape and len(c.shape) >= 4]
+  assert not [c for c in rows if c.kind == "all_gather"], rows  # (the keys and values never gathered)
+  layers, b, s, heads, size = 2, BATCH // 2, LENGTH // 2, 4, 8  # a device's rows and tokens; Llama's query heads
+  if scheme == "ring":
+    # A layer's keys and values (2 key heads, unrepeated), a tile a step: P - 1 permutes each forward, again in
+    # the backward pass, and their gradients P - 1 each.
+    permutes = [c for c in rows if c.kind == "permute"]
+    assert len(permutes) == layers * 6 * (2 - 1), permutes
+    assert all(c.axes == ("seq",) and c.bytes_per_device == b * s * 2 * size * 4 for c in permutes), permutes
+  else:
+    # A layer's queries, keys and values (repeated to the query heads) to the heads and the output back, then the
+    # same four back in the backward pass: each a device's [b, s, heads, size] (or [b, S, heads / P, size]).
+    moved = [c for c in rows if c.kind == "all_to_all"]
+    assert len(moved) == layers * 8, rows
+    assert all(c.axes == ("seq",) and c.bytes_per_device == b * s * heads * size * 4 for c in moved), moved

@@ -2,7 +2,14 @@
 
 Tolerance: the one-device attention in float32 against the same in float64
 (its reorder floor, measured in each case); the ring's float32 result may be
-at most twice as far from float64 (and 1e-6).
+at most twice as far from float64, plus 1e-6. Twice the floor alone does not
+hold (measured): these cases came up to 2.2 times it (the padded length's
+query gradient, 5.7e-7 against 2.6e-7; Ulysses's window, 2.3 times), and over
+15 other seeds of every case (1,800 results of the ring, the all-gather and
+Ulysses) 83 exceeded twice the floor, 30 of them by more than 1e-7, the most
+by 4.1e-7 (and up to 3.7 times the floor): the floor is one sample of
+float32's rounding, the split run another. A dropped mask or tokens in the wrong order
+are 0.5 off or more.
 """
 
 import numpy as np
@@ -253,13 +260,23 @@ def test_auto_is_the_ring_in_one_process_and_the_all_gather_across_processes():
     _ring_attention.exchange_for(one, 0, ("seq",), "p2p")
 
 
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
 @pytest.mark.parametrize("order", ["contiguous", "zigzag"])
-def test_a_length_the_devices_do_not_divide_is_padded_and_masked(order):
+def test_a_length_the_devices_do_not_divide_is_padded_and_masked(order, exchange):
   # 30 tokens over 4 devices: padded to 32 (zigzag: 8 chunks of 4), the 2 padding keys masked; the real tokens'
   # outputs and gradients are one device's on the 30 tokens (causal: the padding comes after every real query).
+  def attend(repl, q, k, v, key_mask):
+    return repl.ring_attention(q, k, v, axis="seq", causal=True, order=order, key_mask=key_mask, exchange=exchange)
+
+  assert_padded_attention_equals_one_device(attend, order, H)
+
+
+def assert_padded_attention_equals_one_device(attend, order, heads):
+  """``attend(repl, q, k, v, key_mask)``, causal, on 30 tokens padded to a length ``P`` devices split: the real
+  tokens' attention and gradients within twice the float32 floor of one device's on the 30 tokens (float64)."""
   length = 30
   rng = np.random.default_rng(3)
-  values = [rng.normal(size=(B, length, H, D)).astype(np.float32) for _ in range(4)]
+  values = [rng.normal(size=(B, length, heads, D)).astype(np.float32) for _ in range(4)]
   truth = _one_device_of_length(values, length, np.float64)
   floor = [np.max(np.abs(a - b)) for a, b in zip(_one_device_of_length(values, length, np.float32), truth)]
   padded = [replicator.pad_sequence(x, P, order=order) for x in values]
@@ -273,13 +290,13 @@ def test_a_length_the_devices_do_not_divide_is_padded_and_masked(order):
     key_mask = replicator.shard_sequence(mask, index, P, order=order)
     with tf.GradientTape() as tape:
       tape.watch([q, k, v])
-      out = repl.ring_attention(q, k, v, axis="seq", causal=True, order=order, key_mask=key_mask)
+      out = attend(repl, q, k, v, key_mask)
       loss = tf.reduce_sum(out * w)  # (w is zero on the padding: its rows add nothing)
     return [out, *tape.gradient(loss, [q, k, v])]
 
   for per_device, expected, noise in zip(repl.run(step), truth, floor):
     whole = replicator.unshard_sequence([t.numpy() for t in per_device], order=order).numpy()[:, :length]
-    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6
+    assert np.max(np.abs(whole - expected)) <= 2 * noise + 1e-6, (np.max(np.abs(whole - expected)), noise)
 
 
 def _one_device_of_length(values, length, dtype):
