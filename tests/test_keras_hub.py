@@ -465,7 +465,8 @@ def test_a_keras_hub_decoder_with_its_sequence_split_trains_as_on_one_device(nam
   # Per layer: the keys after their rotary positions, the values, and the mask (Llama's padding mask, [batch, seq];
   # Gemma's combined mask); the embedding's sparse gradient rows (as in data parallelism).
   keys = r"rotary_embedding[_\d]*/add[_\d]*:" if name == "LlamaBackbone" else r"/attention[_\d]*/Reshape_1:"
-  names = keys + r"|/value[_\d]*/Reshape_1:|^flat[_\d]*:|decoder_block[_\d]*/Minimum:|token_embedding[_\d]*/Reshape"
+  names = keys + (r"|/value[_\d]*/Reshape_1:|^flat[_\d]*:|decoder_block[_\d]*/Minimum:|token_embedding[_\d]*/Reshape"
+                  r"|(self_)?attention[_\d]*/Max:")  # (the keys' padding, [batch, seq], read off the mask)
   assert all(re.search(names, t) for t in gathered), gathered
   # Gathered as [batch, keys, key heads, size] (2 key heads, not the 4 query heads they are repeated to): once
   # each in the forward pass, and again in the backward pass once the gradient reaches attention (waiting for it,
@@ -514,10 +515,14 @@ def test_a_keras_hub_llama_over_a_split_sequence_trains_as_on_one_device_by_ring
   layers, b, s, heads, size = 2, BATCH // 2, LENGTH // 2, 4, 8  # a device's rows and tokens; Llama's query heads
   if scheme == "ring":
     # A layer's keys and values (2 key heads, unrepeated), a tile a step: P - 1 permutes each forward, again in
-    # the backward pass, and their gradients P - 1 each.
+    # the backward pass, and their gradients P - 1 each; the keys' padding (Llama's mask read as causal and the
+    # keys' padding: never cut into [queries, keys] tile pairs) rolled with them, forward and backward.
     permutes = [c for c in rows if c.kind == "permute"]
-    assert len(permutes) == layers * 6 * (2 - 1), permutes
-    assert all(c.axes == ("seq",) and c.bytes_per_device == b * s * 2 * size * 4 for c in permutes), permutes
+    tiles = [c for c in permutes if c.bytes_per_device == b * s * 2 * size * 4]
+    padding = [c for c in permutes if c.bytes_per_device == b * s]
+    assert len(tiles) == layers * 6 * (2 - 1) and len(padding) == layers * 2 * (2 - 1), permutes
+    assert all(c.axes == ("seq",) for c in permutes), permutes
+    assert not [c for c in rows if c.kind == "all_reduce" and "max" in (c.why or "")], rows  # (no tile pairs cut)
   else:
     # A layer's queries, keys and values (repeated to the query heads) to the heads and the output back, then the
     # same four back in the backward pass: each a device's [b, s, heads, size] (or [b, S, heads / P, size]).

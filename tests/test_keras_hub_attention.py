@@ -63,9 +63,9 @@ def _gemma_layer(**kwargs):
 
 
 def _blockwise(calls):
-  def attention(query, key, value, mask=None, scale=None):  # Keras attention's signature, as the trace has it
+  def attention(query, key, value, mask=None, scale=None, is_causal=False):  # Keras attention's, as in the trace
     calls.append((tuple(query.shape), tuple(key.shape)))
-    return _blockwise_attention.attention(query, key, value, mask=mask, scale=scale, blocks=3,
+    return _blockwise_attention.attention(query, key, value, mask=mask, scale=scale, is_causal=is_causal, blocks=3,
                                           groups=query.shape[2] // key.shape[2])
   return attention
 

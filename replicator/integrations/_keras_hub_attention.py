@@ -27,6 +27,14 @@ group of query heads in one product, never repeated):
   (``_mask_sliding_window``) are kept. With a logit soft cap or dropout it is
   KerasHub's own (the blockwise attention has neither).
 
+A decoder's mask (``[batch, queries, keys]``: its padding mask's minimum
+with the causal one, as both decoders make it, queries and keys the same
+tokens) is passed as causal plus the keys' padding (each key's own row of
+it, :func:`_causal_keys`): the ring then rolls the keys' padding with them
+instead of cutting a mask over queries and keys into tile pairs (a
+collective of score-tile size each step). Gemma's sliding window keeps the
+whole mask.
+
 Anything else (a shape not static, heads that do not match) is the layer's
 own. Private KerasHub API, in this module only (KerasHub 0.32.0;
 tests/test_keras_hub_attention.py fails if it changes): the classes above,
@@ -61,6 +69,17 @@ def _mask(attention_mask):
   return None if attention_mask is None else tf.cast(tf.convert_to_tensor(attention_mask)[:, None], tf.bool)
 
 
+def _causal_keys(attention_mask):
+  """A decoder's ``[batch, queries, keys]`` mask (its padding mask's minimum with the causal one, as KerasHub's
+  decoders make it) as its keys' padding, ``[batch, 1, 1, keys]`` boolean: each key's own row says whether it is
+  padding (a key not padding sees itself). With ``is_causal``, the same mask, never cut into tile pairs (a mask
+  over queries and keys would be: each pair a collective of score-row size in the ring)."""
+  m = tf.cast(tf.convert_to_tensor(attention_mask), tf.float32)
+  length = m.shape[1]
+  diagonal = tf.cast(tf.equal(tf.range(length)[:, None], tf.range(length)[None, :]), tf.float32)
+  return (tf.reduce_max(m * diagonal, axis=1) > 0.5)[:, None, None, :]
+
+
 def _llama(original, attention):
   def _compute_attention(self, query, key, value, attention_mask=None):
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
@@ -69,6 +88,9 @@ def _llama(original, attention):
       return original(self, query, key, value, attention_mask)
     if groups > 1:
       key, value = unrepeated(key, groups), unrepeated(value, groups)
+    if attention_mask is not None and query.shape[1] == key.shape[1]:  # (a decoder's: causal, the keys' padding)
+      return attention(query, key, value, mask=_causal_keys(attention_mask), scale=self._inv_norm_factor,
+                       is_causal=True)
     return attention(query, key, value, mask=_mask(attention_mask), scale=self._inv_norm_factor)
 
   return _compute_attention
@@ -107,6 +129,8 @@ def _gemma(original, attention):
     size = self.head_dim if self.query_head_dim_normalize else self.hidden_dim // self.num_query_heads
     if self.use_sliding_window_attention and attention_mask is not None:
       attention_mask = self._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
+    elif attention_mask is not None and q.shape[1] == k.shape[1]:  # (a decoder's: causal, the keys' padding)
+      return attention(q, k, v, mask=_causal_keys(attention_mask), scale=1 / np.sqrt(size), is_causal=True)
     return attention(q, k, v, mask=_mask(attention_mask), scale=1 / np.sqrt(size))
 
   return _compute_attention
