@@ -113,6 +113,41 @@ def test_a_conv_net_on_image_tiles_in_the_local_view_trains_as_on_one_device(kin
   assert permutes and all(min(c.shape[1], c.shape[2]) <= 2 for c in permutes), [c.shape for c in permutes]
 
 
+def test_a_conv1d_net_on_pieces_of_its_sequences_equals_one_device():
+  # Conv1D (which Keras computes in its own call) with "same" padding, a dilation and a stride, BatchNormalization,
+  # global average pooling, on 4 pieces of each sequence: the output and every gradient as one device's (measured:
+  # output 3.0e-8, gradients 1.8e-7; bound 1e-6).
+  keras.utils.set_random_seed(3)
+  x = np.random.default_rng(4).normal(size=(2, 32, 3)).astype("float32")
+
+  def net():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((None, 3))
+    h = keras.layers.Conv1D(4, 3, padding="same", dilation_rate=2, use_bias=False)(inputs)
+    h = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="tanh")(keras.layers.BatchNormalization()(h))
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h)))
+
+  one = net()
+  with tf.GradientTape() as tape:
+    expected = one(x, training=True)
+  expected_grads = tape.gradient(expected, one.trainable_variables)
+  repl = replicator.Replicator(mesh=mesh.Mesh({"rows": 4}, devices=cpus(4)), batch_axes=())
+  with repl.context():
+    ours = net()
+
+  def step():
+    r = int(tf.get_static_value(repl.axis_index("rows")))
+    with tf.GradientTape() as tape:
+      with repl.spatial_parallel("rows"):
+        out = ours(x[:, 8 * r:8 * r + 8], training=True)
+    return out, repl.all_reduce(tape.gradient(out, ours.trainable_variables), "mean")
+
+  out, grads = repl.run(step)
+  np.testing.assert_allclose(out[0].numpy(), expected.numpy(), atol=1e-6)
+  for got, want in zip(grads, expected_grads):
+    np.testing.assert_allclose(got[0].numpy(), want.numpy(), atol=1e-6)
+
+
 def test_without_the_context_the_tiles_are_another_model():
   one, _, expected = _one_device("unet")
   _, _, _, _, losses = _tiled_without_context()
@@ -138,14 +173,14 @@ def _tiled_without_context():
 def test_what_would_cross_tiles_is_named():
   x = tf.ones([1, 6, 8, 2])
 
-  def run(layer):
+  def run(layer, inputs=x):
     repl = replicator.Replicator(mesh=mesh.Mesh({"rows": 2}, devices=cpus(2)), batch_axes=())
     with repl.context():
-      layer.build(x.shape)
+      layer.build(inputs.shape)
 
     def step():
       with repl.spatial_parallel("rows"):
-        return layer(x)
+        return layer(inputs)
     return repl.run(step)
 
   with pytest.raises(replicator.UnsupportedError, match=r"conv2d_transpose would compute across tiles of the split "
@@ -156,6 +191,8 @@ def test_what_would_cross_tiles_is_named():
     run(keras.layers.Conv2D(2, 3, strides=4, padding="same"))
   with pytest.raises(replicator.UnsupportedError, match=r"a 'valid' window of 3 at stride 1 crosses tiles"):
     run(keras.layers.Conv2D(2, 3))
+  with pytest.raises(replicator.UnsupportedError, match=r"its padding 'causal' pads each tile where only the image"):
+    run(keras.layers.Conv1D(2, 3, padding="causal"), tf.ones([1, 6, 2]))
   with pytest.raises(replicator.UnsupportedError, match=r"windows of 3 at stride 2 do not stay within a tile"):
     run(keras.layers.MaxPooling2D(3, strides=2, padding="same"))
   with pytest.raises(replicator.UnsupportedError, match=r"flatten would compute across tiles.*GlobalAveragePooling2D"):

@@ -26,7 +26,8 @@ Other ops over the spatial dimensions (a hand-written ``tf.nn.conv2d``, a ``Resh
 global view (``input_layouts=``) splits any step by its rules instead. Channels-last only.
 
 Private Keras API, in this module only (Keras 3.15.1; tests/test_keras_spatial.py fails if it changes): the base
-classes ``keras.src.layers.convolutional.base_conv.BaseConv`` (its ``convolution_op``), ``base_pooling.BasePooling``
+classes ``keras.src.layers.convolutional.base_conv.BaseConv`` (its ``convolution_op``, and its ``call``, which
+``Conv1D`` overrides to pad causally: inside the context ``Conv1D`` runs ``BaseConv.call``), ``base_pooling.BasePooling``
 and ``base_global_pooling.BaseGlobalPooling`` (their ``call``), and the attributes named.
 """
 
@@ -93,19 +94,25 @@ def _conv(original, replicator, dims, location):
       k = (self.kernel_size[d - 1] - 1) * self.dilation_rate[d - 1] + 1  # (the window, dilated)
       s, tile = self.strides[d - 1], inputs.shape[d]
       if d not in split:
-        if self.padding == "same":
-          padding[d] = list(_same_padding(tile, k, s))
+        if self.padding == "same":  # (as "same" pads it: a stride of 1 pads the same at any size)
+          padding[d] = list(_same_padding(tile if tile is not None else k, k, s if tile is not None else 1))
+          if tile is None and s != 1:
+            raise _errors.UnsupportedError(
+                f"repl.spatial_parallel at {location}: {self.name} pads dimension {d} (not split, of a size known "
+                f"only at run time) 'same' at stride {s}. Fix: give that dimension a static size.")
         continue
       why = None
-      if tile is None or tile % s:
+      if self.padding not in ("same", "valid"):
+        why = f"its padding {self.padding!r} pads each tile where only the image's edge is padded"
+      elif tile is None or tile % s:
         why = f"its stride {s} does not divide the tile"
       elif self.padding == "valid" and k > s:
         why = f"a 'valid' window of {k} at stride {s} crosses tiles (the tiles' outputs would not be the image's)"
       if why:
         raise _errors.UnsupportedError(TILE.format(
             location=location, layer=self.name, kind=type(self).__name__, tile=tile, dim=d, axis=split[d], why=why,
-            fix="make each tile a multiple of the stride (fewer devices along that axis, or a larger image), or "
-                "padding='same'."))
+            fix="padding 'same' or 'valid', each tile a multiple of the stride (fewer devices along that axis, or a "
+                "larger image), and a 'valid' window no larger than its stride."))
       if self.padding == "same":
         inputs = replicator.halo_exchange(inputs, axis=split[d], dim=d, width=_same_padding(tile, k, s))
     if any(p != [0, 0] for p in padding):
@@ -114,6 +121,16 @@ def _conv(original, replicator, dims, location):
                           dilation_rate=self.dilation_rate, data_format="channels_last")
 
   return convolution_op
+
+
+def _conv1d(original, replicator, dims, location):
+  def call(self, inputs):  # (Keras's Conv1D calls ops.conv itself, for its causal padding: BaseConv's call instead)
+    if not _ours(replicator) or self.padding == "causal" and not _split_dims(self, tf.convert_to_tensor(inputs),
+                                                                             dims, location):
+      return original(self, inputs)
+    return base_conv.BaseConv.call(self, inputs)
+
+  return call
 
 
 def _pooling(original, replicator, dims, location):
@@ -134,12 +151,15 @@ def _pooling(original, replicator, dims, location):
 
 
 def _global_pooling(original, replicator, dims, location):
-  def call(self, inputs):
+  def call(self, inputs, *args, **kwargs):  # (GlobalAveragePooling1D takes a mask)
     if not _ours(replicator):
-      return original(self, inputs)
+      return original(self, inputs, *args, **kwargs)
     inputs = tf.convert_to_tensor(inputs)
     split = _split_dims(self, inputs, dims, location)
-    out = original(self, inputs)
+    if split and (args or kwargs.get("mask") is not None):  # (tiles' means of their unmasked rows: not the image's)
+      raise _errors.UnsupportedError(f"repl.spatial_parallel at {location}: {self.name} pools with a mask over "
+                                     "split tiles. Fix: pool without a mask, or split the input in the global view.")
+    out = original(self, inputs, *args, **kwargs)
     axes = tuple(a for d in sorted(split) for a in _tuple(split[d]))
     if not axes:
       return out
@@ -186,7 +206,8 @@ def _patches(location: str, dims):
   refused += [(c, "reshaping") for c in (layers.ZeroPadding1D, layers.ZeroPadding2D, layers.ZeroPadding3D,
                                          layers.Cropping1D, layers.Cropping2D, layers.Cropping3D)]
   refused += [(layers.Flatten, "flatten")]
-  found = [(base_conv.BaseConv, "convolution_op", _conv), (base_pooling.BasePooling, "call", _pooling),
+  found = [(base_conv.BaseConv, "convolution_op", _conv), (keras.layers.Conv1D, "call", _conv1d),
+           (base_pooling.BasePooling, "call", _pooling),
            (keras.layers.BatchNormalization, "_moments", _moments)]
   found += [(c, "call", _global_pooling) for c in base_global_pooling.BaseGlobalPooling.__subclasses__()]
   for cls, fix in refused:
