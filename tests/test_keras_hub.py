@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import token_batches
 from conftest import assert_every_copy
 from conftest import cpus
 
@@ -436,11 +437,7 @@ def _saved(report):
 
 
 def _padded_dataset():
-  ids = np.random.RandomState(0).randint(1, VOCABULARY, size=(STEPS * BATCH, LENGTH + 1)).astype(np.int32)
-  padding = np.ones((STEPS * BATCH, LENGTH), np.int32)
-  padding[::3, -5:] = 0  # some rows padded at the end
-  return tf.data.Dataset.from_tensor_slices({"token_ids": ids[:, :-1], "padding_mask": padding,
-                                             "labels": ids[:, 1:]}).batch(BATCH, drop_remainder=True)
+  return token_batches.padded(VOCABULARY, BATCH, LENGTH, STEPS)
 
 
 @pytest.mark.parametrize("name,axes,sizes,with_map", SEQUENCE_CASES)
