@@ -24,7 +24,9 @@ returns a :class:`MemoryReport`:
   a constant under them.
 
 Not counted: what an op allocates and frees inside itself (a kernel's
-scratch, the ops inside a function an op calls: only its outputs are),
+scratch, the ops inside a function an op calls: only its outputs are, a
+loop's lists for its gradient included, held whole until the gradient's
+loop has run, though it frees their elements as it pops them),
 constants (made once with their kernels), copies between devices of one
 process (logical CPUs share the host's memory), and what Grappler changes
 before the step runs (fused ops whose intermediate results never exist, ops
@@ -43,6 +45,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from rewrite import _apply
@@ -73,6 +76,8 @@ FORWARDING = frozenset({
     "RsqrtGrad", "Selu", "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin", "Softplus", "SoftplusGrad", "Sqrt",
     "SqrtGrad", "Square", "SquaredDifference", "Sub", "Tanh", "TanhGrad", "TruncateDiv", "Xdivy", "Xlogy"})
 _NOT_BUFFERS = (tf.resource, tf.variant)
+LOOPS = frozenset({"While", "StatelessWhile"})
+LIST_MAKERS = frozenset({"EmptyTensorList", "TensorListReserve"})
 
 
 def is_backward(node_name: str) -> bool:
@@ -89,8 +94,10 @@ class SavedTensor:
     op_type: the type of the op that makes it.
     kind: ``"activation"`` (a forward op's result), ``"input"`` (the step's
       input), ``"communicated"`` (a collective's result: in the global view a
-      kernel gathered for its product, with FSDP) or ``"variable read"`` (a
-      variable's value: its buffer, no new bytes).
+      kernel gathered for its product, with FSDP), ``"loop"`` (a loop's list
+      of a value of every iteration, for its gradient: ``shape`` is
+      ``[iterations, *element]``) or ``"variable read"`` (a variable's value:
+      its buffer, no new bytes).
     device: the device that holds it.
     shape: its shape on that device (None where unknown).
     dtype: its dtype's name.
@@ -317,6 +324,119 @@ def _nbytes(shape: tf.TensorShape, dtype: tf.DType) -> int | None:
   return math.prod(shape.as_list()) * dtype.size
 
 
+_FOLDABLE = 64  # the most ops a value of constants is computed by, for _const to compute it
+
+
+def _const(nodes, index, ref):
+  """The value of ``ref`` where constants alone make it (a loop's ``maximum_iterations`` computed from its input's
+  static length, as Keras's recurrent layers do), else None."""
+  name = _source(ref)[0]
+  needed, stack = {}, [name]
+  while stack:
+    current = stack.pop()
+    if current in needed:
+      continue
+    if current not in index or len(needed) >= _FOLDABLE:
+      return None
+    node = nodes[index[current]]
+    if node.op == "Placeholder" or node.op.startswith(("Var", "ReadVariable", "Resource")) or "Call" in node.op:
+      return None
+    needed[current] = node
+    stack += [_source(r)[0] for r in node.input if not r.startswith("^")]
+  if nodes[index[name]].op in CONSTANTS:
+    return tf.make_ndarray(nodes[index[name]].attr["value"].tensor)
+  graph_def = tf.compat.v1.GraphDef()
+  for node in needed.values():
+    copy = graph_def.node.add()
+    copy.CopyFrom(node)
+    copy.ClearField("device")
+    del copy.input[:]
+    copy.input.extend(r for r in node.input if not r.startswith("^"))
+  graph = tf.Graph()
+  try:
+    with graph.as_default():
+      tf.graph_util.import_graph_def(graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as session:
+      return session.run(ref if ":" in ref else ref + ":0")
+  except (ValueError, TypeError, tf.errors.OpError):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopList:
+  """A forward loop's list of a value of every iteration, for its gradient (:func:`loop_lists`).
+
+  Attributes:
+    shape: ``[iterations, *element]``, None where the loop's ``maximum_iterations`` or the element's shape is not a
+      constant.
+    dtype: the elements' dtype.
+    bytes: the bytes it holds of its own: none for a variable's reads (its buffer); one element for a loop
+      variable's values where the value it takes next is on another list (the same buffers, but the first);
+      None if its shape is not known.
+  """
+
+  shape: tuple[int, ...] | None
+  dtype: tf.DType
+  bytes: int | None
+
+
+def loop_lists(graph_def) -> dict[tuple[str, int], LoopList]:
+  """A forward loop's lists its gradient pops, by ``(loop node, output)``.
+
+  The lists are a ``While``'s loop variables made by an ``EmptyTensorList`` (or a ``TensorListReserve``) outside
+  it, pushed in its body; TensorFlow 2's loops carry their counter and ``maximum_iterations`` first.
+  """
+  nodes = list(graph_def.node)
+  index = {node.name: i for i, node in enumerate(nodes)}
+  functions = {f.signature.name: f for f in graph_def.library.function}
+  found = {}
+  for node in nodes:
+    body = functions.get(node.attr["body"].func.name) if node.op in LOOPS else None
+    data = [ref for ref in node.input if not ref.startswith("^")]
+    if body is None or is_backward(node.name) or len(body.signature.input_arg) != len(data) or len(data) < 2:
+      continue
+    iterations = _const(nodes, index, data[1])
+    if iterations is None or np.ndim(iterations) or int(iterations) < 0:
+      iterations = None  # (no bound given)
+    args = [arg.name for arg in body.signature.input_arg]
+    ops = {n.name: n.op for n in body.node_def}
+    views = {n.name: n.input[0] for n in body.node_def if n.op in ("Identity", "Snapshot") and n.input}
+    pushes = {n.input[0]: n.input[1] for n in body.node_def if n.op in ("TensorListPushBack", "TensorListSetItem")
+              and n.input[0] in args}  # list argument -> the value pushed (SetItem: its item)
+    for n in body.node_def:
+      if n.op == "TensorListSetItem" and n.input[0] in args:
+        pushes[n.input[0]] = n.input[2]
+    pushed = set(pushes.values())
+    for k, ref in enumerate(data):
+      name = _source(ref)[0]
+      while name in index and nodes[index[name]].op in VIEWS:
+        name = _source(nodes[index[name]].input[0])[0]
+      if name not in index or nodes[index[name]].op not in LIST_MAKERS:
+        continue
+      maker = nodes[index[name]]
+      dtype = tf.dtypes.as_dtype(maker.attr["element_dtype"].type)
+      if dtype in _NOT_BUFFERS:
+        continue  # (lists of lists: a loop's loop)
+      element = _const(nodes, index, maker.input[0])
+      count = iterations if maker.op == "EmptyTensorList" else _const(nodes, index, maker.input[1])
+      shape = n_bytes = None
+      if element is not None and count is not None and element.ndim == 1 and (element >= 0).all():
+        shape = (int(count), *(int(n) for n in element))
+        n_bytes = math.prod(shape) * dtype.size
+      value = pushes.get(args[k])
+      if value is not None and ops.get(value.split(":")[0]) in VARIABLE_READS | {"TensorListGetItem"}:
+        n_bytes = 0  # (a variable's buffer; an element of another list, read from it: that list's)
+      elif value in args and n_bytes is not None:  # a loop variable's values: those after the first are pushed
+        j = args.index(value)
+        following = body.ret.get(body.signature.output_arg[j].name) if j < len(body.signature.output_arg) else None
+        while following is not None and following.split(":")[0] in views:  # (the body's Identity of it)
+          following = views[following.split(":")[0]]
+        if following in pushed:
+          n_bytes = n_bytes // shape[0] if shape[0] else 0
+      found[(node.name, k)] = LoopList(shape, dtype, n_bytes)
+  return found
+
+
 def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
             device_of: Callable[[str], str] | None = None,
             describe: Callable[[str], str] | None = None, layout_of: Callable[[str], str] | None = None,
@@ -354,6 +474,7 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
   specs = output_specs(graph_def, variable_shapes) if specs is None else specs
   nodes = list(graph_def.node)
   index = {node.name: i for i, node in enumerate(nodes)}
+  lists = {(index[name], k): value for (name, k), value in loop_lists(graph_def).items()}
   order_kind, order = order, topological_order(graph_def, order)
   position = {i: k for k, i in enumerate(order)}
 
@@ -403,7 +524,20 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
     for k, (shape, dtype) in enumerate(specs.get(node.name, ())):
       key = (i, k)
       n = _nbytes(shape, dtype)
-      if node.op in VARIABLE_READS or node.op in CONSTANTS or dtype in _NOT_BUFFERS:
+      if key in lists and lists[key].bytes != 0:  # a loop's list of a value of each iteration: the values' bytes
+        n = lists[key].bytes
+        b = key
+        if n is None:
+          unknown[placed[i]] += 1
+        size[key] = n or 0
+      elif node.op == "TensorListFromTensor" and k == 0 and inputs[i]:  # a list of copies of the tensor's slices
+        source = inputs[i][0]
+        n = _nbytes(*specs[nodes[source[0]].name][source[1]])
+        b = key
+        if n is None:
+          unknown[placed[i]] += 1
+        size[key] = n or 0
+      elif node.op in VARIABLE_READS or node.op in CONSTANTS or dtype in _NOT_BUFFERS:
         b = None
       elif node.op in VIEWS and k < len(inputs[i]):
         b = buffer.get(inputs[i][k] if node.op == "IdentityN" else inputs[i][0])
@@ -465,8 +599,11 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
   saved_rows: list[SavedTensor] = []
   saved_buffers: dict[str, set] = collections.defaultdict(set)
   backward = [is_backward(node.name) for node in nodes]
-  for i in order:  # an op reading a backward op's tensor is of the backward pass too (the tape's sums of gradients)
-    if not backward[i] and any(backward[source] for source, _ in inputs[i]):
+  # An op reading a backward op's tensor is of the backward pass too (the tape's sums of gradients); not by reading
+  # a constant or an empty list made under the tape's scope (a forward loop's lists for its gradient).
+  made_empty = {i for i, node in enumerate(nodes) if node.op in LIST_MAKERS or node.op in CONSTANTS}
+  for i in order:
+    if not backward[i] and any(backward[source] and source not in made_empty for source, _ in inputs[i]):
       backward[i] = True
   for i in order[::-1]:  # (readers first) a collective the rewrite made for backward ops alone is theirs
     if nodes[i].name.startswith(_apply.PREFIX + "/") and readers[i] and all(backward[r] for r in readers[i]):
@@ -476,15 +613,21 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
     if backward[i] or node.op in CONSTANTS:
       continue
     for k, (shape, dtype) in enumerate(specs.get(node.name, ())):
-      if dtype in _NOT_BUFFERS:
+      if dtype in _NOT_BUFFERS and (i, k) not in lists:
         continue
       count = sum(1 for r in readers[i] if backward[r] and nodes[r].op not in SHAPE_ONLY
                   and (i, k) in inputs[r])
       if not count:
         continue
       b = buffer.get((i, k))
+      n = _nbytes(shape, dtype)
+      shape = tuple(shape.as_list()) if shape.rank is not None else None
+      if (i, k) in lists:
+        shape, dtype, n = lists[(i, k)].shape, lists[(i, k)].dtype, lists[(i, k)].bytes
       if b is None:
         kind = "variable read"
+      elif (i, k) in lists:
+        kind = "loop"
       elif b in pieces:
         kind = "input"
       elif node.name.startswith(_apply.PREFIX + "/"):
@@ -492,9 +635,7 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
         # written into a collective's result, as a ReLU after a reduce-scatter, is an activation)
       else:
         kind = "activation"
-      n = _nbytes(shape, dtype)
-      saved_rows.append(SavedTensor(f"{node.name}:{k}", node.op, kind, placed[i],
-                                    tuple(shape.as_list()) if shape.rank is not None else None, dtype.name,
+      saved_rows.append(SavedTensor(f"{node.name}:{k}", node.op, kind, placed[i], shape, dtype.name,
                                     0 if b is None and n is not None else n, count,
                                     layout_of(f"{node.name}:{k}") or "", describe(node.name) or ""))
       if b is not None:

@@ -163,6 +163,24 @@ def test_each_device_keeps_its_stage_and_sends_one_microbatch_a_tile_each_way():
     assert device.variable_bytes <= 3 * (stacked / P + others) + 16, device
 
 
+@pytest.mark.parametrize("m", [2, 8])
+def test_the_memory_report_counts_what_the_schedules_loop_keeps_for_its_gradient(m):
+  # The schedule is a tf.while_loop of m + p - 1 iterations: what it keeps for its gradient is the lists it pushes
+  # each iteration (rewrite._memory's "loop" rows). With remat=True each iteration keeps the stage's block input,
+  # [1, rows / m, width] a device, and no activation inside the block; without, the block's activations too.
+  initial, data = _initial(), _data()
+  kept = {}
+  for remat in (True, False):
+    repl, _, _, _, step, dataset = _global("stage", 1, initial, data, microbatches=m, remat=remat)
+    report = repl.memory(step, dataset)
+    assert all(d.unknown == 0 for d in report.devices)
+    kept[remat] = [s for s in report.saved_on("CPU:1") if s.kind == "loop" and s.bytes]
+  iterations = m + P - 1
+  inputs = [s for s in kept[True] if s.dtype == "float32"]
+  assert [(s.shape, s.bytes) for s in inputs] == [((iterations, 1, ROWS // m, WIDTH), iterations * ROWS // m * WIDTH * 4)]
+  assert sum(s.bytes for s in kept[False]) >= 4 * sum(s.bytes for s in inputs)
+
+
 def test_the_graph_does_not_grow_with_the_microbatches():
   initial, data = _initial(), _data()
   sizes = []
