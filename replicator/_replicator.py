@@ -121,7 +121,8 @@ CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")
 def _placed_on_stages(variables, own, axes: tuple[str, ...], devices: int, reads: dict) -> list:
   """Places each of a pipeline's ``variables`` on the devices (positions along ``axes``) of the stages that read it
   (``reads``: ``{stage: [variable]}``), its optimizer slots alike; returns each one's positions (None: every
-  device's: a variable split over ``axes``, read by every device's stages, or by none)."""
+  device's: a variable split over ``axes`` or over others, each replica's own, read by every device's stages, or
+  by none)."""
   readers: dict[int, set[int]] = {}
   for stage, found in reads.items():
     for variable in found:
@@ -135,7 +136,8 @@ def _placed_on_stages(variables, own, axes: tuple[str, ...], devices: int, reads
       out.append(where[1] if where is not None and where[0] == axes else None)
       continue
     _variables.place(variable, axes, positions)
-    out.append(None if len(positions) == devices else tuple(sorted(positions)))
+    placed = replicated.placement  # (a variable split over other axes, or each replica's own, stays where it is)
+    out.append(placed[1] if placed is not None and placed[0] == axes else None)
   return out
 
 

@@ -793,3 +793,34 @@ def test_a_placed_model_checkpoint_restores_onto_one_device_and_back(tmp_path):
   assert copies_distance(again_model.variables, one.variables) == 0
   assert copies_distance(again_opt.variables, one_opt.variables) == 0
   assert len(_variables.underlying(again_model.trainable_variables[0]).components) == 1  # (still on its stage)
+
+
+def test_a_stage_s_variable_used_on_another_stage_and_an_optimizer_coupling_the_stages_are_named():
+  x, y = _mlp_data()
+  data = tf.data.Dataset.from_tensors((x, y)).repeat()
+  repl, _, stages, _, step = _placed_mlp({"stage": 2}, "1f1b", "adam")
+  repl.run(step, data)  # (placed)
+  variables = replicator.pipeline_variables(stages)
+
+  def penalized(batch):  # a weight penalty over every stage's weights, on every device
+    loss, _ = repl.pipeline(stages, batch[0], batch[1], keras.losses.mean_squared_error, microbatches=2)
+    return loss + 1e-3 * tf.add_n([tf.reduce_sum(tf.square(v)) for v in variables])
+
+  with pytest.raises(replicator.UnsupportedError, match=r"Replica 0 \(position 0 along \('stage',\)\) uses the "
+                                                          r"variable '.*', which lives only on the devices of "
+                                                          r"stage\(s\) \[1\] along \('stage',\).*Fix: use it inside "
+                                                          r"its stage's function"):
+    repl.run(penalized, data)
+  with repl.context():
+    clipped = repl.wrap_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+
+  def clipped_step(batch):
+    loss, grads = repl.pipeline(stages, batch[0], batch[1], keras.losses.mean_squared_error, microbatches=2)
+    clipped.apply_gradients(zip(grads, variables))
+    return loss
+
+  with pytest.raises(replicator.UnsupportedError, match=r"SGD updates variables repl.pipeline placed on their "
+                                                          r"stages' devices.*but global_clipnorm clips by the norm of "
+                                                          r"every stage's gradients together.*Fix: clip each "
+                                                          r"variable's gradient"):
+    repl.run(clipped_step, data)
