@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import threading
 from collections.abc import Callable
@@ -115,6 +116,29 @@ def check_axis(name: str, axis, per_replica) -> None:
 
 
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")
+
+
+def _placed_on_stages(variables, own, axes: tuple[str, ...], devices: int, reads: dict) -> list:
+  """Places each of a pipeline's ``variables`` on the devices (positions along ``axes``) of the stages that read it
+  (``reads``: ``{stage: [variable]}``), its optimizer slots alike; returns each one's positions (None: every
+  device's: a variable split over ``axes`` or over others, each replica's own, read by every device's stages, or
+  by none)."""
+  readers: dict[int, set[int]] = {}
+  for stage, found in reads.items():
+    for variable in found:
+      readers.setdefault(id(variable), set()).add(stage % devices)
+  out = []
+  for k, variable in enumerate(variables):
+    replicated = _variables.underlying(variable)
+    positions = None if replicated is None or k in own else readers.get(id(replicated))
+    if positions is None:  # (not read by the stages: where it is)
+      where = None if replicated is None else replicated.placement
+      out.append(where[1] if where is not None and where[0] == axes else None)
+      continue
+    _variables.place(variable, axes, positions)
+    placed = replicated.placement  # (a variable split over other axes, or each replica's own, stays where it is)
+    out.append(placed[1] if placed is not None and placed[0] == axes else None)
+  return out
 
 
 def _split_over(layout, axes: tuple[str, ...]) -> bool:
@@ -409,11 +433,18 @@ class Replicator(_collective_methods.CollectiveMethods):
     smaller; ``microbatches`` a multiple of ``p``). Both give one device's loss and gradients for the rows (a ragged last
     microbatch weighted by its rows). See ``docs/concepts/stages.md``.
 
-    A stage's variables may be replicated (its gradients, summed over ``axis`` from the stages that use them, are
-    on every replica: a weight two stages share, an embedding tied to the output layer, gets both parts) or
-    split over ``axis`` along their first dimension, one block a stage (identical blocks' weights stacked, as
-    praxis and JAX's ``shard_map`` pipelines hold them: each device keeps and updates its stage's block alone,
-    ``1 / p`` of the weights and their optimizer slots).
+    Each stage's variables live on its devices only: the first time the step is traced, each of ``variables``
+    is placed on the devices of the stages that read it (replicated over the mesh's other axes), and the
+    optimizer slots ``repl.wrap_optimizer`` makes for it follow, so a device keeps its stages' weights and slots
+    alone (``1 / p`` of them for stages of equal size). Their gradients stay there: no collective over ``axis``;
+    ``wrap_optimizer`` reduces each over the other axes and updates it on its own devices. A weight several stages
+    read (an embedding tied to the output layer) lives on the devices of each of them, its gradient the sum of
+    their parts (sent between them). A variable every device's stages read stays on every replica, its gradient
+    summed over ``axis``. Variables may also be split over ``axis`` along their first dimension, one block a
+    stage (identical blocks' weights stacked, as praxis and JAX's ``shard_map`` pipelines hold them). Steps built
+    before the first pipelined one hold the variables' old copies: build them again. A step must not use a
+    stage's variable outside its stage (an ``UnsupportedError`` names it), and a wrapped optimizer that couples
+    every gradient (``global_clipnorm``, a ``LossScaleOptimizer``) is refused.
 
     State a stage writes that every replica holds alike is written once a step on every replica, from its
     microbatches' values averaged by their rows: BatchNormalization normalizes each microbatch by its own
@@ -447,16 +478,19 @@ class Replicator(_collective_methods.CollectiveMethods):
         ones among them.
 
     Returns:
-      ``(loss, grads)``: the batch's loss and the gradients of ``variables``, the same on every replica of the
-      axis; of a variable split over it, each replica's block's, as the local view gives a split variable's
-      gradient (times the stages: ``repl.wrap_optimizer``, which a split variable needs, divides by them).
+      ``(loss, grads)``: the batch's loss, the same on every replica of the axis, and the gradients of
+      ``variables``: each on the replicas that hold its variable (zeros on the others); of a variable split
+      over it, each replica's block's, as the local view gives a split variable's gradient (times the stages:
+      ``repl.wrap_optimizer``, which a split variable needs, divides by them).
     """
     ctx = _primitives.require_context(self, "pipeline")
     axes = self._axes(axis)
     variables = _pipeline.pipeline_variables(stages) if variables is None else list(variables)
     own = {k for k, v in enumerate(variables) if _split_over(_variables.layout_of(v), axes)}
+    place = None if self._config.multi_client else functools.partial(
+        _placed_on_stages, variables, own, axes, self._mesh.axis_size(axes))
     return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
-                              _primitives.user_location(), variables, own)
+                              _primitives.user_location(), variables, own, place)
 
   def sequence_parallel(self, axis="seq", *, order: str = "contiguous"):
     """A context for a local-view step: KerasHub's Llama run on this replica's tokens as on the whole sequence.

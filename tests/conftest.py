@@ -62,6 +62,20 @@ def assert_every_copy(ours, reference, atol=1e-5, rtol=0):
       np.testing.assert_allclose(value, part, rtol=rtol, atol=atol, err_msg=f"{name} on device {device}")
 
 
+def assert_held_gradients(grads, variables, expected, atol):
+  """Each of ``grads`` (``repl.run``'s, one value per replica) is ``expected``'s on the replicas that hold its
+  variable (a pipeline's stage's devices; every replica for a variable every stage holds), zeros on the others."""
+  from replicator.state import _variables  # pylint: disable=import-outside-toplevel
+  grads, variables, expected = list(grads), list(variables), list(expected)
+  assert len(grads) == len(variables) == len(expected)
+  for got, variable, want in zip(grads, variables, expected):
+    want = np.asarray(want)
+    held = set(_variables.underlying(variable).replicas)
+    for r, value in enumerate(got):
+      np.testing.assert_allclose(np.asarray(value), want if r in held else np.zeros_like(want), atol=atol,
+                                 err_msg=f"{getattr(variable, 'path', variable.name)} on replica {r}")
+
+
 def copies_distance(ours, reference) -> float:
   """The largest distance of any device's copy of any variable of ``ours`` to ``reference``'s (as above)."""
   assert len(ours) == len(reference)

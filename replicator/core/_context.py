@@ -94,6 +94,26 @@ def note_write(variable, method: str, alike: tuple[str, ...]) -> None:
     recording[1].append((variable, method))
 
 
+@contextlib.contextmanager
+def recording_reads():
+  """Collects each variable read (or differentiated) while entered, outside a replica: the variables note their
+  reads (:func:`note_read`). A pipeline traces its stages once for their shapes, and learns so which variables each
+  stage reads, the same on every replica."""
+  saved = getattr(_state, "reads", None)
+  _state.reads = found = []
+  try:
+    yield found
+  finally:
+    _state.reads = saved
+
+
+def note_read(variable) -> None:
+  """Notes a read of ``variable`` for :func:`recording_reads`, if one is entered."""
+  recording = getattr(_state, "reads", None)
+  if recording is not None:
+    recording.append(variable)
+
+
 def current_context() -> ReplicaContext | None:
   """The innermost replica context of this thread, or None."""
   stack = _stack()

@@ -30,11 +30,14 @@ no collective. Every replica calls the same permutes in the same order, the orde
 schedule (:func:`global_order`), giving zeros where it is not the sender; so the step is one program,
 matched as any local-view step, and cannot wait on a send that never comes.
 
-The gradients of each stage's variables are its replicas'; they are summed over ``axis`` (an all-reduce,
-zeros from the other stages), so that every replica holds every gradient and an optimizer applies them alike
-everywhere (the stages' variables are replicated on every device in this first form: the bytes of an
-all-reduce of the weights over the stages a step; variables placed on their stage only are next). So is the
-loss, summed from the last stage.
+Each stage's variables live on its devices only (``place``: the Replicator places them where the stages that
+read them run, learnt when the stages are traced for their shapes, their optimizer slots alike), so their
+gradients stay there: no collective over ``axis`` (a replica gets zeros for the variables it does not hold, and
+``wrap_optimizer`` reduces each gradient over the other axes, on its stage's devices). A weight several stages
+read (an embedding tied to the output layer) lives on each of their devices, its gradient summed between them
+(a permute a round among its holders). A variable every device's stages read, or none, stays on every replica,
+its gradient summed over ``axis`` (an all-reduce, zeros from the stages that do not use it); so is the loss,
+summed from the last stage.
 
 State a stage writes that every replica holds alike (BatchNormalization's moving statistics) is not written by
 the stage (only its devices run it, each microbatch in turn): the variables hand their assigns to the pipeline
@@ -165,11 +168,12 @@ def _shapes(stages, inputs, keys, axes) -> dict:
     spec = tree.map_structure(lambda t, n=rows: tf.TensorSpec([n] + t.shape[1:].as_list(), t.dtype), inputs)
     for s, stage in enumerate(stages):
       fn = tf.function(lambda x, stage=stage: stage(x), autograph=False)
-      with _context.recording_writes(axes) as written:
+      with _context.recording_writes(axes) as written, _context.recording_reads() as read:
         traced = fn.get_concrete_function(spec)
       spec = tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
       out[s, rows] = spec
       out.setdefault(("writes", s), list({id(v): v for v, _ in written}.values()))
+      out.setdefault(("reads", s), {}).update({id(v): v for v in read})
   return out
 
 
@@ -249,11 +253,17 @@ def _state(specs, stages: int, location: str, axes) -> list:
 
 
 def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
-             location: str, variables, own=frozenset()):
+             location: str, variables, own=frozenset(), place=None):
   """``(loss, grads)``: the stages run over ``axes`` as a pipeline (see the module); ``grads`` of ``variables``.
 
   ``own``: the indices of ``variables`` split over ``axes`` (a block a stage): their gradients are each replica's
   own block's, not summed over ``axes``.
+
+  ``place``: ``place(reads)``, given ``{stage: [variable read]}`` (every stage's, learnt when the stages are traced
+  for their shapes), places ``variables`` on the devices of the stages that read them and returns, for each, the
+  positions along ``axes`` that hold it (None: every replica). A variable held by some positions only has its
+  gradient on those (a weight two stages share: summed between them, by permutes), and zeros elsewhere; no
+  all-reduce over ``axes``. None: every variable stays on every replica.
   """
   mesh = ctx.replicator.mesh
   count = mesh.axis_size(axes)
@@ -296,7 +306,11 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   state = _state(specs, len(stages), location, axes)
   pending = {}  # id(state variable) -> its microbatches' values, weighted by their rows, summed
   xs, ts = _split(inputs, edges), _split(targets, edges)
-  mine = list(variables)
+  every = list(variables)
+  holders = [None] * len(every) if place is None else list(place(
+      {g: list(specs["reads", g].values()) for g in range(len(stages))}))
+  here = [k for k, held in enumerate(holders) if held is None or device in held]  # (the variables this device has)
+  mine = [every[k] for k in here]
   acts, grads_in, tapes = {}, {}, {}
   summed = [None] * len(mine)
   loss = tf.zeros([], tf.float32)
@@ -359,8 +373,10 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
                                 f"microbatch {j} to stage {g - 1})", differentiable=False)
       if device == target:
         grads_in[g - 1, j] = got
-  summed = [_dense(total, v) for total, v in zip(summed, mine)]  # (zeros for the variables this device leaves)
-  shared = [k for k in range(len(mine)) if k not in own]
+  summed = _held_gradients(ctx, [_dense(total, v) for total, v in zip(summed, mine)], every, here, holders, axes,
+                            device, last, location)
+  mine = every
+  shared = [k for k in range(len(mine)) if k not in own and holders[k] is None]
   # The stages' state (zeros from the devices that do not run its stage): written once, alike on every replica.
   values = [pending.get(id(v), tf.zeros(v.shape, v.dtype)) for v in state]
   loss, sums, values = _primitives.all_reduce(
@@ -376,6 +392,39 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   for k, g in zip(shared, sums):
     grads[k] = g
   return loss, grads
+
+
+def _held_gradients(ctx, summed, variables, here, holders, axes, device, last, location) -> list:
+  """Every variable's gradient on this device, from ``summed`` (those of ``here``, the ones it holds).
+
+  A variable some stages' devices hold (``holders``) gets their gradients summed between them, one permute a
+  round among its holders (zeros from the others), and zeros where it is not held (made after the device's
+  last pass); the others' gradients are as computed (summed over the axis later).
+  """
+  out = [None] * len(variables)
+  for k, g in zip(here, summed):
+    out[k] = g
+  shared_by = {}  # holders -> indices of the variables several (not all) positions hold
+  for k, held in enumerate(holders):
+    if held is not None and len(held) > 1:
+      shared_by.setdefault(held, []).append(k)
+  for held, indices in shared_by.items():
+    n = len(held)
+    totals = [out[k] if device in held else _zeros(tf.TensorSpec(variables[k].shape, variables[k].dtype), last, None)
+              for k in indices]
+    received = list(totals)
+    for step in range(1, n):  # each holder's part reaches each other holder, a cyclic shift a round
+      pairs = [(held[i], held[(i + step) % n]) for i in range(n)]
+      got = _primitives.permute(ctx, totals, pairs, axes, f"{location} (pipeline: the gradients of the weights "
+                                f"stages {list(held)} share)", differentiable=False)
+      received = [a + b for a, b in zip(received, got)]
+    for k, value in zip(indices, received):
+      if device in held:
+        out[k] = value
+  for k in range(len(variables)):
+    if out[k] is None:  # (held on other stages)
+      out[k] = _zeros(tf.TensorSpec(variables[k].shape, variables[k].dtype), last, None)
+  return out
 
 
 def pipeline_variables(stages) -> list:

@@ -44,6 +44,13 @@ INSIDE_LOSS_SCALING = (
 # gradients are finite (keras/src/optimizers/loss_scale_optimizer.py, checked on Keras 3.15).
 _LOSS_SCALE_BRANCH = "_stateful_handle_finite_grads"
 
+PLACED_COUPLED = (
+    "wrap_optimizer: {optimizer} updates variables repl.pipeline placed on their stages' devices, each stage's "
+    "devices applying their own stages' gradients only; expected an update of each variable from its own gradient, "
+    "but {reason}, which no stage's devices see alone. Fix: clip each variable's gradient (clipnorm=, clipvalue=), "
+    "or keep the optimizer's coupled option out of a pipelined step."
+)
+
 SHARDED_EXTRA_ARGUMENTS = (
     "A sharded optimizer update takes only gradients and variables, but found the extra "
     "argument(s) {extra}. Fix: drop them, or wrap the optimizer with update=\"replicated\"."
@@ -297,10 +304,13 @@ class ReplicatedOptimizer(tf.Module):
       axes, pieces = _replication(mesh, None if v is None else _variables.layout_of(v))
       plans.append((axes, copies if self._reduction == "sum" else pieces))
     reduced: list[Any] = [None] * len(grads)
+    placed = [i for i, v in enumerate(variables) if v is not None and _variables.placement_of(v) is not None]
+    if placed:
+      self._reduce_placed(grads, variables, placed, batch_axes, reduced)
     dense_by_axes: dict[tuple[str, ...], list[int]] = {}
     sparse_by_axes: dict[tuple[str, ...], list[int]] = {}
     for i, (g, (axes, _)) in enumerate(zip(grads, plans)):
-      if g is None:
+      if g is None or i in placed:
         continue
       if self._stays_sparse(g, axes):
         sparse_by_axes.setdefault(axes, []).append(i)
@@ -331,6 +341,60 @@ class ReplicatedOptimizer(tf.Module):
           reduced[i] = g if scale == 1.0 else tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
                                                                 g.indices, g.dense_shape)
     return reduced
+
+  def _reduce_placed(self, grads, variables, placed: list[int], batch_axes, reduced: list) -> None:
+    """The gradients of variables a pipeline placed on some stages (``_variables.place``), into ``reduced``.
+
+    Each is reduced over the mesh axes other than its stages' (the batch replicas of its stage), never over
+    the stage axis: the stage's gradient is the whole gradient already (``repl.pipeline`` sums a weight two
+    stages share between those two). Every replica makes the same calls, one all-reduce of each dtype and set of
+    axes, of its own stages' gradients flattened into one tensor (its size differs between the stages' groups,
+    as batch shards of different sizes may); a variable this replica does not hold gets None.
+    """
+    repl, mesh = self._replicator, self._replicator.mesh
+    ctx = _primitives.require_context(repl, "wrap_optimizer")
+    groups: dict[tuple[tuple[str, ...], tf.DType, int], list[int]] = {}
+    for i in placed:
+      where, _ = _variables.placement_of(variables[i])
+      axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in where)
+      # "sum": a loss already divided by the global batch; count once the copies along the axes reduced over
+      copies = mesh.axis_size(tuple(a for a in axes if a not in batch_axes))
+      groups.setdefault((axes, tf.as_dtype(variables[i].dtype), copies), []).append(i)
+    for (axes, dtype, copies), indices in groups.items():
+      mine = [i for i in indices if _variables.holds(variables[i], ctx.replica_id)]
+      parts = [tf.reshape(tf.zeros(variables[i].shape, dtype) if grads[i] is None
+                          else tf.cast(tf.convert_to_tensor(grads[i]), dtype), [-1]) for i in mine]
+      flat = tf.concat(parts, 0) if parts else tf.zeros([1], dtype)  # (nothing of this group here: a stand-in)
+      if axes:
+        flat = repl.all_reduce(flat, op=self._reduction, axis=axes)
+        if self._reduction == "sum" and copies > 1:
+          flat = flat / tf.cast(copies, dtype)
+      shapes = [tf.TensorShape(variables[i].shape) for i in mine]
+      pieces = tf.split(flat, [shape.num_elements() for shape in shapes]) if mine else []
+      for i, piece, shape in zip(mine, pieces, shapes):
+        reduced[i] = None if grads[i] is None else tf.reshape(piece, shape)
+
+  def _held(self, grads, variables) -> tuple[list, list]:
+    """``grads`` and ``variables`` without the variables this replica does not hold (placed on other stages)."""
+    ctx = _context.current_context()
+    if ctx is None or ctx.replicator is not self._replicator:
+      return list(grads), list(variables)
+    keep = [k for k, v in enumerate(variables) if _variables.holds(v, ctx.replica_id)]
+    return [grads[k] for k in keep], [variables[k] for k in keep]
+
+  def _build_for_placed(self, variables) -> None:
+    """Builds a Keras optimizer's slots for every variable before a replica applies those it holds: each
+    replica's apply names its own stages' variables only, which a first apply would build the optimizer for."""
+    if not any(_variables.placement_of(v) is not None for v in variables):
+      return
+    coupled = ("global_clipnorm clips by the norm of every stage's gradients together"
+               if getattr(self._optimizer, "global_clipnorm", None) else
+               "a LossScaleOptimizer skips a step on any stage's non-finite gradient"
+               if hasattr(self._optimizer, "inner_optimizer") else None)
+    if coupled:
+      raise _errors.UnsupportedError(PLACED_COUPLED.format(optimizer=type(self._optimizer).__name__, reason=coupled))
+    if hasattr(self._optimizer, "built"):
+      self._build_slots(variables)
 
   def _stays_sparse(self, g, axes: tuple[str, ...]) -> bool:
     """Whether gradient ``g``, reduced over ``axes``, stays a ``tf.IndexedSlices``."""
@@ -414,7 +478,10 @@ class ReplicatedOptimizer(tf.Module):
       owners = self._sharded_owners(grads, variables)
       self._apply_sharded(self._reduce(grads, variables, owners), variables, gathered_bytes, owners)
       return self._optimizer.iterations
-    grads = self.reduce_gradients(grads, variables)
+    self._build_for_placed(variables)
+    grads, variables = self._held(self.reduce_gradients(grads, variables), variables)
+    if not variables:  # (every variable on other stages)
+      return self._optimizer.iterations.assign_add(1)
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
 
   def apply(self, grads, variables=None, *args, **kwargs):
@@ -443,6 +510,10 @@ class ReplicatedOptimizer(tf.Module):
     grads = self.reduce_gradients(grads, None if variables is None else list(variables))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
+    self._build_for_placed(list(variables))
+    grads, variables = self._held(grads, list(variables))
+    if not variables:  # (every variable on other stages)
+      return self._optimizer.iterations.assign_add(1)
     return self._optimizer.apply(grads, variables, *args, **kwargs)
 
   # -- sharded update -------------------------------------------------------------
@@ -474,6 +545,9 @@ class ReplicatedOptimizer(tf.Module):
     new = []  # (index, ReplicatedVariable, replicated axes, bytes per piece)
     for i, v in enumerate(variables):
       replicated = _variables.underlying(v)
+      if replicated is not None and replicated.placement is not None:
+        result.append(None)  # placed on its stages: each holder applies its update (reduced over the others)
+        continue
       record = None if replicated is None else self._owners.get(id(replicated))
       result.append(None if record is None else record[1])  # ordinary variables: not shared
       if replicated is not None and record is None:
@@ -556,7 +630,8 @@ class ReplicatedOptimizer(tf.Module):
     if all(g is None for g in grads):
       return optimizer.apply(grads, variables)  # Keras's own error
     mesh = self._replicator.mesh
-    mine = [i for i, o in enumerate(owners) if o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position]
+    mine = [i for i, o in enumerate(owners) if (o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position)
+            and _variables.holds(variables[i], ctx.replica_id)]
     graph = tf.compat.v1.get_default_graph()
     pending = any(o is not None and o.pending for o in owners)
     first_op = len(graph.get_operations()) if pending else 0  # the update's ops follow

@@ -48,6 +48,14 @@ EXTRA_VARIABLE = (
     "`with repl.context():` before calling repl.run."
 )
 
+PLACED_ELSEWHERE = (
+    "Replica {replica} (position {position} along {axes}) uses the variable {name!r}, which lives only on the "
+    "devices of stage(s) {positions} along {axes}: repl.pipeline placed it there, on the stages that read it, so "
+    "that each device keeps its stages' weights and optimizer slots alone. Fix: use it inside its stage's "
+    "function only, and apply its gradient with repl.wrap_optimizer (which updates it on its own devices); read "
+    "it outside the step (its value), or pass it to repl.pipeline(variables=...) only if every stage may hold it."
+)
+
 SHARDED_ON_READ = (
     "Variable {name!r} matches a layout ({spec}) but is an on-read (sync-on-read) "
     "variable, such as a metric's or an accumulator's; those cannot be sharded. Fix: "
@@ -260,6 +268,9 @@ class ReplicatedVariable(tf.Variable):
     # home[i]: the component that holds device i's current value (see set_owner).
     self._home = tuple(range(len(self._components)))
     self._owner = None  # (position, axes) once a sharded update owns it (set_owner)
+    # (axes, positions): held only by the replicas whose index along ``axes`` is one of ``positions`` (a pipeline's
+    # stages that read it: see place); None: by every replica.
+    self._placement = None
     self._chosen_by = ""  # what chose its layout (a layouts key, its variable's for a slot), for repl.explain
     self._reference = None  # the variable it was made like (an optimizer's slot: its variable), if any
     # A never-assigned handle of the global shape, made by the first read inside a
@@ -351,13 +362,62 @@ class ReplicatedVariable(tf.Variable):
     for component in components:
       _OWNERS[id(component.handle)] = self
 
+  @property
+  def placement(self) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """``(axes, positions)`` of a variable held only by the replicas at ``positions`` along ``axes``, else None."""
+    return self._placement
+
+  def place(self, axes: tuple[str, ...], positions) -> bool:
+    """Keeps the variable on the replicas whose index along ``axes`` is one of ``positions`` only (a pipeline's
+    stages that read it), replicated over the other axes; all of them: on every replica again.
+
+    As :meth:`relayout`: the variable object stays, its components are replaced (new ones holding its value);
+    steps built before hold the old ones. Returns whether it moved. Not for sharded, on-read or seeded variables
+    (those are left as they are), nor in a multi-client job.
+    """
+    mesh = self._replicator.mesh
+    axes, positions = tuple(axes), tuple(sorted(set(positions)))
+    placement = None if len(positions) == mesh.axis_size(axes) else (axes, positions)
+    if placement == self._placement or self._sharding is not None or self._on_read or self._offsets is not None:
+      return False
+    everyone = tuple(range(mesh.size))
+    replicas = everyone if placement is None else tuple(
+        r for r in everyone if mesh.axis_index(r, axes) in positions)
+    with tf.init_scope(), _context.cross_replica_scope():
+      value = tf.identity(self._home_component().read_value())
+      components = []
+      for replica in replicas:
+        with tf.device(self._replicator.devices[replica]):
+          components.append(new_component(initial_value=value, trainable=self.trainable,
+                                           name=self.name.split(":")[0], dtype=self.dtype,
+                                           synchronization=self.synchronization, aggregation=self.aggregation))
+    for component in self._components:
+      _OWNERS.pop(id(component.handle), None)
+    self._components = tuple(components)
+    self._replicas = replicas
+    self._position = {r: i for i, r in enumerate(replicas)}
+    self._home = tuple(range(len(components)))
+    self._owner = None
+    self._placement = placement
+    self._serving = _export.Serving()
+    for component in components:
+      _OWNERS[id(component.handle)] = self
+    return True
+
   def _current(self) -> tf.Variable:
     standin = self._global_standin()
     if standin is not None:
       return standin
+    _context.note_read(self)
     ctx = _context.current_context()
     if ctx is not None and ctx.replicator is self._replicator:
-      return self._components[self._position[ctx.replica_id]]
+      position = self._position.get(ctx.replica_id)
+      if position is None and self._placement is not None:
+        axes, positions = self._placement
+        raise _errors.UnsupportedError(PLACED_ELSEWHERE.format(
+            replica=ctx.replica_id, position=self._replicator.mesh.axis_index(ctx.replica_id, axes), axes=axes,
+            name=self.name.split(":")[0], positions=list(positions)))
+      return self._components[position]
     return self._home_component()
 
   def _local(self, pieces: list) -> list:
@@ -563,6 +623,8 @@ class ReplicatedVariable(tf.Variable):
     """The mesh axes (of more than one device) along which this variable's components must agree."""
     mesh = self._replicator.mesh
     sharded = () if self._sharding is None else self._sharding.sharded_axes
+    if self._placement is not None:  # (its holders along the placement's axes agree by construction)
+      sharded = tuple(sharded) + self._placement[0]
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in sharded)
 
   def _alike_axes(self) -> tuple[str, ...]:
@@ -666,8 +728,9 @@ class ReplicatedVariable(tf.Variable):
     """Inside a pipeline's stage (run on its own devices only): a write of state every replica holds alike is
     handed to the pipeline, which makes it once a step on every replica (``ReplicaContext.stage_writes``)."""
     ctx = _context.current_context()
-    if ctx.stage_writes is None or self._checked_writes() is None or \
-        not set(ctx.stage_axes) <= set(self._replicated_axes()):
+    placed = () if self._placement is None else self._placement[0]  # (on its stages only: written by them too)
+    if ctx.stage_writes is None or (self._checked_writes() is None and not placed) or \
+        not set(ctx.stage_axes) <= set(self._replicated_axes()) | set(placed):
       return False
     ctx.stage_writes.append((self, method, value))
     return True
@@ -830,6 +893,8 @@ class ReplicatedVariable(tf.Variable):
     if tf.executing_eagerly():
       value = f", numpy={np.array2string(self.numpy(), threshold=8, edgeitems=2)}"
     sharding = "" if self._sharding is None else f" layout={self._sharding.spec}"
+    if self._placement is not None:
+      sharding += f" placed={self._placement[0]}:{list(self._placement[1])}"
     return (f"<ReplicatedVariable {self.name!r} shape={self.shape} dtype={self.dtype.name} "
             f"replicas={len(self._components)}{sharding}{value}>")
 
@@ -934,6 +999,32 @@ def single_stream(variable) -> None:
   variable._offsets = None  # pylint: disable=protected-access
 
 
+def placement_of(variable) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+  """``(axes, positions)`` of a variable held only by the replicas at ``positions`` along ``axes``, else None."""
+  replicated = underlying(variable)
+  return None if replicated is None else replicated.placement
+
+
+def holds(variable, replica: int) -> bool:
+  """Whether ``replica`` holds a component of ``variable`` (every replica does, unless it is placed)."""
+  replicated = underlying(variable)
+  return replicated is None or replicated.placement is None or replica in replicated._position  # pylint: disable=protected-access
+
+
+def place(variable, axes: tuple[str, ...], positions) -> bool:
+  """Places ``variable`` (:meth:`ReplicatedVariable.place`) and its optimizer slots made so far alike.
+
+  Returns whether it moved.
+  """
+  replicated = underlying(variable)
+  if replicated is None or not replicated.place(axes, positions):
+    return False
+  for other in variables_of(replicated._replicator):  # pylint: disable=protected-access
+    if other._reference is replicated:  # pylint: disable=protected-access
+      other.place(axes, positions)
+  return True
+
+
 def slot_reference(variable):
   """The variable ``variable`` was made like (an optimizer slot's variable), or None."""
   return variable._reference  # pylint: disable=protected-access  (this module's class)
@@ -1036,7 +1127,8 @@ def agreeing_groups(variable) -> list:
   """
   position = variable._position  # pylint: disable=protected-access  (this module's class)
   groups = variable._replicator.mesh.groups(variable._replicated_axes())  # pylint: disable=protected-access
-  return [tuple(position[r] for r in group if r in position) for group in groups]
+  found = [tuple(position[r] for r in group if r in position) for group in groups]
+  return [group for group in found if group]  # (a placed variable: its stages' groups only)
 
 
 def component_for(variable, replica: int) -> tf.Variable:
@@ -1283,6 +1375,8 @@ def read_axes(handle, all_axes: frozenset[str]) -> frozenset[str]:
     return frozenset()
   if variable._on_read or variable._offsets is not None:  # pylint: disable=protected-access
     return all_axes
+  if variable.placement is not None:  # (read on its stages' replicas only: a stage's value)
+    return frozenset(variable.placement[0]) & all_axes
   if variable.sharding is not None:
     return frozenset(variable.sharding.sharded_axes) & all_axes
   return frozenset()
@@ -1339,9 +1433,12 @@ def make_creator(replicator, config, layouts, state=None):
       if existing is not None:
         return existing
     replicas = config.local_replicas  # this process's
-    devices = [replicator.devices[r] for r in replicas]
     initial_value = kwargs.pop("initial_value")
     reference = _current_reference()
+    placement = None if reference is None or underlying(reference) is None else underlying(reference).placement
+    if placement is not None:  # a slot of a variable on some stages only: on the same replicas
+      replicas = underlying(reference).replicas
+    devices = [replicator.devices[r] for r in replicas]
     deferred = None  # an initial value only the step computes: assigned on its first run
     if isinstance(initial_value, tf.Tensor) and tf.is_symbolic_tensor(initial_value):
       value, deferred = _initial_value(initial_value, kwargs.get("dtype"), None if step is None else step.lifted)
@@ -1382,6 +1479,7 @@ def make_creator(replicator, config, layouts, state=None):
             initial = initial + offsets[i]
           components.append(new_component(initial_value=initial, **kwargs))
     variable = ReplicatedVariable(components, replicator, offsets, layout, replicas)
+    variable._placement = placement  # pylint: disable=protected-access
     variable._run_state = state  # pylint: disable=protected-access
     if config.agree is not None:  # a read that needs other processes' parts (a metric's, a piece's) sums them
       variable._across = config.agree.total  # pylint: disable=protected-access
