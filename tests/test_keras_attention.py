@@ -28,17 +28,22 @@ B, S, D, V, HEADS = 4, 64, 16, 32, 2
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [False, True, "pieces"])
 @pytest.mark.parametrize("blocks", [1, 3, 4])  # 3: blocks of 5, 5 and 2 keys (12 keys)
 def test_blockwise_attention_is_keras_attention_and_its_gradients(causal, masked, blocks):
-  # float64: the two differ by 1.9e-15 at most (measured), a wrong mask or rescale by 1e-2 or more.
+  # float64: the two differ by 1.9e-15 at most (measured), a wrong mask or rescale by 1e-2 or more. "pieces": a
+  # tuple of a mask over queries and one over keys (MultiHeadAttention's padding as _keras_attention hands it),
+  # Keras given their AND.
   rng = np.random.default_rng(0)
   q, k, v = (tf.constant(rng.normal(size=(2, 12, 3, 4))) for _ in range(3))
-  mask = tf.constant(rng.random((2, 1, 12, 12)) > 0.3) if masked else None
+  mask = tf.constant(rng.random((2, 1, 12, 12)) > 0.3) if masked is True else None
+  if masked == "pieces":
+    mask = (tf.constant(rng.random((2, 1, 12, 1)) > 0.3), tf.constant(rng.random((2, 1, 1, 12)) > 0.3))
+  joined = tf.logical_and(*mask) if masked == "pieces" else mask
   weights = tf.constant(rng.normal(size=(2, 12, 3, 4)))
   with tf.GradientTape(persistent=True) as tape:
     tape.watch([q, k, v])
-    keras_out = keras.ops.dot_product_attention(q, k, v, mask=mask, scale=0.5, is_causal=causal)
+    keras_out = keras.ops.dot_product_attention(q, k, v, mask=joined, scale=0.5, is_causal=causal)
     ours = _blockwise_attention.attention(q, k, v, mask=mask, is_causal=causal, scale=0.5, blocks=blocks)
     theirs_loss, our_loss = tf.reduce_sum(keras_out * weights), tf.reduce_sum(ours * weights)
   np.testing.assert_allclose(ours.numpy(), keras_out.numpy(), atol=1e-13)
