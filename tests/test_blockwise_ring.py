@@ -19,6 +19,7 @@ from conftest import keras_step
 from test_keras_attention import HEADS
 from test_keras_attention import B
 from test_keras_attention import S
+from test_keras_attention import V
 from test_keras_attention import _data
 from test_keras_attention import _decoder
 from test_keras_attention import trains_as_one_device
@@ -29,22 +30,29 @@ from replicator.core import _blockwise_ring
 from replicator.integrations import _keras_attention
 
 
-@pytest.mark.parametrize("mask_kind", [None, "keys", "queries", "both"])
+@pytest.mark.parametrize("mask_kind", [None, "keys", "queries", "both", "pieces"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tiles,groups", [(2, 1), (3, 2), (4, 1)])
 def test_ring_attention_is_keras_attention_and_its_gradients(mask_kind, causal, tiles, groups):
   # float64: 1e-15 apart (measured); a tile paired with the wrong keys, a mask tile from the wrong offset or a
-  # gradient left one step off the ring is 1e-2 off or more.
+  # gradient left one step off the ring is 1e-2 off or more. "pieces": a tuple of a mask over queries and one over
+  # keys (MultiHeadAttention's padding as _keras_attention hands it), Keras given their AND; a third of the queries
+  # then see no key.
   rng = np.random.default_rng(0)
   q = tf.constant(rng.normal(size=(2, 12, 4, 4)))
   k, v = (tf.constant(rng.normal(size=(2, 12, 4 // groups, 4))) for _ in range(2))
-  shape = {None: None, "keys": (2, 1, 1, 12), "queries": (2, 1, 12, 1), "both": (2, 1, 12, 12)}[mask_kind]
-  mask = None if shape is None else tf.constant(rng.random(shape) > 0.3)
+  shape = {None: None, "keys": (2, 1, 1, 12), "queries": (2, 1, 12, 1), "both": (2, 1, 12, 12),
+           "pieces": ((2, 1, 12, 1), (2, 1, 1, 12))}[mask_kind]
+  if mask_kind == "pieces":
+    mask = tuple(tf.constant(rng.random(s) > 0.3) for s in shape)
+  else:
+    mask = None if shape is None else tf.constant(rng.random(shape) > 0.3)
+  joined = tf.logical_and(*mask) if mask_kind == "pieces" else mask
   weights = tf.constant(rng.normal(size=(2, 12, 4, 4)))
   with tf.GradientTape(persistent=True) as tape:
     tape.watch([q, k, v])
     theirs = keras.ops.dot_product_attention(q, tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2),
-                                             mask=mask, scale=0.5, is_causal=causal)
+                                             mask=joined, scale=0.5, is_causal=causal)
     ours = _blockwise_ring.attention(q, k, v, mask=mask, is_causal=causal, scale=0.5, tiles=tiles, groups=groups)
     their_loss, our_loss = tf.reduce_sum(theirs * weights), tf.reduce_sum(ours * weights)
   np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-13)
@@ -134,3 +142,22 @@ def test_explain_says_the_ring_took_the_all_gather_across_processes(monkeypatch)
   forward = [c for c in gathers if not c.op_name.startswith("gradients/")]  # (the backward's: tape.gradient's line)
   assert len(forward) == 2 and all(c.location.endswith(f"({_keras_attention.RING_ACROSS})") for c in forward), [
       (c.op_name, c.location) for c in gathers]
+
+
+def test_explain_says_where_a_mask_over_queries_and_keys_is_cut_into_tile_pairs():
+  # An attention_mask= tensor [batch, queries, keys] (here the keys' padding tiled over the queries, split by its
+  # keys): each step's tile pairs picked out by an all-reduce of a tile pair's size, which explain's line names.
+  # (MultiHeadAttention's own padding masks are handed over as their pieces: test_keras_attention.)
+  from test_keras_attention import _mask_layers  # pylint: disable=import-outside-toplevel
+  from test_keras_attention import _masked_step  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(4)
+  ids = rng.integers(0, V, (B, S)).astype(np.int32)
+  data = tf.data.Dataset.from_tensors((ids, ids, ids)).repeat()
+  repl = replicator.Replicator(mesh=mesh.Mesh({"batch": 2, "seq": 2}, devices=cpus(4)), view="global",
+                               input_layouts=("batch", "seq"), context_parallel="ring", strict=True)
+  with repl.context():
+    layers = _mask_layers()
+  rows = repl.explain(_masked_step(layers, "padding"), data).collective_rows
+  cut = [c for c in rows if c.kind == "all_reduce" and "max" in c.why]
+  assert len(cut) == 4 and all(c.shape == (B // 2, 1, 2, S // 2, S // 2) for c in cut), cut  # 2 steps, each pass
+  assert all(c.location.endswith(f"({_blockwise_ring.PAIRS_CUT})") for c in cut), [c.location for c in cut]

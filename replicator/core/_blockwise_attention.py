@@ -51,7 +51,7 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
   Args:
     q: ``[batch, queries, heads, size]``; ``k``, ``v``: ``[batch, keys, heads / groups, size]``.
     bias: added to the scores, broadcast to ``[batch, heads, queries, keys]``, or None.
-    mask: boolean, broadcast likewise (True: the key is seen), or None.
+    mask: boolean, broadcast likewise (True: the key is seen), a tuple of such masks (their AND), or None.
     is_causal: key ``j`` seen by query ``i`` only if ``j <= i``.
     scale: the scores' scale.
     blocks: how many blocks of keys.
@@ -62,14 +62,17 @@ def attention(q, k, v, *, bias=None, mask=None, is_causal: bool = False, scale: 
   edges = _edges(keys, blocks)
   logits_dtype = tf.float32 if q.dtype in (tf.float16, tf.bfloat16) else q.dtype
   negative = large_negative(logits_dtype)
-  mask = None if mask is None else tf.convert_to_tensor(mask, tf.bool)
+  masks = () if mask is None else tuple(tf.convert_to_tensor(m, tf.bool) for m in (
+      mask if isinstance(mask, (tuple, list)) else (mask,)))
   bias = None if bias is None else tf.convert_to_tensor(bias)
 
   def scores_of(qg, kb, start, stop):  # [batch, heads, queries, keys of the block], masked (qg: by_group(q))
     s = tf.cast(per_query(qg, kb), logits_dtype) * tf.cast(scale, logits_dtype)
     if bias is not None:
       s += tf.cast(_block(bias, start, stop, -1), logits_dtype)
-    allowed = _block(mask, start, stop, -1)
+    allowed = None  # (a tuple's masks each cut to the block, then joined: no mask over queries and keys made whole)
+    for m in masks:
+      allowed = _block(m, start, stop, -1) if allowed is None else tf.logical_and(allowed, _block(m, start, stop, -1))
     if is_causal:
       causal = tf.constant(np.arange(queries)[:, None] >= np.arange(start, stop)[None, :])
       allowed = causal if allowed is None else tf.logical_and(allowed, causal)

@@ -27,17 +27,29 @@ Masks mean what they mean on one device: a causal mask from each tile's
 global positions (query ``p * S_q / P + i`` sees key ``((p - t) mod P) * S_k / P
 + j`` if not later), a boolean mask broadcast to ``[batch, heads, queries,
 keys]`` cut into the same tile pairs (a mask over keys alone is rolled with
-them; one over queries and keys has each step's tile pair picked out).
+them; one over queries and keys has each step's tile pair picked out: where
+its keys are split, a collective of a tile pair's size a step, which
+``explain`` names by :data:`PAIRS_CUT`). A mask given as a tuple of masks
+(their AND: ``_keras_attention`` hands ``MultiHeadAttention``'s padding so)
+is cut piece by piece: a mask over queries stays on the query tile (each
+device's own rows, nothing sent), one over keys is rolled with them (``b S_k
+/ P`` elements a step), and no mask over both is made.
 Every device computes every step (a causal mask's hidden pairs too): the
 same work on every device whatever the token order.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
 from replicator.core import _blockwise_attention
+from replicator.core import _primitives
+
+PAIRS_CUT = ("context_parallel='ring': a mask over queries and keys (an attention_mask= tensor) cut into each step's "
+             "[queries, keys] tile pairs; a causal mask, Keras's padding masks and KerasHub decoders' are not")
 
 
 def divides(q, k, tiles: int) -> bool:
@@ -59,8 +71,12 @@ def _untiled(t):
 def _mask_steps(mask, tiles: int, queries: int, keys: int):
   """A function of the step ``t`` giving the mask's ``[b, P | 1, H | 1, S_q / P | 1, S_k / P | 1]`` boolean tile pairs.
 
-  ``mask`` broadcasts to ``[batch, heads, queries, keys]``.
+  ``mask`` broadcasts to ``[batch, heads, queries, keys]``, or is a tuple of such masks (their AND: each cut by
+  its own shape, so that a mask over queries and one over keys are never made one over both).
   """
+  if isinstance(mask, (tuple, list)):
+    steps = [_mask_steps(m, tiles, queries, keys) for m in mask]
+    return lambda t: functools.reduce(tf.logical_and, [step(t) for step in steps])
   mask = tf.convert_to_tensor(mask, tf.bool)
   while mask.shape.rank < 4:
     mask = mask[None]
@@ -76,14 +92,17 @@ def _mask_steps(mask, tiles: int, queries: int, keys: int):
     def rolled(t):
       return by_keys if t == 0 else tf.roll(by_keys, t, axis=1)
     return rolled
-  # Over queries and keys: step t's pair of query tile p and key tile (p - t) mod P, picked out.
-  pairs = tf.cast(tf.reshape(mask, [mb, mh, tiles, bq, tiles, bk]), tf.float32)
+  # Over queries and keys: step t's pair of query tile p and key tile (p - t) mod P, picked out (where the mask's
+  # keys are split, a collective of a tile pair's size a step: explain's line says so).
+  with _primitives.noted(PAIRS_CUT, "ring_mask_pairs"):
+    pairs = tf.cast(tf.reshape(mask, [mb, mh, tiles, bq, tiles, bk]), tf.float32)
 
   def picked(t):
     pick = np.zeros([tiles, tiles], np.float32)
     pick[np.arange(tiles), (np.arange(tiles) - t) % tiles] = 1.0
-    chosen = tf.reduce_max(pairs * tf.constant(pick[None, None, :, None, :, None]), axis=4) > 0.5
-    return tf.transpose(chosen, [0, 2, 1, 3, 4])
+    with _primitives.noted(PAIRS_CUT, "ring_mask_pairs"):
+      chosen = tf.reduce_max(pairs * tf.constant(pick[None, None, :, None, :, None]), axis=4) > 0.5
+      return tf.transpose(chosen, [0, 2, 1, 3, 4])
   return picked
 
 
@@ -93,7 +112,8 @@ def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tile
   Args:
     q: ``[batch, queries, heads, size]``; ``k``, ``v``: ``[batch, keys, heads / groups, size]``; ``tiles``
       divides both lengths (:func:`divides`).
-    mask: boolean, broadcast to ``[batch, heads, queries, keys]`` (True: the key is seen), or None.
+    mask: boolean, broadcast to ``[batch, heads, queries, keys]`` (True: the key is seen), a tuple of such masks
+      (their AND), or None.
     is_causal: key ``j`` seen by query ``i`` only if ``j <= i``.
     scale: the scores' scale.
     tiles: the ring's length: the devices the sequence is split over.

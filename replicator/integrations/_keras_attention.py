@@ -26,6 +26,23 @@ ring instead: the keys and values passed from device to device a tile a
 step (where the sequence's axes are in one process and divide its length:
 :func:`ring_tiles`), their gradients passed back.
 
+``MultiHeadAttention``'s mask from its inputs' Keras masks (an
+``Embedding(mask_zero=True)``'s or a ``Masking`` layer's padding: the
+queries' and the keys'), with ``use_causal_mask=True`` or not, reaches that
+attention as its pieces (:func:`padding_as_pieces`): the queries' padding
+``[batch, 1, queries, 1]`` and the keys' ``[batch, 1, 1, keys]`` (a tuple of
+masks, their AND) and ``is_causal``, never made one ``[batch, queries,
+keys]`` mask. A device's queries' padding is its own rows, the keys' is a
+vector going with the keys (the ring rolls it with them, ``b S / P``
+elements a step; the all-gather and Ulysses gather it), the causal mask is
+made from each block's global positions: no collective of a mask over
+queries and keys (the ring's would be one of a tile pair's size a step).
+A query all of whose keys are masked (a padding query) attends to every
+key uniformly, as on one device. An ``attention_mask=`` tensor, a sliding
+window, and the calls Keras's attention does not make (dropout, the scores
+returned, flash attention) or a subclass whose ``call`` or
+``_compute_attention`` is its own keep Keras's own mask.
+
 With ``Replicator(context_parallel="ulysses")`` the queries, keys and values
 are laid out by heads over those axes first (``with_layout``: an all-to-all
 from a split of the tokens to a split of the heads, DeepSpeed-Ulysses), each
@@ -36,13 +53,16 @@ divide over the axes: an ``ArgumentError`` says so, and the fix.
 Private Keras API, in this module only (Keras 3.15.1; tests/test_keras_attention.py
 fails if it changes): ``keras.src.backend.tensorflow.nn.dot_product_attention``,
 which ``keras.ops.dot_product_attention`` calls, is replaced for the trace and
-put back after it.
+put back after it; so are ``MultiHeadAttention``'s ``_compute_attention_mask``
+and ``_compute_attention`` (:data:`MHA_PARAMETERS`: left as they are if their
+parameters differ), which read :data:`MHA_ATTRIBUTES`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import sys
 
@@ -58,6 +78,14 @@ from replicator.core import _ring_attention
 from replicator.integrations import _keras_hub_attention
 
 _MODULE = "keras.src.backend.tensorflow.nn"
+MHA = ("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention")
+MHA_PARAMETERS = {  # MultiHeadAttention's methods replaced for the trace, and their parameters (Keras 3.15.1)
+    "_compute_attention_mask": ("self", "query", "value", "query_mask", "value_mask", "key_mask", "attention_mask",
+                                "use_causal_mask"),
+    "_compute_attention": ("self", "query", "key", "value", "attention_mask", "training", "return_attention_scores",
+                           "use_causal_mask"),
+}
+MHA_ATTRIBUTES = ("_sliding_window", "_dropout", "_flash_attention", "_inverse_sqrt_key_dim")  # read by the above
 RING_ACROSS = ("context_parallel='ring': keys and values all-gathered, as the sequence's axes span worker "
                "processes (TensorFlow's collectives have no point-to-point send there: a ring step would be an "
                "all-gather)")
@@ -128,6 +156,8 @@ def _blockwise(original, blocks: int, replicator):
     shapes = [tf.convert_to_tensor(t).shape for t in (query, key, value)]
     if (flash_attention or attn_logits_soft_cap is not None or bias is not None
             or any(s.rank != 4 or not s.is_fully_defined() for s in shapes)):
+      if isinstance(mask, tuple):  # (MultiHeadAttention's pieces, joined: Keras's attention takes one mask)
+        mask = functools.reduce(tf.logical_and, mask)
       return original(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
                       flash_attention=flash_attention, attn_logits_soft_cap=attn_logits_soft_cap)
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
@@ -159,6 +189,86 @@ def _blockwise(original, blocks: int, replicator):
   return dot_product_attention
 
 
+class _Pieces:
+  """``MultiHeadAttention``'s mask as its pieces: the queries' padding ``[batch, 1, queries, 1]``, the keys'
+  ``[batch, 1, 1, keys]`` (the value's and the key's Keras masks, joined), each boolean or None, and ``causal``;
+  ``dense()`` is Keras's own ``[batch, queries, keys]`` mask (``_compute_attention_mask``'s), for the calls
+  :func:`padding_as_pieces` leaves to Keras."""
+
+  def __init__(self, queries, keys, causal: bool, dense):
+    self.masks = tuple(m for m in (queries, keys) if m is not None)
+    self.causal = causal
+    self.dense = dense
+
+
+def _padding(mask, shape):
+  """A Keras mask ``[batch, length]`` as a boolean ``shape``, or None."""
+  return None if mask is None else tf.reshape(tf.cast(mask, tf.bool), shape)
+
+
+def _mha_methods():
+  """``MultiHeadAttention`` and its two methods as :data:`MHA_PARAMETERS` expects them, or None."""
+  cls = getattr(sys.modules.get(MHA[0]), MHA[1], None)
+  if cls is None:
+    return None
+  methods = tuple(cls.__dict__.get(name) for name in MHA_PARAMETERS)
+  if any(m is None or tuple(inspect.signature(m).parameters) != MHA_PARAMETERS[name]
+         for m, name in zip(methods, MHA_PARAMETERS)):
+    return None
+  return cls, methods
+
+
+@contextlib.contextmanager
+def padding_as_pieces(attention):
+  """While entered, ``MultiHeadAttention``'s Keras masks (padding, causal) reach ``attention`` as pieces (see the module).
+
+  Args:
+    attention: Keras's ``dot_product_attention`` as this module makes it for the trace.
+  """
+  found = _mha_methods()
+  if found is None:
+    yield
+    return
+  cls, (compute_mask, compute_attention) = found
+  mha_call = cls.__dict__["call"]
+
+  def _compute_attention_mask(self, query, value, query_mask=None, value_mask=None, key_mask=None,
+                              attention_mask=None, use_causal_mask=False):
+    def dense():
+      return compute_mask(self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+                          attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+
+    masks = [m for m in (query_mask, value_mask, key_mask) if m is not None]
+    if (attention_mask is not None or self._sliding_window is not None or not masks
+            or type(self).call is not mha_call or type(self)._compute_attention is not replaced
+            or not all(tf.is_tensor(t) for t in [query, value] + masks)
+            or not all(t.shape.rank == 3 and t.shape.is_fully_defined() for t in (query, value))
+            or any(m.shape.rank != 2 for m in masks)):
+      return dense()  # (an attention_mask= tensor, a sliding window, a subclass's call: Keras's own mask)
+    (b, queries, _), keys = query.shape, value.shape[1]
+    key_padding = [_padding(m, [b, 1, 1, keys]) for m in (value_mask, key_mask) if m is not None]
+    return _Pieces(_padding(query_mask, [b, 1, queries, 1]),
+                   functools.reduce(tf.logical_and, key_padding) if key_padding else None,
+                   bool(use_causal_mask), dense)
+
+  def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                         return_attention_scores=False, use_causal_mask=False):
+    causal = {"use_causal_mask": True} if use_causal_mask else {}  # (as Keras's call passes it: only if True)
+    if not isinstance(attention_mask, _Pieces):
+      return compute_attention(self, query, key, value, attention_mask, training, return_attention_scores, **causal)
+    if self._dropout > 0.0 or return_attention_scores or self._flash_attention or len(query.shape) != 4:
+      return compute_attention(self, query, key, value, attention_mask.dense(), training, return_attention_scores)
+    return attention(query, key, value, mask=attention_mask.masks, scale=self._inverse_sqrt_key_dim,
+                     is_causal=attention_mask.causal), None
+
+  try:
+    cls._compute_attention_mask = functools.wraps(compute_mask)(_compute_attention_mask)
+    replaced = cls._compute_attention = functools.wraps(compute_attention)(_compute_attention)
+    yield
+  finally:
+    cls._compute_attention_mask, cls._compute_attention = compute_mask, compute_attention
+
+
 @contextlib.contextmanager
 def blockwise_attention(replicator):
   """While ``replicator``'s step is traced, Keras's attention on TensorFlow runs blockwise (see the module)."""
@@ -170,7 +280,8 @@ def blockwise_attention(replicator):
   original = nn.dot_product_attention
   nn.dot_product_attention = _blockwise(original, blocks, replicator)
   try:
-    with _keras_hub_attention.routed(nn.dot_product_attention):  # KerasHub's layers: this attention too
+    with (_keras_hub_attention.routed(nn.dot_product_attention),  # KerasHub's layers: this attention too
+          padding_as_pieces(nn.dot_product_attention)):
       yield
   finally:
     nn.dot_product_attention = original
