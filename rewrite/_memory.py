@@ -506,6 +506,17 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
   # Buffers: each output's, a view's output its input's; a variable read's and a constant's none (None). An
   # elementwise op's output takes the buffer of an input of its size that dies at it (TensorFlow's kernels
   # forward such a buffer instead of allocating one), unless that buffer is the step's input.
+  # A loop's list it fills (an output per iteration; in a gradient's loop, a sequence's gradient per element),
+  # stacked into a tensor after it: it holds what the stack copies.
+  stacked = {}
+  for i, node in enumerate(nodes):
+    if node.op == "TensorListStack" and inputs[i]:
+      source = inputs[i][0]
+      while nodes[source[0]].op in VIEWS and inputs[source[0]]:
+        source = inputs[source[0]][0]
+      n = _nbytes(*specs[node.name][0]) if specs.get(node.name) else None
+      if nodes[source[0]].op in LOOPS and source not in lists and n:
+        stacked[source] = n
   reads_last = {}  # tensor -> the position of its last reader
   for i in order:
     for source in inputs[i]:
@@ -530,6 +541,10 @@ def analyze(graph_def, *, base_bytes: Mapping[str, int] | None = None,
         if n is None:
           unknown[placed[i]] += 1
         size[key] = n or 0
+      elif key in stacked:  # a loop's list of outputs (or of a sequence's gradients), stacked after it: the stack's
+        n = stacked[key]
+        b = key
+        size[key] = n
       elif node.op == "TensorListFromTensor" and k == 0 and inputs[i]:  # a list of copies of the tensor's slices
         source = inputs[i][0]
         n = _nbytes(*specs[nodes[source[0]].name][source[1]])
