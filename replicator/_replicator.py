@@ -30,6 +30,7 @@ from replicator.input import _process_shards
 from replicator.integrations import _keras
 from replicator.integrations import _keras_attention  # noqa: F401  (registers its trace hook: blockwise attention)
 from replicator.integrations import _keras_distribution
+from replicator.integrations import _keras_dropout
 from replicator.integrations import _keras_hub_sequence
 from replicator.integrations import _keras_outputs  # noqa: F401  (registers its trace hook: Keras's output keys)
 from replicator.integrations import _keras_spatial
@@ -127,6 +128,7 @@ def _placed_on_stages(variables, own, axes: tuple[str, ...], devices: int, reads
   for stage, found in reads.items():
     for variable in found:
       readers.setdefault(id(variable), set()).add(stage % devices)
+      _variables.share_stream(variable, axes)  # (a random-seed state: one stream over the stages)
   out = []
   for k, variable in enumerate(variables):
     replicated = _variables.underlying(variable)
@@ -489,8 +491,9 @@ class Replicator(_collective_methods.CollectiveMethods):
     own = {k for k, v in enumerate(variables) if _split_over(_variables.layout_of(v), axes)}
     place = None if self._config.multi_client else functools.partial(
         _placed_on_stages, variables, own, axes, self._mesh.axis_size(axes))
-    return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
-                              _primitives.user_location(), variables, own, place)
+    with _keras_dropout.one_call_draws(ctx):  # (Keras's dropout: the unpipelined step's numbers)
+      return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
+                                _primitives.user_location(), variables, own, place)
 
   def sequence_parallel(self, axis="seq", *, order: str = "contiguous"):
     """A context for a local-view step: KerasHub's Llama run on this replica's tokens as on the whole sequence.

@@ -219,17 +219,18 @@ def _state_error(location, stage, how, variables, axes, fix):
                                                      fix=STATE_FIXES[fix]))
 
 
-def _run_stage(ctx, stage, x, index: int, axes, location: str):
+def _run_stage(ctx, stage, x, index: int, axes, location: str, rows=None):
   """``(stage(x), {id(variable): value})``: the stage's output, and the last value it assigned to each variable
-  every replica holds alike (not written: the pipeline writes them once a step)."""
+  every replica holds alike (not written: the pipeline writes them once a step). ``rows``: ``(start, stop,
+  rows)`` of the microbatch in the replica's batch (``ReplicaContext.microbatch``, for random draws)."""
   if ctx is None:
     return stage(x), {}
-  ctx.stage_writes, ctx.stage_axes = [], tuple(axes)
+  ctx.stage_writes, ctx.stage_axes, ctx.microbatch = [], tuple(axes), rows
   try:
     y = stage(x)
     written = ctx.stage_writes
   finally:
-    ctx.stage_writes, ctx.stage_axes = None, ()
+    ctx.stage_writes, ctx.stage_axes, ctx.microbatch = None, (), None
   deltas = [v for v, method, _ in written if method != "assign"]
   if deltas:
     raise _state_error(location, index, "writes (by a delta or rows)", deltas, axes, "method")
@@ -322,7 +323,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
           x = xs[j] if g == 0 else acts.pop((g, j))
           with tf.GradientTape() as tape:
             tape.watch(_floating(x))
-            y, written = _run_stage(ctx, stages[g], x, g, axes, location)
+            y, written = _run_stage(ctx, stages[g], x, g, axes, location, (*edges[j], rows))
             if g == last_stage:
               y = tf.math.multiply_no_nan(tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)), weights[j])
           for k, value in written.items():

@@ -999,6 +999,34 @@ def single_stream(variable) -> None:
   variable._offsets = None  # pylint: disable=protected-access
 
 
+def share_stream(variable, axes: tuple[str, ...]) -> None:
+  """Makes a random-seed state that draws per replica (see :func:`seed_offsets`) draw one stream along ``axes``:
+  each replica takes the offset of the one at position 0 along ``axes`` with its other coordinates, its value
+  moved by the difference (the replicas of a pipeline's stages, whose one step draws as one device).
+
+  Streams along the other axes stay apart. Does nothing to other variables, or once done.
+  """
+  replicated = underlying(variable)
+  if replicated is None or replicated._offsets is None:  # pylint: disable=protected-access
+    return
+  mesh = replicated._replicator.mesh  # pylint: disable=protected-access
+  position = replicated._position  # pylint: disable=protected-access
+  offsets = list(replicated._offsets)  # pylint: disable=protected-access
+  moved = False
+  with tf.init_scope():
+    for r, k in position.items():
+      root = mesh.index({**mesh.coords(r), **{a: 0 for a in axes}})
+      if root == r or root not in position:
+        continue
+      shift = offsets[position[root]] - offsets[k]
+      if bool(tf.reduce_any(shift != 0)):
+        replicated._components[k].assign_add(shift)  # pylint: disable=protected-access
+        offsets[k] = offsets[position[root]]
+        moved = True
+  if moved:
+    replicated._offsets = offsets  # pylint: disable=protected-access
+
+
 def placement_of(variable) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
   """``(axes, positions)`` of a variable held only by the replicas at ``positions`` along ``axes``, else None."""
   replicated = underlying(variable)
