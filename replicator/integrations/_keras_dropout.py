@@ -15,7 +15,7 @@ A mask broadcast over the batch (a ``noise_shape`` whose first dimension is
 1) is drawn as it is; an integer seed draws the same numbers every call, as
 on one device.
 
-Private Keras API, in this module only (Keras 3.15.1; tests/test_pipeline.py
+Private Keras API, in this module only (Keras 3.15.1; tests/test_keras_dropout.py
 fails if it changes): ``keras.src.backend.tensorflow.random.dropout`` (which
 ``keras.random.dropout`` and ``Dropout`` call) is replaced while a pipeline
 is traced, with its helpers ``draw_seed``, ``_cast_seed`` and
