@@ -86,9 +86,17 @@ def test_a_decoder_over_a_ring_trains_as_on_one_device_passing_tiles_not_gatheri
   rows, s = B // shape.get("batch", 1), S // tiles  # a device's rows and tokens
   tile = (rows, 1, s, HEADS, 8)  # a device's tile of keys or values (or of their gradients)
   permutes = [c for c in report.collective_rows if c.kind == "permute"]
+  assert all(c.axes == ("seq",) for c in permutes), permutes
   # Forward: keys and values each rolled P - 1 times; backward: again, and their gradients P - 1 times each.
-  assert len(permutes) == 6 * (tiles - 1) and all(c.shape == tile and c.axes == ("seq",) for c in permutes), permutes
-  assert all(c.bytes_per_device == rows * s * HEADS * 8 * 4 for c in permutes)
+  ring = [c for c in permutes if c.why.startswith("Roll by")]
+  assert len(ring) == 6 * (tiles - 1) and all(c.shape == tile for c in ring), ring
+  assert all(c.bytes_per_device == rows * s * HEADS * 8 * 4 for c in ring)
+  # The attention is causal (MultiHeadAttention's use_causal_mask): in the balanced order (_zigzag_ring), the
+  # queries, keys, values and output reordered, and their gradients: each a chunk of half a tile a device, in one
+  # round at P = 2 (a swap) and two at P = 4 (a ring and a swap).
+  reorders = [c for c in permutes if c.why.startswith("GatherV2 of constant rows")]
+  assert len(reorders) == 8 * {2: 1, 4: 2}[tiles] and len(reorders) + len(ring) == len(permutes), permutes
+  assert all(c.shape == (rows, s // 2, HEADS, 8) for c in reorders), reorders
   assert not [c for c in report.collective_rows if c.kind == "all_gather" and c.shape and len(c.shape) >= 4]
   scores = {(rows, 1, HEADS, s, s), (rows, HEADS, s, S)}  # a tile pair's scores, a device's score rows
   saved = [t for t in report.memory.saved if t.device.endswith("CPU:0")]

@@ -29,7 +29,12 @@ global positions (query ``p * S_q / P + i`` sees key ``((p - t) mod P) * S_k / P
 keys]`` cut into the same tile pairs (a mask over keys alone is rolled with
 them; one over queries and keys has each step's tile pair picked out).
 Every device computes every step (a causal mask's hidden pairs too): the
-same work on every device whatever the token order.
+same work on every device whatever the token order. Causal attention with no
+other mask or one over the keys alone, queries and keys of one length that
+``2P`` divides, is ``_zigzag_ring``'s instead: the tokens reordered so that
+each device holds an early and a late chunk, and each step computes only the
+half-tile blocks the mask lets through (``2P + 1`` of ``4P`` quarter-blocks a
+pass, the same on every device).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicator.core import _blockwise_attention
+from replicator.core import _zigzag_ring
 
 
 def divides(q, k, tiles: int) -> bool:
@@ -87,7 +93,8 @@ def _mask_steps(mask, tiles: int, queries: int, keys: int):
   return picked
 
 
-def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tiles: int, groups: int = 1):
+def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tiles: int, groups: int = 1,
+              balanced: bool = True):
   """``[batch, queries, heads, size]``: attention of ``q`` over ``k`` and ``v`` as a ring of ``tiles`` (see the module).
 
   Args:
@@ -98,7 +105,11 @@ def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tile
     scale: the scores' scale.
     tiles: the ring's length: the devices the sequence is split over.
     groups: grouped-query attention: each key and value head serves ``groups`` query heads.
+    balanced: a causal mask (with a mask over the keys alone, or none) in the balanced order, each device half
+      the tile pairs (``_zigzag_ring``) where it applies; False: every tile pair.
   """
+  if balanced and _zigzag_ring.applies(q, k, mask, is_causal, tiles):
+    return _zigzag_ring.attention(q, k, v, mask=mask, scale=scale, tiles=tiles, groups=groups)
   queries, keys = q.shape[1], k.shape[1]
   bq, bk = queries // tiles, keys // tiles
   logits_dtype = tf.float32 if q.dtype in (tf.float16, tf.bfloat16) else q.dtype
