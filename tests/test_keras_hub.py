@@ -496,8 +496,9 @@ def test_a_keras_hub_decoder_with_its_sequence_split_trains_as_on_one_device(nam
 def test_a_keras_hub_llama_over_a_split_sequence_trains_as_on_one_device_by_ring_and_ulysses(scheme):
   # Replicator(context_parallel=) on Llama ({"batch": 2, "seq": 2}; rotary positions, grouped-query attention, a
   # causal and a padding mask): its attention routed to Keras's runs as a ring of key and value tiles, or by
-  # all-to-alls from tokens to heads. Tolerance: the module's (2e-6); measured from one device, every weight: 2.7e-7
-  # (ring) and 1.2e-7 (Ulysses), the slots 1.0e-8, the losses equal.
+  # all-to-alls from tokens to heads. Tolerance: the module's (2e-6); measured from one device, every weight: 8.4e-8
+  # (ring, in the balanced order; 2.7e-7 with every tile pair) and 1.2e-7 (Ulysses), the slots 1.0e-8 (ring: 3.8e-9),
+  # the losses equal.
   data = _padded_dataset()
   one, one_opt = _backbone("LlamaBackbone"), keras.optimizers.Adam(1e-3)
   one_step = tf.function(_step(one, one_opt))
