@@ -80,8 +80,9 @@ def test_a_query_seeing_no_key_has_keras_gradients(scheme):
 
 @pytest.mark.parametrize("shape", [{"batch": 2, "seq": 2}, {"seq": 4}])  # {"seq": 4}: the traffic's P - 1 at P = 4
 def test_a_decoder_over_a_ring_trains_as_on_one_device_passing_tiles_not_gathering(shape):
-  # 3 Adam steps at 1e-2: 3e-7 from one device at most (measured; the all-gather's: 3.0e-7), so 1e-6; a wrong tile
-  # pairing or mask offset is 1e-3 off or more.
+  # 3 Adam steps at 1e-2: 3e-7 from one device at most with every tile pair (measured; the all-gather's: 3.0e-7);
+  # in the balanced order (the decoder's attention is causal) 4.6e-7 over {"batch": 2, "seq": 2} and 2.7e-7 over
+  # {"seq": 4} (measured), so 1e-6; a wrong tile pairing or mask offset is 1e-3 off or more.
   batch_axes = ("batch",) if "batch" in shape else ()
   repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=cpus(4)), view="global", batch_axes=batch_axes,
                                input_layouts=("batch" if batch_axes else None, "seq"), context_parallel="ring",
@@ -94,9 +95,17 @@ def test_a_decoder_over_a_ring_trains_as_on_one_device_passing_tiles_not_gatheri
   rows, s = B // shape.get("batch", 1), S // tiles  # a device's rows and tokens
   tile = (rows, 1, s, HEADS, 8)  # a device's tile of keys or values (or of their gradients)
   permutes = [c for c in report.collective_rows if c.kind == "permute"]
+  assert all(c.axes == ("seq",) for c in permutes), permutes
   # Forward: keys and values each rolled P - 1 times; backward: again, and their gradients P - 1 times each.
-  assert len(permutes) == 6 * (tiles - 1) and all(c.shape == tile and c.axes == ("seq",) for c in permutes), permutes
-  assert all(c.bytes_per_device == rows * s * HEADS * 8 * 4 for c in permutes)
+  ring = [c for c in permutes if c.why.startswith("Roll by")]
+  assert len(ring) == 6 * (tiles - 1) and all(c.shape == tile for c in ring), ring
+  assert all(c.bytes_per_device == rows * s * HEADS * 8 * 4 for c in ring)
+  # The attention is causal (MultiHeadAttention's use_causal_mask): in the balanced order (_zigzag_ring), the
+  # queries, keys, values and output reordered, and their gradients: each a chunk of half a tile a device, in one
+  # round at P = 2 (a swap) and two at P = 4 (a ring and a swap).
+  reorders = [c for c in permutes if c.why.startswith("GatherV2 of constant rows")]
+  assert len(reorders) == 8 * {2: 1, 4: 2}[tiles] and len(reorders) + len(ring) == len(permutes), permutes
+  assert all(c.shape == (rows, s // 2, HEADS, 8) for c in reorders), reorders
   assert not [c for c in report.collective_rows if c.kind == "all_gather" and c.shape and len(c.shape) >= 4]
   scores = {(rows, 1, HEADS, s, s), (rows, HEADS, s, S)}  # a tile pair's scores, a device's score rows
   saved = [t for t in report.memory.saved if t.device.endswith("CPU:0")]

@@ -35,7 +35,12 @@ is cut piece by piece: a mask over queries stays on the query tile (each
 device's own rows, nothing sent), one over keys is rolled with them (``b S_k
 / P`` elements a step), and no mask over both is made.
 Every device computes every step (a causal mask's hidden pairs too): the
-same work on every device whatever the token order.
+same work on every device whatever the token order. Causal attention with no
+other mask or one over the keys alone, queries and keys of one length that
+``2P`` divides, is ``_zigzag_ring``'s instead: the tokens reordered so that
+each device holds an early and a late chunk, and each step computes only the
+half-tile blocks the mask lets through (``2P + 1`` of ``4P`` quarter-blocks a
+pass, the same on every device).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import tensorflow as tf
 
 from replicator.core import _blockwise_attention
 from replicator.core import _primitives
+from replicator.core import _zigzag_ring
 
 PAIRS_CUT = ("context_parallel='ring': a mask over queries and keys (an attention_mask= tensor) cut into each step's "
              "[queries, keys] tile pairs; a causal mask, Keras's padding masks and KerasHub decoders' are not")
@@ -106,7 +112,8 @@ def _mask_steps(mask, tiles: int, queries: int, keys: int):
   return picked
 
 
-def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tiles: int, groups: int = 1):
+def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tiles: int, groups: int = 1,
+              balanced: bool = True):
   """``[batch, queries, heads, size]``: attention of ``q`` over ``k`` and ``v`` as a ring of ``tiles`` (see the module).
 
   Args:
@@ -118,7 +125,11 @@ def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tile
     scale: the scores' scale.
     tiles: the ring's length: the devices the sequence is split over.
     groups: grouped-query attention: each key and value head serves ``groups`` query heads.
+    balanced: a causal mask (with a mask over the keys alone, or none) in the balanced order, each device half
+      the tile pairs (``_zigzag_ring``) where it applies; False: every tile pair.
   """
+  if balanced and _zigzag_ring.applies(q, k, mask, is_causal, tiles):
+    return _zigzag_ring.attention(q, k, v, mask=mask, scale=scale, tiles=tiles, groups=groups)
   queries, keys = q.shape[1], k.shape[1]
   bq, bk = queries // tiles, keys // tiles
   logits_dtype = tf.float32 if q.dtype in (tf.float16, tf.bfloat16) else q.dtype
