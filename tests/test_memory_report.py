@@ -53,6 +53,7 @@ import pytest
 import tensorflow as tf
 from conftest import cpus
 from conftest import global_step_of
+from mse_step import mse_step
 
 import mesh
 import replicator
@@ -259,13 +260,7 @@ def test_keras_lstm_loops_are_counted_against_the_allocator():
                               keras.layers.LSTM(units), keras.layers.Dense(1)])
     optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.01))
 
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-
+  step = mse_step(model, optimizer)
   x = tf.constant(np.random.default_rng(0).normal(size=(batch, steps, 32)).astype("float32"))
   y = tf.ones([batch, 1])
   report = repl.memory(step, inputs=(x, y))

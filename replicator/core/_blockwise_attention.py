@@ -29,6 +29,25 @@ def large_negative(dtype) -> float:
   return -0.7 * (65500.0 if dtype == tf.float16 else 3.38953e38)
 
 
+def repeated_tiles(t, groups: int):
+  """Tiles of keys or values ``[b, P, tokens, heads / groups, size]`` repeated to the query heads."""
+  return t if groups == 1 else tf.repeat(t, repeats=groups, axis=3)
+
+
+def grouped_tiles(d, groups: int):
+  """Gradients of repeated tiles (:func:`repeated_tiles`) summed over each group: ``[b, P, tokens, heads / groups,
+  size]``."""
+  if groups == 1:
+    return d
+  shape = d.shape.as_list()
+  return tf.reduce_sum(tf.reshape(d, shape[:3] + [shape[3] // groups, groups] + shape[4:]), axis=4)
+
+
+def heads_last(x):
+  """A per-query value ``[b, P, heads, tokens]`` as ``[b, P, tokens, heads, 1]``, to scale outputs with."""
+  return tf.transpose(x, [0, 1, 3, 2])[..., None]
+
+
 def _edges(length: int, blocks: int) -> list[tuple[int, int]]:
   """``blocks`` consecutive ranges covering ``range(length)`` (the last ones shorter where it does not divide)."""
   size = -(-length // max(1, min(blocks, length)))

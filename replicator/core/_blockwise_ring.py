@@ -150,17 +150,9 @@ def attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float, tile
     allowed = allowed_at(t)
     return (s, None) if allowed is None else (tf.where(allowed, s, negative), allowed)
 
-  def repeated(t):
-    return t if groups == 1 else tf.repeat(t, repeats=groups, axis=3)
-
-  def grouped(d):
-    if groups == 1:
-      return d
-    shape = d.shape.as_list()
-    return tf.reduce_sum(tf.reshape(d, shape[:3] + [shape[3] // groups, groups] + shape[4:]), axis=4)
-
-  def heads_last(x):  # [b, P, H, bq] -> [b, P, bq, H, 1]
-    return tf.transpose(x, [0, 1, 3, 2])[..., None]
+  repeated = functools.partial(_blockwise_attention.repeated_tiles, groups=groups)
+  grouped = functools.partial(_blockwise_attention.grouped_tiles, groups=groups)
+  heads_last = _blockwise_attention.heads_last
 
   @tf.custom_gradient
   def ring(q, k, v):

@@ -159,17 +159,9 @@ def _ring(q, k, v, keys_seen, scale: float, tiles: int, groups: int):
     m = by_tiles if t == 0 else tf.roll(by_tiles, t, axis=1)
     return m[..., :half], m[..., half:], m
 
-  def repeated(t):
-    return t if groups == 1 else tf.repeat(t, repeats=groups, axis=3)
-
-  def grouped(d):
-    if groups == 1:
-      return d
-    shape = d.shape.as_list()
-    return tf.reduce_sum(tf.reshape(d, shape[:3] + [shape[3] // groups, groups] + shape[4:]), axis=4)
-
-  def heads_last(x):  # [b, P, H, c] -> [b, P, c, H, 1]
-    return tf.transpose(x, [0, 1, 3, 2])[..., None]
+  repeated = functools.partial(_blockwise_attention.repeated_tiles, groups=groups)
+  grouped = functools.partial(_blockwise_attention.grouped_tiles, groups=groups)
+  heads_last = _blockwise_attention.heads_last
 
   def both(a, b):
     return b if a is None else a if b is None else tf.logical_and(a, b)
