@@ -251,8 +251,8 @@ def test_a_loops_values_kept_for_its_gradient_are_saved_and_counted():
 def test_keras_lstm_loops_are_counted_against_the_allocator():
   # Two stacked Keras LSTMs (64 steps, batch 256, 256 units): their loops' lists for the gradient (the gates of
   # every step), the sequences they read (TensorListFromTensor: copies of the slices) are counted. Measured: the
-  # report's peak 0.81-0.82 of the allocator's (before: 0.15). Not counted yet: the lists the gradient's loops
-  # make inside themselves (a sequence's gradient, element by element), about 3 of the 16 MB sequences here.
+  # report's peak 0.81-0.82 of the allocator's (before: 0.15). The rest is not accounted for yet (what the loops'
+  # bodies make while they run is not counted; which of it the allocator holds at its peak is not measured).
   steps, batch, units = 64, 256, 256
   repl = replicator.Replicator(devices=cpus(1))
   with repl.context():
