@@ -125,20 +125,21 @@ def _placed_on_stages(variables, own, axes: tuple[str, ...], devices: int, reads
   device's: a variable split over ``axes`` or over others, each replica's own, read by every device's stages, or
   by none)."""
   readers: dict[int, set[int]] = {}
+  read = {}
   for stage, found in reads.items():
     for variable in found:
       readers.setdefault(id(variable), set()).add(stage % devices)
-      _variables.share_stream(variable, axes)  # (a random-seed state: one stream over the stages)
+      read[id(variable)] = variable
+  for variable in read.values():
+    _variables.share_stream(variable, axes)  # (a random-seed state: one stream over the stages)
   out = []
   for k, variable in enumerate(variables):
     replicated = _variables.underlying(variable)
     positions = None if replicated is None or k in own else readers.get(id(replicated))
-    if positions is None:  # (not read by the stages: where it is)
-      where = None if replicated is None else replicated.placement
-      out.append(where[1] if where is not None and where[0] == axes else None)
-      continue
-    _variables.place(variable, axes, positions)
-    placed = replicated.placement  # (a variable split over other axes, or each replica's own, stays where it is)
+    if positions is not None:  # (else not read by the stages: where it is)
+      _variables.place(variable, axes, positions)
+    # (a variable split over other axes, or each replica's own, stays where it is)
+    placed = None if replicated is None else replicated.placement
     out.append(placed[1] if placed is not None and placed[0] == axes else None)
   return out
 

@@ -43,10 +43,6 @@ class ReplicaContext:
     stage_axes: the axes of the pipeline whose stage is running.
     microbatch: while a pipeline's stage runs, ``(start, stop, rows)``: the
       rows of the replica's batch its microbatch holds; None: not in a stage.
-    microbatch_seeds: during a pipeline, the random seeds its stages drew on
-      this replica, by what drew them (a Keras seed generator's id): a later
-      microbatch draws with the first one's, so that the step draws as one
-      call of the stage on the whole batch would; None: not in a pipeline.
   """
 
   replicator: Any
@@ -67,7 +63,6 @@ class ReplicaContext:
   stage_writes: list | None = None
   stage_axes: tuple[str, ...] = ()
   microbatch: tuple | None = None
-  microbatch_seeds: dict | None = None
 
 
 _state = threading.local()

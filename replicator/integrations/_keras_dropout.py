@@ -57,16 +57,16 @@ def one_call_draws(ctx):
     yield
     return
   original = module.dropout
-  saved, ctx.microbatch_seeds = ctx.microbatch_seeds, {}
+  seeds = {}  # what drew them (a seed generator's id) -> the seed its first microbatch drew
 
   def dropout(inputs, rate, noise_shape=None, seed=None):
     rows = ctx.microbatch
     if rows is None or rate in (0.0, 1.0) or isinstance(seed, int):
       return original(inputs, rate, noise_shape=noise_shape, seed=seed)
     key = id(seed) if seed is not None else None  # (None: Keras's global generator)
-    drawn = ctx.microbatch_seeds.get(key)
+    drawn = seeds.get(key)
     if drawn is None:
-      drawn = ctx.microbatch_seeds[key] = module._cast_seed(module.draw_seed(seed))  # pylint: disable=protected-access
+      drawn = seeds[key] = module._cast_seed(module.draw_seed(seed))  # pylint: disable=protected-access
     inputs = tf.convert_to_tensor(inputs)
     shape = module._get_concrete_noise_shape(inputs, noise_shape)  # pylint: disable=protected-access
     start, stop, total = rows
@@ -83,4 +83,3 @@ def one_call_draws(ctx):
     yield
   finally:
     module.dropout = original
-    ctx.microbatch_seeds = saved

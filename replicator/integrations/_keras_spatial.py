@@ -95,11 +95,11 @@ def _conv(original, replicator, dims, location):
       s, tile = self.strides[d - 1], inputs.shape[d]
       if d not in split:
         if self.padding == "same":  # (as "same" pads it: a stride of 1 pads the same at any size)
-          padding[d] = list(_same_padding(tile if tile is not None else k, k, s if tile is not None else 1))
           if tile is None and s != 1:
             raise _errors.UnsupportedError(
                 f"repl.spatial_parallel at {location}: {self.name} pads dimension {d} (not split, of a size known "
                 f"only at run time) 'same' at stride {s}. Fix: give that dimension a static size.")
+          padding[d] = list(_same_padding(tile if tile is not None else k, k, s))
         continue
       why = None
       if self.padding not in ("same", "valid"):

@@ -375,7 +375,9 @@ class ReplicatedOptimizer(tf.Module):
         reduced[i] = None if grads[i] is None else tf.reshape(piece, shape)
 
   def _held(self, grads, variables) -> tuple[list, list]:
-    """``grads`` and ``variables`` without the variables this replica does not hold (placed on other stages)."""
+    """``grads`` and ``variables`` without the variables this replica does not hold (placed on other stages), the
+    optimizer built for all of them first (:meth:`_build_for_placed`)."""
+    self._build_for_placed(list(variables))
     ctx = _context.current_context()
     if ctx is None or ctx.replicator is not self._replicator:
       return list(grads), list(variables)
@@ -478,7 +480,6 @@ class ReplicatedOptimizer(tf.Module):
       owners = self._sharded_owners(grads, variables)
       self._apply_sharded(self._reduce(grads, variables, owners), variables, gathered_bytes, owners)
       return self._optimizer.iterations
-    self._build_for_placed(variables)
     grads, variables = self._held(self.reduce_gradients(grads, variables), variables)
     if not variables:  # (every variable on other stages)
       return self._optimizer.iterations.assign_add(1)
@@ -510,7 +511,6 @@ class ReplicatedOptimizer(tf.Module):
     grads = self.reduce_gradients(grads, None if variables is None else list(variables))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
-    self._build_for_placed(list(variables))
     grads, variables = self._held(grads, list(variables))
     if not variables:  # (every variable on other stages)
       return self._optimizer.iterations.assign_add(1)

@@ -336,29 +336,36 @@ class ReplicatedVariable(tf.Variable):
     if self._on_read or layout == self._sharding:
       return
     sources = None if layout is None else piece_sources(layout, self._replicas)
-    devices = [self._replicator.devices[r] for r in self._replicas]
     with tf.init_scope(), _context.cross_replica_scope():
-      with tf.device(devices[0]):
+      with tf.device(self._replicator.devices[self._replicas[0]]):
         value = tf.identity(self.read_value())  # the global value (gathered if sharded)
-        pieces = self._local(mesh_lib.split(value, layout)) if layout is not None else [value] * len(devices)
+        pieces = self._local(mesh_lib.split(value, layout)) if layout is not None else [value] * len(self._replicas)
+    self._replace_components(self._replicas, pieces)
+    self._sharding = layout
+    self._sources = sources
+    self._global_shape = None if layout is None else tf.TensorShape(
+        mesh_lib.global_shape(self._components[0].shape.as_list(), layout))
+    if chosen_by:
+      self._chosen_by = chosen_by
+
+  def _replace_components(self, replicas: tuple[int, ...], values) -> None:
+    """New components on ``replicas``' devices holding ``values`` (one each) in place of the old ones (which steps
+    built before still hold); each device's current value its own, no owner."""
+    with tf.init_scope(), _context.cross_replica_scope():
       components = []
-      for piece, device in zip(pieces, devices):
-        with tf.device(device):
-          components.append(new_component(initial_value=piece, trainable=self.trainable,
+      for replica, value in zip(replicas, values):
+        with tf.device(self._replicator.devices[replica]):
+          components.append(new_component(initial_value=value, trainable=self.trainable,
                                            name=self.name.split(":")[0], dtype=self.dtype,
                                            synchronization=self.synchronization, aggregation=self.aggregation))
     for component in self._components:
       _OWNERS.pop(id(component.handle), None)
     self._components = tuple(components)
-    self._sharding = layout
-    self._sources = sources
-    self._global_shape = None if layout is None else tf.TensorShape(
-        mesh_lib.global_shape(components[0].shape.as_list(), layout))
+    self._replicas = tuple(replicas)
+    self._position = {r: i for i, r in enumerate(replicas)}
     self._home = tuple(range(len(components)))
     self._owner = None
     self._serving = _export.Serving()
-    if chosen_by:
-      self._chosen_by = chosen_by
     for component in components:
       _OWNERS[id(component.handle)] = self
 
@@ -385,23 +392,8 @@ class ReplicatedVariable(tf.Variable):
         r for r in everyone if mesh.axis_index(r, axes) in positions)
     with tf.init_scope(), _context.cross_replica_scope():
       value = tf.identity(self._home_component().read_value())
-      components = []
-      for replica in replicas:
-        with tf.device(self._replicator.devices[replica]):
-          components.append(new_component(initial_value=value, trainable=self.trainable,
-                                           name=self.name.split(":")[0], dtype=self.dtype,
-                                           synchronization=self.synchronization, aggregation=self.aggregation))
-    for component in self._components:
-      _OWNERS.pop(id(component.handle), None)
-    self._components = tuple(components)
-    self._replicas = replicas
-    self._position = {r: i for i, r in enumerate(replicas)}
-    self._home = tuple(range(len(components)))
-    self._owner = None
+    self._replace_components(replicas, [value] * len(replicas))
     self._placement = placement
-    self._serving = _export.Serving()
-    for component in components:
-      _OWNERS[id(component.handle)] = self
     return True
 
   def _current(self) -> tf.Variable:
