@@ -20,8 +20,19 @@ Kinds and the ops they use (TF 2.21, measured on logical CPUs):
   implementation" and aborts the process's collective executor), so it is an
   all-to-all of the chunks followed by a local reduction: half the traffic of
   all-reduce-then-slice, and about 2x faster on 4 logical CPUs (4 MB and 64 MB).
-* permute: ``CollectivePermute`` is XLA/TPU-only; it is a ``CollectiveGatherV2``
-  of every member's value, from which each destination takes its source's.
+* permute: ``CollectivePermute`` is XLA/TPU-only. Each (source, destination)
+  pair is a group of two: ``CollectiveBcastSendV2`` on the source,
+  ``CollectiveBcastRecvV2`` on the destination, so a value crosses once, from
+  its source to its destination, and members of no pair do nothing (a
+  pipeline's neighbours, across worker processes too). A send finishes when
+  its receiver has the value, so a device's sends and receives are ordered to
+  make no cycle wait on itself: each device receives first and then sends,
+  except one device of each cycle of the permutation, which sends first. These
+  two ops take no ordering token; the rewrite pass chains them with the
+  device's other collectives by control edges. ``permute="gather"`` lowers it
+  as before instead: a ``CollectiveGatherV2`` of every member's value, from
+  which each destination takes its source's (the group's size times the
+  traffic; kept to measure against).
 """
 
 from __future__ import annotations
@@ -61,15 +72,22 @@ class CollectiveOps(_lowering.Lowering):
     agreed_keys: keys every process of a multi-client job computes alike
       (``_lowering.AgreedKeys``), for groups whose members several processes
       build; by default keys are counted in this process.
+    permute: ``"pairs"`` (a send and a receive for each source and
+      destination) or ``"gather"`` (every member's value gathered on every
+      member; the emulation to measure the pairs against).
   """
 
   name = "collective_ops"
-  ordered_op_types = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})
+  ordered_op_types = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2",
+                                "CollectiveBcastSendV2", "CollectiveBcastRecvV2"})
   partial_groups = True
   fusible = True
 
-  def __init__(self, timeout_seconds: float = 0.0, agreed_keys: bool = False):
+  def __init__(self, timeout_seconds: float = 0.0, agreed_keys: bool = False, permute: str = "pairs"):
+    if permute not in ("pairs", "gather"):
+      raise _errors.ArgumentError(f"CollectiveOps(permute={permute!r}): expected 'pairs' or 'gather'.")
     self.timeout_seconds = timeout_seconds
+    self.permute = permute
     self.keys = _lowering.AgreedKeys() if agreed_keys else _lowering.ProcessKeys()
     self._tokens: dict[str, tf.Tensor] = {}  # device -> its ordering token (a resource handle)
     self._lock = threading.Lock()
@@ -91,6 +109,8 @@ class CollectiveOps(_lowering.Lowering):
     _lowering.check_group_inputs(collective, inputs, devices)
     n = len(devices)
     params = collective.param_dict
+    if collective.kind == "permute" and self.permute == "pairs":
+      return self._permute_pairs(collective, params["perm"], inputs, devices)
     group_key = self.keys.group_key(devices)
     instance_key = self.keys.instance_key(group_key, collective)
     sizes_key = self.keys.instance_key(group_key, collective, "sizes") if collective.ragged else None
@@ -139,6 +159,62 @@ class CollectiveOps(_lowering.Lowering):
           raise _errors.UnsupportedError(f"{self.name} cannot lower {collective.kind}.")
         outputs.append(y)
     return outputs
+
+  def _permute_pairs(self, collective: Collective, perm, inputs, devices) -> list:
+    """A permute as one two-member group a pair: the source sends, the destination receives."""
+    dest = {s: d for s, d in perm}
+    source = {d: s for s, d in perm}
+    keys = {}  # (source, destination) -> (group key, instance key), alike in every process
+    for s, d in perm:
+      if s != d:
+        group_key = self.keys.group_key([devices[min(s, d)], devices[max(s, d)]])
+        keys[(s, d)] = (group_key, self.keys.instance_key(group_key, collective, f"pair {s}->{d}"))
+    outputs = []
+    for i, (x, device) in enumerate(zip(inputs, devices)):
+      if x is None:  # another process builds this member's ops
+        outputs.append(None)
+        continue
+      with tf.device(device):
+        common = dict(group_size=2, timeout_seconds=self.timeout_seconds)
+
+        def send(i=i, x=x, common=common):
+          group_key, instance_key = keys[(i, dest[i])]
+          return tf.raw_ops.CollectiveBcastSendV2(input=x, group_key=group_key, instance_key=instance_key, **common)
+
+        def receive(i=i, x=x, common=common):
+          group_key, instance_key = keys[(source[i], i)]
+          return tf.raw_ops.CollectiveBcastRecvV2(shape=tf.shape(x), T=x.dtype, group_key=group_key,
+                                                  instance_key=instance_key, **common)
+
+        order = []
+        if dest.get(i, i) != i:
+          order.append(send)
+        if source.get(i, i) != i:
+          order.insert(0 if not _leads_cycle(i, dest) else len(order), receive)
+        done, received = [], None
+        for op in order:
+          with tf.control_dependencies(done[-1:]):
+            y = op()
+          done.append(y)
+          if op is receive:
+            received = y
+        if received is None:
+          received = tf.identity(x) if source.get(i) == i else tf.zeros_like(x)
+        with tf.control_dependencies(done):  # a send no output reads would be pruned
+          outputs.append(tf.identity(received))
+    return outputs
+
+
+def _leads_cycle(i: int, dest: dict[int, int]) -> bool:
+  """Whether member ``i`` is the least of a cycle of ``dest`` (of two or more members): it sends first."""
+  j = dest.get(i)
+  for _ in range(len(dest)):  # (a permutation: from i, either back to i or to a member with no destination)
+    if j is None or j == i:
+      break
+    if j < i:
+      return False
+    j = dest.get(j)
+  return j == i
 
 
 def _transpose(x: tf.Tensor, perm: list[int] | None) -> tf.Tensor:

@@ -663,23 +663,30 @@ def stacked_global(out):
 
 def ring_across(out):
   """repl.ring_attention over the "worker" axis (a sequence split over the processes, causal, zigzag order) with
-  exchange="auto": the all-gather of the keys and values across processes; each process's output and gradients."""
+  exchange="auto" (the all-gather of the keys and values across processes) and exchange="ring" (the ring's
+  permutes as sends between the processes); each process's output and gradients."""
   rng = np.random.RandomState(7)
   q, k, v, w = (rng.randn(1, 8, 2, 4).astype(np.float32) for _ in range(4))
 
-  def step():
+  def step(exchange="auto"):
     index = int(tf.get_static_value(repl.axis_index("worker")))
     mine = [replicator.shard_sequence(x, index, 2, order="zigzag") for x in (q, k, v, w)]
     with tf.GradientTape() as tape:
       tape.watch(mine[:3])
-      attended = repl.ring_attention(*mine[:3], axis="worker", causal=True, order="zigzag")
+      attended = repl.ring_attention(*mine[:3], axis="worker", causal=True, order="zigzag", exchange=exchange)
       loss = tf.reduce_sum(attended * mine[3])
     return [attended, *tape.gradient(loss, mine[:3])]
 
+  def ring_step():
+    return step("ring")
+
   found = [t.values[0].numpy() for t in repl.run(step)]
+  ring = [t.values[0].numpy() for t in repl.run(ring_step)]
   said = [c.location for c in repl.explain(step).collectives]
   np.savez(os.path.join(out, f"worker_{repl.task}.npz"), out=found[0], dq=found[1], dk=found[2], dv=found[3],
+           ring_out=ring[0], ring_dq=ring[1], ring_dk=ring[2], ring_dv=ring[3],
            kinds=np.array(sorted({c.kind for c in repl.explain(step).collectives})),
+           ring_kinds=np.array(sorted({c.kind for c in repl.explain(ring_step).collectives})),
            gathered=np.array(any("all-gathered, as the axis spans worker processes" in s for s in said)))
 
 

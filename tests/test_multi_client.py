@@ -387,8 +387,9 @@ def test_a_pipeline_with_its_stages_on_two_workers_trains_as_one_device(tmp_path
 
 
 def test_ring_attention_over_the_worker_processes_gathers_the_keys_and_equals_one_device(tmp_path):
-  # A sequence split over 2 worker processes (zigzag, causal): exchange="auto" takes the all-gather there (a permute
-  # across processes would be an all-gather P - 1 times), and explain says why. Each process's tokens' output and
+  # A sequence split over 2 worker processes (zigzag, causal): exchange="auto" takes the all-gather there (one
+  # collective, not P - 1 rounds of sends between the processes), and explain says why; exchange="ring" sends the
+  # blocks between the processes (the permutes as pairs of a send and a receive). Each process's tokens' output and
   # gradients against one device's attention in float64, within 1e-5 (one device in float32: 2.3e-7 from it).
   results = _launch(tmp_path, "ring_across", 2, 1)
   rng = np.random.RandomState(7)
@@ -400,10 +401,12 @@ def test_ring_attention_over_the_worker_processes_gathers_the_keys_and_equals_on
     loss = tf.reduce_sum(attended * w)
   expected = [attended.numpy(), *[g.numpy() for g in tape.gradient(loss, [q, k, v])]]
   for which, name in enumerate(("out", "dq", "dk", "dv")):
-    whole = replicator.unshard_sequence([found[name] for found in results], order="zigzag").numpy()
-    np.testing.assert_allclose(whole, expected[which], atol=1e-5, err_msg=name)
+    for prefix in ("", "ring_"):
+      whole = replicator.unshard_sequence([found[prefix + name] for found in results], order="zigzag").numpy()
+      np.testing.assert_allclose(whole, expected[which], atol=1e-5, err_msg=prefix + name)
   for found in results:
     assert bool(found["gathered"]) and "all_gather" in list(found["kinds"]) and "permute" not in list(found["kinds"])
+    assert "permute" in list(found["ring_kinds"]) and "all_gather" not in list(found["ring_kinds"])
 
 
 def test_stacked_blocks_with_their_stages_on_two_workers_train_as_one_device(tmp_path):

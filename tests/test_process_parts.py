@@ -67,7 +67,8 @@ def _half(task: int, kinds, lowering):
     return tf.make_ndarray(node.attr["value"].tensor).item()
 
   ops = [n for n in rewritten.graph_def.node if n.op.startswith("Collective")]
-  return plan, [(n.op, n.device, value(n.input[1]), value(n.input[2]), value(n.input[3])) for n in ops]
+  first = lambda n: 0 if n.op == "CollectiveBcastRecvV2" else 1  # noqa: E731  (a receive has no input value)
+  return plan, [(n.op, n.device, *(value(n.input[first(n) + k]) for k in range(3))) for n in ops]
 
 
 @pytest.mark.parametrize("name", ["collective_ops", "hierarchical"])
@@ -92,6 +93,29 @@ def test_each_process_builds_its_members_and_both_halves_agree_on_keys(name, mon
     assert size0 == (4 if name == "collective_ops" else 2)
   instances = {i for _, _, _, _, i in halves[0]}
   assert len(instances) == 2  # one key per collective, not per member
+
+
+@pytest.mark.parametrize("permute", ["pairs", "gather"])
+def test_a_permute_across_processes_is_a_send_and_a_receive_for_each_pair(permute, monkeypatch):
+  # Replicas 1 -> 2 (device 1 of worker 0 to device 0 of worker 1) and 3 -> 0 over the 4 replicas: with pairs,
+  # each half builds a send for its source and a receive for its destination, two-member groups whose keys the
+  # halves agree on, and nothing on the replicas of no pair; the gather (kept to compare) is a group of all 4.
+  monkeypatch.setattr(rewrite.CollectiveOps, "external_value", lambda self, key: tf.Variable(0.0).handle)
+  halves = []
+  for task in (0, 1):
+    _, ops = _half(task, [("permute", {"perm": ((1, 2), (3, 0))}, SAME)],
+                   rewrite.CollectiveOps(5.0, agreed_keys=True, permute=permute))
+    halves.append(ops)
+  if permute == "gather":
+    assert [[(op, size) for op, _, size, _, _ in h] for h in halves] == [[("CollectiveGatherV2", 4)] * 2] * 2
+    return
+  by_device = {device: (op, size, group, instance) for h in halves for op, device, size, group, instance in h}
+  assert [by_device[d][0] for d in DEVICES] == ["CollectiveBcastRecvV2", "CollectiveBcastSendV2",
+                                                "CollectiveBcastRecvV2", "CollectiveBcastSendV2"]
+  assert all(size == 2 for _, size, _, _ in by_device.values())
+  pair = lambda a, b: (by_device[DEVICES[a]][2:], by_device[DEVICES[b]][2:])  # noqa: E731
+  (one, two), (three, zero) = pair(1, 2), pair(3, 0)
+  assert one == two and three == zero and one != three  # each pair's (group, instance) keys agree, pairs differ
 
 
 def test_keys_depend_on_what_the_processes_share_not_on_build_order():

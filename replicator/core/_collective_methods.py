@@ -245,8 +245,8 @@ class CollectiveMethods:
       scale: the scores' factor (default ``head size ** -0.5``).
       exchange: how the blocks travel: ``"ring"`` (``P - 1`` point-to-point steps), ``"all_gather"`` (one
         all-gather of the keys and values; their gradients reduce-scattered home), or ``"auto"``: the ring in
-        one process, the all-gather where the axis spans worker processes (TensorFlow's collectives have no
-        point-to-point send: a permute there is an all-gather, ``P - 1`` times the ring's bytes).
+        one process, the all-gather where the axis spans worker processes (one collective there, not ``P - 1``
+        rounds of sends between the processes).
     """
     ctx = _primitives.require_context(self, "ring_attention")
     return _ring_attention.ring_attention(ctx, q, k, v, self._axes(axis), causal, order, key_mask, scale,

@@ -87,8 +87,7 @@ MHA_PARAMETERS = {  # MultiHeadAttention's methods replaced for the trace, and t
 }
 MHA_ATTRIBUTES = ("_sliding_window", "_dropout", "_flash_attention", "_inverse_sqrt_key_dim")  # read by the above
 RING_ACROSS = ("context_parallel='ring': keys and values all-gathered, as the sequence's axes span worker "
-               "processes (TensorFlow's collectives have no point-to-point send there: a ring step would be an "
-               "all-gather)")
+               "processes (one collective there, not P - 1 rounds of sends between the processes)")
 RING_UNEVEN = ("context_parallel='ring': keys and values all-gathered, as {tiles} tiles do not divide {queries} "
                "queries and {keys} keys")
 ULYSSES_HEADS = (
@@ -111,8 +110,8 @@ def ring_tiles(replicator) -> int:
   """The ring's length with ``context_parallel="ring"``: the devices a sequence is split over (1: no ring).
 
   The axes of the inputs' second dimension where ``input_layouts`` is one spec, else every non-batch axis; 1 where
-  those axes span worker processes (a point-to-point permute is an all-gather there: the keys and values are
-  all-gathered once instead, the ring's bytes).
+  those axes span worker processes (the keys and values are all-gathered once there, the ring's bytes in one
+  collective).
   """
   axes = _sequence_axes(replicator)
   spec = replicator.input_layouts
