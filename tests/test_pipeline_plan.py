@@ -47,6 +47,15 @@ def test_without_a_fixed_cost_the_bubble_wants_the_most_microbatches():
   assert plan.split_points == ("layer_2", "layer_4", "layer_6")
 
 
+def test_the_interleaved_schedule_s_bubble_is_v_times_smaller():
+  # 2 devices, 16 rows in 2 microbatches of 8: 1F1B's 2 stages of 4 layers, 32 s a microbatch each, (m + p - 1) 32
+  # = 96; interleaved, 4 stages of 16 s, 2 a device: (v m + p - 1) 16 = 80.
+  plan = _pipeline_plan.choose(_layers(), 16, 2, FREE, stages=(2,), microbatches=(2,))
+  assert {c.schedule: c.seconds for c in plan.candidates} == {"interleaved": 80.0, "1f1b": 96.0, "gpipe": 96.0}
+  assert plan.schedule == "interleaved" and _row(plan, 2, 2, "interleaved").cuts == (0, 2, 4, 6)
+  assert plan.split_points == ("layer_2", "layer_4", "layer_6")
+
+
 def test_a_fixed_cost_a_pass_makes_too_many_microbatches_dear():
   # A stage 1 + r / 8 seconds (2 layers of 0.5 + r / 16), r = 64 / m: (m + 3)(1 + 8 / m) is 36, 25, 21, 22, 28.5
   # for m = 1, 2, 4, 8, 16: four microbatches.
