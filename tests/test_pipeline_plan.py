@@ -130,6 +130,11 @@ def test_a_keras_model_s_plan_is_the_cheapest_of_its_candidates():
   stages = plan.split(model)
   assert len(stages) == plan.chosen.stages * plan.chosen.chunks
   assert [s.layers[0].name for s in stages[1:]] == list(plan.split_points)
+  for c in plan.candidates:  # split_stages' own cuts at the candidate's microbatch rows
+    if c.stages > 1:
+      rows = 16 // c.replicas // c.microbatches
+      cut = replicator.split_stages(model, c.stages * c.chunks, input_shape=(rows, 8))
+      assert [s.layers[0].name for s in cut] == [model.layers[k].name for k in c.cuts]
   # A device's weights and Adam's two slots shrink with the stages (data parallelism: every one of them).
   first = min((c for c in plan.candidates if c.stages == 1), key=lambda c: c.memory_bytes)
   weights = sum(v.numpy().nbytes for v in model.weights)
@@ -145,9 +150,9 @@ def test_mistakes_are_named():
       (dict(input_shape=(16,)), r"plan_pipeline\(input_shape=\(16,\)\): expected a global batch's shape, its rows "
                                 r"first \(an int\) and a row's shape after\. Fix: input_shape=\(rows, features\)"),
       (dict(schedules=("zero",)), r"plan_pipeline\(schedules=\('zero',\)\): expected some of \('gpipe', '1f1b', "
-                                  r"'interleaved'\); found \['zero'\]\."),
+                                  r"'interleaved'\); found \['zero'\]\. Fix: schedules=\('gpipe', '1f1b'\)"),
       (dict(memory_bytes=0), r"plan_pipeline\(memory_bytes=0\): expected a positive number of bytes a device, or "
-                             r"None \(no limit\)\."),
+                             r"None \(no limit\)\. Fix: memory_bytes=16e9"),
       (dict(microbatches=(0, 2)), r"plan_pipeline\(microbatches=\(0, 2\)\): expected positive ints, microbatch "
                                   r"counts dividing a replica's rows\. Fix: microbatches=None \(every one\)"),
       (dict(input_shape=(6, 8), stages=(1,)), r"plan_pipeline: no candidate for 6 rows on 4 devices \(4 layers; "

@@ -386,10 +386,11 @@ def plan_pipeline(model, devices: int, *, input_shape, memory_bytes: float | Non
   unknown = [s for s in schedules if s not in SCHEDULES]
   if unknown or not schedules:
     raise _errors.ArgumentError(f"replicator.plan_pipeline(schedules={schedules!r}): expected some of {SCHEDULES}; "
-                                f"found {unknown or 'none'}.")
+                                f"found {unknown or 'none'}. Fix: schedules=('gpipe', '1f1b'), say.")
   if memory_bytes is not None and not memory_bytes > 0:
     raise _errors.ArgumentError(f"replicator.plan_pipeline(memory_bytes={memory_bytes!r}): expected a positive "
-                                "number of bytes a device, or None (no limit).")
+                                "number of bytes a device, or None (no limit). Fix: memory_bytes=16e9 for 16 GB a "
+                                "device, say.")
   stages = _check_counts("stages", stages, "stage counts dividing the devices")
   microbatches = _check_counts("microbatches", microbatches, "microbatch counts dividing a replica's rows")
   if machine is None:  # (nominal rates, each device a processor of its own)
