@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -66,7 +67,7 @@ class Layers:
     names: the layers' names.
   """
 
-  seconds: object
+  seconds: Callable[[int], list]
   made: tuple
   sent: tuple
   weights: tuple
@@ -153,12 +154,13 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _traced_work(fn, specs, machine):
+def _traced_work(fn, specs) -> _cost.Work:
+  """What one device does running ``fn`` on ``specs`` (traced, every value whole)."""
   graph = tf.function(fn, autograph=False).get_concrete_function(*specs).graph
   whole = types.SimpleNamespace(layouts={}, decisions={
       op.name: _base.Decision(inputs=[None] * len(op.inputs), outputs=[None] * len(op.outputs))
       for op in graph.get_operations()})
-  return _cost.work(graph, whole, {}), graph
+  return _cost.work(graph, whole, {})
 
 
 def _nbytes(values) -> int:
@@ -178,7 +180,7 @@ def _optimizer_costs(optimizer, variables, machine) -> tuple[float, float]:
   copy.build(stand_ins)
   slots = _nbytes(copy.variables) - _nbytes(empty.variables)
   specs = [tf.TensorSpec(v.shape, v.dtype) for v in stand_ins]
-  work, _ = _traced_work(lambda *grads: copy.apply(list(grads), stand_ins), specs, machine)
+  work = _traced_work(lambda *grads: copy.apply(list(grads), stand_ins), specs)
   return work.estimate(machine).seconds, float(slots)
 
 
