@@ -142,6 +142,16 @@ def test_a_keras_model_s_plan_is_the_cheapest_of_its_candidates():
   assert min(c.memory_bytes for c in plan.candidates if c.stages == 4) < first.memory_bytes / 2
 
 
+def test_the_optimizer_s_slots_count_in_a_device_s_memory():
+  # Adam keeps two slots a weight, SGD none: data parallelism's device holds twice the weights' bytes more with Adam.
+  model = _model()
+  weights = sum(v.numpy().nbytes for v in model.trainable_variables)
+  adam, sgd = (replicator.plan_pipeline(model, 4, input_shape=(16, 8), stages=(1,), optimizer=optimizer)
+               for optimizer in (keras.optimizers.Adam(), keras.optimizers.SGD()))
+  assert adam.memory_bytes - sgd.memory_bytes == 2 * weights
+  assert adam.seconds > sgd.seconds  # (Adam's update: more ops)
+
+
 def test_mistakes_are_named():
   model = _model()
   cases = [
