@@ -51,6 +51,9 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.integrations._batch_norm import CrossReplicaBatchNorm
   from replicator.integrations._keras_stacked import StackedBlocks
   from replicator.integrations._keras_stages import split_stages
+  from replicator.integrations._pipeline_plan import PipelineCandidate
+  from replicator.integrations._pipeline_plan import PipelinePlan
+  from replicator.integrations._pipeline_plan import plan_pipeline
   from replicator.integrations._remat import remat
   from replicator.state._optimizer import ReplicatedOptimizer
   from replicator.state._variables import ReplicatedVariable
@@ -71,6 +74,8 @@ __all__ = (
     "MultiWorkerReplicator",
     "OutputMismatchError",
     "PerReplica",
+    "PipelineCandidate",
+    "PipelinePlan",
     "ReplicaContextError",
     "ReplicasDivergedError",
     "ReplicaInvarianceError",
@@ -91,6 +96,7 @@ __all__ = (
     "enable_keras_distribution",
     "pad_sequence",
     "pipeline_variables",
+    "plan_pipeline",
     "remat",
     "sequence_positions",
     "shard_sequence",
@@ -126,6 +132,7 @@ _MODULES = {
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),
     "replicator.integrations._keras_stacked": ("StackedBlocks",),
     "replicator.integrations._keras_stages": ("split_stages",),
+    "replicator.integrations._pipeline_plan": ("PipelineCandidate", "PipelinePlan", "plan_pipeline"),
     "replicator.integrations._remat": ("remat",),
     "replicator.state._optimizer": ("ReplicatedOptimizer",),
     "replicator.state._variables": ("ReplicatedVariable", "bytes_per_device"),

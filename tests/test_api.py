@@ -22,7 +22,7 @@ def test_replicator_public_names():
       "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus", "enable_keras_distribution", "distribution_replicator",
       "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "CheckpointDamagedError", "testing",
       "remat", "pad_sequence", "sequence_positions", "shard_sequence", "unshard_sequence", "pipeline_variables", "split_stages",
-      "stacked_pipeline", "StackedBlocks"}
+      "stacked_pipeline", "StackedBlocks", "plan_pipeline", "PipelinePlan", "PipelineCandidate"}
   for name in replicator.__all__:
     assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"
 
