@@ -55,7 +55,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CHUNKS = 2  # the interleaved schedule's stages a device, each half a device's depth
 TRANSFERS = frozenset({"_Send", "_Recv", "_HostSend", "_HostRecv"})
 _OP = re.compile(r"(?:^|/)(gradient_tape/)?replica_(\d+)/([^:]*):(\w+)$")
 _PASS = re.compile(r"(?:^|/)(?:pipeline/stage\d+/([FB])(\d+)|mb(?:_(\d+))?)/")
@@ -179,9 +180,10 @@ def timeline(call, replicas: int) -> dict:
                      for device in ops]}
 
 
-def bubble(p: int, m: int) -> float:
-  """The schedules' bubble, ``(p - 1) / (m + p - 1)`` of the step, when every stage costs the same."""
-  return (p - 1) / (m + p - 1)
+def bubble(p: int, m: int, chunks: int = 1) -> float:
+  """The schedules' bubble when every stage costs the same: ``(p - 1) / (m + p - 1)`` of the step, and
+  ``(p - 1) / (v m + p - 1)`` for the interleaved schedule's ``v`` (``chunks``) stages a device."""
+  return (p - 1) / (chunks * m + p - 1)
 
 
 def _stage(tf, scale, kernel, depth: int):
@@ -195,7 +197,9 @@ def _stage(tf, scale, kernel, depth: int):
 
 
 def build(p: int, m: int, schedule: str, width: int, depth: int, rows: int):
-  """A function running one pipelined step on the first ``p`` logical CPUs, one stage a device (returns the loss)."""
+  """A function running one pipelined step on the first ``p`` logical CPUs (returns the loss): one stage of
+  ``depth`` matmuls a device, or for the interleaved schedule :data:`CHUNKS` stages of ``depth / CHUNKS`` each (a
+  device's work the same)."""
   import keras  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -205,11 +209,12 @@ def build(p: int, m: int, schedule: str, width: int, depth: int, rows: int):
   devices = [d.name for d in tf.config.list_logical_devices("CPU")[:p]]
   repl = replicator.Replicator(mesh=mesh.Mesh({"stage": p}, devices=devices))
   rng = np.random.default_rng(0)
+  chunks = CHUNKS if schedule == "interleaved" else 1
   with repl.context():
-    scales = [tf.Variable(np.ones(width, np.float32), name=f"scale{s}") for s in range(p)]
+    scales = [tf.Variable(np.ones(width, np.float32), name=f"scale{s}") for s in range(p * chunks)]
     kernels = [tf.Variable((rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32), name=f"kernel{s}")
-               for s in range(p)]
-  stages = [_stage(tf, scales[s], kernels[s], depth) for s in range(p)]
+               for s in range(p * chunks)]
+  stages = [_stage(tf, scales[s], kernels[s], depth // chunks) for s in range(p * chunks)]
   variables = [v for pair in zip(scales, kernels) for v in pair]
   x = tf.constant(rng.normal(size=(rows * m, width)).astype(np.float32))
   y = tf.constant(rng.normal(size=(rows * m, width)).astype(np.float32))
@@ -254,7 +259,8 @@ def measure(p: int, m: int, schedule: str, width: int = 512, depth: int = 4, row
   after, wall = _cpu_seconds(), time.perf_counter() - start
   others = None if before is None else ((after[0] - before[0]) - (after[1] - before[1])) / wall
   quietest = min(timelines, key=lambda t: t["span_ms"])
-  return {"p": p, "m": m, "schedule": schedule, "bubble": bubble(p, m),
+  chunks = CHUNKS if schedule == "interleaved" else 1
+  return {"p": p, "m": m, "schedule": schedule, "bubble": bubble(p, m, chunks),
           "idle": [float(np.median([t["idle"][d] for t in timelines])) for d in range(p)],
           "quietest": quietest["idle"], "span_ms": float(np.median([t["span_ms"] for t in timelines])),
           "send_waits_ms": [float(np.median([sum(t["send_waits_ms"][d]) for t in timelines])) for d in range(p)],
@@ -307,13 +313,15 @@ def main(argv=None) -> None:
   for p in stages:
     for m in (int(m) for m in args.microbatches.split(",")):
       for schedule in SCHEDULES:
+        if schedule == "interleaved" and m % p:
+          continue  # (its microbatches a multiple of the devices)
         records.append(measure(p, m, schedule, args.width, args.depth, args.rows, args.steps))
   load.append(os.getloadavg()[0])
   print(f"Threads {threads} (0: TensorFlow's default); load average {load[0]:.2f} at start, {load[1]:.2f} at end.")
   for p in stages:
     print(f"\np = {p}" + (f" ({p} devices on {os.cpu_count()} cores: a device also waits for a thread)"
                            if p > (os.cpu_count() or 1) else "") + ":")
-    print(_timing.table(["m", "schedule", f"idle by device (median of {args.steps})", "(p-1)/(m+p-1)",
+    print(_timing.table(["m", "schedule", f"idle by device (median of {args.steps})", "bubble (formula)",
                          "most off (points)", "quietest step", "span", "sends waited (ms)",
                          "others' cores"], [_row(r) for r in records if r["p"] == p], align="rrlrrlrlr"))
   if args.json:

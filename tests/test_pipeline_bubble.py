@@ -46,3 +46,15 @@ def test_the_idle_fractions_are_fractions_of_the_span_and_the_formula_the_bubble
 def test_busy_time_is_the_union_of_the_intervals():
   assert pipeline_bubble.busy([(0, 2), (1, 3), (5, 6), (5.5, 5.6)]) == 4
   assert pipeline_bubble.busy([]) == 0
+
+
+def test_the_interleaved_schedule_s_bubble_and_passes():
+  # 2 stages a device (each half the depth): the formula (p - 1) / (v m + p - 1) = 1 / 9; each device runs a forward
+  # and a backward pass of each of its 2 stages for each of the 4 microbatches (its 8 calls of a stage in the
+  # trace: mb, mb_1, ..., mb_7).
+  record = pipeline_bubble.measure(P, M, "interleaved", width=32, depth=2, rows=4, steps=1, warmup=1)
+  (step,) = record["timelines"]
+  assert record["bubble"] == pytest.approx(1 / 9)
+  assert len(record["idle"]) == P and all(0 <= i < 1 for i in record["idle"])
+  for device in step["passes"]:
+    assert sorted(f"{kind}{j}" for kind, j, _, _ in device) == sorted(f"{k}{j}" for k in "FB" for j in range(8))
