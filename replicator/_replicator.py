@@ -30,7 +30,7 @@ from replicator.input import _process_shards
 from replicator.integrations import _keras
 from replicator.integrations import _keras_attention  # noqa: F401  (registers its trace hook: blockwise attention)
 from replicator.integrations import _keras_distribution
-from replicator.integrations import _keras_dropout
+from replicator.integrations import _keras_random
 from replicator.integrations import _keras_hub_sequence
 from replicator.integrations import _keras_outputs  # noqa: F401  (registers its trace hook: Keras's output keys)
 from replicator.integrations import _keras_spatial
@@ -492,7 +492,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     own = {k for k, v in enumerate(variables) if _split_over(_variables.layout_of(v), axes)}
     place = None if self._config.multi_client else functools.partial(
         _placed_on_stages, variables, own, axes, self._mesh.axis_size(axes))
-    with _keras_dropout.one_call_draws(ctx):  # (Keras's dropout: the unpipelined step's numbers)
+    with _keras_random.one_call_draws(ctx):  # (Keras's dropout: the unpipelined step's numbers)
       return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
                                 _primitives.user_location(), variables, own, place)
 
