@@ -30,9 +30,9 @@ from replicator.input import _process_shards
 from replicator.integrations import _keras
 from replicator.integrations import _keras_attention  # noqa: F401  (registers its trace hook: blockwise attention)
 from replicator.integrations import _keras_distribution
-from replicator.integrations import _keras_random
 from replicator.integrations import _keras_hub_sequence
 from replicator.integrations import _keras_outputs  # noqa: F401  (registers its trace hook: Keras's output keys)
+from replicator.integrations import _keras_random
 from replicator.integrations import _keras_spatial
 from replicator.state import _layout_state
 from replicator.state import _optimizer
