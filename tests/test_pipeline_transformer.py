@@ -137,7 +137,7 @@ def reference():
 def _held(grads, variables, replicas):
   """Each variable's gradient from a replica that holds it (the others give zeros)."""
   out = []
-  for k, v in enumerate(variables):
+  for k in range(len(variables)):
     copies = [grads[k].values[r].numpy() for r in range(replicas)]
     held = [c for c in copies if np.any(c)]
     out.append(held[0] if held else copies[0])
