@@ -17,8 +17,9 @@ rows, on 8 logical CPUs (``replicator.virtual_cpus(8)``) of this machine.
   each layer timed when the stages are cut), against stages of as many layers each (``np.array_split`` of the
   layers), each stage's forward and backward pass timed alone on one device (a ``tf.function`` of 4 passes in a
   chain; every stage of the three cuts, and each layer alone, in the same interleaved rounds, 30 at least): the
-  slowest stage's median over the mean of the stages' (target at most 1.15), and the least possible (the slowest
-  layer alone over the measured cut's mean stage: no cut's slowest stage is faster than its slowest layer).
+  slowest stage's median over the mean of the stages' (target at most 1.15), and two floors: the slowest layer
+  alone over the measured cut's mean stage (no cut's slowest stage is faster than its slowest layer), and the
+  least slowest / mean of any cut where a stage costs a pass's fixed cost plus its layers' measured costs.
 
 Run by hand: ``python -m benchmarks.pipeline_plan [--quick] [--rounds 15] [--budget 240] [--stages 1,2,4,8]
 [--microbatches 1,2,4,8] [--balance 2,3,4,8] [--balance-only] [--json F]`` (``--quick``: p in {1, 4}, m in {1,
@@ -184,8 +185,10 @@ def measure_balance(machine, counts, rows: int, rounds: int) -> dict:
   estimated = _keras_stages.layer_costs(model.layers, (rows, FEATURES), machine=machine)
   start = time.perf_counter()
   measured = _keras_stages.measured_layer_costs(model.layers, (rows, FEATURES))
+  # A pass's fixed cost, as the layers alone measure it over their measured costs (the empty pass taken out).
+  fixed = float(np.median([a - m for a, m in zip(layer_s, measured)]))
   out = {"rows": rows, "layers": names, "layer_alone_s": layer_s, "layer_estimated_s": estimated,
-         "layer_measured_s": measured, "measure_s": time.perf_counter() - start, "cuts": []}
+         "layer_measured_s": measured, "measure_s": time.perf_counter() - start, "pass_fixed_s": fixed, "cuts": []}
   for p in counts:
     cuts = {"estimated": "estimated", "measured": "measured",
             "by_count": np.cumsum([len(a) for a in np.array_split(np.arange(len(names)), p)])[:-1]}
@@ -201,6 +204,11 @@ def measure_balance(machine, counts, rows: int, rounds: int) -> dict:
     times = _timing.interleaved(calls, rounds, warmup=3)
     alone = [s["median"] for s in _medians(times, "alone", len(names))]
     record = {"stages": p, "layer_alone_s": alone}
+    # The least slowest / mean of any cut where a stage costs a pass's fixed cost and its layers' measured costs
+    # (the first measurement's: balanced_cuts' cut of them is the least slowest stage).
+    starts = _keras_stages.balanced_cuts(measured, p)
+    model_s = [fixed + sum(measured[a:b]) for a, b in zip(starts, starts[1:] + [len(names)])]
+    record["additive_best"] = max(model_s) / float(np.mean(model_s))
     for how, stages in made.items():
       seconds = _medians(times, how, len(stages))
       medians = [s["median"] for s in seconds]
@@ -220,7 +228,9 @@ def _print_balance(balance) -> None:
   print("  measured costs (ms):  " + ", ".join(f"{s * 1e3:.3f}" for s in balance["layer_measured_s"]) +
         f" (measured in {balance['measure_s']:.1f} s)")
   for record in balance["cuts"]:
-    print(f"  p = {record['stages']} slowest layer alone over the measured cut's mean stage {record['bound']:.3f}")
+    print(f"  p = {record['stages']} slowest layer alone over the measured cut's mean stage {record['bound']:.3f}; "
+          f"the best cut by the measured costs (a pass's fixed cost {balance['pass_fixed_s'] * 1e3:.3f} ms a "
+          f"stage) {record['additive_best']:.3f}")
     for how in ("estimated", "measured", "by_count"):
       found = record[how]
       print(f"  p = {record['stages']} {how:10s} {str(found['layers']):26s} slowest / mean "
