@@ -25,7 +25,7 @@ Run by hand: ``python -m benchmarks.pipeline_plan [--quick] [--rounds 15] [--bud
 [--microbatches 1,2,4,8] [--balance 2,3,4,8] [--balance-only] [--json F]`` (``--quick``: p in {1, 4}, m in {1,
 4}, balance 4, 5 rounds; ``--balance-only``: the balancing alone, written into ``--json``'s file under
 ``"balance"`` and ``"balance_config"``, the rest of the file kept). About 4 minutes on 2 cores, most of it the 25
-steps' builds; the balancing alone about a minute.
+steps' builds; the balancing alone 48-92 s.
 """
 
 from __future__ import annotations
