@@ -228,10 +228,11 @@ def split_stages(model, stages: int | None = None, *, split_points=None, input_s
       are taken at it (needed for ``costs="estimated"`` and ``"measured"``), and the stages built with it.
     machine: the rates to price the layers with (``replicator.calibrate()``), for ``costs="estimated"``;
       default: nominal rates.
-    costs: what ``stages`` are balanced by: ``"estimated"`` (the cost model, ``rewrite._cost``: no run);
-      ``"measured"`` (each layer's forward and backward pass timed on the current device, ``measured_layer_costs``:
-      ``len(layers) + 1`` traces and 22 calls of 4 passes a layer at its input's shape; a pass's fixed cost
-      taken out); or a list of numbers, one a layer in order (seconds, or any unit: their ratios decide).
+    costs: what ``stages`` are balanced by: ``"estimated"`` (the default: the cost model, ``rewrite._cost``, no
+      run); ``"measured"`` (each layer's forward and backward pass timed on the current device,
+      ``measured_layer_costs``: ``len(layers) + 1`` traces and 22 calls of 4 passes a layer at its input's shape,
+      the empty pass's 66; a pass's fixed cost taken out; taken under the machine's load of the moment); or a
+      list of numbers, one a layer in order (seconds, or any unit: their ratios decide).
 
   Returns:
     The stages, in order: each a ``keras.Sequential`` of the model's own layers (the same weights), built.
