@@ -12,19 +12,26 @@ rows, on 8 logical CPUs (``replicator.virtual_cpus(8)``) of this machine.
   then ``wrap_optimizer``'s update), each candidate's median seconds over interleaved rounds (``_timing``: every
   round runs each once, the order shuffled). Reported: each candidate's measured and predicted seconds, the chosen
   one's measured time over the best measured (target at most 1.10), and the rank correlation.
-* Balancing: ``split_stages(model, p, input_shape=(rows, ...))``'s stages against stages of as many layers each
-  (``np.array_split`` of the layers), each stage's forward and backward pass timed alone on one device (a
-  ``tf.function`` of 4 passes in a chain; every stage of both cuts in the same interleaved rounds, 30 at
-  least): the slowest stage's median over the mean of the stages' (target at most 1.15 for the balanced cut).
+* Balancing: ``split_stages(model, p, input_shape=(rows, ...))``'s stages balanced by the cost model's estimates
+  (``costs="estimated"``, priced with the calibrated machine) and by measured layer costs (``costs="measured"``,
+  each layer timed when the stages are cut), against stages of as many layers each (``np.array_split`` of the
+  layers), each stage's forward and backward pass timed alone on one device (a ``tf.function`` of 4 passes in a
+  chain; every stage of the three cuts, and each layer alone, in the same interleaved rounds, 30 at least): the
+  slowest stage's median over the mean of the stages' (target at most 1.15), and two floors: the slowest layer
+  alone over the measured cut's mean stage (no cut's slowest stage is faster than its slowest layer), and the
+  least slowest / mean of any cut where a stage costs a pass's fixed cost plus its layers' measured costs.
 
 Run by hand: ``python -m benchmarks.pipeline_plan [--quick] [--rounds 15] [--budget 240] [--stages 1,2,4,8]
-[--microbatches 1,2,4,8] [--balance 2,3,4,8] [--json F]`` (``--quick``: p in {1, 4}, m in {1, 4}, balance 4, 5
-rounds). About 4 minutes on 2 cores, most of it the 25 steps' builds.
+[--microbatches 1,2,4,8] [--balance 2,3,4,8] [--balance-only] [--json F]`` (``--quick``: p in {1, 4}, m in {1,
+4}, balance 4, 5 rounds; ``--balance-only``: the balancing alone, written into ``--json``'s file under
+``"balance"`` and ``"balance_config"``, the rest of the file kept). About 4 minutes on 2 cores, most of it the 25
+steps' builds; the balancing alone 48-92 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -148,7 +155,9 @@ def _stage_calls(stages, rows: int, name: str, repeats: int = 4) -> dict:
             tape.watch(h)
             y = stage(h, training=True)
           grads = tape.gradient(y, [h] + stage.trainable_variables)
-          total = tf.add_n([tf.reduce_sum(g) for g in grads])
+          # (the output summed too: else a stage's last forward op is pruned where no gradient needs it, say a
+          # Dense layer's without activation)
+          total = tf.add_n([tf.reduce_sum(g) for g in grads] + [tf.reduce_sum(y)])
         return total
 
     calls[f"{name}/{s}"] = lambda both=both: both().numpy()
@@ -161,9 +170,10 @@ def _medians(times, name: str, count: int, repeats: int = 4) -> list[dict]:
 
 
 def measure_balance(machine, counts, rows: int, rounds: int) -> dict:
-  """Per stage count: the stages of each cut (``split_stages``' balanced by the cost model, and by layer count),
-  every stage of both cuts timed alone in the same interleaved rounds; first each layer alone (measured against
-  its estimate: a stage's time is not its layers' sum, each pass has a fixed cost of its own)."""
+  """Per stage count: the stages of each cut (``split_stages``' balanced by the cost model's estimates and by
+  measured layer costs, and by layer count), every stage of the three cuts timed alone in the same interleaved
+  rounds; first each layer alone (measured against its estimate and its measured cost: a stage's time is not its
+  layers' alone-times' sum, each pass has a fixed cost of its own)."""
   import replicator  # pylint: disable=import-outside-toplevel
   from replicator.integrations import _keras_stages  # pylint: disable=import-outside-toplevel
 
@@ -173,26 +183,58 @@ def measure_balance(machine, counts, rows: int, rounds: int) -> dict:
                               rounds, warmup=3)
   layer_s = [s["median"] for s in _medians(times, "layer", len(names))]
   estimated = _keras_stages.layer_costs(model.layers, (rows, FEATURES), machine=machine)
-  out = {"rows": rows, "layers": names, "layer_measured_s": layer_s, "layer_estimated_s": estimated, "cuts": []}
+  start = time.perf_counter()
+  measured = _keras_stages.measured_layer_costs(model.layers, (rows, FEATURES))
+  # A pass's fixed cost, as the layers alone measure it over their measured costs (the empty pass taken out).
+  fixed = float(np.median([a - m for a, m in zip(layer_s, measured)]))
+  out = {"rows": rows, "layers": names, "layer_alone_s": layer_s, "layer_estimated_s": estimated,
+         "layer_measured_s": measured, "measure_s": time.perf_counter() - start, "pass_fixed_s": fixed, "cuts": []}
   for p in counts:
-    cuts = {"balanced": None, "by_count": np.cumsum([len(a) for a in np.array_split(np.arange(len(names)), p)])[:-1]}
-    calls, made = {}, {}
+    cuts = {"estimated": "estimated", "measured": "measured",
+            "by_count": np.cumsum([len(a) for a in np.array_split(np.arange(len(names)), p)])[:-1]}
+    calls, made = _stage_calls(replicator.split_stages(uneven_model(), split_points=names[1:]), rows, "alone"), {}
     for how, starts in cuts.items():
       model = uneven_model()
-      if starts is None:
-        made[how] = replicator.split_stages(model, p, input_shape=(rows, FEATURES), machine=machine)
+      if isinstance(starts, str):
+        made[how] = replicator.split_stages(model, p, input_shape=(rows, FEATURES), costs=starts,
+                                            machine=machine if starts == "estimated" else None)
       else:
         made[how] = replicator.split_stages(model, split_points=[names[k] for k in starts])
       calls.update(_stage_calls(made[how], rows, how))
     times = _timing.interleaved(calls, rounds, warmup=3)
-    record = {"stages": p}
+    alone = [s["median"] for s in _medians(times, "alone", len(names))]
+    record = {"stages": p, "layer_alone_s": alone}
+    # The least slowest / mean of any cut where a stage costs a pass's fixed cost and its layers' measured costs
+    # (the first measurement's: balanced_cuts' cut of them is the least slowest stage).
+    starts = _keras_stages.balanced_cuts(measured, p)
+    model_s = [fixed + sum(measured[a:b]) for a, b in zip(starts, starts[1:] + [len(names)])]
+    record["additive_best"] = max(model_s) / float(np.mean(model_s))
     for how, stages in made.items():
       seconds = _medians(times, how, len(stages))
       medians = [s["median"] for s in seconds]
       record[how] = {"layers": [len(s.layers) for s in stages], "stage_s": seconds,
                      "slowest_over_mean": max(medians) / float(np.mean(medians))}
+    # No cut's slowest stage is faster than its slowest layer alone, and the stages' total is about the same for
+    # every cut of p stages (p passes' fixed costs and each layer's once): the least slowest / mean possible.
+    record["bound"] = max(alone) / float(np.mean([s["median"] for s in record["measured"]["stage_s"]]))
     out["cuts"].append(record)
   return out
+
+
+def _print_balance(balance) -> None:
+  print(f"Balance ({balance['rows']} rows a stage, each stage's forward and backward pass alone on one device):")
+  print("  layers alone (ms):    " + ", ".join(f"{s * 1e3:.3f}" for s in balance["layer_alone_s"]))
+  print("  estimated (ms):       " + ", ".join(f"{s * 1e3:.3f}" for s in balance["layer_estimated_s"]))
+  print("  measured costs (ms):  " + ", ".join(f"{s * 1e3:.3f}" for s in balance["layer_measured_s"]) +
+        f" (measured in {balance['measure_s']:.1f} s)")
+  for record in balance["cuts"]:
+    print(f"  p = {record['stages']} slowest layer alone over the measured cut's mean stage {record['bound']:.3f}; "
+          f"the best cut by the measured costs (a pass's fixed cost {balance['pass_fixed_s'] * 1e3:.3f} ms a "
+          f"stage) {record['additive_best']:.3f}")
+    for how in ("estimated", "measured", "by_count"):
+      found = record[how]
+      print(f"  p = {record['stages']} {how:10s} {str(found['layers']):26s} slowest / mean "
+            f"{found['slowest_over_mean']:.3f} ({', '.join(_timing.ms(s['median']) for s in found['stage_s'])})")
 
 
 def main(argv=None) -> dict:
@@ -203,6 +245,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--stages", default=None, help="stage counts, as 1,2 (default: the grid's)")
   parser.add_argument("--microbatches", default=None, help="microbatch counts, as 1,2 (default: the grid's)")
   parser.add_argument("--balance", default=None, help="stage counts to balance, as 2,4 (default: 2,3,4,8)")
+  parser.add_argument("--balance-only", action="store_true",
+                      help="the balancing alone, merged into --json's file (its other keys kept)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -215,28 +259,30 @@ def main(argv=None) -> dict:
   stages, microbatches, rounds = ((1, 4), (1, 4), 5) if args.quick else ((1, 2, 4, 8), (1, 2, 4, 8), args.rounds)
   stages = tuple(int(p) for p in args.stages.split(",")) if args.stages else stages
   microbatches = tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches else microbatches
-  choice = measure_choice(machine, stages, microbatches, rounds, args.budget)
+  choice = None if args.balance_only else measure_choice(machine, stages, microbatches, rounds, args.budget)
   counts = (4,) if args.quick else (2, 3, 4, 8)
   counts = tuple(int(p) for p in args.balance.split(",")) if args.balance else counts
   balance = measure_balance(machine, counts, ROWS // 4, max(rounds, 30))
   load.append(os.getloadavg()[0])
-  results = {"config": {"devices": DEVICES, "rows": ROWS, "features": FEATURES, "wide": WIDE, "narrow": NARROW,
-                        "middle": MIDDLE, "rounds": rounds, "quick": args.quick, "cores": os.cpu_count(),
-                        "tensorflow": tf.__version__, "load_average": load,
-                        "seconds": time.perf_counter() - start},
-             "machine": {k: v for k, v in vars(machine).items()}, "choice": choice, "balance": balance}
-  print(f"Load average {load[0]:.2f} at start, {load[1]:.2f} at end; {results['config']['seconds']:.0f} s.")
-  print(_timing.table(["candidate", "predicted", "measured (median)", "IQR", "build"],
-                      [[r["candidate"], _timing.ms(r["predicted_s"]), _timing.ms(r["measured_s"]["median"]),
-                        _timing.ms(r["measured_s"]["iqr"]), f"{r['build_s']:.1f} s"] for r in choice["candidates"]]))
-  print(f"chosen {choice['chosen']}, best measured {choice['best_measured']}: chosen / best "
-        f"{choice['chosen_over_best']:.3f}; rank correlation {choice['rank_correlation']}")
-  print(f"Balance ({balance['rows']} rows a stage, each stage's forward and backward pass alone on one device):")
-  for record in balance["cuts"]:
-    for how in ("balanced", "by_count"):
-      found = record[how]
-      print(f"  p = {record['stages']} {how:19s} {str(found['layers']):26s} slowest / mean "
-            f"{found['slowest_over_mean']:.3f} ({', '.join(_timing.ms(s['median']) for s in found['stage_s'])})")
+  config = {"devices": DEVICES, "rows": ROWS, "features": FEATURES, "wide": WIDE, "narrow": NARROW,
+            "middle": MIDDLE, "rounds": rounds, "quick": args.quick, "cores": os.cpu_count(),
+            "tensorflow": tf.__version__, "load_average": load, "seconds": time.perf_counter() - start}
+  print(f"Load average {load[0]:.2f} at start, {load[1]:.2f} at end; {config['seconds']:.0f} s.")
+  if args.balance_only:
+    results = {}
+    if args.json and os.path.exists(args.json):
+      with open(args.json, encoding="utf-8") as f:
+        results = json.load(f)
+    results.update({"balance": balance, "balance_config": dict(config, machine=dict(vars(machine)))})
+  else:
+    results = {"config": config, "machine": dict(vars(machine)), "choice": choice, "balance": balance}
+    print(_timing.table(["candidate", "predicted", "measured (median)", "IQR", "build"],
+                        [[r["candidate"], _timing.ms(r["predicted_s"]), _timing.ms(r["measured_s"]["median"]),
+                          _timing.ms(r["measured_s"]["iqr"]), f"{r['build_s']:.1f} s"]
+                         for r in choice["candidates"]]))
+    print(f"chosen {choice['chosen']}, best measured {choice['best_measured']}: chosen / best "
+          f"{choice['chosen_over_best']:.3f}; rank correlation {choice['rank_correlation']}")
+  _print_balance(balance)
   _timing.save_json(results, args.json)
   return results
 

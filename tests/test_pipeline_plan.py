@@ -142,6 +142,25 @@ def test_a_keras_model_s_plan_is_the_cheapest_of_its_candidates():
   assert min(c.memory_bytes for c in plan.candidates if c.stages == 4) < first.memory_bytes / 2
 
 
+def test_measured_costs_are_cut_and_priced_at_each_microbatch_s_rows(monkeypatch):
+  # A stand-in for the timing: the head 3 seconds a row, the rest 1 a row; measured once a microbatch size.
+  from replicator.integrations import _keras_stages  # pylint: disable=import-outside-toplevel
+  asked = []
+
+  def measured(layers, shape, dtype):
+    asked.append(shape)
+    return [shape[0] * (3.0 if layer.name == "head" else 1.0) for layer in layers]
+
+  monkeypatch.setattr(_keras_stages, "measured_layer_costs", measured)
+  plan = replicator.plan_pipeline(_model(), 4, input_shape=(16, 8), stages=(2,), microbatches=(1, 2),
+                                  schedules=("gpipe",), costs="measured", machine=FREE)
+  assert sorted(asked) == [(4, 8), (8, 8)]  # (2 replicas of 8 rows: microbatches of 8 and 4)
+  for c in plan.candidates:  # 1 + 1 + 1 | 3 (the head), not 2 | 2 as by the estimates' near-equal layers
+    assert c.cuts == (0, 3)
+    rows = 16 // c.replicas // c.microbatches
+    assert c.path_seconds == pytest.approx((c.microbatches + 1) * 3 * rows)  # (FREE: the stages alone)
+
+
 def test_the_optimizer_s_slots_count_in_a_device_s_memory():
   # Adam keeps two slots a weight, SGD none: data parallelism's device holds twice the weights' bytes more with Adam.
   model = _model()
@@ -163,6 +182,9 @@ def test_mistakes_are_named():
                                   r"'interleaved'\); found \['zero'\]\. Fix: schedules=\('gpipe', '1f1b'\)"),
       (dict(memory_bytes=0), r"plan_pipeline\(memory_bytes=0\): expected a positive number of bytes a device, or "
                              r"None \(no limit\)\. Fix: memory_bytes=16e9"),
+      (dict(costs="timed"), r"plan_pipeline\(costs='timed'\): expected 'estimated' \(the cost model\) or "
+                            r"'measured' \(each layer's pass timed here, at each candidate's microbatch rows\)\. "
+                            r"Fix: costs='measured'"),
       (dict(microbatches=(0, 2)), r"plan_pipeline\(microbatches=\(0, 2\)\): expected positive ints, microbatch "
                                   r"counts dividing a replica's rows\. Fix: microbatches=None \(every one\)"),
       (dict(input_shape=(6, 8), stages=(1,)), r"plan_pipeline: no candidate for 6 rows on 4 devices \(4 layers; "

@@ -14,7 +14,11 @@ Where the cuts go:
   rates), then the layers cut into ``stages`` runs whose largest cost is the
   least possible (a linear partition): an embedding-heavy first stage or a
   head-heavy last one gets fewer layers, where cutting by layer count gives
-  every stage as many.
+  every stage as many; or
+* balanced by measured costs (``costs="measured"``): each layer's forward and
+  backward pass timed on one device at its input's shape, less an empty
+  pass's (the fixed cost every stage pays once, which moves no cut), then cut
+  the same way; or by costs the caller gives (``costs=[seconds a layer]``).
 
 Models that are not a chain (residual connections between layers: KerasHub's
 backbones) are refused with the reason; cut those by hand into callables.
@@ -22,8 +26,11 @@ backbones) are refused with the reason; cut those by hand into callables.
 
 from __future__ import annotations
 
+import math
+import time
 import types
 
+import numpy as np
 import tensorflow as tf
 
 from replicator.core import _errors
@@ -80,6 +87,111 @@ def layer_costs(layers, input_shape, dtype=tf.float32, machine: _cost.Machine | 
   return costs
 
 
+_clock = time.perf_counter  # (tests replace it with a fake clock)
+EMPTY_CALLS = 3  # the empty pass's calls a round (its median is taken from every layer's)
+
+
+def _passes(layer, x, repeats: int):
+  """A function running ``repeats`` forward and backward passes of ``layer`` (None: none, an empty pass) on ``x``,
+  each after the previous one's gradients (one at a time), and waiting for them."""
+  floating = x.dtype.is_floating
+
+  @tf.function(autograph=False)
+  def passes():
+    total = tf.zeros([])
+    for _ in range(repeats):
+      if floating:  # (a value of the previous pass, not a constant: no gradient of the pass is folded away)
+        h = x + tf.cast(0.0 * total, x.dtype)
+      else:
+        with tf.control_dependencies([total]):
+          h = tf.identity(x)
+      with tf.GradientTape() as tape:
+        if floating:
+          tape.watch(h)
+        y = h if layer is None else layer(h, training=True)
+        y = tf.cast(y, tf.float32) if floating or layer is None else y
+      sources = ([h] if floating else []) + ([] if layer is None else list(layer.trainable_variables))
+      grads = tape.gradient(y, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO) if sources else []
+      # (the output summed too: else a last layer's forward pass is pruned where its gradients do not need it)
+      total = tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads] + [tf.reduce_sum(tf.cast(y, tf.float32))])
+    return total
+
+  return lambda: passes().numpy()
+
+
+def _example(input_shape, dtype):
+  """Inputs of ``input_shape``: uniform in [0, 1) if floating (indices 0 once cast, for an embedding), else 0."""
+  dtype = tf.as_dtype(dtype)
+  if dtype.is_floating:
+    return tf.random.stateless_uniform(input_shape, seed=(0, 0), dtype=dtype)
+  return tf.zeros(input_shape, dtype)
+
+
+def measured_layer_costs(layers, input_shape, dtype=tf.float32, rounds: int = 20, warmup: int = 2,
+                         repeats: int = 4) -> list[float]:
+  """Each layer's measured seconds for its forward and backward pass on inputs of ``input_shape`` (the first
+  layer's; each next layer's is the previous one's output), on the current device.
+
+  Each layer, and an empty pass (the input's gradient alone), is a ``tf.function`` of ``repeats`` passes in a
+  chain (each pass's input waits for the previous pass's gradients); ``warmup`` untimed rounds, then ``rounds``
+  timed ones, each calling every layer's function once and the empty one ``EMPTY_CALLS`` times, in a shuffled
+  order (the machine's drift shared by all). A layer's cost is its median call over ``repeats``, less the empty
+  pass's (a pass's fixed cost: the call, the tape, the gradients' sums; every stage pays it once, so it moves no
+  cut, where counting it a layer would price a stage of many layers high), at least 0. Bounded: ``len(layers) +
+  1`` traces and ``(len(layers) + EMPTY_CALLS) * (warmup + rounds)`` calls of ``repeats`` passes (the defaults:
+  22 calls of 4 passes a layer; about 1.5 s for 14 Dense layers on 32 rows of a shared 2-core CPU).
+
+  Args:
+    layers: the chain's layers, in order (``chain_of``).
+    input_shape: the first layer's input's shape, batch dimension included (a microbatch's).
+    dtype: the inputs' dtype (floating: uniform in [0, 1); else zeros).
+    rounds: timed rounds.
+    warmup: untimed rounds first (the first call traces).
+    repeats: passes a call.
+
+  Returns:
+    Seconds a layer, in order (a pass's fixed cost taken out).
+  """
+  x = _example(input_shape, dtype)
+  calls = [_passes(None, x, repeats)]
+  for layer in layers:
+    calls.append(_passes(layer, x, repeats))
+    x = layer(x, training=True)
+  slots = [0] * EMPTY_CALLS + list(range(1, len(calls)))
+  times = [[] for _ in calls]
+  order = np.random.default_rng(0)
+  for r in range(warmup + rounds):
+    for k in order.permutation(len(slots)):
+      i = slots[k]
+      start = _clock()
+      calls[i]()
+      if r >= warmup:
+        times[i].append(_clock() - start)
+  medians = [float(np.median(t)) / repeats for t in times]
+  return [max(0.0, m - medians[0]) for m in medians[1:]]
+
+
+def _given_costs(costs, layers, model) -> list[float]:
+  """``costs=[...]`` checked: one finite number of seconds at least 0 a layer, not all 0."""
+  names = [layer.name for layer in layers]
+  fix = (f"Fix: costs=[seconds a layer] in the order of its layers {names}, or costs='estimated' (the cost "
+         "model) or costs='measured' (timed here).")
+  try:
+    values = [float(c) for c in costs]
+  except (TypeError, ValueError):
+    raise _errors.ArgumentError(f"replicator.split_stages(costs={costs!r}): expected 'estimated', 'measured' or a "
+                                f"list of {len(layers)} numbers (seconds, one a layer of {model.name!r}); found "
+                                f"{type(costs).__name__}. {fix}") from None
+  if len(values) != len(layers):
+    raise _errors.ArgumentError(f"replicator.split_stages(costs=...): expected {len(layers)} costs, one a layer of "
+                                f"{model.name!r}; found {len(values)}. {fix}")
+  bad = [(names[k], c) for k, c in enumerate(values) if not math.isfinite(c) or c < 0]
+  if bad or not any(values):
+    raise _errors.ArgumentError(f"replicator.split_stages(costs=...): expected finite seconds at least 0, not all "
+                                f"0; found {bad or 'all 0'}. {fix}")
+  return values
+
+
 def balanced_cuts(costs, stages: int) -> list[int]:
   """Where ``stages`` consecutive runs of ``costs`` start (the first at 0) so that the largest run's sum is least."""
   n = len(costs)
@@ -105,21 +217,40 @@ def balanced_cuts(costs, stages: int) -> list[int]:
 
 
 def split_stages(model, stages: int | None = None, *, split_points=None, input_shape=None,
-                 machine: _cost.Machine | None = None) -> list:
+                 machine: _cost.Machine | None = None, costs="estimated") -> list:
   """``model``'s layers cut into ``keras.Sequential`` stages for ``repl.pipeline`` (see the module).
 
   Args:
     model: a ``keras.Sequential``, or a functional model whose layers form a chain.
-    stages: how many stages, balanced by the cost model (``input_shape`` needed), unless ``split_points``.
+    stages: how many stages, balanced by the layers' costs, unless ``split_points``.
     split_points: names of the layers that begin a stage (the first stage begins with the first layer).
-    input_shape: the shape of a microbatch of the model's inputs, batch dimension included, for the cost model.
-    machine: the rates to price the layers with (``replicator.calibrate()``); default: nominal rates.
+    input_shape: the shape of a microbatch of the model's inputs, batch dimension included: the layers' costs
+      are taken at it (needed for ``costs="estimated"`` and ``"measured"``), and the stages built with it.
+    machine: the rates to price the layers with (``replicator.calibrate()``), for ``costs="estimated"``;
+      default: nominal rates.
+    costs: what ``stages`` are balanced by: ``"estimated"`` (the default: the cost model, ``rewrite._cost``, no
+      run); ``"measured"`` (each layer's forward and backward pass timed on the current device,
+      ``measured_layer_costs``: ``len(layers) + 1`` traces and 22 calls of 4 passes a layer at its input's shape,
+      the empty pass's 66; a pass's fixed cost taken out; taken under the machine's load of the moment); or a
+      list of numbers, one a layer in order (seconds, or any unit: their ratios decide).
 
   Returns:
     The stages, in order: each a ``keras.Sequential`` of the model's own layers (the same weights), built.
   """
   import keras  # pylint: disable=import-outside-toplevel
   layers = chain_of(model)
+  measure = isinstance(costs, str) and costs == "measured"
+  if not (isinstance(costs, str) and costs in ("estimated", "measured")) and (
+      isinstance(costs, (str, bytes)) or not hasattr(costs, "__len__")):
+    raise _errors.ArgumentError(f"replicator.split_stages(costs={costs!r}): expected 'estimated' (the cost model), "
+                                "'measured' (each layer timed here) or a list of seconds, one a layer. Fix: "
+                                "costs='measured', say.")
+  if split_points is not None and not (isinstance(costs, str) and costs == "estimated"):
+    raise _errors.ArgumentError(f"replicator.split_stages(split_points=..., costs={costs!r}): costs balance "
+                                "stages=; split_points= says where the cuts go. Fix: one of the two.")
+  if measure and machine is not None:
+    raise _errors.ArgumentError("replicator.split_stages(costs='measured', machine=...): a machine's rates price the "
+                                "estimates; measured costs are timed. Fix: drop machine= (or costs='estimated').")
   if split_points is not None:
     names = [layer.name for layer in layers]
     unknown = [p for p in split_points if p not in names]
@@ -131,10 +262,16 @@ def split_stages(model, stages: int | None = None, *, split_points=None, input_s
     if not isinstance(stages, int) or stages < 1 or stages > len(layers):
       raise _errors.ArgumentError(f"replicator.split_stages(stages={stages!r}): expected an int from 1 to the "
                                   f"model's {len(layers)} layers, or split_points=[layer names].")
-    if input_shape is None:
-      raise _errors.ArgumentError("replicator.split_stages(stages=...) balances the stages by each layer's cost at "
-                                  "its input's shape: pass input_shape=(microbatch rows, ...) (or split_points=).")
-    cuts = balanced_cuts(layer_costs(layers, input_shape, machine=machine), stages)
+    if isinstance(costs, str):
+      if input_shape is None:
+        raise _errors.ArgumentError("replicator.split_stages(stages=...) balances the stages by each layer's cost "
+                                    "at its input's shape: pass input_shape=(microbatch rows, ...) (or "
+                                    "split_points=, or costs=[seconds a layer]).")
+      found = (measured_layer_costs(layers, input_shape) if measure
+               else layer_costs(layers, input_shape, machine=machine))
+    else:
+      found = _given_costs(costs, layers, model)
+    cuts = balanced_cuts(found, stages)
   pieces = []
   shape = None if input_shape is None else tf.TensorShape(input_shape)
   for a, b in zip(cuts, cuts[1:] + [len(layers)]):

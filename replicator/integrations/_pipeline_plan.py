@@ -8,7 +8,8 @@ or more and ``p`` divides ``m``). Each is priced from the model's layers (``repl
 
 * each layer's forward and backward pass on a microbatch, at its rows (a fixed cost an op makes a small
   microbatch dearer than its share of the rows), the stages cut where the largest costs least
-  (``split_stages``' cuts, at those rows);
+  (``split_stages``' cuts, at those rows); ``costs="measured"``: each layer's pass timed at those rows instead
+  (``split_stages(costs="measured")``');
 * a send between stages: a microbatch's activation forward and its gradient back, each two ops (a send and a
   receive) and its bytes copied once;
 * a stage's gradients summed over its microbatches (``m - 1`` additions of its weights' bytes), its optimizer's
@@ -204,8 +205,10 @@ def _forward_bytes(layers, row_shape, dtype) -> tuple[list[float], list[float]]:
   return made, sent
 
 
-def layers_of(model, row_shape, machine: _cost.Machine, optimizer=None, dtype=tf.float32) -> Layers:
-  """The :class:`Layers` of ``model`` (a chain, ``split_stages``'), rows of ``row_shape``, priced on ``machine``."""
+def layers_of(model, row_shape, machine: _cost.Machine, optimizer=None, dtype=tf.float32,
+              costs: str = "estimated") -> Layers:
+  """The :class:`Layers` of ``model`` (a chain, ``split_stages``'), rows of ``row_shape``, priced on ``machine``
+  (the layers' passes timed on this device instead where ``costs="measured"``, once a microbatch size)."""
   import keras  # pylint: disable=import-outside-toplevel
   layers = _keras_stages.chain_of(model)
   optimizer = keras.optimizers.Adam() if optimizer is None else optimizer
@@ -213,7 +216,9 @@ def layers_of(model, row_shape, machine: _cost.Machine, optimizer=None, dtype=tf
 
   def seconds(rows: int) -> list[float]:
     if rows not in known:
-      known[rows] = _keras_stages.layer_costs(layers, (rows,) + tuple(row_shape), dtype, machine)
+      shape = (rows,) + tuple(row_shape)
+      known[rows] = (_keras_stages.measured_layer_costs(layers, shape, dtype) if costs == "measured"
+                     else _keras_stages.layer_costs(layers, shape, dtype, machine))
     return known[rows]
 
   made, sent = _forward_bytes(layers, row_shape, dtype)
@@ -345,7 +350,7 @@ def _check_counts(name, value, what):
 
 def plan_pipeline(model, devices: int, *, input_shape, memory_bytes: float | None = None,
                   machine: _cost.Machine | None = None, schedules=SCHEDULES, stages=None, microbatches=None,
-                  optimizer=None) -> PipelinePlan:
+                  optimizer=None, costs: str = "estimated") -> PipelinePlan:
   """The stage count, microbatches and schedule for ``model`` on ``devices`` devices, chosen by the cost model.
 
   Every candidate (``p`` stages dividing the devices, the rest a batch axis; ``m`` microbatches dividing a
@@ -372,6 +377,10 @@ def plan_pipeline(model, devices: int, *, input_shape, memory_bytes: float | Non
     stages: the stage counts to consider (default: every divisor of ``devices``; 1 is plain data parallelism).
     microbatches: the microbatch counts to consider (default: every divisor of a replica's rows).
     optimizer: the Keras optimizer whose update and slots to count (a fresh copy is priced; default: Adam).
+    costs: the layers' passes priced by the cost model (``"estimated"``) or timed on the current device
+      (``"measured"``: ``split_stages(costs="measured")``'s timing, once for each microbatch size the candidates
+      have, about 1.5 s each for 14 Dense layers on a shared 2-core CPU; a pass's fixed cost taken out). The
+      sends, the update and the collectives are priced on ``machine`` either way.
 
   Returns:
     A :class:`PipelinePlan`: the mesh shape, microbatches, schedule and split points chosen, their predicted step
@@ -393,9 +402,13 @@ def plan_pipeline(model, devices: int, *, input_shape, memory_bytes: float | Non
     raise _errors.ArgumentError(f"replicator.plan_pipeline(memory_bytes={memory_bytes!r}): expected a positive "
                                 "number of bytes a device, or None (no limit). Fix: memory_bytes=16e9 for 16 GB a "
                                 "device, say.")
+  if not (isinstance(costs, str) and costs in ("estimated", "measured")):
+    raise _errors.ArgumentError(f"replicator.plan_pipeline(costs={costs!r}): expected 'estimated' (the cost model) "
+                                "or 'measured' (each layer's pass timed here, at each candidate's microbatch rows). "
+                                "Fix: costs='measured', say.")
   stages = _check_counts("stages", stages, "stage counts dividing the devices")
   microbatches = _check_counts("microbatches", microbatches, "microbatch counts dividing a replica's rows")
   if machine is None:  # (nominal rates, each device a processor of its own)
     machine = dataclasses.replace(_keras_stages.NOMINAL, parallel_devices=devices, devices=devices)
-  layers = layers_of(model, shape[1:], machine, optimizer)
+  layers = layers_of(model, shape[1:], machine, optimizer, costs=costs)
   return choose(layers, int(shape[0]), devices, machine, memory_bytes, stages, microbatches, tuple(schedules))
