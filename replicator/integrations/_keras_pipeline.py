@@ -61,6 +61,10 @@ FEW_ROWS = (
     "replicator.PipelineModel: a batch of {rows} rows cannot be split over the {pipelines} batch replicas (the "
     "axes {axes}); expected at least one row each. Fix: batch_size of at least {pipelines} (and a last batch of "
     "at least {pipelines} rows: choose a batch_size that leaves one, or drop the remainder).")
+STAGE_BATCH = (
+    "replicator.PipelineModel(axis={axis!r}): the Replicator splits the batch over {batch}, which holds the stage "
+    "axis; expected the stages' devices to take the same rows. Fix: Replicator(batch_axes=...) without the stage "
+    "axis (the other axes, or ()).")
 MULTI_CLIENT = (
     "replicator.PipelineModel in a multi-client job: not supported yet (its stages' variables stay on every "
     "device there). Fix: write the step with repl.pipeline and run it with repl.run.")
@@ -152,6 +156,8 @@ class PipelineModel(keras.Model):
     # Each stage as the pipeline calls it, in training and not (made once: the pipeline caches by the callables).
     self._train_calls = [_as_called(stage, True) for stage in stages]
     self._infer_calls = [_as_called(stage, False) for stage in stages]
+    if all(stage.built for stage in stages if _is_layer(stage)):
+      self.built = True  # (its weights exist: load_weights and summary need no call first)
 
   def call(self, inputs, training=None):
     """The stages in a row (one device's model)."""
@@ -177,26 +183,37 @@ class PipelineModel(keras.Model):
     if kind == TRAIN:
       self._check_no_regularizers()
     repl = self._repl
-    pieces = self._split(data)
+    pipelines = self._pipelines()
+    pieces = self._split(data, max(pipelines) + 1)
     replicas = range(repl.num_replicas)
-    inputs = PerReplica([pieces[repl.input_pipeline(r)] for r in replicas])
+    inputs = PerReplica([pieces[pipelines[r]] for r in replicas])
     step = {TRAIN: self._train_replica, TEST: self._test_replica, PREDICT: self._predict_replica}[kind]
     out = repl.run(step, inputs=inputs, view="local")
     if kind == PREDICT:  # each batch position's rows, from its first replica (every replica along the axis has them)
       first = {}
       for r in replicas:
-        first.setdefault(repl.input_pipeline(r), r)
+        first.setdefault(pipelines[r], r)
       return tree.map_structure(lambda *parts: tf.concat(parts, 0),
                                 *[tree.map_structure(lambda v, r=first[k]: v.values[r], out) for k in sorted(first)])
     with tf.control_dependencies([v for r in replicas for v in tree.flatten(tree.map_structure(
         lambda v, r=r: v.values[r], out))]):
       return self.get_metrics_result()  # (each metric's replicas' parts summed: the whole batch's)
 
-  def _split(self, data) -> list:
-    """The global batch ``data`` in one piece an input pipeline (``np.array_split``'s rows), each with its weight:
-    its rows times the pipelines over the batch's rows (1 where they divide)."""
+  def _pipelines(self) -> list[int]:
+    """Each replica's input pipeline (its batch position): all 0 where the Replicator has no batch axes."""
     repl = self._repl
-    count = repl.num_input_pipelines if repl.batch_axes else 1
+    try:
+      axes = repl.batch_axes
+    except _errors.ArgumentError:  # (a mesh of stages alone, its batch axes not given: every replica the batch)
+      axes = ()
+    if set(axes) & set(self._stage_axes):
+      raise _errors.ArgumentError(STAGE_BATCH.format(axis=self.axis, batch=axes))
+    return [repl.input_pipeline(r) if axes else 0 for r in range(repl.num_replicas)]
+
+  def _split(self, data, count: int) -> list:
+    """The global batch ``data`` in ``count`` pieces, one an input pipeline (``np.array_split``'s rows), each with
+    its weight: its rows times the pipelines over the batch's rows (1 where they divide)."""
+    repl = self._repl
     leaves = [t for t in tree.flatten(data) if t is not None]
     first = tf.convert_to_tensor(leaves[0])
     rows = first.shape[0] if first.shape.rank and first.shape[0] is not None else tf.shape(first)[0]
