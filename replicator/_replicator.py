@@ -795,6 +795,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     ``bytes_per_step`` and ``devices`` are the plan's (``.plan``).
     """
     self._check_called_from_python("explain")
+    _refuse_local_keras_step(step_fn, "explain")
     return self._views[self._config.view].explain(step_fn, input_fn, inputs)  # what the next run would call
 
   def memory(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None):
@@ -823,6 +824,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     once); measured against TensorFlow's allocator they were within 10%.
     """
     self._check_called_from_python("memory")
+    _refuse_local_keras_step(step_fn, "memory")
     view = self._config.view
     owner = getattr(step_fn, "__self__", None)
     if getattr(step_fn, "__name__", "") in _keras.KERAS_STEPS and hasattr(owner, "make_train_function"):
@@ -934,6 +936,21 @@ class Replicator(_collective_methods.CollectiveMethods):
 
   def __repr__(self):
     return f"Replicator(num_replicas={self.num_replicas}, mesh={self._mesh!r})"
+
+
+LOCAL_KERAS_STEP = (
+    "repl.{name}({model}.{step}): the Keras steps of a {kind} run as local-view steps its own code builds "
+    "(a pipeline over its stages), not as the step Keras's {step} traces. Fix: write the step with repl.pipeline "
+    "(see docs/concepts/stages.md) and pass that to repl.{name}.")
+
+
+def _refuse_local_keras_step(step_fn, name: str) -> None:
+  """Refuses ``explain``/``memory`` of a Keras step of a model whose steps are local-view ones (PipelineModel)."""
+  owner = getattr(step_fn, "__self__", None)
+  if getattr(owner, "replicator_local_step", None) is not None:
+    raise _errors.UnsupportedError(LOCAL_KERAS_STEP.format(name=name, model=getattr(owner, "name", "model"),
+                                                           step=getattr(step_fn, "__name__", "step"),
+                                                           kind=type(owner).__name__))
 
 
 def _machine(devices):

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
 
@@ -79,7 +80,7 @@ def test_fit_evaluate_and_predict_are_one_devices_keras_of_the_stages_in_a_row(s
                              reference.predict(x, batch_size=BATCH, verbose=0), rtol=0, atol=5e-7)
 
 
-def test_each_stage_keeps_its_weights_and_slots_and_a_checkpoint_restores_on_another_mesh(tmp_path):
+def test_each_stage_keeps_its_weights_and_slots_and_a_saved_model_restores_on_another_mesh(tmp_path):
   x, y, _ = _data()
   repl = _replicator({"stage": 2, "batch": 2})
   ours = _pipelined(repl, microbatches=4)
@@ -99,9 +100,23 @@ def test_each_stage_keeps_its_weights_and_slots_and_a_checkpoint_restores_on_ano
   other.load_weights(path)
   for mine, theirs in zip(other.weights, ours.weights, strict=True):
     np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
-  np.testing.assert_array_equal(other.predict(x, verbose=0), ours.predict(x, verbose=0))
   ours.load_weights(path)  # back onto the placed variables: every copy written
   assert_every_copy(ours.trainable_weights, other.trainable_weights, atol=0)
+  # The whole model (its config, weights, compile arguments and optimizer state), loaded in another Replicator's
+  # context, trains on as the saved one does.
+  whole = str(tmp_path / "stages.keras")
+  ours.save(whole)
+  with _replicator({"stage": 2}).context():
+    loaded = keras.saving.load_model(whole)
+  assert isinstance(loaded, replicator.PipelineModel) and loaded.microbatches == 4
+  for mine, theirs in zip(loaded.weights + loaded.optimizer.variables, ours.weights + ours.optimizer.variables,
+                          strict=True):
+    np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+  expected = ours.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+  got = loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+  for key, values in expected.items():
+    np.testing.assert_allclose(got[key], values, rtol=0, atol=5e-7, err_msg=key)
+  assert_every_copy(loaded.trainable_weights, ours.trainable_weights, atol=5e-7)
 
 
 def test_steps_per_execution_and_a_batch_with_fewer_rows_than_the_microbatches():
@@ -178,6 +193,10 @@ def test_misuse_is_named():
          keras.Sequential([keras.Input((8,)), keras.layers.Dense(CLASSES)])], microbatches=2))
   _refused(replicator.UnsupportedError, "has a regularizer", "Fix:",
            make=lambda: regularized.fit(x, y, batch_size=BATCH, epochs=1, verbose=0))
+  with pytest.raises(replicator.UnsupportedError, match="write the step with repl.pipeline"):
+    repl.explain(few.train_step, tf.data.Dataset.from_tensors((x, y)))
+  with pytest.raises(replicator.UnsupportedError, match="write the step with repl.pipeline"):
+    repl.memory(few.test_step, tf.data.Dataset.from_tensors((x, y)))
   global_repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2}, devices=cpus(2)), view="global")
   with global_repl.context():
     _refused(replicator.UnsupportedError, "global-view Replicator", "StackedBlocks",

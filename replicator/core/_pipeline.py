@@ -39,6 +39,11 @@ read (an embedding tied to the output layer) lives on each of their devices, its
 its gradient summed over ``axis`` (an all-reduce, zeros from the stages that do not use it); so is the loss,
 summed from the last stage.
 
+A forward pass alone (:func:`forward`, ``repl.pipeline_forward``: evaluation, prediction) runs each stage's
+forward pass on each microbatch in GPipe's order, without a tape, and sends the activations on; the last stage's
+outputs for the replica's rows reach every replica along ``axes`` (an all-reduce, zeros from the other stages), as
+they do in the all-reduce of the loss with ``outputs=True``.
+
 State a stage writes that every replica holds alike (BatchNormalization's moving statistics) is not written by
 the stage (only its devices run it, each microbatch in turn): the variables hand their assigns to the pipeline
 (``ReplicaContext.stage_writes``), which sums each microbatch's value weighted by its rows and writes the result

@@ -82,6 +82,7 @@ def _as_called(stage, training: bool):
   return lambda x: stage(x, training=training)
 
 
+@keras.saving.register_keras_serializable("replicator")
 class PipelineModel(keras.Model):
   """A Keras model of ``stages`` in a row that ``fit``, ``evaluate`` and ``predict`` run as a pipeline over a stage
   axis (a local-view Replicator's).
@@ -172,6 +173,29 @@ class PipelineModel(keras.Model):
     super().compile(*args, **kwargs)
     self._pipeline_optimizer = self._repl.wrap_optimizer(self.optimizer) if self.optimizer is not None else None
 
+  def compile_from_config(self, config):
+    """Compiles as ``compile`` does (``keras.saving.load_model``), the optimizer built for the weights."""
+    self.compile(**keras.saving.deserialize_keras_object(config))
+    if self.optimizer is not None and self.built:
+      self.optimizer.build(self.trainable_variables)
+
+  def get_config(self):
+    """The stages (Keras layers: a stage that is a function has no config) and the pipeline's arguments."""
+    functions = [k for k, stage in enumerate(self.stages) if not _is_layer(stage)]
+    if functions:
+      raise _errors.UnsupportedError(
+          f"replicator.PipelineModel.get_config: stages {functions} are functions, not Keras layers, which have no "
+          "config to save. Fix: save the weights (model.save_weights) and make the model again to load them.")
+    return {**super().get_config(), "stages": [keras.saving.serialize_keras_object(stage) for stage in self.stages],
+            "microbatches": self.microbatches, "schedule": self.schedule, "axis": self.axis}
+
+  @classmethod
+  def from_config(cls, config):
+    """A PipelineModel of ``config``'s stages (in a Replicator's context, as the model is made)."""
+    config = dict(config)
+    config["stages"] = [keras.saving.deserialize_keras_object(stage) for stage in config["stages"]]
+    return cls(**config)
+
   # -- the steps, run by the Replicator ---------------------------------------------------------------------------
 
   def replicator_local_step(self, fn, data):
@@ -183,6 +207,7 @@ class PipelineModel(keras.Model):
     if kind == TRAIN:
       self._check_no_regularizers()
     repl = self._repl
+    data = keras.utils.pack_x_y_sample_weight(*keras.utils.unpack_x_y_sample_weight(data))  # (no None: no input)
     pipelines = self._pipelines()
     pieces = self._split(data, max(pipelines) + 1)
     replicas = range(repl.num_replicas)
