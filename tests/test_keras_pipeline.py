@@ -186,6 +186,9 @@ def test_misuse_is_named():
   x, y, _ = _data()
   _refused(replicator.ArgumentError, "a batch of 1 rows cannot be split over the 2 batch replicas", "Fix:",
            make=lambda: few.fit(x[:1], y[:1], batch_size=1, epochs=1, verbose=0))
+  # A last batch of 1 row after batches of 20: its rows unknown when traced (Keras's retrace), refused as it runs.
+  _refused(tf.errors.InvalidArgumentError, "a batch of fewer rows cannot be split over the 2 batch replicas",
+           make=lambda: few.fit(x[:21], y[:21], batch_size=20, epochs=1, shuffle=False, verbose=0))
   with repl.context():
     keras.utils.set_random_seed(1)
     regularized = _compile(replicator.PipelineModel(

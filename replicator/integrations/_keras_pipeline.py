@@ -58,7 +58,7 @@ REGULARIZED = (
     "reads every stage's weights on the last stage's devices, where they do not live. Fix: leave the regularizer "
     "out (or add its penalty's gradient in a custom step with repl.pipeline).")
 FEW_ROWS = (
-    "replicator.PipelineModel: a batch of {rows} rows cannot be split over the {pipelines} batch replicas (the "
+    "replicator.PipelineModel: a batch of {rows} cannot be split over the {pipelines} batch replicas (the "
     "axes {axes}); expected at least one row each. Fix: batch_size of at least {pipelines} (and a last batch of "
     "at least {pipelines} rows: choose a batch_size that leaves one, or drop the remainder).")
 STAGE_BATCH = (
@@ -204,7 +204,7 @@ class PipelineModel(keras.Model):
     predictions). Called by the Replicator's Keras strategy."""
     kind = getattr(fn, "__name__", "")
     kind = kind if kind in (TRAIN, TEST) else PREDICT
-    if kind == TRAIN:
+    if kind in (TRAIN, TEST):
       self._check_no_regularizers()
     repl = self._repl
     data = keras.utils.pack_x_y_sample_weight(*keras.utils.unpack_x_y_sample_weight(data))  # (no None: no input)
@@ -243,11 +243,14 @@ class PipelineModel(keras.Model):
     first = tf.convert_to_tensor(leaves[0])
     rows = first.shape[0] if first.shape.rank and first.shape[0] is not None else tf.shape(first)[0]
     if isinstance(rows, int) and rows < count:
-      raise _errors.ArgumentError(FEW_ROWS.format(rows=rows, pipelines=count, axes=repl.batch_axes))
+      raise _errors.ArgumentError(FEW_ROWS.format(rows=f"{rows} rows", pipelines=count, axes=repl.batch_axes))
     if isinstance(rows, int):
       sizes = [rows // count + (1 if k < rows % count else 0) for k in range(count)]
       weights = [tf.constant(size * count / rows, tf.float32) for size in sizes]
-    else:
+    else:  # (a batch of unknown rows: refused when it runs if too small)
+      with tf.control_dependencies([tf.debugging.assert_greater_equal(rows, count, message=FEW_ROWS.format(
+          rows="fewer rows", pipelines=count, axes=repl.batch_axes if count > 1 else ()))]):
+        rows = tf.identity(rows)
       sizes = [rows // count + tf.cast(k < rows % count, rows.dtype) for k in range(count)]
       weights = [tf.cast(size * count, tf.float32) / tf.cast(rows, tf.float32) for size in sizes]
     edges = [(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(count)]
