@@ -40,12 +40,16 @@ def _replicator(sizes):
                                batch_axes=("batch",) if "batch" in sizes else ())
 
 
-def _pipelined(repl, **kwargs):
+def _pipelined(repl, steps_per_execution=1, **kwargs):
   with repl.context():
-    return _compile(replicator.PipelineModel(_stages(), **kwargs), kwargs.pop("steps_per_execution", 1))
+    return _compile(replicator.PipelineModel(_stages(), **kwargs), steps_per_execution)
 
 
 SHAPES = {"stage": {"stage": 2}, "stage_x_batch": {"stage": 2, "batch": 2}}
+# (shape, schedule): microbatches, steps_per_execution. 3 microbatches do not divide the batch axis's 8 rows a replica
+# (3, 3 and 2 rows), nor the short last batch's 5 and 4; steps_per_execution=2 runs 2 steps a call of Keras's function.
+SETTINGS = {("stage_x_batch", "1f1b"): (3, 1), ("stage", "gpipe"): (2, 2), ("stage", "1f1b"): (2, 1),
+            ("stage_x_batch", "gpipe"): (2, 1)}
 CASES = [pytest.param(shape, schedule, marks=() if (shape, schedule) in (("stage_x_batch", "1f1b"), ("stage", "gpipe"))
                       else (pytest.mark.full_grid,), id=f"{shape}-{schedule}")
          for shape in sorted(SHAPES) for schedule in ("1f1b", "gpipe")]
@@ -54,30 +58,33 @@ CASES = [pytest.param(shape, schedule, marks=() if (shape, schedule) in (("stage
 @pytest.mark.parametrize("shape, schedule", CASES)
 def test_fit_evaluate_and_predict_are_one_devices_keras_of_the_stages_in_a_row(shape, schedule):
   # 2 epochs of 41 rows in batches of 16 (the last of 9: on the batch axis 5 and 4 rows), Adam, sample weights,
-  # validation data of 21 rows, 2 microbatches, against one device's fit of keras.Sequential(stages) from the same
-  # weights. Measured (every case, --full-grid): the weights 2.1e-7 from one device's at most, Adam's slots 1.5e-8,
-  # the history's values 1.2e-7, evaluate 1.2e-7, predict 2.2e-7 (float32 sums in another order: each
-  # microbatch's matmuls and loss apart). Bound: 5e-7, about twice the largest and 6e-8. Each replica's gradient
-  # not weighted by its rows in the short last batch is 2.4e-2 off; the metrics updated on every stage, 0.54.
+  # validation data of 21 rows (SETTINGS: the microbatches and steps_per_execution), against one device's fit of
+  # keras.Sequential(stages) from the same weights. Measured (every case, --full-grid): the weights 3.0e-7 from one
+  # device's at most, Adam's slots 7.5e-9, the history's values 1.2e-7, evaluate 1.2e-7, predict 2.1e-7 (float32
+  # sums in another order: each microbatch's matmuls and loss apart). Bound: 6e-7, twice the largest. Each
+  # replica's gradient not weighted by its rows in the short last batch is 2.4e-2 off; the metrics updated on every
+  # stage, 0.54.
   x, y, weights = _data()
-  reference = _compile(keras.Sequential(_stages()))
-  ours = _pipelined(_replicator(SHAPES[shape]), microbatches=2, schedule=schedule)
+  microbatches, steps_per_execution = SETTINGS[shape, schedule]
+  reference = _compile(keras.Sequential(_stages()), steps_per_execution)
+  ours = _pipelined(_replicator(SHAPES[shape]), microbatches=microbatches, schedule=schedule,
+                    steps_per_execution=steps_per_execution)
   np.testing.assert_allclose(ours.predict(x, batch_size=BATCH, verbose=0),  # (before fit: the forward pass places)
-                             reference.predict(x, batch_size=BATCH, verbose=0), rtol=0, atol=5e-7)
+                             reference.predict(x, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
   fit = dict(sample_weight=weights, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
              validation_data=(x[:21], y[:21]))
   expected, got = reference.fit(x, y, **fit).history, ours.fit(x, y, **fit).history
   assert sorted(got) == sorted(expected) == ["accuracy", "loss", "val_accuracy", "val_loss", "val_xent", "xent"]
   for key, values in expected.items():
-    np.testing.assert_allclose(got[key], values, rtol=0, atol=5e-7, err_msg=key)
-  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=5e-7)
+    np.testing.assert_allclose(got[key], values, rtol=0, atol=6e-7, err_msg=key)
+  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=6e-7)
   assert [v.shape for v in ours.optimizer.variables] == [v.shape for v in reference.optimizer.variables]
-  assert_every_copy(ours.optimizer.variables, reference.optimizer.variables, atol=5e-7)
+  assert_every_copy(ours.optimizer.variables, reference.optimizer.variables, atol=6e-7)
   assert int(ours.optimizer.iterations.numpy()) == 6
   np.testing.assert_allclose(ours.evaluate(x, y, batch_size=BATCH, verbose=0),
-                             reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=0, atol=5e-7)
+                             reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
   np.testing.assert_allclose(ours.predict(x, batch_size=BATCH, verbose=0),
-                             reference.predict(x, batch_size=BATCH, verbose=0), rtol=0, atol=5e-7)
+                             reference.predict(x, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
 
 
 def test_each_stage_keeps_its_weights_and_slots_and_a_saved_model_restores_on_another_mesh(tmp_path):
@@ -103,7 +110,8 @@ def test_each_stage_keeps_its_weights_and_slots_and_a_saved_model_restores_on_an
   ours.load_weights(path)  # back onto the placed variables: every copy written
   assert_every_copy(ours.trainable_weights, other.trainable_weights, atol=0)
   # The whole model (its config, weights, compile arguments and optimizer state), loaded in another Replicator's
-  # context, trains on as the saved one does.
+  # context, trains on as the saved one does: an epoch more, measured 1.2e-7 apart in the history, 6e-8 in the
+  # weights (the two meshes' sums in other orders); bound 3e-7.
   whole = str(tmp_path / "stages.keras")
   ours.save(whole)
   with _replicator({"stage": 2}).context():
@@ -115,22 +123,8 @@ def test_each_stage_keeps_its_weights_and_slots_and_a_saved_model_restores_on_an
   expected = ours.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
   got = loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
   for key, values in expected.items():
-    np.testing.assert_allclose(got[key], values, rtol=0, atol=5e-7, err_msg=key)
-  assert_every_copy(loaded.trainable_weights, ours.trainable_weights, atol=5e-7)
-
-
-def test_steps_per_execution_and_a_batch_with_fewer_rows_than_the_microbatches():
-  # steps_per_execution=2 (Keras's loop of steps in its function) and microbatches=8 on batch replicas of 8 rows,
-  # whose last batch has 5 and 4 (as many microbatches as rows then): still one device's fit (bound as above).
-  x, y, _ = _data()
-  reference = _compile(keras.Sequential(_stages()), steps_per_execution=2)
-  with _replicator({"stage": 2, "batch": 2}).context():
-    ours = _compile(replicator.PipelineModel(_stages(), microbatches=8), steps_per_execution=2)
-  expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
-  got = ours.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
-  for key, values in expected.items():
-    np.testing.assert_allclose(got[key], values, rtol=0, atol=5e-7, err_msg=key)
-  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=5e-7)
+    np.testing.assert_allclose(got[key], values, rtol=0, atol=3e-7, err_msg=key)
+  assert_every_copy(loaded.trainable_weights, ours.trainable_weights, atol=3e-7)
 
 
 def test_dropout_in_the_stages_draws_one_devices_numbers_on_a_stage_axis():
@@ -186,9 +180,6 @@ def test_misuse_is_named():
   x, y, _ = _data()
   _refused(replicator.ArgumentError, "a batch of 1 rows cannot be split over the 2 batch replicas", "Fix:",
            make=lambda: few.fit(x[:1], y[:1], batch_size=1, epochs=1, verbose=0))
-  # A last batch of 1 row after batches of 20: its rows unknown when traced (Keras's retrace), refused as it runs.
-  _refused(tf.errors.InvalidArgumentError, "a batch of fewer rows cannot be split over the 2 batch replicas",
-           make=lambda: few.fit(x[:21], y[:21], batch_size=20, epochs=1, shuffle=False, verbose=0))
   with repl.context():
     keras.utils.set_random_seed(1)
     regularized = _compile(replicator.PipelineModel(
@@ -204,6 +195,16 @@ def test_misuse_is_named():
   with global_repl.context():
     _refused(replicator.UnsupportedError, "global-view Replicator", "StackedBlocks",
              make=lambda: replicator.PipelineModel(_stages(), microbatches=2))
+
+
+@pytest.mark.full_grid
+def test_a_batch_of_unknown_rows_too_small_for_the_batch_replicas_is_refused_as_it_runs():
+  # A last batch of 1 row after batches of 20: its rows unknown when traced (Keras's retrace), refused as it runs.
+  with _replicator({"stage": 2, "batch": 2}).context():
+    few = _compile(replicator.PipelineModel(_stages(), microbatches=2))
+  x, y, _ = _data()
+  _refused(tf.errors.InvalidArgumentError, "a batch of fewer rows cannot be split over the 2 batch replicas",
+           make=lambda: few.fit(x[:21], y[:21], batch_size=20, epochs=1, shuffle=False, verbose=0))
 
 
 def test_the_keras_private_name_it_uses():
