@@ -85,6 +85,10 @@ def test_fit_evaluate_and_predict_are_one_devices_keras_of_the_stages_in_a_row(s
                              reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
   np.testing.assert_allclose(ours.predict(x, batch_size=BATCH, verbose=0),
                              reference.predict(x, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
+  for call in ("train_on_batch", "test_on_batch"):  # (Keras's functions of fit and evaluate, on one batch)
+    np.testing.assert_allclose(getattr(ours, call)(x[:BATCH], y[:BATCH]), getattr(reference, call)(x[:BATCH], y[:BATCH]),
+                               rtol=0, atol=6e-7, err_msg=call)
+  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=6e-7)
 
 
 def test_each_stage_keeps_its_weights_and_slots_and_a_saved_model_restores_on_another_mesh(tmp_path):
