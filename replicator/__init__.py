@@ -49,6 +49,7 @@ if _typing.TYPE_CHECKING:  # what type checkers, IDEs and the API docs (griffe) 
   from replicator.core._values import PerReplica
   from replicator.input._inputs import InputContext
   from replicator.integrations._batch_norm import CrossReplicaBatchNorm
+  from replicator.integrations._keras_pipeline import PipelineModel
   from replicator.integrations._keras_stacked import StackedBlocks
   from replicator.integrations._keras_stages import split_stages
   from replicator.integrations._pipeline_plan import PipelineCandidate
@@ -76,6 +77,7 @@ __all__ = (
     "PerReplica",
     "PipelineCandidate",
     "PipelinePlan",
+    "PipelineModel",
     "ReplicaContextError",
     "ReplicasDivergedError",
     "ReplicaInvarianceError",
@@ -130,6 +132,7 @@ _MODULES = {
     "replicator.core._values": ("PerReplica",),
     "replicator.input._inputs": ("InputContext",),
     "replicator.integrations._batch_norm": ("CrossReplicaBatchNorm",),
+    "replicator.integrations._keras_pipeline": ("PipelineModel",),
     "replicator.integrations._keras_stacked": ("StackedBlocks",),
     "replicator.integrations._keras_stages": ("split_stages",),
     "replicator.integrations._pipeline_plan": ("PipelineCandidate", "PipelinePlan", "plan_pipeline"),

@@ -422,7 +422,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     return self._mesh.axis_size(self.batch_axes)
 
   def pipeline(self, stages, inputs, targets, loss_fn, *, axis="stage", microbatches: int, schedule: str = "1f1b",
-               variables=None):
+               variables=None, outputs: bool = False):
     """``(loss, grads)`` of ``stages`` run in a row on the batch, as a pipeline over the devices along ``axis``.
 
     The replica at position ``s`` along ``axis`` runs ``stages[s]`` (a Keras model or layer, or any callable
@@ -479,22 +479,65 @@ class Replicator(_collective_methods.CollectiveMethods):
       variables: the variables to differentiate (default: ``replicator.pipeline_variables(stages)``, each
         stage's ``trainable_variables``): give them where the stages are functions reading variables, stacked
         ones among them.
+      outputs: also return the last stage's outputs for the replica's rows (its microbatches' joined in order), on
+        every replica along ``axis`` (they travel in the all-reduce of the loss): for metrics of the predictions.
 
     Returns:
       ``(loss, grads)``: the batch's loss, the same on every replica of the axis, and the gradients of
       ``variables``: each on the replicas that hold its variable (zeros on the others); of a variable split
       over it, each replica's block's, as the local view gives a split variable's gradient (times the stages:
-      ``repl.wrap_optimizer``, which a split variable needs, divides by them).
+      ``repl.wrap_optimizer``, which a split variable needs, divides by them). With ``outputs=True``,
+      ``(loss, grads, outputs)``.
     """
     ctx = _primitives.require_context(self, "pipeline")
+    axes, variables, own, place = self._pipeline_placement(stages, axis, variables)
+    with _keras_random.one_call_draws(ctx):  # (Keras's random draws: the unpipelined step's numbers)
+      return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
+                                _primitives.user_location(), variables, own, place, outputs)
+
+  def pipeline_forward(self, stages, inputs, *, axis="stage", microbatches: int, variables=None):
+    """The outputs of ``stages`` run in a row on the batch, as a pipeline over the devices along ``axis``: a
+    forward pass only (evaluation, prediction).
+
+    Each stage's forward pass runs on each microbatch on its devices, as in :meth:`pipeline` (the same stages,
+    the same placement of ``variables`` on their stages' devices: whichever of the two is traced first places
+    them), and its output goes to the next stage's device; no activation is kept for a backward pass. The last
+    stage's outputs for the replica's rows, joined in order, reach every replica along ``axis`` (an all-reduce,
+    zeros from the other stages).
+
+    Examples:
+      >>> import keras, mesh
+      >>> repl = Replicator(mesh=mesh.Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]))
+      >>> with repl.context():
+      ...   stages = [keras.Sequential([keras.layers.Dense(4)]), keras.Sequential([keras.layers.Dense(1)])]
+      ...   stages[0].build((None, 3)); stages[1].build((None, 4))
+      >>> out = repl.run(lambda: repl.pipeline_forward(stages, tf.ones([8, 3]), microbatches=4))
+      >>> out[0].shape, bool(tf.reduce_all(out[0] == out[1]))
+      (TensorShape([8, 1]), True)
+
+    Args:
+      stages: one callable a device along ``axis`` (or a multiple of them: device ``d`` runs stages ``d, d + p,
+        ...``), as for :meth:`pipeline`.
+      inputs: the replica's batch for the first stage (a tensor or nest; rows along the first dimension).
+      axis: the mesh axis (or tuple of axes) of the stages.
+      microbatches: how many pieces each replica's batch is split into.
+      variables: the variables the stages read that :meth:`pipeline` differentiates (default:
+        ``replicator.pipeline_variables(stages)``): placed on their stages' devices.
+    """
+    ctx = _primitives.require_context(self, "pipeline_forward")
+    axes, variables, own, place = self._pipeline_placement(stages, axis, variables)
+    with _keras_random.one_call_draws(ctx):
+      return _pipeline.forward(ctx, stages, inputs, axes, microbatches, _primitives.user_location(), variables,
+                               own, place)
+
+  def _pipeline_placement(self, stages, axis, variables):
+    """``(axes, variables, own, place)`` of a pipeline over ``axis``: see :meth:`pipeline`."""
     axes = self._axes(axis)
     variables = _pipeline.pipeline_variables(stages) if variables is None else list(variables)
     own = {k for k, v in enumerate(variables) if _split_over(_variables.layout_of(v), axes)}
     place = None if self._config.multi_client else functools.partial(
         _placed_on_stages, variables, own, axes, self._mesh.axis_size(axes))
-    with _keras_random.one_call_draws(ctx):  # (Keras's dropout: the unpipelined step's numbers)
-      return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
-                                _primitives.user_location(), variables, own, place)
+    return axes, variables, own, place
 
   def sequence_parallel(self, axis="seq", *, order: str = "contiguous"):
     """A context for a local-view step: KerasHub's Llama run on this replica's tokens as on the whole sequence.
@@ -603,7 +646,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     only; custom loops call :meth:`run`.
     """
     if self._keras_strategy is None:
-      self._keras_strategy = _keras.KerasStrategy(self._config, self._creator, self._views["global"])
+      self._keras_strategy = _keras.KerasStrategy(self._config, self._creator, self._views["global"], self)
     return self._keras_strategy
 
   @property
@@ -615,6 +658,11 @@ class Replicator(_collective_methods.CollectiveMethods):
   def context_parallel(self) -> str:
     """``Replicator(context_parallel=)``: how the global view's attention exchanges a split sequence."""
     return self._config.context_parallel
+
+  @property
+  def view(self) -> str:
+    """``Replicator(view=)``: ``"local"`` (a step sees each device's piece) or ``"global"``."""
+    return self._config.view
 
   @property
   def strict(self) -> bool:
@@ -747,6 +795,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     ``bytes_per_step`` and ``devices`` are the plan's (``.plan``).
     """
     self._check_called_from_python("explain")
+    _refuse_local_keras_step(step_fn, "explain")
     return self._views[self._config.view].explain(step_fn, input_fn, inputs)  # what the next run would call
 
   def memory(self, step_fn: Callable, input_fn: Callable | None = None, *, inputs: Any = None):
@@ -775,6 +824,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     once); measured against TensorFlow's allocator they were within 10%.
     """
     self._check_called_from_python("memory")
+    _refuse_local_keras_step(step_fn, "memory")
     view = self._config.view
     owner = getattr(step_fn, "__self__", None)
     if getattr(step_fn, "__name__", "") in _keras.KERAS_STEPS and hasattr(owner, "make_train_function"):
@@ -886,6 +936,21 @@ class Replicator(_collective_methods.CollectiveMethods):
 
   def __repr__(self):
     return f"Replicator(num_replicas={self.num_replicas}, mesh={self._mesh!r})"
+
+
+LOCAL_KERAS_STEP = (
+    "repl.{name}({model}.{step}): the Keras steps of a {kind} run as local-view steps its own code builds "
+    "(a pipeline over its stages), not as the step Keras's {step} traces. Fix: write the step with repl.pipeline "
+    "(see docs/concepts/stages.md) and pass that to repl.{name}.")
+
+
+def _refuse_local_keras_step(step_fn, name: str) -> None:
+  """Refuses ``explain``/``memory`` of a Keras step of a model whose steps are local-view ones (PipelineModel)."""
+  owner = getattr(step_fn, "__self__", None)
+  if getattr(owner, "replicator_local_step", None) is not None:
+    raise _errors.UnsupportedError(LOCAL_KERAS_STEP.format(name=name, model=getattr(owner, "name", "model"),
+                                                           step=getattr(step_fn, "__name__", "step"),
+                                                           kind=type(owner).__name__))
 
 
 def _machine(devices):

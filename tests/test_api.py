@@ -22,7 +22,7 @@ def test_replicator_public_names():
       "ArgumentTypeError", "UnsupportedError", "current", "virtual_cpus", "enable_keras_distribution", "distribution_replicator",
       "MultiWorkerReplicator", "ClusterConfigError", "WorkerUnavailableError", "CheckpointDamagedError", "testing",
       "remat", "pad_sequence", "sequence_positions", "shard_sequence", "unshard_sequence", "pipeline_variables", "split_stages",
-      "stacked_pipeline", "StackedBlocks", "plan_pipeline", "PipelinePlan", "PipelineCandidate"}
+      "stacked_pipeline", "StackedBlocks", "plan_pipeline", "PipelinePlan", "PipelineCandidate", "PipelineModel"}
   for name in replicator.__all__:
     assert getattr(replicator, name).__doc__, f"replicator.{name} has no docstring"
 
@@ -31,7 +31,7 @@ def test_replicator_methods_documented():
   for name in ("context", "run", "explain", "reduce", "gather", "wrap_optimizer", "all_reduce",
                "all_sum", "broadcast", "all_gather", "replica_id", "num_replicas", "devices", "mesh",
                "batch_axes", "num_input_pipelines", "input_pipeline", "layout_spec", "ring_attention",
-               "ulysses_attention", "halo_exchange", "pipeline"):
+               "ulysses_attention", "halo_exchange", "pipeline", "pipeline_forward", "view"):
     assert getattr(replicator.Replicator, name).__doc__, name
 
 

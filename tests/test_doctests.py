@@ -11,7 +11,8 @@ import replicator
 MODULES = ["mesh._devices", "mesh._mesh", "mesh._layout", "mesh._sharded", "replicator", "replicator._replicator", "replicator.core._collective_methods",
            "replicator.core._values", "replicator.core._sequence",
            "replicator.input._inputs", "replicator.core._context", "replicator.core._errors",
-           "replicator.integrations._remat", "replicator.integrations._pipeline_plan"]
+           "replicator.integrations._remat", "replicator.integrations._pipeline_plan",
+           "replicator.integrations._keras_pipeline"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -850,3 +850,33 @@ def test_accumulated_gradients_of_placed_variables_train_as_one_device():
   assert copies_distance(model.trainable_variables, one.trainable_variables) < 1e-6
   assert copies_distance(opt.variables, one_opt.variables) < 1e-6
 
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_last_stages_outputs_with_the_loss_and_from_a_forward_pass_alone(schedule):
+  # 4 stages on {"stage": 4}, 10 rows in 3 microbatches (4, 3 and 3 rows): repl.pipeline(outputs=True) and
+  # repl.pipeline_forward give every replica the rows' outputs of the stages in a row on one device (measured: equal
+  # on this machine; bound 1e-7, room for a matmul of fewer rows rounding otherwise), the first with the same loss
+  # and gradients as without.
+  x, y = _data()
+  one = _stages(4)
+  h = tf.constant(x)
+  for stage in one:
+    h = stage(h)
+  expected = h.numpy()
+  expected_loss, expected_grads = _one_device(one, x, y)
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 4}, devices=cpus(4)), batch_axes=())
+  with repl.context():
+    stages = _stages(4)
+
+  def step():
+    loss, grads, out = repl.pipeline(stages, tf.constant(x), tf.constant(y), keras.losses.mean_squared_error,
+                                     microbatches=3, schedule=schedule, outputs=True)
+    return loss, grads, out, repl.pipeline_forward(stages, tf.constant(x), microbatches=3)
+
+  loss, grads, out, forward = repl.run(step)
+  for r in range(4):
+    np.testing.assert_allclose(out.values[r].numpy(), expected, rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(forward.values[r].numpy(), out.values[r].numpy())
+  np.testing.assert_allclose([float(v) for v in loss.values], [expected_loss] * 4, atol=1e-6)
+  assert_held_gradients(grads, replicator.pipeline_variables(stages), expected_grads, atol=1e-6)

@@ -154,3 +154,16 @@ def test_bytes_per_device_counts_plain_keras_and_tf_variables():
     layer.build((None, 8))
     plain = tf.Variable(tf.zeros([3], tf.float64))
   assert replicator.bytes_per_device(layer.weights + [plain]) == {"/device:CPU:0": (8 * 16 + 16) * 4 + 3 * 8}
+
+
+def test_the_unique_id_keras_optimizers_key_slots_by_stays_when_the_components_are_replaced():
+  # A pipeline's placement replaces a variable's components (new ones on its stage's devices); a Keras optimizer
+  # built before (Keras's fit builds it before the first step) finds its slots by the variable's _unique_id.
+  from replicator.state import _variables  # pylint: disable=import-outside-toplevel
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2}, devices=cpus(2)))
+  with repl.context():
+    v = tf.Variable([1.0, 2.0])
+  before, components = v._unique_id, v.components  # pylint: disable=protected-access
+  assert _variables.place(v, ("stage",), (1,))
+  assert len(v.components) == 1 and v.components[0] is not components[1]  # (a new variable on CPU:1)
+  assert v._unique_id == before  # pylint: disable=protected-access

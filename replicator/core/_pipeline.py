@@ -39,6 +39,11 @@ read (an embedding tied to the output layer) lives on each of their devices, its
 its gradient summed over ``axis`` (an all-reduce, zeros from the stages that do not use it); so is the loss,
 summed from the last stage.
 
+A forward pass alone (:func:`forward`, ``repl.pipeline_forward``: evaluation, prediction) runs each stage's
+forward pass on each microbatch in GPipe's order, without a tape, and sends the activations on; the last stage's
+outputs for the replica's rows reach every replica along ``axes`` (an all-reduce, zeros from the other stages), as
+they do in the all-reduce of the loss with ``outputs=True``.
+
 State a stage writes that every replica holds alike (BatchNormalization's moving statistics) is not written by
 the stage (only its devices run it, each microbatch in turn): the variables hand their assigns to the pipeline
 (``ReplicaContext.stage_writes``), which sums each microbatch's value weighted by its rows and writes the result
@@ -49,6 +54,8 @@ variances' mean (Keras 2's ``virtual_batch_size`` update); each microbatch is no
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import tensorflow as tf
 import tree
@@ -254,8 +261,12 @@ def _state(specs, stages: int, location: str, axes) -> list:
 
 
 def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
-             location: str, variables, own=frozenset(), place=None):
+             location: str, variables, own=frozenset(), place=None, outputs: bool = False):
   """``(loss, grads)``: the stages run over ``axes`` as a pipeline (see the module); ``grads`` of ``variables``.
+
+  ``outputs``: also return the last stage's outputs for the replica's rows (its microbatches' in order), on every
+  replica along ``axes`` (summed from the last stage in the all-reduce of the loss): ``(loss, grads, outputs)``.
+  ``loss_fn`` None: a forward pass only (no tape, no backward pass, no loss): the outputs alone (:func:`forward`).
 
   ``own``: the indices of ``variables`` split over ``axes`` (a block a stage): their gradients are each replica's
   own block's, not summed over ``axes``.
@@ -290,7 +301,8 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
     raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}, schedule='interleaved') at {location}: "
                                 f"the interleaved schedule takes the microbatches in groups of the {count} devices; "
                                 f"expected a multiple of {count}. Fix: microbatches={-(-microbatches // count) * count}.")
-  rows = _rows((inputs, targets), location)
+  forward_only = loss_fn is None
+  rows = _rows(inputs if forward_only else (inputs, targets), location)
   if isinstance(rows, int) and rows < microbatches:
     raise _errors.ArgumentError(f"repl.pipeline(microbatches={microbatches}) at {location}: the replica's batch has "
                                 f"{rows} rows, fewer than the microbatches. Fix: at most {rows} microbatches.")
@@ -306,7 +318,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   specs = _specs(ctx, stages, inputs, keys, axes)
   state = _state(specs, len(stages), location, axes)
   pending = {}  # id(state variable) -> its microbatches' values, weighted by their rows, summed
-  xs, ts = _split(inputs, edges), _split(targets, edges)
+  xs, ts = _split(inputs, edges), (None if forward_only else _split(targets, edges))
   every = list(variables)
   holders = [None] * len(every) if place is None else list(place(
       {g: list(specs["reads", g].values()) for g in range(len(stages))}))
@@ -315,16 +327,22 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   acts, grads_in, tapes = {}, {}, {}
   summed = [None] * len(mine)
   loss = tf.zeros([], tf.float32)
+  outs = {}  # microbatch -> the last stage's output (on its devices)
   last = dx = None  # the outputs of this device's previous pass: the next waits for them
-  for kind, g, j in global_order(schedule, count, len(stages) // count, m):
+  for kind, g, j in global_order("gpipe" if forward_only else schedule, count, len(stages) // count, m):
+    if forward_only and kind == "B":
+      continue
     if g % count == device:
       with tf.control_dependencies(tree.flatten(last) if last is not None else []):
         if kind == "F":
           x = xs[j] if g == 0 else acts.pop((g, j))
-          with tf.GradientTape() as tape:
-            tape.watch(_floating(x))
+          with contextlib.nullcontext() if forward_only else tf.GradientTape() as tape:
+            if tape is not None:
+              tape.watch(_floating(x))
             y, written = _run_stage(ctx, stages[g], x, g, axes, location, (*edges[j], rows))
             if g == last_stage:
+              outs[j] = y
+            if g == last_stage and not forward_only:
               y = tf.math.multiply_no_nan(tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)), weights[j])
           for k, value in written.items():
             part = value * tf.cast(weights[j], value.dtype)
@@ -374,25 +392,61 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
                                 f"microbatch {j} to stage {g - 1})", differentiable=False)
       if device == target:
         grads_in[g - 1, j] = got
+  # The last stage's outputs for the replica's rows (zeros elsewhere, made after the device's last pass).
+  out = None
+  if outputs or forward_only:
+    out = (_joined([outs[j] for j in range(m)]) if device == last_stage % count else
+           _zeros(_whole(specs[last_stage, keys[0]], rows), last, rows))
+  if forward_only:
+    values = [pending.get(id(v), tf.zeros(v.shape, v.dtype)) for v in state]
+    out, values = _primitives.all_reduce(ctx, (out, values), "sum", axes,
+                                         f"{location} (pipeline: the last stage's outputs, the stages' state)")
+    _write_state(ctx, state, values, axes)
+    return out
   summed = _held_gradients(ctx, [_dense(total, v) for total, v in zip(summed, mine)], every, here, holders, axes,
                             device, last, location)
   mine = every
   shared = [k for k in range(len(mine)) if k not in own and holders[k] is None]
   # The stages' state (zeros from the devices that do not run its stage): written once, alike on every replica.
   values = [pending.get(id(v), tf.zeros(v.shape, v.dtype)) for v in state]
-  loss, sums, values = _primitives.all_reduce(
-      ctx, (loss, [summed[k] for k in shared], values), "sum", axes,
+  loss, sums, values, out = _primitives.all_reduce(
+      ctx, (loss, [summed[k] for k in shared], values, [] if out is None else [out]), "sum", axes,
       f"{location} (pipeline: the loss, the stages' gradients and state, from their stages)")
-  for v, value in zip(state, values):
-    if ctx.analysis is not None:  # (its stage's replicas' value may vary along the other axes: combined alike on all)
-      ctx.analysis.set(value, ctx.analysis.all_axes - set(axes))
-    v.assign(value)
+  out = out[0] if out else None
+  _write_state(ctx, state, values, axes)
   # A block's gradient counted once a stage (the local view's convention for a loss every replica of an axis holds,
   # as the gradients of collectives give it: wrap_optimizer divides a split variable's by its pieces).
   grads = [g * tf.cast(count, g.dtype) if k in own else g for k, g in enumerate(summed)]
   for k, g in zip(shared, sums):
     grads[k] = g
-  return loss, grads
+  return (loss, grads, out) if outputs else (loss, grads)
+
+
+def _write_state(ctx, state, values, axes) -> None:
+  """Writes the stages' state, alike on every replica (``values``: summed over ``axes`` from their stages)."""
+  for v, value in zip(state, values):
+    if ctx.analysis is not None:  # (its stage's replicas' value may vary along the other axes: combined alike on all)
+      ctx.analysis.set(value, ctx.analysis.all_axes - set(axes))
+    v.assign(value)
+
+
+def _joined(parts):
+  """The microbatches' outputs (nests of one structure) joined along their rows, in order."""
+  return tree.map_structure(lambda *t: tf.concat(t, 0), *parts)
+
+
+def _whole(spec, rows):
+  """``spec`` of a microbatch's output with the replica's ``rows`` (None where not static) as its first dimension."""
+  n = rows if isinstance(rows, int) else None
+  return tree.map_structure(lambda t: tf.TensorSpec([n] + t.shape[1:].as_list(), t.dtype), spec)
+
+
+def forward(ctx, stages, inputs, axes: tuple[str, ...], microbatches: int, location: str, variables, own=frozenset(),
+            place=None):
+  """The last stage's outputs for the replica's rows, on every replica along ``axes``: each stage's forward pass on
+  each microbatch (no tape), the activations sent on, GPipe's order (a forward pass needs no other). Its variables
+  are placed as :func:`pipeline` places them (the same ``place``)."""
+  return pipeline(ctx, stages, inputs, None, None, axes, microbatches, "gpipe", location, variables, own, place)
 
 
 def _held_gradients(ctx, summed, variables, here, holders, axes, device, last, location) -> list:

@@ -25,6 +25,10 @@ arrays whose rows ``batch_size`` does not divide) are handed to Keras's step
 one concrete batch at a time (``_keras_batches``): full batches are split
 over the batch axes, a short last batch is taken whole by every device.
 
+A model with a ``replicator_local_step(fn, batch)`` method (``replicator.PipelineModel``, whose steps call
+``repl.pipeline``) runs its steps itself, as the local view's (``repl.run`` from Keras's function): ``run``
+hands it Keras's step and the global batch.
+
 Making the strategy also makes ``keras.RematScope`` and ``keras.remat``
 rematerialize as ``replicator.remat`` does (``_remat.install``).
 
@@ -201,12 +205,18 @@ _EXTENDED = None
 class KerasStrategy(tf.distribute.Strategy):
   """The ``tf.distribute.Strategy`` a Replicator presents to Keras's trainer (``repl.context()``)."""
 
-  def __init__(self, config, creator, global_view):
+  def __init__(self, config, creator, global_view, replicator=None):
     global _EXTENDED
     if _EXTENDED is None:
       _EXTENDED = _extended_class()
     _remat.install()  # keras.RematScope and keras.remat rematerialize as replicator.remat does (see _remat)
     super().__init__(_EXTENDED(self, config, creator, global_view))
+    self._replicator_ref = (lambda: None) if replicator is None else weakref.ref(replicator)
+
+  @property
+  def replicator(self):
+    """The Replicator whose context presents this strategy (a model made there keeps the strategy: its Replicator)."""
+    return self._replicator_ref()
 
   def run(self, fn, args=(), kwargs=None, options=None):  # pylint: disable=unused-argument
     extended = self.extended
@@ -218,6 +228,11 @@ class KerasStrategy(tf.distribute.Strategy):
     model = _model_of(fn)
     if getattr(model, "jit_compile", False) is True:
       raise _errors.UnsupportedError(JIT_COMPILE)
+    local = getattr(model, "replicator_local_step", None)
+    if local is not None:  # a model whose steps are the local view's (replicator.PipelineModel): it runs them
+      _wrap_function(extended.global_view, extended.replicator_config.atomic, model, fn,
+                     extended.replicator_config.agree)
+      return local(fn, args[0])
     variables = getattr(model, "variables", None) or ()
     if (getattr(fn, "__name__", "") == "train_step" and variables
         and all(_variables.underlying(v) is None for v in variables)):

@@ -247,6 +247,9 @@ class ReplicatedVariable(tf.Variable):
   def __init__(self, components, replicator, offsets=None, layout=None,
                replicas=None):  # pylint: disable=super-init-not-called
     self._components = tuple(components)
+    # (kept when the components are replaced, by a relayout or a pipeline's placement: Keras's optimizers key their
+    # slots by it, and one built before must still find the variable)
+    self._id = f"{self._components[0]._unique_id}_replicated"  # pylint: disable=protected-access
     self._replicator = replicator
     # The replica each component belongs to: every replica, or in a multi-client job this process's.
     self._replicas = tuple(range(len(self._components))) if replicas is None else tuple(replicas)
@@ -450,7 +453,7 @@ class ReplicatedVariable(tf.Variable):
 
   @property
   def _unique_id(self):
-    return f"{self._components[0]._unique_id}_replicated"  # pylint: disable=protected-access
+    return self._id
 
   @property
   def dtype(self):
