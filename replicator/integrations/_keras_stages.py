@@ -64,6 +64,14 @@ def chain_of(model) -> list:
   return layers
 
 
+def unsplit_work(graph: tf.Graph) -> _cost.Work:
+  """What one device does running ``graph`` with every value whole (no layout), as ``rewrite._cost`` prices it."""
+  whole = types.SimpleNamespace(layouts={}, decisions={
+      op.name: _base.Decision(inputs=[None] * len(op.inputs), outputs=[None] * len(op.outputs))
+      for op in graph.get_operations()})
+  return _cost.work(graph, whole, {})
+
+
 def layer_costs(layers, input_shape, dtype=tf.float32, machine: _cost.Machine | None = None) -> list[float]:
   """Each layer's estimated seconds for its forward and backward pass on inputs of ``input_shape`` (the first
   layer's; each next layer's is the previous one's output)."""
@@ -77,11 +85,7 @@ def layer_costs(layers, input_shape, dtype=tf.float32, machine: _cost.Machine | 
       return y, tape.gradient(y, [x] + list(layer.trainable_variables))
 
     traced = tf.function(both, autograph=False).get_concrete_function(spec)
-    graph = traced.graph
-    whole = types.SimpleNamespace(layouts={}, decisions={
-        op.name: _base.Decision(inputs=[None] * len(op.inputs), outputs=[None] * len(op.outputs))
-        for op in graph.get_operations()})
-    costs.append(_cost.work(graph, whole, {}).estimate(machine).seconds)
+    costs.append(unsplit_work(traced.graph).estimate(machine).seconds)
     out = traced.structured_outputs[0]
     spec = tf.TensorSpec(out.shape, out.dtype)
   return costs

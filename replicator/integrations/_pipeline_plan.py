@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -44,7 +43,6 @@ from replicator.core import _errors
 from replicator.core import _pipeline
 from replicator.integrations import _keras_stages
 from rewrite import _cost
-from rewrite.rules import _base
 
 SCHEDULES = _pipeline.SCHEDULES
 CHUNKS = 2  # the interleaved schedule's stages a device
@@ -157,11 +155,7 @@ def _divisors(n: int) -> list[int]:
 
 def _traced_work(fn, specs) -> _cost.Work:
   """What one device does running ``fn`` on ``specs`` (traced, every value whole)."""
-  graph = tf.function(fn, autograph=False).get_concrete_function(*specs).graph
-  whole = types.SimpleNamespace(layouts={}, decisions={
-      op.name: _base.Decision(inputs=[None] * len(op.inputs), outputs=[None] * len(op.outputs))
-      for op in graph.get_operations()})
-  return _cost.work(graph, whole, {})
+  return _keras_stages.unsplit_work(tf.function(fn, autograph=False).get_concrete_function(*specs).graph)
 
 
 def _nbytes(values) -> int:
