@@ -79,11 +79,27 @@ class Mesh:
       raise _errors.MeshError(WRONG_DEVICE_COUNT.format(
           shape=self._shape, size=size, found=len(devices), source=""))
     self._devices = tuple(devices)
-    self._strides = {}
-    stride = 1
-    for name in reversed(self.axis_names):
-      self._strides[name] = stride
-      stride *= self._shape[name]
+    self._strides = _strides(self._shape)
+
+  def with_repeats(self, axis: str, count: int) -> "Mesh":
+    """This mesh with one more axis, last, whose ``count`` positions are each device again.
+
+    Device ``i`` of this mesh is devices ``i * count`` to ``i * count + count - 1`` of the new one, which
+    differ only along ``axis``. The global view's pipelines split each device's rows over such an axis, a
+    microbatch a position: its groups are one device's, their collectives local to it.
+
+    Examples:
+      >>> Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]).with_repeats("microbatch", 2).devices[:2]
+      ('/job:localhost/replica:0/task:0/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:0')
+    """
+    if not isinstance(axis, str) or not axis or axis in self._shape or not isinstance(count, int) or count < 1:
+      raise _errors.MeshError(f"Mesh.with_repeats({axis!r}, {count!r}): expected a new axis name (this mesh has "
+                              f"{self.axis_names}) and a positive int.")
+    repeated = object.__new__(Mesh)
+    repeated._shape = {**self._shape, axis: count}
+    repeated._devices = tuple(d for d in self._devices for _ in range(count))
+    repeated._strides = _strides(repeated._shape)
+    return repeated
 
   @classmethod
   def from_devices(cls, devices: Sequence[str] | None = None, axis_name: str = "replica") -> "Mesh":
@@ -180,6 +196,15 @@ class Mesh:
   def __repr__(self) -> str:
     axes = ", ".join(f"{k!r}: {v}" for k, v in self._shape.items())
     return f"Mesh({{{axes}}}, devices={list(self._devices)})"
+
+
+def _strides(shape: Mapping[str, int]) -> dict[str, int]:
+  """Each axis's stride in the row-major flat index (the last axis varies fastest)."""
+  strides, stride = {}, 1
+  for name in reversed(tuple(shape)):
+    strides[name] = stride
+    stride *= shape[name]
+  return strides
 
 
 def as_axis_tuple(axes: Iterable[str] | str | None) -> tuple[str, ...] | None:

@@ -530,6 +530,86 @@ class Replicator(_collective_methods.CollectiveMethods):
       return _pipeline.forward(ctx, stages, inputs, axes, microbatches, _primitives.user_location(), variables,
                                own, place)
 
+  def pipeline_stages(self, stages, *, microbatches: int, axis: str = "stage") -> None:
+    """Global view: the one-device step run as a pipeline of ``stages`` over the devices along ``axis``.
+
+    ``stages`` lists what each position along ``axis`` runs, in order: a Keras layer or model, or a list of
+    them (``replicator.split_stages(model, p)`` cuts a Keras chain so, by cost or at ``split_points``). The
+    step stays the one-device step: every op of it that reads a stage's variables runs on that stage's devices,
+    and so do the ops after it until the next stage's (the loss on the last stage's), and their gradients and
+    optimizer updates; a value one stage computes and the next reads goes from device to device. Each
+    stage's variables, with their optimizer slots, are placed on its devices (``1 / p`` of the model a
+    device, for stages of equal size). Each device's rows are split into ``microbatches`` pieces, each
+    computed apart: stage 0 can start microbatch 1 while stage 1 works on microbatch 0, and each
+    microbatch's backward pass as soon as its forward pass and the next stage's gradient are done (the
+    order TensorFlow's executor finds; GPipe's, by dataflow). The gradients are summed over the microbatches,
+    so the step computes what one device computes: an op that needs the whole batch (BatchNormalization's
+    statistics in training) combines the microbatches, and waits for them.
+
+    Steps built before are built again. Applies to the steps of this Replicator built after it (``repl.run``,
+    Keras's ``fit``). See ``docs/concepts/stages.md``.
+
+    Examples:
+      >>> import keras, mesh
+      >>> repl = Replicator(mesh=mesh.Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]), view="global")
+      >>> with repl.context():
+      ...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+      >>> repl.pipeline_stages([model.layers[0], model.layers[1]], microbatches=2)
+      >>> def step(batch):
+      ...   with tf.GradientTape() as tape:
+      ...     loss = tf.reduce_mean((model(batch) - 1.0) ** 2)
+      ...   return tape.gradient(loss, model.trainable_variables)
+      >>> grads = repl.run(step, inputs=tf.ones([8, 3]))
+      >>> [tuple(g.shape) for g in grads]
+      [(3, 4), (4,), (4, 1), (1,)]
+
+    Args:
+      stages: one Keras layer or model (or a list of them) a device along ``axis``, built (their variables
+        made in this Replicator's context).
+      microbatches: how many pieces each device's rows are split into (dividing them).
+      axis: the stage axis: one mesh axis, not a batch axis.
+
+    Raises:
+      ArgumentError: not a global-view Replicator, an unknown or batch axis, as many stages as not its devices,
+        a stage without variables or a variable in two stages, ``microbatches`` not a positive int.
+    """
+    where = f"repl.pipeline_stages(axis={axis!r})"
+    if self._config.view != "global":
+      raise _errors.ArgumentError(f"{where} partitions a global-view step; this Replicator's view is "
+                                  f"{self._config.view!r}. Fix: Replicator(view='global'), or write the local "
+                                  "view's step with repl.pipeline.")
+    if not isinstance(axis, str) or axis not in self._mesh.shape or axis in (self._config.batch_axes or ()):
+      raise _errors.ArgumentError(f"{where}: expected one axis of the mesh {self._mesh.shape} that is not a batch "
+                                  f"axis (batch axes: {self._config.batch_axes}). Fix: Mesh({{'stage': p, ...}}) and "
+                                  "axis='stage'.")
+    _pipeline.check_microbatches(microbatches, "repl.pipeline_stages", where, "each device's rows")
+    stages = list(stages)
+    count = self._mesh.shape[axis]
+    if len(stages) != count:
+      raise _errors.ArgumentError(f"{where}: {len(stages)} stages for the {count} devices along {axis!r}; "
+                                  "expected one a device. Fix: replicator.split_stages(model, "
+                                  f"{count}, input_shape=...).")
+    stage_of = {}
+    for s, stage in enumerate(stages):
+      layers = stage if isinstance(stage, (list, tuple)) else [stage]
+      found = [v for layer in layers for v in getattr(layer, "weights", ())]
+      if not found:
+        raise _errors.ArgumentError(f"{where}: stage {s} ({stages[s]!r}) has no variables; expected Keras layers "
+                                    "or models, built. Fix: build them (call them once, or model.build(shape)) in "
+                                    "repl.context(), or join a layer without weights to a stage with them.")
+      for variable in found:
+        replicated = _variables.underlying(variable)
+        if replicated is None:
+          raise _errors.ArgumentError(f"{where}: stage {s}'s variable {getattr(variable, 'path', variable.name)!r} "
+                                      "was not made in this Replicator's context. Fix: make the model inside "
+                                      "`with repl.context():`.")
+        if stage_of.get(id(replicated), s) != s:
+          raise _errors.ArgumentError(f"{where}: the variable {replicated.name.split(':')[0]!r} is in stages "
+                                      f"{stage_of[id(replicated)]} and {s}. Fix: give each layer to one stage (a "
+                                      "weight two stages share stays where its layer is).")
+        stage_of[id(replicated)] = s
+    self._views["global"].set_stages(_global_step.Stages(axis, microbatches, stage_of))
+
   def _pipeline_placement(self, stages, axis, variables):
     """``(axes, variables, own, place)`` of a pipeline over ``axis``: see :meth:`pipeline`."""
     axes = self._axes(axis)

@@ -95,6 +95,7 @@ class _Expander:
     self._relayouts: dict = {}  # (tensor name, device, layout) -> the relayouted piece
     self._feeds: dict = {}  # name -> the placeholder of a Feed
     self._placeholders: set = set()  # output names of the collective placeholders made
+    self._tensor_owners: dict = {}  # a pipelined step's pass-through outputs -> their inputs' owners
     self._mark()
 
   # -- the copies ------------------------------------------------------------------
@@ -365,7 +366,8 @@ class _Expander:
           continue  # a function body's own argument, replaced on import (_functions.body)
         if name not in local_inputs:
           raise _errors.RewriteError(f"The global graph's input {name} has no value to expand with.")
-        self.local[name] = [self._fed(x) if isinstance(x, Feed) else x for x in local_inputs[name]]
+        self.local[name] = [self._fed(x) if isinstance(x, Feed) else _ABSENT if x is None and self._here(r) else x
+                            for r, x in enumerate(local_inputs[name])]  # (None here: not held, a placed variable)
         continue
       if op.type in ("Const", "NoOp") or op.name not in self.partition.decisions:
         continue  # constants are made per device on first use; dead ops are left out
@@ -375,33 +377,36 @@ class _Expander:
           self.local[t.name] = [self._const(r, decision.values[k], t.dtype) if self._here(r) else None
                                 for r in range(len(self.devices))]
         continue
-      owned = op.name in self.ownership.ops
-      inputs_per_device = []
+      owner = self.ownership.ops.get(op.name)
+      pipelined = self.ownership.pipelined
+      if pipelined and op.type in _ALIASES and not any(r is not None for r in decision.reduce):
+        self._pass_through(op)  # (each output its input: on its input's stage, absent elsewhere)
+        continue
+      inputs_per_device, idle = [], []  # idle: devices of another stage, making this op's collective calls
       for r in range(len(self.devices)):
         if not self._here(r) or not self.ownership.runs_on(op.name, self.mesh, r):
           inputs_per_device.append(None)  # another device of the group runs it
+          if pipelined and self._here(r):
+            idle.append(r)
           continue
         inputs = []
         for i, t in enumerate(op.inputs):
           if i in decision.consts:
             inputs.append(self._const(r, decision.consts[i], t.dtype))
             continue
-          source = self.ownership.ops.get(t.op.name)
-          if source is not None and not owned:
-            x = self._received(r, t, source, op)
+          source = self._source(t)
+          if source is not None and source != owner:
+            x = self._from_stage(r, t, source) if pipelined else self._received(r, t, source, op)
           else:
             x = self._local(r, t)
-          want = decision.inputs[i] if i < len(decision.inputs) else None
-          have = layouts[t.name]
-          if isinstance(have, _base.Pending):  # partial sums the Sum reading them sums (its own reduce)
-            have = tuple(have)
-          if want is not None and t.dtype != tf.resource and want != have:
-            key = (r, _relayout.reuse_key(t, want, op.name, have))  # one per tensor, device and layout, mostly
-            if key not in self._relayouts:
-              self._relayouts[key] = self.relayout(r, x, have, want, t.shape.as_list(), op)
-            x = self._relayouts[key]
-          inputs.append(x)
+          inputs.append(self._input(r, op, decision, i, t, x))
         inputs_per_device.append(inputs)
+      for r in idle:  # the relayouts' collective calls, on zeros
+        for i, t in enumerate(op.inputs):
+          if i not in decision.consts and t.dtype != tf.resource:
+            have = layouts[t.name]
+            zeros = self._zeros(r, self._local_shape(t, tuple(have) if have is not None else None), t.dtype)
+            self._input(r, op, decision, i, t, zeros, idle=True)
       if decision.once:  # its inputs were relayouted everywhere (collectives need the group); it runs on one
         inputs_per_device = [inputs if r == 0 else None for r, inputs in enumerate(inputs_per_device)]
       if op.type in _ALIASES and not any(r is not None for r in decision.reduce):
@@ -428,27 +433,79 @@ class _Expander:
         outputs_per_device = self._copies(op, decision, inputs_per_device)
       for r, outputs in enumerate(outputs_per_device):
         if outputs is None:
-          for t in op.outputs:
+          for k, t in enumerate(op.outputs):
+            if r in idle and decision.reduce[k] is not None:  # the reduction's calls, on zeros
+              self._reduced(r, op, decision, k, self._zeros(r, self._local_shape(t, decision.computed(k)), t.dtype))
             self.local.setdefault(t.name, [None] * len(self.devices))[r] = _ABSENT
           continue
         for k, t in enumerate(op.outputs):
           y = outputs[k]
           if decision.reduce[k] is not None:
-            combine, axes = decision.reduce[k]
-            for d, over in decision.scatter.get(k, ()):  # summed into each device's piece of dimension d
-              shape = y.shape.as_list()
-              shape[d] //= self.mesh.axis_size(over)
-              y = self._emit(r, y, "reduce_scatter", {"op": combine, "scatter_dimension": d}, over,
-                             tf.TensorShape(shape), op)
-              axes = tuple(a for a in axes if a not in over)
-            if decision.scatter.get(k) and decision.scattered(k) != decision.outputs[k]:  # split further: sliced
-              y = self.relayout(r, y, decision.scattered(k), decision.outputs[k], t.shape.as_list(), op)
-            if axes and y.dtype == tf.bool:  # All, Any: the min or max of 0/1 (collectives take numbers)
-              y = self._emit(r, self._cast(r, y, tf.int32), "all_reduce", {"op": combine}, axes, y.shape, op)
-              y = self._cast(r, y, tf.bool)
-            elif axes:
-              y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)
+            y = self._reduced(r, op, decision, k, y)
           self.local.setdefault(t.name, [None] * len(self.devices))[r] = y
+
+  def _input(self, r, op, decision, i, t, x, idle=False):
+    """Device ``r``'s input ``i`` of ``op`` (``x``: its piece of ``t``), relayouted as the op's rule wants it.
+
+    ``idle``: ``x`` stands for the piece on a device that does not run ``op`` (a pipeline's other stage), which
+    makes the relayout's collective calls alone (its relayouts kept apart from the ones it uses)."""
+    want = decision.inputs[i] if i < len(decision.inputs) else None
+    have = self.partition.layouts[t.name]
+    if isinstance(have, _base.Pending):  # partial sums the Sum reading them sums (its own reduce)
+      have = tuple(have)
+    if want is not None and t.dtype != tf.resource and want != have:
+      key = (r, idle, _relayout.reuse_key(t, want, op.name, have))  # one per tensor, device and layout, mostly
+      if key not in self._relayouts:
+        self._relayouts[key] = self.relayout(r, x, have, want, t.shape.as_list(), op)
+      x = self._relayouts[key]
+    return x
+
+  def _reduced(self, r, op, decision, k, y):
+    """Device ``r``'s output ``k`` of ``op`` (``y``, partial) after the reduction its rule asks for."""
+    t = op.outputs[k]
+    combine, axes = decision.reduce[k]
+    for d, over in decision.scatter.get(k, ()):  # summed into each device's piece of dimension d
+      shape = y.shape.as_list()
+      shape[d] //= self.mesh.axis_size(over)
+      y = self._emit(r, y, "reduce_scatter", {"op": combine, "scatter_dimension": d}, over,
+                     tf.TensorShape(shape), op)
+      axes = tuple(a for a in axes if a not in over)
+    if decision.scatter.get(k) and decision.scattered(k) != decision.outputs[k]:  # split further: sliced
+      y = self.relayout(r, y, decision.scattered(k), decision.outputs[k], t.shape.as_list(), op)
+    if axes and y.dtype == tf.bool:  # All, Any: the min or max of 0/1 (collectives take numbers)
+      y = self._emit(r, self._cast(r, y, tf.int32), "all_reduce", {"op": combine}, axes, y.shape, op)
+      y = self._cast(r, y, tf.bool)
+    elif axes:
+      y = self._emit(r, y, "all_reduce", {"op": combine}, axes, y.shape, op)
+    return y
+
+  # -- a pipeline's stages -----------------------------------------------------------
+
+  def _source(self, t):
+    """The owner whose devices alone compute ``t`` (a pass-through's output: its input's), or None."""
+    return self._tensor_owners.get(t.name, self.ownership.ops.get(t.op.name))
+
+  def _pass_through(self, op) -> None:
+    """An ``Identity``-like op of a pipelined step: each output is its input, on its input's stage."""
+    for x, y in zip(op.inputs, op.outputs):
+      source = self._source(x)
+      if source is not None:
+        self._tensor_owners[y.name] = source
+      values = self.local.get(x.name)
+      self.local[y.name] = [None if not self._here(r) else _ABSENT if values is not None and values[r] is _ABSENT
+                            else self._local(r, x) for r in range(len(self.devices))]
+
+  def _from_stage(self, r, t, source):
+    """Device ``r``'s piece of ``t``, which another stage computes: its device's value (a cross-device edge)."""
+    coords = self.mesh.coords(r)
+    for axis, position in zip(source.axes, _positions(self.mesh, source.axes, source.position)):
+      coords[axis] = position
+    other = self.mesh.index(coords)
+    if not self._here(other):
+      raise _errors.UnsupportedError(
+          f"{t.op.type} {t.op.name} runs on device {r} and reads {t.name} from device {other}, which another process "
+          "runs: a pipeline's stages in different processes are not supported in the global view yet.")
+    return self._local(other, t)
 
   def _here(self, r) -> bool:
     return self.only is None or r in self.only
@@ -467,10 +524,12 @@ class _Expander:
   def output(self, t, replicated: bool = True) -> list:
     """Every device's value of global tensor ``t`` (gathered to its whole value if ``replicated``)."""
     values = []
+    source = self._source(t) if self.ownership.pipelined else None
     for r in range(len(self.devices)):
       if not self._here(r):
         continue
-      x = self._local(r, t)
+      absent = source is not None and self.local[t.name][r] is _ABSENT
+      x = self._from_stage(r, t, source) if absent else self._local(r, t)
       if replicated and t.dtype != tf.resource:
         x = self.relayout(r, x, self.partition.layouts[t.name], _base.replicated(t.shape.rank),
                           t.shape.as_list(), t.op)
@@ -538,6 +597,15 @@ _COPY = re.compile(rf"^{_PREFIX}/replica_\d+/(.*)$")
 
 
 _MADE = re.compile(r"^replica_(\d+)/(.*)$")  # the ops a rule makes for a copy, in Python: replica_<r>/<op name>/...
+
+
+def _positions(mesh, axes, position: int) -> list:
+  """Each axis's coordinate of ``position`` along ``axes`` (row-major, as ``Mesh.axis_index`` counts)."""
+  out = []
+  for axis in reversed(axes):
+    position, here = divmod(position, mesh.shape[axis])
+    out.append(here)
+  return out[::-1]
 
 
 def global_name(name: str) -> str | None:

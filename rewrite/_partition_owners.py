@@ -59,11 +59,17 @@ class Ownership:
       only its owner reads and writes (an optimizer's slots).
     broadcasts: ``(op name, input index)`` -> the :class:`Owner` whose value an
       op run on every device receives (a variable's write).
+    pipelined: the owners are a pipeline's stages (``_partition_stages``): an
+      op of one owner reads another's value from that owner's device (the
+      device of its group at the other's position), and every device makes
+      the collective calls of the ops it does not run (on zeros, left unused),
+      so that the devices' calls match.
   """
 
   ops: dict = dataclasses.field(default_factory=dict)
   variables: dict = dataclasses.field(default_factory=dict)
   broadcasts: dict = dataclasses.field(default_factory=dict)
+  pipelined: bool = False
 
   def runs_on(self, op_name: str, mesh, r: int) -> bool:
     """Whether device ``r`` runs op ``op_name``."""

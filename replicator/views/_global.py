@@ -67,6 +67,13 @@ class GlobalView:
     # The built steps (what benchmarks and tests inspect): step_fn -> {element spec: {phases: GlobalStep}}.
     self.steps = _weak.CallableMap()
     self._owner_load: dict = {}  # batch axes -> bytes of optimizer state each position owns (sharded update)
+    self._stages: _global_step.Stages | None = None  # repl.pipeline_stages's
+
+  def set_stages(self, stages: "_global_step.Stages | None") -> None:
+    """Runs the steps built from now on as a pipeline of ``stages`` (None: not); steps built before are built
+    again."""
+    self._stages = stages
+    self.steps = _weak.CallableMap()
 
   def run(self, step_fn: Callable, dataset, inputs, steps: int, all_steps: bool):
     """``steps`` steps of ``step_fn`` on the next global batches of ``dataset`` (or on ``inputs``)."""
@@ -167,7 +174,8 @@ class GlobalView:
     specs = tree.map_structure(lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), element)
     variants = self.steps.setdefault(step_fn, {}).setdefault(str(specs), {})
     return self._state.variant(variants, lambda: _global_step.build(
-        self._replicator, self._config, self._layouts, self._creator, self._owner_load, step_fn, specs))
+        self._replicator, self._config, self._layouts, self._creator, self._owner_load, step_fn, specs,
+        stages=self._stages))
 
   def restore_failed(self) -> None:
     """Writes back the values every built step kept before its last call (a failure in a caller's function)."""

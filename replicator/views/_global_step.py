@@ -50,6 +50,7 @@ from rewrite import _expansion
 from rewrite import _partition
 from rewrite import _partition_owners
 from rewrite import _partition_report
+from rewrite import _partition_stages
 from rewrite import _propagation
 from rewrite import _recompute
 from rewrite import _regather
@@ -312,16 +313,53 @@ def stated_layouts(trace, graph, mesh) -> dict:
   return pinned
 
 
+@dataclasses.dataclass(frozen=True)
+class Stages:
+  """A global-view step's pipeline (``repl.pipeline_stages``): its variables' stages along ``axis``.
+
+  Attributes:
+    axis: the stage axis.
+    microbatches: how many pieces each device's rows are split into (each a position of a mesh axis
+      :data:`MICROBATCH_AXIS` whose positions are the same device).
+    stage_of: ``id(variable)`` -> its stage, for the variables of the stages' layers.
+  """
+
+  axis: str
+  microbatches: int
+  stage_of: dict
+
+
+MICROBATCH_AXIS = "_microbatch"
+
+PIPELINE_ROWS = (
+    "repl.pipeline_stages(microbatches={m}): the global batch's {rows} rows do not divide into {n} pieces ({m} "
+    "microbatches on each of the {b} replica(s) of the batch axes {axes}). Fix: batch the dataset by a multiple "
+    "of {n} (drop_remainder=True), or choose microbatches dividing the rows of each replica.")
+PIPELINE_REFUSED = (
+    "repl.pipeline_stages: the global view's pipeline cannot run {type} ({name}, at {location}) on one stage's "
+    "devices: {why}. Fix: keep the variables it reads replicated (out of the layouts), or write the step with "
+    "repl.pipeline in the local view.")
+PIPELINE_UNSUPPORTED = (
+    "repl.pipeline_stages: {what} is not supported with a global-view pipeline yet. Fix: {fix}")
+
+
 def build(replicator, config, layouts, creator: Callable, owner_load: dict, step_fn: Callable,
-          element_spec) -> GlobalStep:
+          element_spec, stages: Stages | None = None) -> GlobalStep:
   """Traces ``step_fn`` once at the global shapes of ``element_spec`` and partitions it.
 
   ``layouts``: the Replicator's ``_layout_state.LayoutState`` (with ``layouts="auto"``, chosen here by the
   first build); ``creator``: its variable creator; ``owner_load``: the sharded update's bytes owned so far by
-  each position of the batch axes (by axes), which the next build's owners balance.
+  each position of the batch axes (by axes), which the next build's owners balance. ``stages``: run as a
+  pipeline (``repl.pipeline_stages``), else None.
   """
   mesh = replicator.mesh
   axes = tuple(a for a in replicator.batch_axes if mesh.shape[a] > 1)
+  repeats = 1
+  if stages is not None:  # each device's rows split into microbatches: positions of one more axis, on it
+    _check_stages(config, layouts)
+    repeats = stages.microbatches
+    mesh = mesh.with_repeats(MICROBATCH_AXIS, repeats)
+    axes = axes + (MICROBATCH_AXIS,)
   leaves = tree.flatten(element_spec)  # None: an absent part of the batch (Keras's sample weights)
   specs = [spec for spec in leaves if spec is not None]
   n = mesh.axis_size(axes) if axes else 1
@@ -334,6 +372,10 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
   dynamic = [i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] is None]
   whole = dynamic + [i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] is not None
                      and spec.shape[0] % n]
+  if stages is not None and whole:
+    rows = specs[whole[0]].shape[0]
+    raise _errors.ArgumentError(PIPELINE_ROWS.format(m=stages.microbatches, rows="unknown" if rows is None else rows,
+                                                     n=n, b=n // stages.microbatches, axes=axes[:-1]))
   if len(whole) > len(dynamic):
     inputs = ", ".join(f"input {i}: {specs[i].shape[0]} rows" for i in whole if i not in dynamic)
     warnings.warn(INDIVISIBLE.format(inputs=inputs, axes=axes, n=n), stacklevel=_primitives.user_stacklevel())
@@ -405,7 +447,8 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
   # A variable made outside the Replicator is one resource: every device's copy of a write would write it.
   written = _access.written_placeholders(graph)
   _local_step.check_writes(graph, written, replicated=lambda h: id(h) in trace.owners)
-  local = frozenset(config.local_replicas)  # the devices this process expands (every one, unless multi-client)
+  # The devices this process expands (every one, unless multi-client; a pipeline's: each device's microbatches).
+  local = frozenset(config.local_replicas) if stages is None else frozenset(range(mesh.size))
   given = {}
   for i, (placeholder, spec) in enumerate(zip(graph.inputs[:len(specs)], specs)):
     given[placeholder.name] = input_layout(config, mesh, i, spec, () if i in whole else axes)
@@ -414,7 +457,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
     variable = trace.owners.get(id(external))
     if variable is not None:
       given[internal.name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
-      handles[internal.name] = _handles(variable, mesh, local)
+      handles[internal.name] = _handles(variable, mesh, local, repeats)
       handle_shapes[internal.name] = variable.shape.as_list()
       if _variables.summed_on_read(variable):  # a metric's state: the copies add up to its value
         summed.add(internal.name)
@@ -428,7 +471,7 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
                          tuple(axes), captured, pinned=pinned)
     for name, variable in captured.items():  # laid out anew: new layouts, new components
       given[name] = tuple(_split_axes(mesh, variable.layout.axes(d)) for d in range(variable.shape.rank))
-      handles[name] = _handles(variable, mesh, local)
+      handles[name] = _handles(variable, mesh, local, repeats)
   # The seed of the step's unseeded random ops: one draw per build, and in a multi-client job worker 0's.
   salt = random.SystemRandom().randrange(1, 2**31)
   if config.agree is not None:
@@ -444,7 +487,12 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
   _check_fallbacks(graph, partition, config.strict)
   variables = {internal.name: trace.owners[id(external)] for external, internal in graph.captures
                if id(external) in trace.owners}
-  ownership = _ownership(replicator, config, owner_load, graph, partition, axes, variables, whole=bool(whole))
+  if stages is None:
+    ownership = _ownership(replicator, config, owner_load, graph, partition, axes, variables, whole=bool(whole))
+  else:
+    ownership = _stage_ownership(graph, partition, stages, variables, mesh)
+    for name, variable in variables.items():  # (placed: new components)
+      handles[name] = _handles(variable, mesh, local, repeats)
 
   # The expansion is one GraphDef (rewrite._expansion.expand), with the step's inputs and the variables'
   # handles as placeholders of a plain graph: GlobalStep.concrete imports it once, into the step's function.
@@ -524,9 +572,46 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
       locate=_failures.locator(graph, strip_replica=True, plan=plan), workers=config.workers)
 
 
-def _handles(variable, mesh, local: frozenset) -> list:
-  """Each device's component handle of ``variable``; None for another process's device (a multi-client job)."""
-  return [_variables.component_for(variable, r).handle if r in local else None for r in range(mesh.size)]
+def _handles(variable, mesh, local: frozenset, repeats: int = 1) -> list:
+  """Each device's component handle of ``variable``; None for another process's device (a multi-client job), or
+  one that does not hold it (placed on a pipeline's stage). ``repeats``: each device's positions in ``mesh`` (a
+  pipeline's microbatches: ``Mesh.with_repeats``)."""
+  return [_variables.component_for(variable, r // repeats).handle
+          if r in local and _variables.holds(variable, r // repeats) else None for r in range(mesh.size)]
+
+
+def _check_stages(config, layouts) -> None:
+  """Refuses what a global-view pipeline does not run yet, by name."""
+  if config.multi_client:
+    raise _errors.UnsupportedError(PIPELINE_UNSUPPORTED.format(
+        what="a multi-client job", fix="write the step with repl.pipeline in the local view (its stages on "
+        "different workers are supported there)."))
+  if config.implementation not in ("auto", "one_device"):
+    raise _errors.UnsupportedError(PIPELINE_UNSUPPORTED.format(
+        what=f"Replicator(implementation={config.implementation!r})", fix="leave implementation='auto' (a "
+        "microbatch's collectives with the others of its device are local copies)."))
+  if layouts.auto is not None:
+    raise _errors.UnsupportedError(PIPELINE_UNSUPPORTED.format(
+        what='layouts="auto"', fix="give the layouts (the search does not price a stage axis)."))
+
+
+def _stage_ownership(graph, partition, stages: Stages, variables: dict, mesh) -> _partition_owners.Ownership:
+  """The ops of each stage (``rewrite._partition_stages``); each variable one stage alone uses placed on its
+  devices (an optimizer's slots with it), or, if it cannot move (split, or a metric's), read from them."""
+  handle_stage = {name: stages.stage_of[id(v)] for name, v in variables.items() if id(v) in stages.stage_of}
+  found = _partition_stages.assign(graph, partition, stages.axis, handle_stage, MICROBATCH_AXIS, mesh)
+  for name, why in found.refused:
+    op = graph.get_operation_by_name(name)
+    raise _errors.UnsupportedError(PIPELINE_REFUSED.format(type=op.type, name=name, why=why,
+                                                           location=_primitives.location_of(op)))
+  for name, stage in found.variables.items():
+    variable = variables.get(name)
+    if variable is None:
+      continue
+    if not _variables.place(variable, (stages.axis,), [stage]) and _variables.placement_of(variable) is None \
+        and not _variables.summed_on_read(variable):
+      variable.set_owner(stage, (stages.axis,))
+  return found.ownership
 
 
 def _traced_ops(graph: tf.Graph, expansion_graph: tf.Graph):
