@@ -174,7 +174,7 @@ def _op_stages(ops, forward: set, handles: dict, shared: set) -> dict:
     elif resources and any(h in handles for h in resources):
       stage = min(handles[h] for h in resources if h in handles)
     elif op.type in _PASS_THROUGH:
-      for k, (x, y) in enumerate(zip(op.inputs, op.outputs)):
+      for x, y in zip(op.inputs, op.outputs):
         if x.name in tensor:
           tensor[y.name] = tensor[x.name]
       continue
