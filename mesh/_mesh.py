@@ -80,6 +80,7 @@ class Mesh:
           shape=self._shape, size=size, found=len(devices), source=""))
     self._devices = tuple(devices)
     self._strides = _strides(self._shape)
+    self._repeated: tuple[str, ...] = ()
 
   def with_repeats(self, axis: str, count: int) -> "Mesh":
     """This mesh with one more axis, last, whose ``count`` positions are each device again.
@@ -99,7 +100,13 @@ class Mesh:
     repeated._shape = {**self._shape, axis: count}
     repeated._devices = tuple(d for d in self._devices for _ in range(count))
     repeated._strides = _strides(repeated._shape)
+    repeated._repeated = self._repeated + (axis,)
     return repeated
+
+  @property
+  def repeated_axes(self) -> tuple[str, ...]:
+    """The axes whose positions are one device (:meth:`with_repeats`); empty for a mesh of distinct devices."""
+    return self._repeated
 
   @classmethod
   def from_devices(cls, devices: Sequence[str] | None = None, axis_name: str = "replica") -> "Mesh":

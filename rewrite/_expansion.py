@@ -155,7 +155,8 @@ class _Expander:
     return self._feeds[feed.name]
 
   def _zeros(self, r, shape, dtype) -> _Pending:
-    dims, zero = self._ref(self._const(r, shape.as_list(), tf.int32)), self._ref(self._const(r, 0, dtype))
+    zero = np.zeros((), tf.as_dtype(dtype).as_numpy_dtype) if tf.as_dtype(dtype) != tf.string else b""
+    dims, zero = self._ref(self._const(r, shape.as_list(), tf.int32)), self._ref(self._const(r, zero, dtype))
     self._count += 1
     node = self._node(r, f"zeros_{self._count}", "Fill")
     node.input.extend([dims, zero])
@@ -408,7 +409,8 @@ class _Expander:
             zeros = self._zeros(r, self._local_shape(t, tuple(have) if have is not None else None), t.dtype)
             self._input(r, op, decision, i, t, zeros, idle=True)
       if decision.once:  # its inputs were relayouted everywhere (collectives need the group); it runs on one
-        inputs_per_device = [inputs if r == 0 else None for r, inputs in enumerate(inputs_per_device)]
+        first = next((r for r, inputs in enumerate(inputs_per_device) if inputs is not None), None)
+        inputs_per_device = [inputs if r == first else None for r, inputs in enumerate(inputs_per_device)]
       if op.type in _ALIASES and not any(r is not None for r in decision.reduce):
         outputs_per_device = inputs_per_device  # no copy: its consumers read its (relayouted) input
       elif decision.lower is not None:  # the rule computes each device's outputs itself, in Python

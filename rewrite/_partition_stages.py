@@ -63,7 +63,7 @@ class Stages:
 
 
 def assign(graph: tf.Graph, partition, axis: str, handle_stage: dict, microbatch_axis: str | None = None,
-           mesh=None) -> Stages:
+           mesh=None, summed: frozenset = frozenset()) -> Stages:
   """The stage of every op of ``graph`` (see the module).
 
   Args:
@@ -75,6 +75,8 @@ def assign(graph: tf.Graph, partition, axis: str, handle_stage: dict, microbatch
       an op that computes the same value at each of them (nothing it reads or computes is split over it) runs
       at its first position alone, once a device; the others read its value there.
     mesh: the mesh (with ``microbatch_axis``), if given.
+    summed: handle tensor names of variables whose value is the sum of the devices' components (a metric's
+      state): on every stage (each device's component its part), as a weight several stages use.
   """
   ops = [op for op in graph.get_operations() if op.name in partition.decisions or op.type == "Placeholder"]
   forward = {op.name for op in ops if not op.name.startswith(BACKWARD_SCOPE)}
@@ -83,8 +85,8 @@ def assign(graph: tf.Graph, partition, axis: str, handle_stage: dict, microbatch
     for t in op.inputs:
       if t.dtype == tf.resource:
         users.setdefault(t.name, []).append(op)
-  handles = dict(handle_stage)
-  shared: set = set()
+  shared: set = set(summed)
+  handles = {name: stage for name, stage in handle_stage.items() if name not in shared}
   while True:
     stage_of = _op_stages(ops, forward, handles, shared)
     found = {}
@@ -123,7 +125,7 @@ def assign(graph: tf.Graph, partition, axis: str, handle_stage: dict, microbatch
     decision = partition.decisions[op.name]
     if decision.values:
       continue  # (a constant on every device)
-    if stage is not None and (decision.once or (decision.lower is not None and decision.communicates)):
+    if stage is not None and decision.lower is not None and decision.communicates:
       refused.append((op.name, "its layout rule communicates while lowering itself"))
     if once and _same_at_each(op, decision, partition.layouts, microbatch_axis):
       if stage is None:

@@ -599,7 +599,8 @@ def _stage_ownership(graph, partition, stages: Stages, variables: dict, mesh) ->
   """The ops of each stage (``rewrite._partition_stages``); each variable one stage alone uses placed on its
   devices (an optimizer's slots with it), or, if it cannot move (split, or a metric's), read from them."""
   handle_stage = {name: stages.stage_of[id(v)] for name, v in variables.items() if id(v) in stages.stage_of}
-  found = _partition_stages.assign(graph, partition, stages.axis, handle_stage, MICROBATCH_AXIS, mesh)
+  summed = frozenset(name for name, v in variables.items() if _variables.summed_on_read(v))
+  found = _partition_stages.assign(graph, partition, stages.axis, handle_stage, MICROBATCH_AXIS, mesh, summed)
   for name, why in found.refused:
     op = graph.get_operation_by_name(name)
     raise _errors.UnsupportedError(PIPELINE_REFUSED.format(type=op.type, name=name, why=why,

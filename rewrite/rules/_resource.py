@@ -19,8 +19,8 @@ from rewrite.rules import _base
 
 @_base.register("ReadVariableOp")
 def read(view, layouts):
-  if view.is_summed(0):
-    axes = tuple(a for a in view.mesh.axis_names if view.mesh.shape[a] > 1)
+  if view.is_summed(0):  # (the sum of each device's component: one a device, where positions repeat one)
+    axes = tuple(a for a in view.mesh.axis_names if view.mesh.shape[a] > 1 and a not in view.mesh.repeated_axes)
     reduce = [("sum", axes) if axes else None]
     return _base.Decision(inputs=[None], outputs=[_base.replicated(view.op.outputs[0].shape.rank)], reduce=reduce)
   out = layouts[0] if layouts[0] is not None else _base.replicated(view.op.outputs[0].shape.rank)  # a plain variable
