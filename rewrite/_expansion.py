@@ -402,12 +402,16 @@ class _Expander:
             x = self._local(r, t)
           inputs.append(self._input(r, op, decision, i, t, x))
         inputs_per_device.append(inputs)
-      for r in idle:  # the relayouts' collective calls, on zeros
+      for r in idle:  # the relayouts' collective calls, on zeros (left unused: not run)
         for i, t in enumerate(op.inputs):
-          if i not in decision.consts and t.dtype != tf.resource:
-            have = layouts[t.name]
-            zeros = self._zeros(r, self._local_shape(t, tuple(have) if have is not None else None), t.dtype)
-            self._input(r, op, decision, i, t, zeros, idle=True)
+          want = decision.inputs[i] if i < len(decision.inputs) else None
+          have = layouts[t.name]
+          have = tuple(have) if isinstance(have, _base.Pending) else have
+          if i not in decision.consts and t.dtype != tf.resource and want is not None and want != have:
+            shape = self._local_shape(t, have)
+            shape = tf.TensorShape([0 if n is None else n for n in shape.as_list()] if shape.rank is not None
+                                   else [0])  # (unknown sizes: a group of idle devices, on empty values)
+            self._input(r, op, decision, i, t, self._zeros(r, shape, t.dtype), idle=True)
       if decision.once:  # its inputs were relayouted everywhere (collectives need the group); it runs on one
         first = next((r for r, inputs in enumerate(inputs_per_device) if inputs is not None), None)
         inputs_per_device = [inputs if r == first else None for r, inputs in enumerate(inputs_per_device)]
@@ -437,7 +441,8 @@ class _Expander:
         if outputs is None:
           for k, t in enumerate(op.outputs):
             if r in idle and decision.reduce[k] is not None:  # the reduction's calls, on zeros
-              self._reduced(r, op, decision, k, self._zeros(r, self._local_shape(t, decision.computed(k)), t.dtype))
+              shape = [0 if n is None else n for n in self._local_shape(t, decision.computed(k)).as_list()]
+              self._reduced(r, op, decision, k, self._zeros(r, tf.TensorShape(shape), t.dtype))
             self.local.setdefault(t.name, [None] * len(self.devices))[r] = _ABSENT
           continue
         for k, t in enumerate(op.outputs):
