@@ -564,8 +564,8 @@ class Replicator(_collective_methods.CollectiveMethods):
       [(3, 4), (4,), (4, 1), (1,)]
 
     Args:
-      stages: one Keras layer or model (or a list of them) a device along ``axis``, built (their variables
-        made in this Replicator's context).
+      stages: one Keras layer or model, or a variable (or a list of them) a device along ``axis``, built
+        (their variables made in this Replicator's context).
       microbatches: how many pieces each device's rows are split into (dividing them).
       axis: the stage axis: one mesh axis, not a batch axis.
 
@@ -592,7 +592,9 @@ class Replicator(_collective_methods.CollectiveMethods):
     stage_of = {}
     for s, stage in enumerate(stages):
       layers = stage if isinstance(stage, (list, tuple)) else [stage]
-      found = [v for layer in layers for v in getattr(layer, "weights", ())]
+      found = [v for layer in layers for v in (
+          [layer] if _variables.underlying(layer) is not None or isinstance(layer, tf.Variable)
+          else getattr(layer, "weights", ()))]
       if not found:
         raise _errors.ArgumentError(f"{where}: stage {s} ({stages[s]!r}) has no variables; expected Keras layers "
                                     "or models, built. Fix: build them (call them once, or model.build(shape)) in "

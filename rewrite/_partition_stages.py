@@ -16,13 +16,13 @@ pass gives every op of the step a stage, or none (it runs on every device):
 - an op whose inputs have no stage (constants, shapes, the optimizer's step
   counter) has none.
 
-A variable the caller did not place (an optimizer's slot, a metric's total)
-belongs to the one stage whose ops use it, if one; its reads then run there
-too, which can give more ops a stage: the pass repeats until nothing changes.
-A variable several stages' ops use (a weight two stages share) belongs to
-none: its reads run where their consumers do, and its writes on every
-device, each given the new value from the stage that computes it (a
-broadcast). Ops that pass values through (``Identity``, ``IdentityN``) take
+A variable the caller did not place (an optimizer's slot) belongs to the
+one stage that writes it and uses what it reads, if one; its reads then run
+there too, which can give more ops a stage: the pass repeats until nothing
+changes. A variable several stages' ops use (a scale two layers of
+different stages read) belongs to none: each device reads its own copy, and
+its writes run on every device, each given the new value from the stage that
+computes it. Ops that pass values through (``Identity``, ``IdentityN``) take
 no stage: each output is its input's.
 
 The result is an ``Ownership`` whose owners are positions along the stage
@@ -93,7 +93,13 @@ def assign(graph: tf.Graph, partition, axis: str, handle_stage: dict, microbatch
     for name, used_by in users.items():
       if name in handle_stage or name in shared:
         continue
-      stages = {stage_of.get(op.name) for op in used_by} - {None}
+      stages = set()  # where it is written, and where what reads it is used
+      for op in used_by:
+        if op.type in _WRITES:
+          stages.add(stage_of.get(op.name))
+        else:
+          stages.update(stage_of.get(c.name) for t in op.outputs for c in t.consumers())
+      stages.discard(None)
       if len(stages) == 1:
         found[name] = stages.pop()
       elif len(stages) > 1:

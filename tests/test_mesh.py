@@ -100,3 +100,19 @@ def test_from_devices_and_equality():
   assert a == mesh.Mesh({"replica": 2}, devices=cpus(2))
   assert hash(a) == hash(mesh.Mesh({"replica": 2}, devices=cpus(2)))
   assert "replica" in repr(a)
+
+
+def test_with_repeats_adds_a_last_axis_whose_positions_are_one_device():
+  base = mesh.Mesh({"stage": 2, "batch": 2}, devices=cpus(4))
+  repeated = base.with_repeats("micro", 3)
+  assert repeated.shape == {"stage": 2, "batch": 2, "micro": 3}
+  assert repeated.repeated_axes == ("micro",) and base.repeated_axes == ()
+  assert repeated.devices == tuple(d for d in base.devices for _ in range(3))
+  assert repeated.coords(7) == {"stage": 1, "batch": 0, "micro": 1}
+  assert repeated.groups("micro")[1] == (3, 4, 5)  # (device 1 of base, its three positions)
+  assert {repeated.devices[r] for r in repeated.groups("micro")[1]} == {base.devices[1]}
+  assert repeated.groups("stage")[0] == (0, 6)
+  with pytest.raises(mesh.MeshError, match="expected a new axis name"):
+    base.with_repeats("batch", 2)
+  with pytest.raises(mesh.MeshError, match="a positive int"):
+    base.with_repeats("micro", 0)
