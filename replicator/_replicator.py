@@ -530,7 +530,7 @@ class Replicator(_collective_methods.CollectiveMethods):
       return _pipeline.forward(ctx, stages, inputs, axes, microbatches, _primitives.user_location(), variables,
                                own, place)
 
-  def pipeline_stages(self, stages, *, microbatches: int, axis: str = "stage") -> None:
+  def pipeline_stages(self, stages, *, microbatches: int, schedule: str = "1f1b", axis: str = "stage") -> None:
     """Global view: the one-device step run as a pipeline of ``stages`` over the devices along ``axis``.
 
     ``stages`` lists what each position along ``axis`` runs, in order: a Keras layer or model, or a list of
@@ -541,10 +541,14 @@ class Replicator(_collective_methods.CollectiveMethods):
     stage's variables, with their optimizer slots, are placed on its devices (``1 / p`` of the model a
     device, for stages of equal size). Each device's rows are split into ``microbatches`` pieces, each
     computed apart: stage 0 can start microbatch 1 while stage 1 works on microbatch 0, and each
-    microbatch's backward pass as soon as its forward pass and the next stage's gradient are done (the
-    order TensorFlow's executor finds; GPipe's, by dataflow). The gradients are summed over the microbatches,
-    so the step computes what one device computes: an op that needs the whole batch (BatchNormalization's
-    statistics in training) combines the microbatches, and waits for them.
+    microbatch's backward pass as soon as its forward pass and the next stage's gradient are done. The
+    gradients are summed over the microbatches, so the step computes what one device computes: an op that
+    needs the whole batch (BatchNormalization's statistics in training) combines the microbatches, and waits
+    for them. ``schedule`` orders each device's passes: ``"gpipe"`` in the order TensorFlow's executor finds
+    (any ready pass: the forward passes first, every microbatch's activations held), ``"1f1b"`` (the default)
+    with microbatch ``j``'s forward pass on stage ``s`` after microbatch ``j - (p - s)``'s backward pass
+    (PipeDream-Flush: at most ``p - s`` microbatches' activations held; a step that combines the microbatches
+    in its forward pass is refused, naming the op: use ``"gpipe"``).
 
     Steps built before are built again. Applies to the steps of this Replicator built after it (``repl.run``,
     Keras's ``fit``). See ``docs/concepts/stages.md``.
@@ -567,6 +571,7 @@ class Replicator(_collective_methods.CollectiveMethods):
       stages: one Keras layer or model, or a variable (or a list of them) a device along ``axis``, built
         (their variables made in this Replicator's context).
       microbatches: how many pieces each device's rows are split into (dividing them).
+      schedule: ``"1f1b"`` or ``"gpipe"``.
       axis: the stage axis: one mesh axis, not a batch axis.
 
     Raises:
@@ -583,6 +588,9 @@ class Replicator(_collective_methods.CollectiveMethods):
                                   f"axis (batch axes: {self._config.batch_axes}). Fix: Mesh({{'stage': p, ...}}) and "
                                   "axis='stage'.")
     _pipeline.check_microbatches(microbatches, "repl.pipeline_stages", where, "each device's rows")
+    if schedule not in ("1f1b", "gpipe"):
+      raise _errors.ArgumentError(f"repl.pipeline_stages(schedule={schedule!r}): expected '1f1b' or 'gpipe' (the "
+                                  "interleaved schedule is repl.pipeline's, in the local view).")
     stages = list(stages)
     count = self._mesh.shape[axis]
     if len(stages) != count:
@@ -610,7 +618,7 @@ class Replicator(_collective_methods.CollectiveMethods):
                                       f"{stage_of[id(replicated)]} and {s}. Fix: give each layer to one stage (a "
                                       "weight two stages share stays where its layer is).")
         stage_of[id(replicated)] = s
-    self._views["global"].set_stages(_global_step.Stages(axis, microbatches, stage_of))
+    self._views["global"].set_stages(_global_step.Stages(axis, microbatches, stage_of, schedule))
 
   def _pipeline_placement(self, stages, axis, variables):
     """``(axes, variables, own, place)`` of a pipeline over ``axis``: see :meth:`pipeline`."""

@@ -31,6 +31,7 @@ from rewrite._errors import RewriteError
 from rewrite._fusion import OVERLAP_BYTES
 from rewrite._fusion import fuse
 from rewrite._fusion import overlap_split
+from rewrite._idle_calls import without_idle
 from rewrite._lowering import AgreedKeys
 from rewrite._lowering import Lowering
 from rewrite._lowering import LoweringContext
@@ -88,6 +89,7 @@ __all__ = (
     "analyze_memory",
     "apply",
     "auto_lowering",
+    "without_idle",
     "emit",
     "fuse",
     "get_lowering",

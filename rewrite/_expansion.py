@@ -96,6 +96,7 @@ class _Expander:
     self._feeds: dict = {}  # name -> the placeholder of a Feed
     self._placeholders: set = set()  # output names of the collective placeholders made
     self._tensor_owners: dict = {}  # a pipelined step's pass-through outputs -> their inputs' owners
+    self._idle: set = set()  # the zeros of idle collective calls (a pipelined step's)
     self._mark()
 
   # -- the copies ------------------------------------------------------------------
@@ -163,6 +164,12 @@ class _Expander:
     node.attr["T"].type = tf.as_dtype(dtype).as_datatype_enum
     node.attr["index_type"].type = tf.int32.as_datatype_enum
     return _Pending(node.name, 0, tf.as_dtype(dtype), shape)
+
+  def _idle_zeros(self, r, shape, dtype) -> _Pending:
+    """Zeros for an idle collective call on device ``r`` (recorded: what is made from them alone is unused)."""
+    zeros = self._zeros(r, shape, dtype)
+    self._idle.add(zeros.node)
+    return zeros
 
   def _cast(self, r, x, dtype) -> _Pending:
     self._count += 1
@@ -411,7 +418,7 @@ class _Expander:
             shape = self._local_shape(t, have)
             shape = tf.TensorShape([0 if n is None else n for n in shape.as_list()] if shape.rank is not None
                                    else [0])  # (unknown sizes: a group of idle devices, on empty values)
-            self._input(r, op, decision, i, t, self._zeros(r, shape, t.dtype), idle=True)
+            self._input(r, op, decision, i, t, self._idle_zeros(r, shape, t.dtype), idle=True)
       if decision.once:  # its inputs were relayouted everywhere (collectives need the group); it runs on one
         first = next((r for r, inputs in enumerate(inputs_per_device) if inputs is not None), None)
         inputs_per_device = [inputs if r == first else None for r, inputs in enumerate(inputs_per_device)]
@@ -442,7 +449,7 @@ class _Expander:
           for k, t in enumerate(op.outputs):
             if r in idle and decision.reduce[k] is not None:  # the reduction's calls, on zeros
               shape = [0 if n is None else n for n in self._local_shape(t, decision.computed(k)).as_list()]
-              self._reduced(r, op, decision, k, self._zeros(r, tf.TensorShape(shape), t.dtype))
+              self._reduced(r, op, decision, k, self._idle_zeros(r, tf.TensorShape(shape), t.dtype))
             self.local.setdefault(t.name, [None] * len(self.devices))[r] = _ABSENT
           continue
         for k, t in enumerate(op.outputs):
@@ -566,7 +573,7 @@ class _Expander:
     graph_def.node.extend(self._nodes[copied:])
     outputs = [[self._ref(x) for x in per_device] for per_device in values]
     records = [records if self._here(r) else None for r, records in enumerate(self.records)]
-    return Expansion(graph_def, outputs, records)
+    return Expansion(graph_def, outputs, records, frozenset(self._idle))
 
 
 class _Comm:
@@ -613,6 +620,20 @@ def _positions(mesh, axes, position: int) -> list:
     position, here = divmod(position, mesh.shape[axis])
     out.append(here)
   return out[::-1]
+
+
+_COPY_OF = re.compile(rf"^{_PREFIX}/replica_(\d+)/(.*)$")
+
+
+def copy_of(name: str) -> tuple[int, str] | None:
+  """``(device position, global op name)`` of a copy's node name (``expand/replica_<r>/<op>``); else None."""
+  copy = _COPY_OF.match(name)
+  return None if copy is None else (int(copy.group(1)), copy.group(2))
+
+
+def copy_name(r: int, name: str) -> str:
+  """The name of device position ``r``'s copy of (or node made for) global op ``name``."""
+  return f"{_PREFIX}/replica_{r}/{name}"
 
 
 def global_name(name: str) -> str | None:
@@ -668,11 +689,14 @@ class Expansion:
     outputs: per output of the global graph, per device, its tensor's name in ``graph_def``.
     records: per device, its collective placeholders' records in call order (for :func:`rewrite.plan`); None
       for a device not expanded (``only``).
+    idle: the nodes of the zeros a pipelined step's devices make their idle collective calls on (what is made
+      from them alone is never used: :func:`rewrite.without_idle` removes it once the calls are lowered).
   """
 
   graph_def: tf.compat.v1.GraphDef
   outputs: list
   records: list
+  idle: frozenset = frozenset()
 
 
 def expand(graph: tf.Graph, mesh, partition: _propagation.Partition, local_inputs: dict, outputs,

@@ -101,6 +101,9 @@ class OneDevice(_lowering.Lowering):
             outputs.append(tf.concat(received, axis=params["concat_dimension"]))
       return outputs
     root = params.get("root", 0)  # an all-reduce whose result one member uses: made there
+    if collective.kind == "all_reduce" and params["op"] in ("sum", "mean") and len(set(devices)) < n:
+      result = _summed_in_turn(params["op"], inputs, devices, devices[root])
+      return [result if i == root else _copy(result, d) for i, d in enumerate(devices)]
     with tf.device(devices[root]):
       if collective.kind == "all_reduce":
         result = reduce_values(params["op"], inputs)
@@ -109,6 +112,23 @@ class OneDevice(_lowering.Lowering):
       else:
         raise _errors.UnsupportedError(f"{self.name} cannot lower {collective.kind}.")
     return [result if i == root else _copy(result, d) for i, d in enumerate(devices)]
+
+
+def _summed_in_turn(op: str, inputs, devices, root: str) -> tf.Tensor:
+  """The sum (mean) of a group whose members share devices (a pipeline's microbatches: ``Mesh.with_repeats``).
+
+  On each device its members' values are added one at a time, in the members' order, so that each is freed
+  once added (the microbatches' gradients, each ready after its backward pass: a running sum, not every
+  microbatch's gradient held until the last's); then the devices' sums on ``root``.
+  """
+  totals = {}
+  for x, device in zip(inputs, devices):
+    with tf.device(device):
+      totals[device] = x if device not in totals else totals[device] + x
+  with tf.device(root):
+    total = reduce_values("sum", list(totals.values()))
+    return total if op == "sum" else (tf.truncatediv(total, tf.constant(len(inputs), total.dtype))
+                                      if total.dtype.is_integer else total / tf.constant(len(inputs), total.dtype))
 
 
 def _copy(x: tf.Tensor, device: str) -> tf.Tensor:

@@ -51,6 +51,7 @@ from rewrite import _partition
 from rewrite import _partition_owners
 from rewrite import _partition_report
 from rewrite import _partition_stages
+from rewrite import _pipeline_order
 from rewrite import _propagation
 from rewrite import _recompute
 from rewrite import _regather
@@ -322,11 +323,13 @@ class Stages:
     microbatches: how many pieces each device's rows are split into (each a position of a mesh axis
       :data:`MICROBATCH_AXIS` whose positions are the same device).
     stage_of: ``id(variable)`` -> its stage, for the variables of the stages' layers.
+    schedule: ``"gpipe"`` (by dataflow) or ``"1f1b"`` (control edges, ``rewrite._pipeline_order``).
   """
 
   axis: str
   microbatches: int
   stage_of: dict
+  schedule: str = "1f1b"
 
 
 MICROBATCH_AXIS = "_microbatch"
@@ -554,6 +557,16 @@ def build(replicator, config, layouts, creator: Callable, owner_load: dict, step
                      if internal.name in handles and internal.op.name in written
                      for r, h in enumerate(handles[internal.name]) if h is not None]
   graph_def, snapshot = rewritten.graph_def, None
+  if expansion.idle:  # (a pipeline's idle calls, lowered: unused)
+    graph_def = rewrite.without_idle(graph_def, expansion.idle, keep={
+        rewritten.output_name(name).split(":")[0] for per_device in expansion.outputs for name in per_device})
+  if stages is not None and stages.schedule == "1f1b":  # each device's forward passes wait for backward ones
+    try:
+      graph_def = _pipeline_order.one_f_one_b(
+          graph_def, mesh, stages.axis, MICROBATCH_AXIS,
+          locate=lambda name: _primitives.location_of(graph.get_operation_by_name(name)))
+    except rewrite.RewriteError as e:
+      raise _errors.UnsupportedError(str(e)) from None
   traced = _traced_ops(graph, expansion_graph)
   if config.atomic:
     kept = _ordered_writes.order(graph_def, {name.split(":")[0] for name, _ in written_handles},
