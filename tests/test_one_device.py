@@ -61,3 +61,29 @@ def test_an_all_reduce_is_made_on_its_root_member(root):
     with tf.compat.v1.Session(graph=graph) as session:
       for value in session.run(outputs):
         np.testing.assert_array_equal(value, [10.0, 20.0, 30.0])
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_members_sharing_a_device_are_added_in_turn_then_summed_across_devices(op):
+  # A pipeline's microbatches (Mesh.with_repeats): each device's members' values added one at a time in their
+  # order (a running sum: each microbatch's gradient freed once added), then the devices' sums on the root's.
+  from rewrite._plan import Collective  # pylint: disable=import-outside-toplevel
+  two = cpus(2)
+  devices = [two[0], two[0], two[0], two[1], two[1], two[1]]
+  collective = Collective(index=0, kind="all_reduce", params=(("op", op),), axes=("x",), dtype=tf.float32,
+                          shape=tf.TensorShape([2]), members=(), groups=(tuple(range(6)),), implementation="one_device")
+  graph = tf.Graph()
+  with graph.as_default():
+    inputs = []
+    for i, d in enumerate(devices):
+      with tf.device(d):
+        inputs.append(tf.constant([1.0, 10.0]) * (i + 1))
+    outputs = _one_device.OneDevice().lower_group(collective, inputs, devices, None)
+    adds = [o for o in graph.get_operations() if o.type == "AddV2"]
+    assert len(adds) == 4 and not [o for o in graph.get_operations() if o.type == "AddN" and len(o.inputs) > 2]
+    assert {a.device for a in adds} == {tf.DeviceSpec.from_string(d).to_string() for d in two}
+  with tf.compat.v1.Session(graph=graph) as session:
+    got = session.run(outputs)
+  want = np.array([21.0, 210.0]) / (6 if op == "mean" else 1)
+  for value in got:
+    np.testing.assert_allclose(value, want, rtol=1e-6)

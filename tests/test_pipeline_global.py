@@ -43,18 +43,22 @@ def _data():
   return rng.normal(size=(ROWS, FEATURES)).astype("float32"), rng.integers(0, CLASSES, ROWS)
 
 
-def _pipelined(sizes, microbatches, bn=True, dropout=False):
+def _pipelined(sizes, microbatches, bn=True, dropout=False, schedule="1f1b"):
   repl = replicator.Replicator(mesh=mesh.Mesh(sizes, devices=cpus(int(np.prod(list(sizes.values()))))),
                                view="global", batch_axes=("batch",) if "batch" in sizes else ())
   with repl.context():
     model = _compile(_model(bn, dropout))
-  repl.pipeline_stages(_stages(model, sizes["stage"]), microbatches=microbatches)
+  repl.pipeline_stages(_stages(model, sizes["stage"]), microbatches=microbatches, schedule=schedule)
   return repl, model
 
 
-CASES = {"2_stages_4_microbatches": ({"stage": 2}, 4), "2x2_2_microbatches": ({"stage": 2, "batch": 2}, 2),
-         "4_stages_2_microbatches": ({"stage": 4}, 2), "2_stages_1_microbatch": ({"stage": 2}, 1)}
-IN_CI = ("2x2_2_microbatches", "4_stages_2_microbatches")
+# (mesh, microbatches, schedule). 1F1B where BatchNormalization's statistics (first stage) are taken before any
+# forward pass waits (m <= p); GPipe otherwise (1F1B refuses: test_1f1b_refuses_...).
+CASES = {"2_stages_4_microbatches_gpipe": ({"stage": 2}, 4, "gpipe"),
+         "2x2_2_microbatches": ({"stage": 2, "batch": 2}, 2, "1f1b"),
+         "4_stages_2_microbatches": ({"stage": 4}, 2, "1f1b"), "2_stages_1_microbatch": ({"stage": 2}, 1, "1f1b"),
+         "4_stages_4_microbatches_gpipe": ({"stage": 4}, 4, "gpipe")}
+IN_CI = ("2x2_2_microbatches", "4_stages_2_microbatches", "2_stages_4_microbatches_gpipe")
 
 
 def _floor(x, y, fit):
@@ -80,11 +84,11 @@ def test_fit_evaluate_and_predict_are_one_devices(case):
   # normalization, the floor was 1.9e-6 and ours 4.7e-6: Adam's normalized step on an element whose gradient is
   # float32's noise.
   x, y = _data()
-  sizes, microbatches = CASES[case]
+  sizes, microbatches, schedule = CASES[case]
   fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=(x[:16], y[:16]))
   bound = 2 * _floor(x, y, fit)
   reference = _compile(_model())
-  repl, ours = _pipelined(sizes, microbatches)
+  repl, ours = _pipelined(sizes, microbatches, schedule=schedule)
   with repl.context():
     got = ours.fit(x, y, **fit).history
   expected = reference.fit(x, y, **fit).history
@@ -221,3 +225,47 @@ def test_rows_that_do_not_divide_into_the_microbatches_are_refused_with_the_fix(
                      r"Fix: batch the dataset by a multiple of 3"):
     with repl.context():
       model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def _deep(p):
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(256, activation="tanh") for _ in range(2 * p)]
+                          + [keras.layers.Dense(1)])
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), pytest.param(4, 16, marks=pytest.mark.full_grid)])
+def test_1f1b_holds_p_of_gpipes_m_microbatches_activations_on_the_first_stage(p, m):
+  # The memory report (its order: ops run as their inputs become ready, the first ready first) of the same step
+  # under each schedule: the activations saved for backward that the first stage holds at once. GPipe (by dataflow)
+  # holds every microbatch's; 1F1B, p of them. Measured: exactly p / m of GPipe's (0.25 at p = 2, m = 8 and p = 4,
+  # m = 16); bound p / m + 10%.
+  held = {}
+  for schedule in ("gpipe", "1f1b"):
+    repl = replicator.Replicator(mesh=mesh.Mesh({"stage": p}, devices=cpus(p)), view="global", batch_axes=())
+    with repl.context():
+      model, optimizer = _deep(p), keras.optimizers.SGD(0.1)
+    layers = model.layers
+    repl.pipeline_stages([layers[2 * k:2 * k + 2] for k in range(p - 1)] + [layers[2 * p - 2:]], microbatches=m,
+                         schedule=schedule)
+
+    def step(batch, model=model, optimizer=optimizer):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(batch) ** 2)
+      optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+      return loss
+
+    report = repl.memory(step, tf.data.Dataset.from_tensors(tf.ones([16 * m, 64])).repeat())
+    held[schedule] = report.devices[0].saved_peak_bytes
+  assert held["gpipe"] == m * 2 * 16 * 256 * 4  # (each microbatch's 16 rows: its 2 layers' 256-wide outputs)
+  assert held["1f1b"] <= (p / m) * 1.1 * held["gpipe"], held
+
+
+def test_1f1b_refuses_a_step_that_combines_the_microbatches_before_their_backward_passes():
+  # BatchNormalization's statistics over the batch, on the first stage: microbatch 2's forward pass would wait for
+  # microbatch 0's backward pass, which waits for the statistics of every microbatch.
+  x, y = _data()
+  repl, model = _pipelined({"stage": 2}, 4)  # (1F1B: the default)
+  with pytest.raises(replicator.UnsupportedError, match=r"The 1F1B schedule cannot run this step: .*bn.* combines "
+                     r"every microbatch's value before their backward passes.*Fix: schedule='gpipe'"):
+    with repl.context():
+      model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
