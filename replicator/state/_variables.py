@@ -381,21 +381,31 @@ class ReplicatedVariable(tf.Variable):
     """Keeps the variable on the replicas whose index along ``axes`` is one of ``positions`` only (a pipeline's
     stages that read it), replicated over the other axes; all of them: on every replica again.
 
-    As :meth:`relayout`: the variable object stays, its components are replaced (new ones holding its value);
-    steps built before hold the old ones. Returns whether it moved. Not for sharded, on-read or seeded variables
-    (those are left as they are), nor in a multi-client job.
+    As :meth:`relayout`: the variable object stays, its components are replaced (new ones holding its value, or
+    a sharded variable's its pieces: a layout over ``axes`` is not placed); steps built before hold the old
+    ones. Returns whether it moved. Not for on-read or seeded variables (those are left as they are), nor in a
+    multi-client job.
     """
     mesh = self._replicator.mesh
     axes, positions = tuple(axes), tuple(sorted(set(positions)))
     placement = None if len(positions) == mesh.axis_size(axes) else (axes, positions)
-    if placement == self._placement or self._sharding is not None or self._on_read or self._offsets is not None:
+    split_over = self._sharding is not None and any(
+        set(axes) & set(self._sharding.axes(d) or ()) for d in range(self._sharding.rank))
+    if placement == self._placement or split_over or self._on_read or self._offsets is not None:
       return False
     everyone = tuple(range(mesh.size))
     replicas = everyone if placement is None else tuple(
         r for r in everyone if mesh.axis_index(r, axes) in positions)
     with tf.init_scope(), _context.cross_replica_scope():
-      value = tf.identity(self._home_component().read_value())
-    self._replace_components(replicas, [value] * len(replicas))
+      if self._sharding is None:
+        values = [tf.identity(self._home_component().read_value())] * len(replicas)
+      else:  # (each kept replica its piece of the whole value)
+        with tf.device(self._replicator.devices[self._replicas[0]]):
+          pieces = mesh_lib.split(tf.identity(self.read_value()), self._sharding)
+        values = [pieces[r] for r in replicas]
+    self._replace_components(replicas, values)
+    if self._sharding is not None:
+      self._sources = piece_sources(self._sharding, replicas)
     self._placement = placement
     return True
 
