@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -426,6 +427,12 @@ class ReplicatedOptimizer(tf.Module):
     its rows (see :class:`_RowAccumulator`), so the applied gradient holds
     every row of the k steps, as one device's gradient of a k times larger
     batch would.
+
+    The accumulator of a variable a pipeline placed on its stages' devices
+    lives on those devices only (made like its variable,
+    ``_variables.reference_scope``); a replica that does not hold the
+    variable (its gradient there is zeros) neither keeps nor adds to one,
+    and passes the gradient on as it is.
     """
     if self.accumulation_steps == 1:
       return grads
@@ -443,15 +450,20 @@ class ReplicatedOptimizer(tf.Module):
     for acc, g, v in zip(self._accumulators, grads, variables):
       if isinstance(acc, _RowAccumulator) and g is not None and not isinstance(g, tf.IndexedSlices):
         raise _errors.ArgumentTypeError(ROWS_THEN_DENSE.format(name=getattr(v, "path", None) or v.name))
+    held = [ctx is None or ctx.replicator is not self._replicator or _variables.holds(v, ctx.replica_id)
+            for v in variables]  # (False: placed on other stages' devices, its accumulator too)
     if not self._apply_now:
-      for acc, g in zip(self._accumulators, grads):
-        if isinstance(acc, _RowAccumulator) and g is not None:
+      for acc, g, here in zip(self._accumulators, grads, held):
+        if isinstance(acc, _RowAccumulator) and g is not None and here:
           acc.add(g)
-        elif g is not None:
+        elif g is not None and here:
           acc.assign_add(tf.convert_to_tensor(g))
       return None
     totals = []
-    for acc, g in zip(self._accumulators, grads):
+    for acc, g, here in zip(self._accumulators, grads, held):
+      if not here:
+        totals.append(g)  # (zeros, or None: a variable this replica does not hold is not applied here)
+        continue
       if g is None:
         totals.append(None)
       elif isinstance(acc, _RowAccumulator):
@@ -731,13 +743,17 @@ def _new_accumulator(variable, gradient):
     with _variables.reference_scope(variable):
       return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
                          name="gradient_accumulator")
-  if isinstance(gradient, tf.IndexedSlices):
-    return _RowAccumulator(gradient)
-  # Per-replica sums of local gradients: on-read, so outside a step they read
-  # as the sum over replicas.
-  return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
-                     synchronization=tf.VariableSynchronization.ON_READ,
-                     aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
+  # A variable a pipeline placed on its stages' devices (_variables.place): its accumulator made like it, on the same
+  # devices (and moved with it); elsewhere its gradient is zeros, never accumulated.
+  placed = _variables.placement_of(variable) is not None
+  with _variables.reference_scope(variable) if placed else contextlib.nullcontext():
+    if isinstance(gradient, tf.IndexedSlices):
+      return _RowAccumulator(gradient)
+    # Per-replica sums of local gradients: on-read, so outside a step they read
+    # as the sum over replicas.
+    return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
 
 
 def _piece_bytes(replicated, pieces: int) -> int:
