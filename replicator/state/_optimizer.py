@@ -688,7 +688,8 @@ class ReplicatedOptimizer(tf.Module):
     """
     ctx = _context.current_context()
     optimizer = self._optimizer
-    if all(g is None for g in grads):
+    held = [i for i, v in enumerate(variables) if _variables.holds(v, ctx.replica_id)]
+    if held and all(grads[i] is None for i in held):  # (none held: a pipeline's stage without variables)
       return optimizer.apply(grads, variables)  # Keras's own error
     mesh = self._replicator.mesh
     mine = [i for i, o in enumerate(owners) if (o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position)
