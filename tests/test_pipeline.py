@@ -1061,6 +1061,31 @@ def test_the_sharded_update_owns_a_weight_both_stages_read_among_every_device_an
   assert broadcasts == [(("batch",), 0), (("batch",), 1), (("stage", "batch"), 0)], broadcasts
 
 
+def test_variables_owned_before_a_pipeline_placed_them_are_owned_again_within_their_stages():
+  # Sharded: 2 data-parallel steps of the whole MLP (each variable owned by one of the 4 devices, along "stage" and
+  # "batch"), then 2 pipelined steps (placed: each owned again by one of its stage's 2 devices, along "batch"). Every
+  # weight and slot within 1e-6 of one device's 4 steps (measured 3.1e-7).
+  batches, data = _batches(4)
+  repl, model, _, opt, step = _placed_mlp({"stage": 2, "batch": 2}, "1f1b", "adam", update="sharded")
+
+  def whole(batch):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(keras.losses.mean_squared_error(batch[1], model(batch[0])))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+  for _ in range(2):
+    repl.run(whole, data)
+  assert {o.axes for o in opt.owners(model.trainable_variables)} == {("stage", "batch")}
+  for _ in range(2):
+    repl.run(step, data)
+  assert [(o.position, o.axes) for o in opt.owners(model.trainable_variables)] == [
+      (p, ("batch",)) for p in (0, 0, 1, 1, 0, 0, 1, 1)]
+  one, one_opt = _one_device_accumulated(batches, k=1)
+  assert copies_distance(model.trainable_variables, one.trainable_variables) < 1e-6
+  assert copies_distance(opt.variables, one_opt.variables) < 1e-6
+
+
 @pytest.mark.parametrize("update", ["sharded", "replicated"])
 def test_a_stage_without_variables_under_either_update(update):
   # Over 2 stages x 2 batch replicas, the second stage a function without variables: its devices hold none of the
