@@ -1086,6 +1086,61 @@ def test_variables_owned_before_a_pipeline_placed_them_are_owned_again_within_th
   assert copies_distance(opt.variables, one_opt.variables) < 1e-6
 
 
+def test_the_sharded_update_of_a_weight_two_stages_share_runs_once_in_each_of_their_groups():
+  # Over 4 stages x 2 batch replicas (8 devices), a projection the first stage uses and the last uses transposed
+  # lives on those two stages' 4 devices; under the sharded update it is owned by one position along "batch", the
+  # same in both stages' groups (each group's owner applies the summed gradient and broadcasts within its group).
+  # 4 steps of Adam on 4 batches: every weight, and every slot on its owners, within 1e-6 of one device's
+  # (measured 6e-8).
+  batches, data = _batches(4)
+  tied = (np.random.default_rng(3).normal(size=(WIDE, 8)) / 4).astype("float32")
+
+  def build():
+    keras.utils.set_random_seed(5)
+    w = tf.Variable(tied, name="tied")
+    middle = [keras.layers.Dense(8, activation="tanh") for _ in range(2)]
+    for layer in middle:
+      layer.build((None, 8))
+    return w, middle, [w] + [v for layer in middle for v in layer.trainable_variables]
+
+  def stage_fns(w, middle):
+    return [lambda h: tf.tanh(h @ w), middle[0], middle[1], lambda h: h @ tf.transpose(w)]
+
+  w1, middle1, variables1 = build()
+  opt1 = keras.optimizers.Adam(1e-2)
+  for x, y in batches:
+    with tf.GradientTape() as tape:
+      h = tf.constant(x)
+      for fn in stage_fns(w1, middle1):
+        h = fn(h)
+      loss = tf.reduce_mean(keras.losses.mean_squared_error(y, h))
+    opt1.apply_gradients(zip(tape.gradient(loss, variables1), variables1))
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 4, "batch": 2}, devices=cpus(8)), batch_axes=("batch",))
+  with repl.context():
+    w, middle, variables = build()
+    opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-2), update="sharded")
+  fns = stage_fns(w, middle)
+
+  def step(batch):
+    loss, grads = repl.pipeline(fns, batch[0], batch[1], keras.losses.mean_squared_error, microbatches=4,
+                                variables=variables)
+    opt.apply_gradients(zip(grads, variables))
+    return loss
+
+  for _ in range(4):
+    repl.run(step, data)
+  assert copies_distance(variables, variables1) < 1e-6
+  assert copies_distance(opt.variables, opt1.variables) < 1e-6
+  holders = {s: _stage_devices(repl, s) for s in range(4)}
+  assert {mesh.canonical_name(c.device) for c in w.components} == holders[0] | holders[3]
+  owner = opt.owners([w])[0]
+  assert owner is not None and owner.axes == ("batch",)
+  for slot in [v for v in opt.variables if _variables.slot_reference(v.value) is w]:
+    at_owner, elsewhere = _owner_devices(repl, slot, owner)
+    assert len(at_owner) == len(elsewhere) == 2  # (one of each stage's two devices)
+    assert all(np.any(c.numpy()) for c in at_owner) and not any(np.any(c.numpy()) for c in elsewhere)
+
+
 @pytest.mark.parametrize("update", ["sharded", "replicated"])
 def test_a_stage_without_variables_under_either_update(update):
   # Over 2 stages x 2 batch replicas, the second stage a function without variables: its devices hold none of the
