@@ -936,7 +936,9 @@ class Replicator(_collective_methods.CollectiveMethods):
         then reduce them across replicas once and apply their mean: equal to
         one step on a ``accumulation_steps`` times larger batch. The step is
         traced twice (an accumulate-only variant without communication, and
-        the applying one); run one step per call.
+        the applying one); run one step per call. The accumulator of a
+        variable ``repl.pipeline`` placed on its stages' devices lives on
+        those devices only, and moves with it.
       bucket_bytes: fuse gradients of one dtype into buckets of at most this
         many bytes, one all-reduce per bucket; a larger gradient keeps its
         own (default 1 MB: fuses biases and small kernels; None or 0: one
@@ -948,7 +950,9 @@ class Replicator(_collective_methods.CollectiveMethods):
         ``use_ema`` or ``gradient_accumulation_steps``); ``"replicated"``:
         every replica applies every update; ``"auto"`` (default): sharded
         when every device is a CPU of one process and the optimizer allows
-        it, else replicated.
+        it, else replicated. A variable ``repl.pipeline`` placed on its
+        stages' devices is owned by one of them along the other axes (its
+        stage's batch replicas), its new value broadcast among those.
       densify_above: a sparse gradient (``tf.IndexedSlices``) is reduced as
         rows: every replica's rows and indices are gathered, which gives
         every optimizer one device's result. With a fraction here, a sparse

@@ -167,3 +167,34 @@ def test_the_unique_id_keras_optimizers_key_slots_by_stays_when_the_components_a
   assert _variables.place(v, ("stage",), (1,))
   assert len(v.components) == 1 and v.components[0] is not components[1]  # (a new variable on CPU:1)
   assert v._unique_id == before  # pylint: disable=protected-access
+
+
+def test_a_summed_on_read_variable_made_like_a_placed_one_lives_and_moves_with_it_keeping_its_total():
+  # A gradient accumulator of wrap_optimizer (on read, summed) made like a variable placed on stage 1 of
+  # {"stage": 2, "batch": 2}: on stage 1's two devices; a total written from outside a step reads back whole (kept on
+  # its first holder, not on replica 0, which does not hold it); moved with its variable to stage 0, then to every
+  # device, it keeps its total, exactly. An on-read variable made like nothing stays where it is.
+  from replicator.state import _variables  # pylint: disable=import-outside-toplevel
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2, "batch": 2}, devices=cpus(4)))
+  with repl.context():
+    v = tf.Variable([1.0, 2.0])
+    metric = tf.Variable([0.0, 0.0], synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.SUM)
+  assert _variables.place(v, ("stage",), (1,))
+  with repl.context(), _variables.reference_scope(v):
+    acc = tf.Variable(tf.zeros([2]), synchronization=tf.VariableSynchronization.ON_READ,
+                      aggregation=tf.VariableAggregation.SUM)
+  stage = {s: [mesh.canonical_name(d) for r, d in enumerate(cpus(4)) if repl.mesh.axis_index(r, ("stage",)) == s]
+           for s in (0, 1)}
+  assert [mesh.canonical_name(c.device) for c in acc.components] == stage[1]
+  acc.assign([3.0, 4.0])
+  np.testing.assert_array_equal(acc.numpy(), [3.0, 4.0])
+  acc.assign_add([1.0, 1.0])
+  np.testing.assert_array_equal(acc.numpy(), [4.0, 5.0])
+  assert _variables.place(v, ("stage",), (0,))
+  assert [mesh.canonical_name(c.device) for c in acc.components] == stage[0]
+  np.testing.assert_array_equal(acc.numpy(), [4.0, 5.0])
+  assert _variables.place(v, ("stage",), (0, 1))
+  assert len(acc.components) == 4 and _variables.placement_of(acc) is None
+  np.testing.assert_array_equal(acc.numpy(), [4.0, 5.0])
+  assert len(metric.components) == 4 and not metric.place(("stage",), (1,))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -150,6 +151,16 @@ def _replication(mesh, layout) -> tuple[tuple[str, ...], int]:
   return tuple(a for a in layout.replicated_axes if mesh.shape[a] > 1), mesh.axis_size(layout.sharded_axes)
 
 
+def _owner_axes(mesh, replicated) -> tuple[tuple[str, ...], int]:
+  """The axes a sharded update shares ``replicated``'s update along, and its pieces: a variable placed on some
+  stages (``_variables.place``) along the axes other than the stages' (its holders along them: one stage's devices),
+  whole; else as :func:`_replication`."""
+  placement = replicated.placement
+  if placement is not None:
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in placement[0]), 1
+  return _replication(mesh, replicated.sharding)
+
+
 @_context.no_autograph
 class ReplicatedOptimizer(tf.Module):
   """An optimizer whose updates use gradients reduced across replicas.
@@ -182,7 +193,8 @@ class ReplicatedOptimizer(tf.Module):
   every replica gets every replica's rows and indices in replica order, scaled
   as above, as ``tf.IndexedSlices`` (see :func:`stays_sparse` and
   ``densify_above``). With gradient accumulation the rows of every step are
-  kept.
+  kept. A variable ``repl.pipeline`` placed on its stages' devices keeps its
+  accumulator there (not on every device).
 
   With ``update="sharded"`` each replicated variable (each piece of a sharded
   one) is updated by one owner device of the group that holds it, and the new
@@ -192,7 +204,10 @@ class ReplicatedOptimizer(tf.Module):
   by every replica or owned by position 0, as :func:`rows_everywhere` decides
   from how the step reads and writes it. Slot variables are then current only
   on their owner; reads from outside a step and checkpoints take the owner's
-  copy. ``"auto"`` (default)
+  copy. A variable ``repl.pipeline`` placed on its stages' devices is owned
+  along the mesh axes other than the stages' (by one of its stage's batch
+  replicas), its gradient reduced for the owner and its new value broadcast
+  within the stage's group only. ``"auto"`` (default)
   shards when every device is a CPU of one process (the broadcast is a
   hand-over of buffers there) and the optimizer allows it (see
   :func:`sharded_update_unsupported`); otherwise every replica applies every
@@ -306,7 +321,7 @@ class ReplicatedOptimizer(tf.Module):
     reduced: list[Any] = [None] * len(grads)
     placed = [i for i, v in enumerate(variables) if v is not None and _variables.placement_of(v) is not None]
     if placed:
-      self._reduce_placed(grads, variables, placed, batch_axes, reduced)
+      self._reduce_placed(grads, variables, placed, batch_axes, reduced, owners)
     dense_by_axes: dict[tuple[str, ...], list[int]] = {}
     sparse_by_axes: dict[tuple[str, ...], list[int]] = {}
     for i, (g, (axes, _)) in enumerate(zip(grads, plans)):
@@ -342,33 +357,39 @@ class ReplicatedOptimizer(tf.Module):
                                                                 g.indices, g.dense_shape)
     return reduced
 
-  def _reduce_placed(self, grads, variables, placed: list[int], batch_axes, reduced: list) -> None:
+  def _reduce_placed(self, grads, variables, placed: list[int], batch_axes, reduced: list,
+                     owners: list[Owner | None] | None = None) -> None:
     """The gradients of variables a pipeline placed on some stages (``_variables.place``), into ``reduced``.
 
     Each is reduced over the mesh axes other than its stages' (the batch replicas of its stage), never over
     the stage axis: the stage's gradient is the whole gradient already (``repl.pipeline`` sums a weight two
-    stages share between those two). Every replica makes the same calls, one all-reduce of each dtype and set of
-    axes, of its own stages' gradients flattened into one tensor (its size differs between the stages' groups,
-    as batch shards of different sizes may); a variable this replica does not hold gets None.
+    stages share between those two). Every replica makes the same calls, one all-reduce of each dtype, set of
+    axes and owner, of its own stages' gradients flattened into one tensor (its size differs between the stages'
+    groups, as batch shards of different sizes may); a variable this replica does not hold gets None. Under the
+    sharded update (``owners``) a group's gradients are reduced for their owner alone (``reduce_for``).
     """
     repl, mesh = self._replicator, self._replicator.mesh
     ctx = _primitives.require_context(repl, "wrap_optimizer")
-    groups: dict[tuple[tuple[str, ...], tf.DType, int], list[int]] = {}
+    groups: dict[tuple[tuple[str, ...], tf.DType, int, int | None], list[int]] = {}
     for i in placed:
       where, _ = _variables.placement_of(variables[i])
       axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in where)
       # "sum": a loss already divided by the global batch; count once the copies along the axes reduced over
       copies = mesh.axis_size(tuple(a for a in axes if a not in batch_axes))
-      groups.setdefault((axes, tf.as_dtype(variables[i].dtype), copies), []).append(i)
-    for (axes, dtype, copies), indices in groups.items():
+      owner = None if owners is None else owners[i]
+      member = owner.position if owner is not None and owner.axes == axes else None
+      groups.setdefault((axes, tf.as_dtype(variables[i].dtype), copies, member), []).append(i)
+    for (axes, dtype, copies, member), indices in groups.items():
       mine = [i for i in indices if _variables.holds(variables[i], ctx.replica_id)]
       parts = [tf.reshape(tf.zeros(variables[i].shape, dtype) if grads[i] is None
                           else tf.cast(tf.convert_to_tensor(grads[i]), dtype), [-1]) for i in mine]
       flat = tf.concat(parts, 0) if parts else tf.zeros([1], dtype)  # (nothing of this group here: a stand-in)
-      if axes:
+      if axes and member is not None:
+        (flat,) = _primitives.reduce_for(ctx, [flat], self._reduction, axes, member, _primitives.user_location())
+      elif axes:
         flat = repl.all_reduce(flat, op=self._reduction, axis=axes)
-        if self._reduction == "sum" and copies > 1:
-          flat = flat / tf.cast(copies, dtype)
+      if axes and self._reduction == "sum" and copies > 1:
+        flat = flat / tf.cast(copies, dtype)
       shapes = [tf.TensorShape(variables[i].shape) for i in mine]
       pieces = tf.split(flat, [shape.num_elements() for shape in shapes]) if mine else []
       for i, piece, shape in zip(mine, pieces, shapes):
@@ -426,6 +447,12 @@ class ReplicatedOptimizer(tf.Module):
     its rows (see :class:`_RowAccumulator`), so the applied gradient holds
     every row of the k steps, as one device's gradient of a k times larger
     batch would.
+
+    The accumulator of a variable a pipeline placed on its stages' devices
+    lives on those devices only (made like its variable,
+    ``_variables.reference_scope``); a replica that does not hold the
+    variable (its gradient there is zeros) neither keeps nor adds to one,
+    and passes the gradient on as it is.
     """
     if self.accumulation_steps == 1:
       return grads
@@ -443,15 +470,20 @@ class ReplicatedOptimizer(tf.Module):
     for acc, g, v in zip(self._accumulators, grads, variables):
       if isinstance(acc, _RowAccumulator) and g is not None and not isinstance(g, tf.IndexedSlices):
         raise _errors.ArgumentTypeError(ROWS_THEN_DENSE.format(name=getattr(v, "path", None) or v.name))
+    held = [ctx is None or ctx.replicator is not self._replicator or _variables.holds(v, ctx.replica_id)
+            for v in variables]  # (False: placed on other stages' devices, its accumulator too)
     if not self._apply_now:
-      for acc, g in zip(self._accumulators, grads):
-        if isinstance(acc, _RowAccumulator) and g is not None:
+      for acc, g, here in zip(self._accumulators, grads, held):
+        if isinstance(acc, _RowAccumulator) and g is not None and here:
           acc.add(g)
-        elif g is not None:
+        elif g is not None and here:
           acc.assign_add(tf.convert_to_tensor(g))
       return None
     totals = []
-    for acc, g in zip(self._accumulators, grads):
+    for acc, g, here in zip(self._accumulators, grads, held):
+      if not here:
+        totals.append(g)  # (zeros, or None: a variable this replica does not hold is not applied here)
+        continue
       if g is None:
         totals.append(None)
       elif isinstance(acc, _RowAccumulator):
@@ -538,6 +570,15 @@ class ReplicatedOptimizer(tf.Module):
     A variable first updated with a sparse gradient (``sparse[i]``) is
     pending: position 0 (traced first) applies its first update, and
     :meth:`_settle` then decides from how the step reads and writes it.
+
+    A variable a pipeline placed on its stages' devices (``_variables.place``)
+    is owned along the mesh axes other than the stages' (its batch replicas:
+    :func:`_owner_axes`), by a position chosen among the devices that hold it;
+    it is always updated densely (its gradient is reduced densely). One
+    device a stage (no other axis): None, its stage's device updates it. A
+    variable whose axes changed since its owner was chosen (placed, moved
+    back, laid out anew) gets a new owner; one moved to other stages along
+    the same axes keeps its position, its slots owned there again.
     """
     mesh = self._replicator.mesh
     sparse = [False] * len(variables) if sparse is None else sparse
@@ -545,27 +586,47 @@ class ReplicatedOptimizer(tf.Module):
     new = []  # (index, ReplicatedVariable, replicated axes, bytes per piece)
     for i, v in enumerate(variables):
       replicated = _variables.underlying(v)
-      if replicated is not None and replicated.placement is not None:
-        result.append(None)  # placed on its stages: each holder applies its update (reduced over the others)
-        continue
       record = None if replicated is None else self._owners.get(id(replicated))
       result.append(None if record is None else record[1])  # ordinary variables: not shared
-      if replicated is not None and record is None:
-        axes, pieces = _replication(mesh, replicated.sharding)
-        if sparse[i]:
-          result[i] = Owner(0, axes, pending=True)
-        else:
-          new.append((i, replicated, axes, _piece_bytes(replicated, pieces)))
+      if replicated is None:
+        continue
+      axes, pieces = _owner_axes(mesh, replicated)
+      placed = replicated.placement is not None
+      if record is not None and (record[1] is None or record[1].axes == axes):
+        if record[1] is not None:
+          self._keep_slots_owned(replicated, record[1])
+        continue
+      if record is not None:  # (its axes changed: owned anew; the old owner's bytes stay counted, for balance only)
+        del self._owners[id(replicated)]
+        result[i] = None
+      if placed and not axes:
+        continue  # (one device a stage: it updates the variable)
+      if sparse[i] and not placed:
+        result[i] = Owner(0, axes, pending=True)
+      else:
+        new.append((i, replicated, axes, _piece_bytes(replicated, pieces)))
     for i, replicated, axes, nbytes in sorted(new, key=lambda n: -n[3]):  # stable: ties keep variable order
-      groups = mesh.groups(axes)
+      groups = [g for g in mesh.groups(axes) if _variables.holds(replicated, g[0])]  # (placed: its stages' groups)
       best = min(range(len(groups[0])), key=lambda p: (max(self._load[g[p]] for g in groups), p))
       result[i] = self._own(replicated, Owner(best, axes), nbytes)
     return result
 
+  def _count(self, replicated, owner: Owner, nbytes: int) -> None:
+    """Adds ``nbytes`` to the load of ``owner``'s device in each group along its axes that holds ``replicated``."""
+    for g in self._replicator.mesh.groups(owner.axes):
+      if _variables.holds(replicated, g[0]):
+        self._load[g[owner.position]] += nbytes
+
+  def _keep_slots_owned(self, replicated, owner: Owner) -> None:
+    """Marks ``replicated``'s slots owned by ``owner`` again where their components were replaced since (a placed
+    variable moved to other stages: its slots with it, each device's copy its own)."""
+    for slot in self._slots.get(id(replicated), ()):
+      if slot.owner != (owner.position, owner.axes):
+        slot.set_owner(owner.position, owner.axes)
+
   def _own(self, replicated, owner: Owner, nbytes: int) -> Owner:
     """Records ``owner`` for ``replicated`` (and its slots) and counts its bytes."""
-    for g in self._replicator.mesh.groups(owner.axes):
-      self._load[g[owner.position]] += nbytes
+    self._count(replicated, owner, nbytes)
     self._owners[id(replicated)] = (replicated, owner)
     # Only the slots are current on their owner alone; the variable's new value
     # is broadcast and written on every device, each of which reads its own.
@@ -627,7 +688,8 @@ class ReplicatedOptimizer(tf.Module):
     """
     ctx = _context.current_context()
     optimizer = self._optimizer
-    if all(g is None for g in grads):
+    held = [i for i, v in enumerate(variables) if _variables.holds(v, ctx.replica_id)]
+    if held and all(grads[i] is None for i in held):  # (none held: a pipeline's stage without variables)
       return optimizer.apply(grads, variables)  # Keras's own error
     mesh = self._replicator.mesh
     mine = [i for i, o in enumerate(owners) if (o is None or mesh.axis_index(ctx.replica_id, o.axes) == o.position)
@@ -645,8 +707,11 @@ class ReplicatedOptimizer(tf.Module):
     if pending:
       owners = self._settle(owners, variables, graph.get_operations()[first_op:], gathered_bytes)
     shared: dict[Owner, list[int]] = {}
+    placed: dict[tuple[Owner, tf.DType], list[int]] = {}
     for i, o in enumerate(owners):
-      if o is not None and o.axes and grads[i] is not None:
+      if o is not None and o.axes and _variables.placement_of(variables[i]) is not None:
+        placed.setdefault((o, tf.as_dtype(variables[i].dtype)), []).append(i)  # (whatever this replica holds)
+      elif o is not None and o.axes and grads[i] is not None:
         shared.setdefault(o, []).append(i)
     location = "wrap_optimizer (sharded update)"
     for owner, indices in shared.items():
@@ -655,7 +720,25 @@ class ReplicatedOptimizer(tf.Module):
       if mesh.axis_index(ctx.replica_id, owner.axes) != owner.position:
         for i, value in zip(indices, received):
           _variables.underlying(variables[i]).assign(value)  # the local piece (Keras checks global shapes)
+    for (owner, dtype), indices in placed.items():
+      self._broadcast_placed(ctx, variables, owner, dtype, indices, location)
     return optimizer.iterations
+
+  def _broadcast_placed(self, ctx, variables, owner: Owner, dtype: tf.DType, indices: list[int], location: str):
+    """The owner's new values of variables placed on some stages, to the other devices of its stage's group.
+
+    As :meth:`_reduce_placed`: every replica makes the same call, one broadcast along ``owner.axes`` (within
+    each stage's group: a stage's batch replicas) of the variables of ``indices`` it holds, flattened into one
+    tensor (the groups' sizes differ as their stages' variables do; a stand-in where it holds none of them).
+    """
+    mine = [i for i in indices if _variables.holds(variables[i], ctx.replica_id)]
+    parts = [tf.reshape(tf.cast(tf.convert_to_tensor(variables[i]), dtype), [-1]) for i in mine]
+    flat = tf.concat(parts, 0) if parts else tf.zeros([1], dtype)
+    (received,) = _primitives.broadcast(ctx, [flat], owner.position, owner.axes, location)
+    if mine and self._replicator.mesh.axis_index(ctx.replica_id, owner.axes) != owner.position:
+      shapes = [tf.TensorShape(variables[i].shape) for i in mine]
+      for i, piece, shape in zip(mine, tf.split(received, [n.num_elements() for n in shapes]), shapes):
+        _variables.underlying(variables[i]).assign(tf.reshape(piece, shape))
 
   # -- checkpoints: the wrapper's dependencies are the wrapped optimizer's -----
 
@@ -731,13 +814,17 @@ def _new_accumulator(variable, gradient):
     with _variables.reference_scope(variable):
       return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
                          name="gradient_accumulator")
-  if isinstance(gradient, tf.IndexedSlices):
-    return _RowAccumulator(gradient)
-  # Per-replica sums of local gradients: on-read, so outside a step they read
-  # as the sum over replicas.
-  return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
-                     synchronization=tf.VariableSynchronization.ON_READ,
-                     aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
+  # A variable a pipeline placed on its stages' devices (_variables.place): its accumulator made like it, on the same
+  # devices (and moved with it); elsewhere its gradient is zeros, never accumulated.
+  placed = _variables.placement_of(variable) is not None
+  with _variables.reference_scope(variable) if placed else contextlib.nullcontext():
+    if isinstance(gradient, tf.IndexedSlices):
+      return _RowAccumulator(gradient)
+    # Per-replica sums of local gradients: on-read, so outside a step they read
+    # as the sum over replicas.
+    return tf.Variable(lambda: tf.zeros(variable.shape, variable.dtype), trainable=False,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=tf.VariableAggregation.SUM, name="gradient_accumulator")
 
 
 def _piece_bytes(replicated, pieces: int) -> int:

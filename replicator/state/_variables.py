@@ -383,26 +383,31 @@ class ReplicatedVariable(tf.Variable):
 
     As :meth:`relayout`: the variable object stays, its components are replaced (new ones holding its value, or
     a sharded variable's its pieces: a layout over ``axes`` is not placed); steps built before hold the old
-    ones. Returns whether it moved. Not for on-read or seeded variables (those are left as they are), nor in a
-    multi-client job.
+    ones. Returns whether it moved. Not for seeded variables, nor for on-read ones other than those made like a
+    variable (a gradient accumulator of ``wrap_optimizer``, which moves with its variable keeping its aggregated
+    value: a sum's total on the first new holder); those are left as they are. Not in a multi-client job.
     """
     mesh = self._replicator.mesh
     axes, positions = tuple(axes), tuple(sorted(set(positions)))
     placement = None if len(positions) == mesh.axis_size(axes) else (axes, positions)
     split_over = self._sharding is not None and any(
         set(axes) & set(self._sharding.axes(d) or ()) for d in range(self._sharding.rank))
-    if placement == self._placement or split_over or self._on_read or self._offsets is not None:
+    if placement == self._placement or split_over or (self._on_read and self._reference is None) \
+        or self._offsets is not None:
       return False
     everyone = tuple(range(mesh.size))
     replicas = everyone if placement is None else tuple(
         r for r in everyone if mesh.axis_index(r, axes) in positions)
     with tf.init_scope(), _context.cross_replica_scope():
-      if self._sharding is None:
-        values = [tf.identity(self._home_component().read_value())] * len(replicas)
-      else:  # (each kept replica its piece of the whole value)
+      if self._sharding is not None:  # (each kept replica its piece of the whole value)
         with tf.device(self._replicator.devices[self._replicas[0]]):
           pieces = mesh_lib.split(tf.identity(self.read_value()), self._sharding)
         values = [pieces[r] for r in replicas]
+      else:
+        value = tf.identity(self._combine_components() if self._on_read else self._home_component().read_value())
+        values = [value] * len(replicas)
+        if self._on_read and self.aggregation == tf.VariableAggregation.SUM:  # (the total on the first holder)
+          values = [value] + [tf.zeros_like(value)] * (len(replicas) - 1)
     self._replace_components(replicas, values)
     if self._sharding is not None:
       self._sources = piece_sources(self._sharding, replicas)
@@ -562,7 +567,7 @@ class ReplicatedVariable(tf.Variable):
       total = tf.add_n([read(c) for c in self._components])
       if self._across is not None:  # every process's part (each process reads it at the same point)
         total = self._across(total, f"read {self.name.split(':')[0]}")
-      count = self._replicator.num_replicas
+      count = len(self._components) if self._placement is not None else self._replicator.num_replicas
       if aggregation == tf.VariableAggregation.MEAN:
         total = total / tf.cast(count, total.dtype) if total.dtype.is_floating else total // count
       return total
@@ -764,7 +769,7 @@ class ReplicatedVariable(tf.Variable):
         getattr(component, method)(piece, *args[1:], read_value=False, **kwargs)
     elif self._on_read and method in ("assign_add", "assign_sub") and \
         self.aggregation == tf.VariableAggregation.SUM:
-      if self._replicas[0] == 0:  # replica 0's process (in a multi-client job)
+      if holds_the_sum(self):  # replica 0's process (in a multi-client job)
         getattr(self._components[0], method)(*args, read_value=False, **kwargs)  # the sum moves by delta
     elif self._on_read and method == "assign":
       values = spread(args[0], self)
@@ -1179,15 +1184,22 @@ def summed_on_read(variable) -> bool:
   return variable._on_read and variable.aggregation == tf.VariableAggregation.SUM  # pylint: disable=protected-access
 
 
+def holds_the_sum(variable) -> bool:
+  """Whether the on-read SUM ``variable``'s first component keeps a total written from outside a step: replica 0's
+  (in a multi-client job, in that replica's process only), or a placed variable's first holder's."""
+  return variable.replicas[0] == 0 or variable.placement is not None
+
+
 def spread(value, variable) -> list:
   """Per-component values of the on-read ``variable`` whose aggregate should be ``value``.
 
-  A sum's total lives on replica 0 (in a multi-client job, in that replica's process; the others' parts are 0).
+  A sum's total lives on replica 0 (in a multi-client job, in that replica's process; the others' parts are 0), or
+  on the first holder of a placed variable.
   """
   value = tf.convert_to_tensor(value, dtype=variable.dtype)
   n = len(variable.components)
   if variable.aggregation == tf.VariableAggregation.SUM:
-    first = value if variable.replicas[0] == 0 else tf.zeros_like(value)
+    first = value if holds_the_sum(variable) else tf.zeros_like(value)
     return [first] + [tf.zeros_like(value)] * (n - 1)
   return [value] * n
 
@@ -1506,7 +1518,7 @@ def make_creator(replicator, config, layouts, state=None):
       for i, (replica, device) in enumerate(zip(replicas, devices)):
         with tf.device(device):  # an on-read SUM variable starts with its total on replica 0
           initial = pieces[replica] if layout is not None else value
-          if sum_on_read and replica > 0:
+          if sum_on_read and replica != (replicas[0] if placement is not None else 0):
             initial = tf.zeros_like(value)
           if offsets is not None:
             initial = initial + offsets[i]
