@@ -16,6 +16,13 @@ runs them as the local view's (``repl.run`` from Keras's ``tf.function``):
 * ``test_step``: ``repl.pipeline_forward`` (a forward pass only) and the compiled loss on its outputs;
 * ``predict_step``: ``repl.pipeline_forward``; the batch positions' outputs are joined in the batch's order.
 
+The losses the stages add (``model.losses``: weight penalties, activity penalties, ``add_loss``) are added by the
+pipeline where they are (``stage_losses=True``: each weight's penalty once a step on its stage's devices, a loss a
+layer adds in its call on each microbatch, weighted by its rows), not by ``compute_loss``, which would read every
+stage's on the last stage's devices: ``losses`` is empty while a step computes the compiled loss. An optimizer whose
+update spans every weight (a ``LossScaleOptimizer``, ``gradient_accumulation_steps``, ``use_ema``,
+``global_clipnorm``) is refused at ``compile``: each stage's devices update their stage's weights alone.
+
 Metrics (the loss's mean and the compiled metrics) are updated on the last stage's replicas only, each with its
 rows: Keras's metric variables are each replica's own and read as their sum outside a step, so the results read
 after the step (in Keras's function) are those of the whole batch, as one device's.
