@@ -51,6 +51,13 @@ once, after the passes, on every replica (in the same all-reduce, zeros from the
 each stage writes is learnt when the stages are traced for their shapes (``_context.recording_writes``), so every
 replica's all-reduce is the same. The moving mean is then the batch's, the moving variance the microbatches'
 variances' mean (Keras 2's ``virtual_batch_size`` update); each microbatch is normalized by its own statistics.
+
+Losses the stages add themselves (``stage_losses=True``: one device's ``loss + sum(model.losses)``): a loss a layer
+adds in its call (``add_loss``, an activity penalty) is read from the stage after each microbatch's forward pass,
+weighted by the microbatch's rows as the loss is, and differentiated with the stage's outputs in its backward pass
+(its gradient flows back through the earlier stages); each regularized weight's penalty is added once a step, on
+the devices of the first stage that has the weight, its gradient there. ``loss_scale``: each backward pass seeded
+with it (a LossScaleOptimizer's scale), the loss returned unscaled.
 """
 
 from __future__ import annotations
@@ -262,7 +269,7 @@ def _state(specs, stages: int, location: str, axes) -> list:
 
 def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
              location: str, variables, own=frozenset(), place=None, outputs: bool = False,
-             stage_losses: bool = False):
+             stage_losses: bool = False, loss_scale=None):
   """``(loss, grads)``: the stages run over ``axes`` as a pipeline (see the module); ``grads`` of ``variables``.
 
   ``outputs``: also return the last stage's outputs for the replica's rows (its microbatches' in order), on every
@@ -281,6 +288,10 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   ``stage_losses``: add the losses the stages (Keras layers) add themselves to the loss, and their gradients to the
   gradients (:func:`added_losses`, :func:`weight_penalties`): a forward pass alone then returns ``(outputs, added)``,
   ``added`` the batch's added losses, on every replica along ``axes``.
+
+  ``loss_scale``: a float32 scalar (a LossScaleOptimizer's scale), or a function giving it (called once the
+  variables are placed): the gradients are those of the loss times it, each backward pass seeded with it (as one
+  device's gradient of the scaled loss is), the loss returned unscaled.
   """
   mesh = ctx.replicator.mesh
   count = mesh.axis_size(axes)
@@ -328,6 +339,8 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   holders = [None] * len(every) if place is None else list(place(
       {g: list(specs["reads", g].values()) for g in range(len(stages))}))
   here = [k for k, held in enumerate(holders) if held is None or device in held]  # (the variables this device has)
+  scale = None if forward_only or loss_scale is None else tf.cast(
+      loss_scale() if callable(loss_scale) else loss_scale, tf.float32)
   mine = [every[k] for k in here]
   acts, grads_in, tapes = {}, {}, {}
   summed = [None] * len(mine)
@@ -361,13 +374,13 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
         else:
           tape, x, y, added = tapes.pop((g, j))
           if g == last_stage:
-            target, given = y, None
+            target, given = y, None if scale is None else tf.cast(scale, y.dtype)
           else:  # (the stage's float outputs, and their gradients: an integer value passed on has none)
             given = grads_in.pop((g, j))
             pairs = [(t, d) for t, d in zip(tree.flatten(y), tree.flatten(given)) if t.dtype.is_floating]
             target, given = [t for t, _ in pairs], [d for _, d in pairs]
-            if added is not None:  # (the losses the stage added: their gradient is one)
-              target, given = target + [added], given + [tf.ones([], added.dtype)]
+            if added is not None:  # (the losses the stage added: their gradient is one, or the scale)
+              target, given = target + [added], given + [tf.ones([], added.dtype) if scale is None else scale]
               loss = loss + added
           inputs_in = _floating(x) if g > 0 else []
           got = tape.gradient(target, inputs_in + mine, output_gradients=given)
@@ -405,7 +418,7 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
       if device == target:
         grads_in[g - 1, j] = got
   if stage_losses:  # the stages' weight penalties, once a step, each on its stage's devices
-    loss, summed = _penalties(stages, count, device, mine, summed, loss, last, forward_only)
+    loss, summed = _penalties(stages, count, device, mine, summed, loss, last, forward_only, scale)
   # The last stage's outputs for the replica's rows (zeros elsewhere, made after the device's last pass).
   out = None
   if outputs or forward_only:
@@ -537,7 +550,7 @@ def weight_penalties(stages) -> list[list]:
   return out
 
 
-def _penalties(stages, count, device, variables, summed, loss, last, forward_only):
+def _penalties(stages, count, device, variables, summed, loss, last, forward_only, scale=None):
   """``(loss, summed)`` with the weight penalties of this device's stages added, once a step (after its passes),
   and their gradients (of ``variables``, this device's) added to ``summed``."""
   mine = [w for g, weights in enumerate(weight_penalties(stages)) if g % count == device for w in weights]
@@ -547,7 +560,7 @@ def _penalties(stages, count, device, variables, summed, loss, last, forward_onl
     with contextlib.nullcontext() if forward_only else tf.GradientTape() as tape:
       penalty = tf.add_n([tf.reduce_sum(tf.cast(w.regularizer(w), tf.float32)) for w in mine])
     if not forward_only:
-      got = tape.gradient(penalty, variables)
+      got = tape.gradient(penalty, variables, output_gradients=scale)
       summed = [total if d is None else tf.convert_to_tensor(d) if total is None else total + tf.convert_to_tensor(d)
                 for total, d in zip(summed, got)]
   return loss + penalty, summed

@@ -20,8 +20,10 @@ The losses the stages add (``model.losses``: weight penalties, activity penaltie
 pipeline where they are (``stage_losses=True``: each weight's penalty once a step on its stage's devices, a loss a
 layer adds in its call on each microbatch, weighted by its rows), not by ``compute_loss``, which would read every
 stage's on the last stage's devices: ``losses`` is empty while a step computes the compiled loss. An optimizer whose
-update spans every weight (a ``LossScaleOptimizer``, ``gradient_accumulation_steps``, ``use_ema``,
-``global_clipnorm``) is refused at ``compile``: each stage's devices update their stage's weights alone.
+update spans every weight (``gradient_accumulation_steps``, ``use_ema``, ``global_clipnorm``) is refused at
+``compile``: each stage's devices update their stage's weights alone. ``mixed_float16``'s ``LossScaleOptimizer``
+trains as one device's: each backward pass is seeded with its scale (``repl.pipeline(loss_scale=...)``), and the
+wrapped optimizer skips the step on every stage if any stage's gradients are not finite.
 
 Metrics (the loss's mean and the compiled metrics) are updated on the last stage's replicas only, each with its
 rows: Keras's metric variables are each replica's own and read as their sum outside a step, so the results read
@@ -64,10 +66,6 @@ OPTIMIZER_COUPLED = (
     "replicator.PipelineModel.compile: the optimizer {name} {found}; expected an optimizer that updates each "
     "weight from its own gradient, as each stage's devices update their stage's weights alone. {why} Fix: {fix}")
 COUPLED = {
-    "loss_scale": ("is a LossScaleOptimizer (mixed_float16's: Keras wraps the optimizer in one for that policy)",
-                   "A LossScaleOptimizer skips a step on any stage's non-finite gradient, which no stage's devices "
-                   "see alone.",
-                   "keras.mixed_precision.set_global_policy('mixed_bfloat16') (no loss scaling), or float32."),
     "accumulation": ("has gradient_accumulation_steps={value}",
                      "Its accumulators and its update every k steps span every stage's weights.",
                      "a batch {value} times larger and {value} times the microbatches (the pipeline accumulates "
@@ -209,8 +207,9 @@ class PipelineModel(keras.Model):
   def compile(self, *args, **kwargs):  # pylint: disable=signature-differs
     """Keras's ``compile``; the optimizer is then wrapped (``repl.wrap_optimizer``): its slots for each stage's
     weights are made on that stage's devices, and it averages the gradients over the batch axes. An optimizer
-    whose update couples every weight (a ``LossScaleOptimizer``, ``gradient_accumulation_steps``, ``use_ema``,
-    ``global_clipnorm``) is refused."""
+    whose update couples every weight (``gradient_accumulation_steps``, ``use_ema``, ``global_clipnorm``) is
+    refused. A ``LossScaleOptimizer`` (``mixed_float16``'s) scales the loss inside the pipeline, and its check of
+    the gradients is every stage's (``repl.wrap_optimizer`` agrees on it across the stages)."""
     super().compile(*args, **kwargs)
     if self.optimizer is not None:
       _check_optimizer(self.optimizer)
@@ -340,13 +339,28 @@ class PipelineModel(keras.Model):
       return self._compiled_loss(y_part, outputs, weight_part, training=True)
 
     targets = y if sample_weight is None else (y, sample_weight)
-    loss, grads, y_pred = self._repl.pipeline(self._train_calls, x, targets, loss_fn, axis=self.axis,
-                                              microbatches=self._microbatches(x), schedule=self.schedule,
-                                              variables=variables, outputs=True, stage_losses=True)
-    grads = [g * tf.cast(weight, g.dtype) for g in grads]  # (a batch split unevenly: each replica's by its rows)
+    # A LossScaleOptimizer (mixed_float16's): the backward passes seeded with its scale times the replica's share of
+    # the batch's rows (each row's gradient then one device's, in float16 too), its gradients times the batch
+    # replicas (their mean the batch's); else each replica's gradient weighted by its rows (a batch split unevenly).
+    scaled = hasattr(self.optimizer, "inner_optimizer")
+    count = max(self._pipelines()) + 1
+    loss, grads, y_pred = self._repl.pipeline(
+        self._train_calls, x, targets, loss_fn, axis=self.axis, microbatches=self._microbatches(x),
+        schedule=self.schedule, variables=variables, outputs=True, stage_losses=True,
+        loss_scale=(lambda: self._loss_scale() * tf.cast(weight, tf.float32) / count) if scaled else None)
+    factor = count if scaled else weight
+    grads = [g * tf.cast(factor, g.dtype) for g in grads]
     self._pipeline_optimizer.apply_gradients(zip(grads, variables))
     self._update_metrics(x, y, y_pred, sample_weight, loss, _rows(x))
     return loss
+
+  def _loss_scale(self):
+    """The LossScaleOptimizer's scale (called once the variables are placed): ``scale_loss`` of one, the optimizer
+    built first (its scale a variable; its slots on their stages' devices)."""
+    if not self.optimizer.built:
+      with keras.name_scope(self.optimizer.name, caller=self.optimizer):
+        self.optimizer.build(self.trainable_variables)
+    return self.optimizer.scale_loss(tf.ones([]))
 
   def _test_replica(self, batch):
     data, _ = batch
@@ -370,8 +384,7 @@ class PipelineModel(keras.Model):
 
 def _check_optimizer(optimizer) -> None:
   """Refuses an optimizer whose update couples every weight (each stage's devices update their weights alone)."""
-  found = ("loss_scale" if hasattr(optimizer, "inner_optimizer") else
-           "accumulation" if getattr(optimizer, "gradient_accumulation_steps", None) else
+  found = ("accumulation" if getattr(optimizer, "gradient_accumulation_steps", None) else
            "ema" if getattr(optimizer, "use_ema", False) else
            "global_clipnorm" if getattr(optimizer, "global_clipnorm", None) else None)
   if found is None:
