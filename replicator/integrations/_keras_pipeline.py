@@ -69,7 +69,8 @@ COUPLED = {
     "accumulation": ("has gradient_accumulation_steps={value}",
                      "Its accumulators and its update every k steps span every stage's weights.",
                      "a batch {value} times larger and {value} times the microbatches (the pipeline accumulates "
-                     "the microbatches' gradients within a step: the same update, one step for {value})."),
+                     "its microbatches' gradients within a step: one update of the {value} batches' mean "
+                     "gradient, one step where Keras counts {value})."),
     "ema": ("has use_ema=True",
             "Its moving average of the weights is updated over every stage's weights at once.",
             "use_ema=False (keep an average of the weights in a callback, outside the step)."),
