@@ -9,6 +9,7 @@ from conftest import cpus
 from conftest import float16_noise
 from conftest import replica_values
 
+import mesh
 import replicator
 from replicator.state import _variables
 
@@ -383,7 +384,6 @@ def test_a_loss_scale_optimizer_of_pipelined_variables_skips_a_step_on_every_sta
   # both. Then, the entry 1, a finite step: the scale-seeded pipeline's update is one device's (measured equal;
   # bound 1e-6). Each stage deciding on its own gradients is refused by the step's invariance check (the scale
   # written under a predicate that differs between the stages; tried), and would update stage 1's weight.
-  import mesh  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")
   start0 = np.abs(rng.normal(size=(3, 4))).astype("float32")

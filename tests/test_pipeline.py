@@ -996,3 +996,27 @@ def test_loss_scale_seeds_the_backward_passes_and_leaves_the_loss_unscaled():
   for g, s in zip(grads, scaled_grads):
     for r in range(2):
       np.testing.assert_allclose(s.values[r].numpy(), g.values[r].numpy() * 2.0 ** 10, rtol=1e-6, atol=0)
+
+
+class _AddsRowSum(keras.layers.Layer):
+  """Adds the sum of its inputs over the rows (not a mean): a loss no microbatch split can give as one device."""
+
+  def call(self, x):
+    self.add_loss(keras.ops.sum(x))
+    return x
+
+
+def test_a_loss_added_as_a_sum_over_the_rows_counts_as_the_microbatches_mean_of_it():
+  # Documented: a loss a stage adds is weighted by its microbatch's rows as the loss is (right for a mean over the
+  # rows or a value that does not depend on them); a sum over the rows is then the microbatches' sums weighted by
+  # their rows, not one device's sum. 10 rows in 3 microbatches (4, 3 and 3 rows).
+  x, _ = _data()
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2}, devices=cpus(2)))
+  with repl.context():
+    base = _stages(2)
+    stages = [keras.Sequential([_AddsRowSum()] + base[0].layers), base[1]]
+    stages[0].build((None, IN))
+  _, added = repl.run(lambda: repl.pipeline_forward(stages, tf.constant(x), microbatches=3, stage_losses=True))
+  parts = [x[a:b].sum() * (b - a) / ROWS for a, b in ((0, 4), (4, 7), (7, 10))]
+  np.testing.assert_allclose([float(v) for v in added.values], [sum(parts)] * 2, rtol=1e-6)
+  assert abs(sum(parts) - x.sum()) > 1.0  # (one device's: the whole sum)
