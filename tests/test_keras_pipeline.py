@@ -393,7 +393,9 @@ def test_mixed_float16_scales_the_loss_and_skips_a_step_on_every_stage_as_one_de
   # overflow in float16 on one device and here, skipped on both stages. Against one device's fit under the same
   # policy: the scale, its counter and the optimizer's iterations exactly. Measured: the weights 4.0e-5 (3.0e-5)
   # from one device's, Adam's slots 2.5e-5 (1.4e-5), the history 1.0e-5 (0); one device's own float16 fit is 7.6e-5
-  # (3.0e-2) from its float32 fit in the weights. Bound 3e-4, four times the first. Seeded with the scale alone (each
+  # (3.0e-2) from its float32 fit in the weights, and 0 from itself with each batch's rows in another order (1.2e-7
+  # in the history): the 4.0e-5 is the microbatches' float16 products, each rounded before their float32 sum, not
+  # row order. Bound 3e-4, four times the float32 distance. Seeded with the scale alone (each
   # replica's rows' gradients twice one device's, in float16), a start at 2^19 or 2^23 doubling every 2 steps
   # skipped a step one device did not. Near the overflow a step can still be decided otherwise: a microbatch's
   # float16 matmul sums fewer rows than one device's (a start at 2^20 doubling never: 2 steps skipped on both, not
