@@ -422,7 +422,7 @@ class Replicator(_collective_methods.CollectiveMethods):
     return self._mesh.axis_size(self.batch_axes)
 
   def pipeline(self, stages, inputs, targets, loss_fn, *, axis="stage", microbatches: int, schedule: str = "1f1b",
-               variables=None, outputs: bool = False):
+               variables=None, outputs: bool = False, stage_losses: bool = False, loss_scale=None):
     """``(loss, grads)`` of ``stages`` run in a row on the batch, as a pipeline over the devices along ``axis``.
 
     The replica at position ``s`` along ``axis`` runs ``stages[s]`` (a Keras model or layer, or any callable
@@ -447,7 +447,8 @@ class Replicator(_collective_methods.CollectiveMethods):
     stage (identical blocks' weights stacked, as praxis and JAX's ``shard_map`` pipelines hold them). Steps built
     before the first pipelined one hold the variables' old copies: build them again. A step must not use a
     stage's variable outside its stage (an ``UnsupportedError`` names it), and a wrapped optimizer that couples
-    every gradient (``global_clipnorm``, a ``LossScaleOptimizer``) is refused.
+    every gradient (``global_clipnorm``) is refused; a wrapped ``LossScaleOptimizer`` skips a step on every stage
+    if any stage's gradients are not finite (give it ``loss_scale=``).
 
     State a stage writes that every replica holds alike is written once a step on every replica, from its
     microbatches' values averaged by their rows: BatchNormalization normalizes each microbatch by its own
@@ -481,6 +482,16 @@ class Replicator(_collective_methods.CollectiveMethods):
         ones among them.
       outputs: also return the last stage's outputs for the replica's rows (its microbatches' joined in order), on
         every replica along ``axis`` (they travel in the all-reduce of the loss): for metrics of the predictions.
+      stage_losses: add the losses Keras stages add themselves, as one device's ``loss + sum(model.losses)``: a
+        loss a layer adds in its call (``add_loss``, an activity regularizer) on each microbatch, weighted by its
+        rows as the loss is (a mean over the rows, as Keras's activity penalty is, or a value that does not depend
+        on them, is one device's; a sum over the rows counts as their mean), and each regularized weight's penalty
+        once a step, on its stage's devices; their gradients join the stages'.
+      loss_scale: the gradients of the loss times this float32 scalar (or of a function giving it, called once the
+        variables are placed): a ``LossScaleOptimizer``'s ``scale_loss(1.0)``, for ``mixed_float16``. Each
+        backward pass is seeded with it, as one device's gradient of the scaled loss is; the loss is returned
+        unscaled. ``repl.wrap_optimizer`` of the ``LossScaleOptimizer`` then agrees on every stage whether the
+        step's gradients are finite.
 
     Returns:
       ``(loss, grads)``: the batch's loss, the same on every replica of the axis, and the gradients of
@@ -493,9 +504,11 @@ class Replicator(_collective_methods.CollectiveMethods):
     axes, variables, own, place = self._pipeline_placement(stages, axis, variables)
     with _keras_random.one_call_draws(ctx):  # (Keras's random draws: the unpipelined step's numbers)
       return _pipeline.pipeline(ctx, stages, inputs, targets, loss_fn, axes, microbatches, schedule,
-                                _primitives.user_location(), variables, own, place, outputs)
+                                _primitives.user_location(), variables, own, place, outputs, stage_losses,
+                                loss_scale)
 
-  def pipeline_forward(self, stages, inputs, *, axis="stage", microbatches: int, variables=None):
+  def pipeline_forward(self, stages, inputs, *, axis="stage", microbatches: int, variables=None,
+                       stage_losses: bool = False):
     """The outputs of ``stages`` run in a row on the batch, as a pipeline over the devices along ``axis``: a
     forward pass only (evaluation, prediction).
 
@@ -523,12 +536,14 @@ class Replicator(_collective_methods.CollectiveMethods):
       microbatches: how many pieces each replica's batch is split into.
       variables: the variables the stages read that :meth:`pipeline` differentiates (default:
         ``replicator.pipeline_variables(stages)``): placed on their stages' devices.
+      stage_losses: also return the losses Keras stages add themselves, as :meth:`pipeline` adds them (for
+        evaluation's loss): ``(outputs, added)``, ``added`` the same on every replica along ``axis``.
     """
     ctx = _primitives.require_context(self, "pipeline_forward")
     axes, variables, own, place = self._pipeline_placement(stages, axis, variables)
     with _keras_random.one_call_draws(ctx):
       return _pipeline.forward(ctx, stages, inputs, axes, microbatches, _primitives.user_location(), variables,
-                               own, place)
+                               own, place, stage_losses)
 
   def pipeline_stages(self, stages, *, microbatches: int, schedule: str = "1f1b", axis: str = "stage") -> None:
     """Global view: the one-device step run as a pipeline of ``stages`` over the devices along ``axis``.

@@ -211,13 +211,6 @@ def test_misuse_is_named():
   x, y, _ = _data()
   _refused(replicator.ArgumentError, "a batch of 1 rows cannot be split over the 2 batch replicas", "Fix:",
            make=lambda: few.fit(x[:1], y[:1], batch_size=1, epochs=1, verbose=0))
-  with repl.context():
-    keras.utils.set_random_seed(1)
-    regularized = _compile(replicator.PipelineModel(
-        [keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, kernel_regularizer="l2")]),
-         keras.Sequential([keras.Input((8,)), keras.layers.Dense(CLASSES)])], microbatches=2))
-  _refused(replicator.UnsupportedError, "has a regularizer", "Fix:",
-           make=lambda: regularized.fit(x, y, batch_size=BATCH, epochs=1, verbose=0))
   with pytest.raises(replicator.UnsupportedError, match="write the step with repl.pipeline"):
     repl.explain(few.train_step, tf.data.Dataset.from_tensors((x, y)))
   with pytest.raises(replicator.UnsupportedError, match="write the step with repl.pipeline"):
@@ -226,6 +219,204 @@ def test_misuse_is_named():
   with global_repl.context():
     _refused(replicator.UnsupportedError, "global-view Replicator", "StackedBlocks",
              make=lambda: replicator.PipelineModel(_stages(), microbatches=2))
+
+
+class _AddsLosses(keras.layers.Layer):
+  """Adds a loss of its inputs' mean (0.1 mean(x^2)) and one of its weight alone (0.01 sum(w^2)), in its call."""
+
+  def build(self, input_shape):
+    self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+  def call(self, x):
+    self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+    self.add_loss(0.01 * keras.ops.sum(keras.ops.square(self.scale)))
+    return x * self.scale
+
+
+def _regularized_stages():
+  # Every kind of loss a stage adds: weight penalties (L2 kernel, L1 bias, L1L2 kernel), an activity penalty (Keras
+  # divides it by the output's rows), and a layer's add_loss of its inputs' mean and of its own weight.
+  keras.utils.set_random_seed(1)
+  return [keras.Sequential([keras.Input((FEATURES,)),
+                            keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05),
+                                               activity_regularizer=keras.regularizers.L1(0.01)),
+                            keras.layers.Dense(8, activation="tanh", bias_regularizer="l1")], name="first"),
+          keras.Sequential([keras.Input((8,)), _AddsLosses(),
+                            keras.layers.Dense(CLASSES, kernel_regularizer=keras.regularizers.L1L2(0.01, 0.02))],
+                           name="last")]
+
+
+@pytest.mark.parametrize("shape, schedule", [("stage_x_batch", "1f1b"),
+                                             pytest.param("stage", "gpipe", marks=pytest.mark.full_grid)])
+def test_the_losses_the_stages_add_are_one_devices(shape, schedule):
+  # The main test's fit (2 epochs, Adam, sample weights, validation data, the short last batch split 5 and 4 rows
+  # over the batch axis, 3 microbatches of uneven rows) of stages adding every kind of loss, against one device's
+  # fit of keras.Sequential(stages): the history's losses include them, each weight's penalty once a step.
+  # Measured (both shapes, both schedules): the history 2.4e-7 from one device's at most (losses near 2.1), the
+  # weights 6.0e-8, Adam's slots 1.1e-8, evaluate 1.2e-7, predict 1.6e-7; one device's own fit with the rows of each
+  # batch in another order is as far from it (2.4e-7, 6.0e-8, 1.1e-8). Bound: 6e-7, the main test's. Without the
+  # stages' losses the history is 0.73 off, the weights 0.12.
+  x, y, weights = _data()
+  reference = _compile(keras.Sequential(_regularized_stages()))
+  with _replicator(SHAPES[shape]).context():
+    ours = _compile(replicator.PipelineModel(_regularized_stages(), microbatches=3, schedule=schedule))
+  fit = dict(sample_weight=weights, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+             validation_data=(x[:21], y[:21]))
+  expected, got = reference.fit(x, y, **fit).history, ours.fit(x, y, **fit).history
+  for key, values in expected.items():
+    np.testing.assert_allclose(got[key], values, rtol=0, atol=6e-7, err_msg=key)
+  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=6e-7)
+  assert_every_copy(ours.optimizer.variables, reference.optimizer.variables, atol=6e-7)
+  assert int(ours.optimizer.iterations.numpy()) == 6
+  np.testing.assert_allclose(ours.evaluate(x, y, batch_size=BATCH, verbose=0),
+                             reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
+  np.testing.assert_allclose(ours.predict(x, batch_size=BATCH, verbose=0),
+                             reference.predict(x, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
+
+
+def _two_input_stages(kind):
+  # A first stage of two inputs (a dict of named inputs, or a list), joined, then a Dense stage.
+  keras.utils.set_random_seed(1)
+  a, b = keras.Input((FEATURES,), name="a"), keras.Input((2,), name="b")
+  h = keras.layers.Dense(16, activation="tanh")(keras.layers.Concatenate()([a, b]))
+  first = keras.Model({"a": a, "b": b} if kind == "dict" else [a, b], h, name="first")
+  return [first, keras.Sequential([keras.Input((16,)), keras.layers.Dense(CLASSES)], name="last")]
+
+
+@pytest.mark.parametrize("kind", ["dict", pytest.param("tuple", marks=pytest.mark.full_grid)])
+def test_inputs_of_several_tensors_to_the_first_stage(kind):
+  # x a dict (or a tuple) of two arrays, split into the batch replicas' rows and the microbatches leaf by leaf,
+  # against one device's fit of the functional model of the stages in a row. Measured (both): the history 1.2e-7
+  # from one device's, the weights 8.9e-8, Adam's slots 1.0e-8, predict 1.8e-7; bound 6e-7, the main test's.
+  x, y, weights = _data()
+  other = np.random.default_rng(1).normal(size=(ROWS, 2)).astype("float32")
+  inputs = {"a": x, "b": other} if kind == "dict" else (x, other)
+  stages = _two_input_stages(kind)
+  reference = _compile(keras.Model(stages[0].inputs, stages[1](stages[0].outputs[0])))
+  with _replicator({"stage": 2, "batch": 2}).context():
+    ours = _compile(replicator.PipelineModel(_two_input_stages(kind), microbatches=3))
+  fit = dict(sample_weight=weights, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+  expected, got = reference.fit(inputs, y, **fit).history, ours.fit(inputs, y, **fit).history
+  for key, values in expected.items():
+    np.testing.assert_allclose(got[key], values, rtol=0, atol=6e-7, err_msg=key)
+  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=6e-7)
+  assert_every_copy(ours.optimizer.variables, reference.optimizer.variables, atol=6e-7)
+  np.testing.assert_allclose(ours.predict(inputs, batch_size=BATCH, verbose=0),
+                             reference.predict(inputs, batch_size=BATCH, verbose=0), rtol=0, atol=6e-7)
+
+
+@pytest.fixture
+def bfloat16_policy():
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    yield
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_bfloat16_trains_as_one_device_within_bfloat16s_rounding(bfloat16_policy):  # pylint: disable=redefined-outer-name,unused-argument
+  # mixed_bfloat16 (no loss scaling): the stages compute in bfloat16 on float32 weights, with an L2 kernel penalty.
+  # 2 epochs against one device's fit under the same policy. Measured: the history 4.8e-4 from one device's, the
+  # weights 5.1e-4, Adam's slots 2.1e-4 (with a batch axis: 1.9e-4, 5.0e-4, 1.8e-4); one device's own bfloat16 fit
+  # is 7.9e-4, 5.9e-4 and 1.4e-4 from its float32 fit, and 3.8e-4, 1.5e-4 and 1.8e-4 from itself with the rows of
+  # each batch in another order (bfloat16 sums of other rows). Bound 2e-3, 2.5 times one device's largest distance
+  # from float32. Stages computing in float32 (the policy not followed) would be within it: the dtypes are checked.
+  def stages():
+    keras.utils.set_random_seed(1)
+    return [keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(
+        16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05))]),
+            keras.Sequential([keras.Input((16,)), keras.layers.Dense(CLASSES)])]
+
+  x, y, weights = _data()
+  reference = _compile(keras.Sequential(stages()))
+  with _replicator({"stage": 2}).context():
+    ours = _compile(replicator.PipelineModel(stages(), microbatches=3))
+  assert not isinstance(ours.optimizer, keras.optimizers.LossScaleOptimizer)
+  assert ours.stages[0].layers[0].compute_dtype == "bfloat16" and ours.trainable_weights[0].dtype == "float32"
+  fit = dict(sample_weight=weights, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+  expected, got = reference.fit(x, y, **fit).history, ours.fit(x, y, **fit).history
+  for key, values in expected.items():
+    np.testing.assert_allclose(got[key], values, rtol=0, atol=2e-3, err_msg=key)
+  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=2e-3)
+  assert_every_copy(ours.optimizer.variables, reference.optimizer.variables, atol=2e-3)
+
+
+def test_an_optimizer_coupling_every_stage_is_refused_at_compile():
+  # Each stage's devices update their stage's weights alone: an optimizer whose update spans every weight is named.
+  cases = [
+      (lambda: keras.optimizers.Adam(gradient_accumulation_steps=4),
+       ["has gradient_accumulation_steps=4", "Fix: a batch 4 times larger and 4 times the microbatches"]),
+      (lambda: keras.optimizers.Adam(use_ema=True), ["has use_ema=True", "Fix: use_ema=False"]),
+      (lambda: keras.optimizers.Adam(global_clipnorm=1.0), ["has global_clipnorm=1.0", "Fix: clipnorm="]),
+  ]
+  with _replicator({"stage": 2}).context():
+    model = replicator.PipelineModel(_stages(), microbatches=2)
+    for make, fragments in cases:
+      _refused(replicator.UnsupportedError, "expected an optimizer that updates each weight from its own gradient",
+               *fragments, make=lambda make=make: model.compile(optimizer=make(), loss="mse"))
+
+
+def _float16_stages():
+  keras.utils.set_random_seed(1)
+  return [keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(
+      16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05))]),
+          keras.Sequential([keras.Input((16,)), keras.layers.Dense(CLASSES)])]
+
+
+def _float16_compiled(model, initial_scale, growth):
+  model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=initial_scale,
+                                                              dynamic_growth_steps=growth),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+  return model
+
+
+@pytest.fixture
+def float16_policy():
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    yield
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+# (initial scale, steps between doublings): the scale, the steps skipped after 6.
+FLOAT16_CASES = {(2.0 ** 15, 2): (2.0 ** 18, 0), (2.0 ** 21, 1000): (2.0 ** 18, 3)}
+
+
+@pytest.mark.parametrize("initial_scale, growth", sorted(FLOAT16_CASES))
+def test_mixed_float16_scales_the_loss_and_skips_a_step_on_every_stage_as_one_device(float16_policy, initial_scale,  # pylint: disable=redefined-outer-name,unused-argument
+                                                                                     growth):
+  # Under mixed_float16 (Keras's compile wraps the optimizer in a LossScaleOptimizer; here given), on {"stage": 2,
+  # "batch": 2}, 2 epochs: each backward pass is seeded with the scale times the replica's share of the rows (each
+  # row's float16 gradient one device's), and a step is skipped on every stage if any stage's gradients are not
+  # finite. 2^15, doubling every 2 steps: none skipped, the scale 2^18 after 6 steps; 2^21: the first 3 steps
+  # overflow in float16 on one device and here, skipped on both stages. Against one device's fit under the same
+  # policy: the scale, its counter and the optimizer's iterations exactly. Measured: the weights 4.0e-5 (3.0e-5)
+  # from one device's, Adam's slots 2.5e-5 (1.4e-5), the history 1.0e-5 (0); one device's own float16 fit is 7.6e-5
+  # (3.0e-2) from its float32 fit in the weights, and 0 from itself with each batch's rows in another order (1.2e-7
+  # in the history): the 4.0e-5 is the microbatches' float16 products, each rounded before their float32 sum, not
+  # row order. Bound 3e-4, four times the float32 distance. Seeded with the scale alone (each
+  # replica's rows' gradients twice one device's, in float16), a start at 2^19 or 2^23 doubling every 2 steps
+  # skipped a step one device did not. Near the overflow a step can still be decided otherwise: a microbatch's
+  # float16 matmul sums fewer rows than one device's (a start at 2^20 doubling never: 2 steps skipped on both, not
+  # the same ones).
+  x, y, weights = _data()
+  reference = _float16_compiled(keras.Sequential(_float16_stages()), initial_scale, growth)
+  with _replicator({"stage": 2, "batch": 2}).context():
+    ours = _float16_compiled(replicator.PipelineModel(_float16_stages(), microbatches=3), initial_scale, growth)
+  fit = dict(sample_weight=weights, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+  expected, got = reference.fit(x, y, **fit).history, ours.fit(x, y, **fit).history
+  assert isinstance(ours.optimizer, keras.optimizers.LossScaleOptimizer)
+  assert ours.stages[0].layers[0].compute_dtype == "float16"
+  scale, skipped = FLOAT16_CASES[initial_scale, growth]
+  assert float(reference.optimizer.dynamic_scale.numpy()) == scale
+  assert int(reference.optimizer.iterations.numpy()) == 6 - skipped
+  for name in ("dynamic_scale", "step_counter", "iterations"):
+    assert int(getattr(ours.optimizer, name).numpy()) == int(getattr(reference.optimizer, name).numpy()), name
+  for key, values in expected.items():
+    np.testing.assert_allclose(got[key], values, rtol=0, atol=3e-4, err_msg=key)
+  assert_every_copy(ours.trainable_weights, reference.trainable_weights, atol=3e-4)
+  assert_every_copy(ours.optimizer.variables, reference.optimizer.variables, atol=3e-4)
 
 
 @pytest.mark.full_grid

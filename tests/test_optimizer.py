@@ -9,6 +9,7 @@ from conftest import cpus
 from conftest import float16_noise
 from conftest import replica_values
 
+import mesh
 import replicator
 from replicator.state import _variables
 
@@ -374,3 +375,59 @@ def test_a_loss_scale_optimizer_around_a_wrapped_one_is_refused_with_the_order_t
   model, scaler = _mixed_float16_run("wrapped(scaled)", update=update)
   assert_every_copy_float16(model.variables + scaler.variables, want_model.variables + want_scaler.variables, noise)
   assert scaler.dynamic_scale.numpy() == want_scaler.dynamic_scale.numpy() and scaler.iterations.numpy() == 4
+
+
+def test_a_loss_scale_optimizer_of_pipelined_variables_skips_a_step_on_every_stage():
+  # Two stages on {"stage": 2}, each variable on its stage's device: stage 0's weight read through sqrt, one entry
+  # 0, so its gradient is not finite while stage 1's is. One device's LossScaleOptimizer skips the step (checking
+  # every gradient); so does the wrapped one on both stages (one all-reduce of the flag), halving its scale on
+  # both. Then, the entry 1, a finite step: the scale-seeded pipeline's update is one device's (measured equal;
+  # bound 1e-6). Each stage deciding on its own gradients is refused by the step's invariance check (the scale
+  # written under a predicate that differs between the stages; tried), and would update stage 1's weight.
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")
+  start0 = np.abs(rng.normal(size=(3, 4))).astype("float32")
+  start0[1, 2] = 0.0
+  start1 = rng.normal(size=(4, 1)).astype("float32")
+
+  def make():
+    w0, w1 = tf.Variable(start0, name="w0"), tf.Variable(start1, name="w1")
+    return w0, w1, keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 8)
+
+  one0, one1, one_opt = make()
+
+  @tf.function
+  def one_step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(keras.losses.mean_squared_error(y, tf.tanh(x @ tf.sqrt(one0)) @ one1))
+      scaled = one_opt.scale_loss(loss)
+    one_opt.apply_gradients(zip(tape.gradient(scaled, [one0, one1]), [one0, one1]))
+
+  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2}, devices=cpus(2)))
+  with repl.context():
+    w0, w1, base = make()
+    opt = repl.wrap_optimizer(base)
+    base.build([w0, w1])  # (its scale a variable before the step reads it; SGD has no slots)
+  stages = [lambda h: tf.tanh(h @ tf.sqrt(w0)), lambda h: h @ w1]
+
+  def step():
+    loss, grads = repl.pipeline(stages, tf.constant(x), tf.constant(y), keras.losses.mean_squared_error,
+                                microbatches=2, variables=[w0, w1], loss_scale=lambda: base.scale_loss(1.0))
+    opt.apply_gradients(zip(grads, [w0, w1]))
+    return loss
+
+  one_step()
+  repl.run(step)
+  assert float(one_opt.dynamic_scale.numpy()) == 2.0 ** 7 and int(one_opt.iterations.numpy()) == 0
+  assert replica_values(base.dynamic_scale) == [2.0 ** 7] * 2
+  assert [int(v) for v in replica_values(base.iterations)] == [0, 0]
+  np.testing.assert_array_equal(w1.numpy(), start1)  # (stage 1's gradient was finite: skipped with stage 0's)
+  for v in (one0, w0):
+    v.assign(np.where(start0 == 0, 1.0, start0))
+  one_step()
+  repl.run(step)
+  assert replica_values(base.dynamic_scale) == [2.0 ** 7] * 2
+  assert [int(v) for v in replica_values(base.iterations)] == [1, 1]
+  for ours, theirs in ((w0, one0), (w1, one1)):
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=0, atol=1e-6)
+  assert np.abs(w1.numpy() - start1).max() > 1e-3

@@ -51,6 +51,13 @@ once, after the passes, on every replica (in the same all-reduce, zeros from the
 each stage writes is learnt when the stages are traced for their shapes (``_context.recording_writes``), so every
 replica's all-reduce is the same. The moving mean is then the batch's, the moving variance the microbatches'
 variances' mean (Keras 2's ``virtual_batch_size`` update); each microbatch is normalized by its own statistics.
+
+Losses the stages add themselves (``stage_losses=True``: one device's ``loss + sum(model.losses)``): a loss a layer
+adds in its call (``add_loss``, an activity penalty) is read from the stage after each microbatch's forward pass,
+weighted by the microbatch's rows as the loss is, and differentiated with the stage's outputs in its backward pass
+(its gradient flows back through the earlier stages); each regularized weight's penalty is added once a step, on
+the devices of the first stage that has the weight, its gradient there. ``loss_scale``: each backward pass seeded
+with it (a LossScaleOptimizer's scale), the loss returned unscaled.
 """
 
 from __future__ import annotations
@@ -261,7 +268,8 @@ def _state(specs, stages: int, location: str, axes) -> list:
 
 
 def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], microbatches: int, schedule: str,
-             location: str, variables, own=frozenset(), place=None, outputs: bool = False):
+             location: str, variables, own=frozenset(), place=None, outputs: bool = False,
+             stage_losses: bool = False, loss_scale=None):
   """``(loss, grads)``: the stages run over ``axes`` as a pipeline (see the module); ``grads`` of ``variables``.
 
   ``outputs``: also return the last stage's outputs for the replica's rows (its microbatches' in order), on every
@@ -276,6 +284,14 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   positions along ``axes`` that hold it (None: every replica). A variable held by some positions only has its
   gradient on those (a weight two stages share: summed between them, by permutes), and zeros elsewhere; no
   all-reduce over ``axes``. None: every variable stays on every replica.
+
+  ``stage_losses``: add the losses the stages (Keras layers) add themselves to the loss, and their gradients to the
+  gradients (:func:`added_losses`, :func:`weight_penalties`): a forward pass alone then returns ``(outputs, added)``,
+  ``added`` the batch's added losses, on every replica along ``axes``.
+
+  ``loss_scale``: a float32 scalar (a LossScaleOptimizer's scale), or a function giving it (called once the
+  variables are placed): the gradients are those of the loss times it, each backward pass seeded with it (as one
+  device's gradient of the scaled loss is), the loss returned unscaled.
   """
   mesh = ctx.replicator.mesh
   count = mesh.axis_size(axes)
@@ -323,6 +339,8 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
   holders = [None] * len(every) if place is None else list(place(
       {g: list(specs["reads", g].values()) for g in range(len(stages))}))
   here = [k for k, held in enumerate(holders) if held is None or device in held]  # (the variables this device has)
+  scale = None if forward_only or loss_scale is None else tf.cast(
+      loss_scale() if callable(loss_scale) else loss_scale, tf.float32)
   mine = [every[k] for k in here]
   acts, grads_in, tapes = {}, {}, {}
   summed = [None] * len(mine)
@@ -340,23 +358,30 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
             if tape is not None:
               tape.watch(_floating(x))
             y, written = _run_stage(ctx, stages[g], x, g, axes, location, (*edges[j], rows))
+            added = _weighted(added_losses(stages[g]), weights[j]) if stage_losses else None
             if g == last_stage:
               outs[j] = y
             if g == last_stage and not forward_only:
               y = tf.math.multiply_no_nan(tf.reduce_mean(tf.cast(loss_fn(ts[j], y), tf.float32)), weights[j])
+              y = y if added is None else y + added
+            elif added is not None and forward_only:  # (else differentiated with the stage's output, later)
+              loss, added = loss + added, None
           for k, value in written.items():
             part = value * tf.cast(weights[j], value.dtype)
             pending[k] = part if k not in pending else pending[k] + part
-          tapes[g, j] = (tape, x, y)
+          tapes[g, j] = (tape, x, y, added if g != last_stage else None)
           last = y
         else:
-          tape, x, y = tapes.pop((g, j))
+          tape, x, y, added = tapes.pop((g, j))
           if g == last_stage:
-            target, given = y, None
+            target, given = y, None if scale is None else tf.cast(scale, y.dtype)
           else:  # (the stage's float outputs, and their gradients: an integer value passed on has none)
             given = grads_in.pop((g, j))
             pairs = [(t, d) for t, d in zip(tree.flatten(y), tree.flatten(given)) if t.dtype.is_floating]
             target, given = [t for t, _ in pairs], [d for _, d in pairs]
+            if added is not None:  # (the losses the stage added: their gradient is one, or the scale)
+              target, given = target + [added], given + [tf.ones([], added.dtype) if scale is None else scale]
+              loss = loss + added
           inputs_in = _floating(x) if g > 0 else []
           got = tape.gradient(target, inputs_in + mine, output_gradients=given)
           dx, dw = got[:len(inputs_in)], got[len(inputs_in):]
@@ -392,6 +417,8 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
                                 f"microbatch {j} to stage {g - 1})", differentiable=False)
       if device == target:
         grads_in[g - 1, j] = got
+  if stage_losses:  # the stages' weight penalties, once a step, each on its stage's devices
+    loss, summed = _penalties(stages, count, device, mine, summed, loss, last, forward_only, scale)
   # The last stage's outputs for the replica's rows (zeros elsewhere, made after the device's last pass).
   out = None
   if outputs or forward_only:
@@ -399,10 +426,11 @@ def pipeline(ctx, stages, inputs, targets, loss_fn, axes: tuple[str, ...], micro
            _zeros(_whole(specs[last_stage, keys[0]], rows), last, rows))
   if forward_only:
     values = [pending.get(id(v), tf.zeros(v.shape, v.dtype)) for v in state]
-    out, values = _primitives.all_reduce(ctx, (out, values), "sum", axes,
-                                         f"{location} (pipeline: the last stage's outputs, the stages' state)")
+    out, values, added = _primitives.all_reduce(
+        ctx, (out, values, [loss] if stage_losses else []), "sum", axes,
+        f"{location} (pipeline: the last stage's outputs, the stages' state{', their losses' if stage_losses else ''})")
     _write_state(ctx, state, values, axes)
-    return out
+    return (out, added[0]) if stage_losses else out
   summed = _held_gradients(ctx, [_dense(total, v) for total, v in zip(summed, mine)], every, here, holders, axes,
                             device, last, location)
   mine = every
@@ -442,11 +470,13 @@ def _whole(spec, rows):
 
 
 def forward(ctx, stages, inputs, axes: tuple[str, ...], microbatches: int, location: str, variables, own=frozenset(),
-            place=None):
+            place=None, stage_losses: bool = False):
   """The last stage's outputs for the replica's rows, on every replica along ``axes``: each stage's forward pass on
   each microbatch (no tape), the activations sent on, GPipe's order (a forward pass needs no other). Its variables
-  are placed as :func:`pipeline` places them (the same ``place``)."""
-  return pipeline(ctx, stages, inputs, None, None, axes, microbatches, "gpipe", location, variables, own, place)
+  are placed as :func:`pipeline` places them (the same ``place``). ``stage_losses``: ``(outputs, added)``, ``added``
+  the losses the stages add themselves (as :func:`pipeline` adds them)."""
+  return pipeline(ctx, stages, inputs, None, None, axes, microbatches, "gpipe", location, variables, own, place,
+                  stage_losses=stage_losses)
 
 
 def _held_gradients(ctx, summed, variables, here, holders, axes, device, last, location) -> list:
@@ -485,3 +515,52 @@ def _held_gradients(ctx, summed, variables, here, holders, axes, device, last, l
 def pipeline_variables(stages) -> list:
   """The trainable variables ``repl.pipeline`` gives gradients for, in its order: each stage's, stage by stage."""
   return [v for stage in stages for v in getattr(stage, "trainable_variables", [])]
+
+
+def regularized(stage) -> list:
+  """The trainable weights of ``stage`` (a Keras layer; a function has none) that have a regularizer."""
+  return [w for w in getattr(stage, "trainable_weights", []) if getattr(w, "regularizer", None) is not None]
+
+
+def added_losses(stage) -> list:
+  """The losses ``stage`` (a Keras layer) added in its last call: its layers' ``add_loss`` and activity
+  regularizers' (Keras divides an activity penalty by the output's rows: a mean over them), not its weights'
+  penalties. Keras's ``Layer.losses`` lists the call's losses first, then one penalty a regularized trainable
+  weight (``tests/test_pipeline.py`` pins that order)."""
+  losses = list(getattr(stage, "losses", None) or [])
+  return losses[:len(losses) - len(regularized(stage))]
+
+
+def _weighted(losses, weight):
+  """The sum of ``losses`` (float32 scalars) times ``weight``, or None for no loss."""
+  if not losses:
+    return None
+  total = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in losses])
+  return tf.math.multiply_no_nan(total, tf.cast(weight, tf.float32))
+
+
+def weight_penalties(stages) -> list[list]:
+  """For each stage, the regularized weights whose penalty it adds: those no earlier stage has (a weight two stages
+  share is penalized once)."""
+  seen, out = set(), []
+  for stage in stages:
+    mine = [w for w in regularized(stage) if id(w) not in seen]
+    seen.update(id(w) for w in mine)
+    out.append(mine)
+  return out
+
+
+def _penalties(stages, count, device, variables, summed, loss, last, forward_only, scale=None):
+  """``(loss, summed)`` with the weight penalties of this device's stages added, once a step (after its passes),
+  and their gradients (of ``variables``, this device's) added to ``summed``."""
+  mine = [w for g, weights in enumerate(weight_penalties(stages)) if g % count == device for w in weights]
+  if not mine:
+    return loss, summed
+  with tf.control_dependencies(tree.flatten(last) if last is not None else []):
+    with contextlib.nullcontext() if forward_only else tf.GradientTape() as tape:
+      penalty = tf.add_n([tf.reduce_sum(tf.cast(w.regularizer(w), tf.float32)) for w in mine])
+    if not forward_only:
+      got = tape.gradient(penalty, variables, output_gradients=scale)
+      summed = [total if d is None else tf.convert_to_tensor(d) if total is None else total + tf.convert_to_tensor(d)
+                for total, d in zip(summed, got)]
+  return loss + penalty, summed

@@ -16,6 +16,15 @@ runs them as the local view's (``repl.run`` from Keras's ``tf.function``):
 * ``test_step``: ``repl.pipeline_forward`` (a forward pass only) and the compiled loss on its outputs;
 * ``predict_step``: ``repl.pipeline_forward``; the batch positions' outputs are joined in the batch's order.
 
+The losses the stages add (``model.losses``: weight penalties, activity penalties, ``add_loss``) are added by the
+pipeline where they are (``stage_losses=True``: each weight's penalty once a step on its stage's devices, a loss a
+layer adds in its call on each microbatch, weighted by its rows), not by ``compute_loss``, which would read every
+stage's on the last stage's devices: ``losses`` is empty while a step computes the compiled loss. An optimizer whose
+update spans every weight (``gradient_accumulation_steps``, ``use_ema``, ``global_clipnorm``) is refused at
+``compile``: each stage's devices update their stage's weights alone. ``mixed_float16``'s ``LossScaleOptimizer``
+trains as one device's: each backward pass is seeded with its scale (``repl.pipeline(loss_scale=...)``), and the
+wrapped optimizer skips the step on every stage if any stage's gradients are not finite.
+
 Metrics (the loss's mean and the compiled metrics) are updated on the last stage's replicas only, each with its
 rows: Keras's metric variables are each replica's own and read as their sum outside a step, so the results read
 after the step (in Keras's function) are those of the whole batch, as one device's.
@@ -53,10 +62,22 @@ NOT_CALLABLE = (
     "replicator.PipelineModel(stages=...): stage {index} is {found!r} ({kind}), not a callable; expected each "
     "stage a Keras layer or model (replicator.split_stages(model, p) cuts a keras.Sequential into them), or a "
     "function of one value.")
-REGULARIZED = (
-    "replicator.PipelineModel: {what} has a regularizer ({names}); the compiled loss would add its penalty, which "
-    "reads every stage's weights on the last stage's devices, where they do not live. Fix: leave the regularizer "
-    "out (or add its penalty's gradient in a custom step with repl.pipeline).")
+OPTIMIZER_COUPLED = (
+    "replicator.PipelineModel.compile: the optimizer {name} {found}; expected an optimizer that updates each "
+    "weight from its own gradient, as each stage's devices update their stage's weights alone. {why} Fix: {fix}")
+COUPLED = {
+    "accumulation": ("has gradient_accumulation_steps={value}",
+                     "Its accumulators and its update every k steps span every stage's weights.",
+                     "a batch {value} times larger and {value} times the microbatches (the pipeline accumulates "
+                     "its microbatches' gradients within a step: one update of the {value} batches' mean "
+                     "gradient, one step where Keras counts {value})."),
+    "ema": ("has use_ema=True",
+            "Its moving average of the weights is updated over every stage's weights at once.",
+            "use_ema=False (keep an average of the weights in a callback, outside the step)."),
+    "global_clipnorm": ("has global_clipnorm={value}",
+                        "It clips by the norm of every stage's gradients together.",
+                        "clipnorm= (each weight's gradient by its own norm), or no clipping."),
+}
 FEW_ROWS = (
     "replicator.PipelineModel: a batch of {rows} cannot be split over the {pipelines} batch replicas (the "
     "axes {axes}); expected at least one row each. Fix: batch_size of at least {pipelines} (and a last batch of "
@@ -76,10 +97,27 @@ def _is_layer(stage) -> bool:
 
 
 def _as_called(stage, training: bool):
-  """``stage`` as the pipeline calls it: a Keras layer with ``training``, any other callable as it is."""
-  if not _is_layer(stage):
-    return stage
-  return lambda x: stage(x, training=training)
+  """``stage`` as the pipeline calls it: a Keras layer with ``training`` (its losses and weights seen through,
+  for ``repl.pipeline(stage_losses=True)``), any other callable as it is."""
+  return _Called(stage, training) if _is_layer(stage) else stage
+
+
+class _Called:
+  """A Keras layer called with ``training``; its ``losses`` and ``trainable_weights`` are the layer's."""
+
+  def __init__(self, layer, training: bool):
+    self.layer, self.training = layer, training
+
+  def __call__(self, x):
+    return self.layer(x, training=self.training)
+
+  @property
+  def losses(self):
+    return self.layer.losses
+
+  @property
+  def trainable_weights(self):
+    return self.layer.trainable_weights
 
 
 @keras.saving.register_keras_serializable("replicator")
@@ -169,8 +207,13 @@ class PipelineModel(keras.Model):
 
   def compile(self, *args, **kwargs):  # pylint: disable=signature-differs
     """Keras's ``compile``; the optimizer is then wrapped (``repl.wrap_optimizer``): its slots for each stage's
-    weights are made on that stage's devices, and it averages the gradients over the batch axes."""
+    weights are made on that stage's devices, and it averages the gradients over the batch axes. An optimizer
+    whose update couples every weight (``gradient_accumulation_steps``, ``use_ema``, ``global_clipnorm``) is
+    refused. A ``LossScaleOptimizer`` (``mixed_float16``'s) scales the loss inside the pipeline, and its check of
+    the gradients is every stage's (``repl.wrap_optimizer`` agrees on it across the stages)."""
     super().compile(*args, **kwargs)
+    if self.optimizer is not None:
+      _check_optimizer(self.optimizer)
     self._pipeline_optimizer = self._repl.wrap_optimizer(self.optimizer) if self.optimizer is not None else None
 
   def compile_from_config(self, config):
@@ -204,8 +247,6 @@ class PipelineModel(keras.Model):
     predictions). Called by the Replicator's Keras strategy."""
     kind = getattr(fn, "__name__", "")
     kind = kind if kind in (TRAIN, TEST) else PREDICT
-    if kind in (TRAIN, TEST):
-      self._check_no_regularizers()
     repl = self._repl
     data = keras.utils.pack_x_y_sample_weight(*keras.utils.unpack_x_y_sample_weight(data))  # (no None: no input)
     pipelines = self._pipelines()
@@ -275,6 +316,20 @@ class PipelineModel(keras.Model):
       self._loss_tracker.update_state(loss, sample_weight=rows)  # pylint: disable=protected-access
       self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+  @property
+  def losses(self):
+    """Keras's ``losses`` (the stages' added losses and weight penalties), or none while a step computes the
+    compiled loss: the pipeline adds the stages' own losses on their devices (``repl.pipeline(stage_losses=True)``)."""
+    return [] if getattr(self, "_compiled_loss_only", False) else super().losses
+
+  def _compiled_loss(self, y, y_pred, sample_weight, training):
+    """``compute_loss`` without the stages' losses (the pipeline adds them where they are)."""
+    self._compiled_loss_only = True
+    try:
+      return self.compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+    finally:
+      self._compiled_loss_only = False
+
   def _train_replica(self, batch):
     data, weight = batch
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -282,24 +337,39 @@ class PipelineModel(keras.Model):
 
     def loss_fn(targets, outputs):
       y_part, weight_part = (targets, None) if sample_weight is None else targets
-      return self.compute_loss(x=None, y=y_part, y_pred=outputs, sample_weight=weight_part, training=True)
+      return self._compiled_loss(y_part, outputs, weight_part, training=True)
 
     targets = y if sample_weight is None else (y, sample_weight)
-    loss, grads, y_pred = self._repl.pipeline(self._train_calls, x, targets, loss_fn, axis=self.axis,
-                                              microbatches=self._microbatches(x), schedule=self.schedule,
-                                              variables=variables, outputs=True)
-    grads = [g * tf.cast(weight, g.dtype) for g in grads]  # (a batch split unevenly: each replica's by its rows)
+    # A LossScaleOptimizer (mixed_float16's): the backward passes seeded with its scale times the replica's share of
+    # the batch's rows (each row's gradient then one device's, in float16 too), its gradients times the batch
+    # replicas (their mean the batch's); else each replica's gradient weighted by its rows (a batch split unevenly).
+    scaled = hasattr(self.optimizer, "inner_optimizer")
+    count = max(self._pipelines()) + 1
+    loss, grads, y_pred = self._repl.pipeline(
+        self._train_calls, x, targets, loss_fn, axis=self.axis, microbatches=self._microbatches(x),
+        schedule=self.schedule, variables=variables, outputs=True, stage_losses=True,
+        loss_scale=(lambda: self._loss_scale() * tf.cast(weight, tf.float32) / count) if scaled else None)
+    factor = count if scaled else weight
+    grads = [g * tf.cast(factor, g.dtype) for g in grads]
     self._pipeline_optimizer.apply_gradients(zip(grads, variables))
     self._update_metrics(x, y, y_pred, sample_weight, loss, _rows(x))
     return loss
 
+  def _loss_scale(self):
+    """The LossScaleOptimizer's scale (called once the variables are placed): ``scale_loss`` of one, the optimizer
+    built first (its scale a variable; its slots on their stages' devices)."""
+    if not self.optimizer.built:
+      with keras.name_scope(self.optimizer.name, caller=self.optimizer):
+        self.optimizer.build(self.trainable_variables)
+    return self.optimizer.scale_loss(tf.ones([]))
+
   def _test_replica(self, batch):
     data, _ = batch
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    y_pred = self._forward(x)
+    y_pred, added = self._forward(x, stage_losses=True)
     loss = tf.zeros([])
     if self._last_stage():
-      loss = self.compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+      loss = tf.cast(self._compiled_loss(y, y_pred, sample_weight, training=False), tf.float32) + added
     self._update_metrics(x, y, y_pred, sample_weight, loss, _rows(x))
     return loss
 
@@ -308,29 +378,25 @@ class PipelineModel(keras.Model):
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     return self._forward(x)
 
-  def _forward(self, x):
+  def _forward(self, x, stage_losses=False):
     return self._repl.pipeline_forward(self._infer_calls, x, axis=self.axis, microbatches=self._microbatches(x),
-                                       variables=list(self.trainable_variables))
+                                       variables=list(self.trainable_variables), stage_losses=stage_losses)
 
-  def _check_no_regularizers(self) -> None:
-    regularized = [w.path for w in self.trainable_weights if getattr(w, "regularizer", None) is not None]
-    if regularized:
-      raise _errors.UnsupportedError(REGULARIZED.format(what="a weight", names=", ".join(regularized)))
-    active = [layer.name for layer in _layers(self.stages) if getattr(layer, "activity_regularizer", None)]
-    if active:
-      raise _errors.UnsupportedError(REGULARIZED.format(what="a layer's output", names=", ".join(active)))
+
+def _check_optimizer(optimizer) -> None:
+  """Refuses an optimizer whose update couples every weight (each stage's devices update their weights alone)."""
+  found = ("accumulation" if getattr(optimizer, "gradient_accumulation_steps", None) else
+           "ema" if getattr(optimizer, "use_ema", False) else
+           "global_clipnorm" if getattr(optimizer, "global_clipnorm", None) else None)
+  if found is None:
+    return
+  value = {"accumulation": getattr(optimizer, "gradient_accumulation_steps", None),
+           "global_clipnorm": getattr(optimizer, "global_clipnorm", None)}.get(found)
+  what, why, fix = (part.format(value=value) for part in COUPLED[found])
+  raise _errors.UnsupportedError(OPTIMIZER_COUPLED.format(name=type(optimizer).__name__, found=what, why=why, fix=fix))
 
 
 def _rows(x):
   leaf = next(t for t in tree.flatten(x) if t is not None)
   return tf.shape(leaf)[0]
 
-
-def _layers(found) -> list:
-  """The Keras layers among ``found`` and inside them (their ``layers``), depth first."""
-  out = []
-  for layer in found:
-    if _is_layer(layer):
-      out.append(layer)
-      out.extend(_layers(getattr(layer, "layers", [])))
-  return out

@@ -252,6 +252,8 @@ class ReplicatedOptimizer(tf.Module):
     # Per wrapped optimizer, shared by every wrapper of it (slots live on their owner):
     # slots by variable, id(ReplicatedVariable) -> (variable, Owner), bytes owned per device.
     record = _give_slots_their_variables_layout(optimizer)
+    if getattr(optimizer, "inner_optimizer", None) is not None:  # (a LossScaleOptimizer's slots are its inner one's)
+      _give_slots_their_variables_layout(optimizer.inner_optimizer)
     object.__setattr__(self, "_slots", record["slots"])
     object.__setattr__(self, "_owners", record["owners"])
     object.__setattr__(self, "_load", record.setdefault("load", [0] * len(replicator.devices)))
@@ -405,15 +407,50 @@ class ReplicatedOptimizer(tf.Module):
     keep = [k for k, v in enumerate(variables) if _variables.holds(v, ctx.replica_id)]
     return [grads[k] for k in keep], [variables[k] for k in keep]
 
+  def _loss_scaled_placed(self, variables) -> bool:
+    """Whether this step applies a LossScaleOptimizer to variables a pipeline placed on their stages."""
+    return hasattr(self._optimizer, "inner_optimizer") and any(
+        _variables.placement_of(v) is not None for v in variables)
+
+  def _apply_loss_scaled(self, grads, variables):
+    """A LossScaleOptimizer's step on this replica's stages' ``variables``: the
+    step is skipped (and the scale halved) on every replica if any replica's gradients are not finite, as one
+    device's check of every stage's gradients decides; else each replica applies its own, unscaled, with the inner
+    optimizer, and the scale grows as the LossScaleOptimizer's does (its public ``step_counter``, ``dynamic_scale``
+    and ``dynamic_growth_steps``: its own ``apply`` would check this replica's gradients alone)."""
+    optimizer = self._optimizer
+    present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+    bad = tf.zeros([]) if not present else tf.cast(tf.logical_not(tf.reduce_all(tf.stack(
+        [tf.reduce_all(tf.math.is_finite(g)) for g in present]))), tf.float32)
+    bad = self._replicator.all_reduce(bad, op="sum", axis=tuple(self._replicator.mesh.axis_names))
+
+    def finite():
+      scale = optimizer.dynamic_scale
+      unscaled = [None if g is None else tf.convert_to_tensor(g) / tf.cast(scale, tf.convert_to_tensor(g).dtype)
+                  for g in grads]
+      if variables:
+        optimizer.inner_optimizer.apply(unscaled, variables)
+      else:  # (every variable on other stages)
+        optimizer.inner_optimizer.iterations.assign_add(1)
+      grow = tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1)
+      optimizer.step_counter.assign(tf.where(grow, tf.zeros_like(optimizer.step_counter), optimizer.step_counter + 1))
+      optimizer.dynamic_scale.assign(tf.where(grow, optimizer.dynamic_scale * 2.0, optimizer.dynamic_scale))
+      return tf.constant(True)
+
+    def skip():
+      optimizer.step_counter.assign(tf.zeros_like(optimizer.step_counter))
+      optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+      return tf.constant(False)
+
+    return tf.cond(bad > 0, skip, finite)
+
   def _build_for_placed(self, variables) -> None:
     """Builds a Keras optimizer's slots for every variable before a replica applies those it holds: each
     replica's apply names its own stages' variables only, which a first apply would build the optimizer for."""
     if not any(_variables.placement_of(v) is not None for v in variables):
       return
     coupled = ("global_clipnorm clips by the norm of every stage's gradients together"
-               if getattr(self._optimizer, "global_clipnorm", None) else
-               "a LossScaleOptimizer skips a step on any stage's non-finite gradient"
-               if hasattr(self._optimizer, "inner_optimizer") else None)
+               if getattr(self._optimizer, "global_clipnorm", None) else None)
     if coupled:
       raise _errors.UnsupportedError(PLACED_COUPLED.format(optimizer=type(self._optimizer).__name__, reason=coupled))
     if hasattr(self._optimizer, "built"):
@@ -512,7 +549,10 @@ class ReplicatedOptimizer(tf.Module):
       owners = self._sharded_owners(grads, variables)
       self._apply_sharded(self._reduce(grads, variables, owners), variables, gathered_bytes, owners)
       return self._optimizer.iterations
+    every = variables
     grads, variables = self._held(self.reduce_gradients(grads, variables), variables)
+    if self._loss_scaled_placed(every):
+      return self._apply_loss_scaled(grads, variables)
     if not variables:  # (every variable on other stages)
       return self._optimizer.iterations.assign_add(1)
     return self._optimizer.apply_gradients(list(zip(grads, variables)), *args, **kwargs)
@@ -543,7 +583,10 @@ class ReplicatedOptimizer(tf.Module):
     grads = self.reduce_gradients(grads, None if variables is None else list(variables))
     if variables is None:
       return self._optimizer.apply(grads, *args, **kwargs)
+    every = list(variables)
     grads, variables = self._held(grads, list(variables))
+    if self._loss_scaled_placed(every):
+      return self._apply_loss_scaled(grads, variables)
     if not variables:  # (every variable on other stages)
       return self._optimizer.iterations.assign_add(1)
     return self._optimizer.apply(grads, variables, *args, **kwargs)
