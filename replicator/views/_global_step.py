@@ -611,7 +611,12 @@ def _check_stages(config, layouts) -> None:
 def _stage_ownership(graph, partition, stages: Stages, variables: dict, mesh) -> _partition_owners.Ownership:
   """The ops of each stage (``rewrite._partition_stages``); each variable one stage alone uses placed on its
   devices (an optimizer's slots with it), or, if it cannot move (split, or a metric's), read from them."""
-  handle_stage = {name: stages.stage_of[id(v)] for name, v in variables.items() if id(v) in stages.stage_of}
+  handle_stage = {}
+  for name, v in variables.items():  # (an optimizer's slot, an accumulator: its variable's stage, moving with it)
+    reference = _variables.slot_reference(v)
+    given = v if id(v) in stages.stage_of else _variables.underlying(reference) if reference is not None else None
+    if given is not None and id(given) in stages.stage_of:
+      handle_stage[name] = stages.stage_of[id(given)]
   summed = frozenset(name for name, v in variables.items() if _variables.summed_on_read(v))
   found = _partition_stages.assign(graph, partition, stages.axis, handle_stage, MICROBATCH_AXIS, mesh, summed)
   for name, why in found.refused:
