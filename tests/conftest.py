@@ -242,3 +242,4 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "full_grid" in item.keywords:
       item.add_marker(skip)
+

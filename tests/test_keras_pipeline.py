@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 from conftest import assert_every_copy
 from conftest import cpus
+from stage_losses import AddsLosses
 
 import mesh
 import replicator
@@ -221,18 +222,6 @@ def test_misuse_is_named():
              make=lambda: replicator.PipelineModel(_stages(), microbatches=2))
 
 
-class _AddsLosses(keras.layers.Layer):
-  """Adds a loss of its inputs' mean (0.1 mean(x^2)) and one of its weight alone (0.01 sum(w^2)), in its call."""
-
-  def build(self, input_shape):
-    self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
-
-  def call(self, x):
-    self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
-    self.add_loss(0.01 * keras.ops.sum(keras.ops.square(self.scale)))
-    return x * self.scale
-
-
 def _regularized_stages():
   # Every kind of loss a stage adds: weight penalties (L2 kernel, L1 bias, L1L2 kernel), an activity penalty (Keras
   # divides it by the output's rows), and a layer's add_loss of its inputs' mean and of its own weight.
@@ -241,7 +230,7 @@ def _regularized_stages():
                             keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05),
                                                activity_regularizer=keras.regularizers.L1(0.01)),
                             keras.layers.Dense(8, activation="tanh", bias_regularizer="l1")], name="first"),
-          keras.Sequential([keras.Input((8,)), _AddsLosses(),
+          keras.Sequential([keras.Input((8,)), AddsLosses(),
                             keras.layers.Dense(CLASSES, kernel_regularizer=keras.regularizers.L1L2(0.01, 0.02))],
                            name="last")]
 

@@ -17,6 +17,7 @@ from conftest import assert_every_copy
 from conftest import assert_held_gradients
 from conftest import copies_distance
 from conftest import cpus
+from stage_losses import AddsLosses
 
 import mesh
 import replicator
@@ -723,21 +724,24 @@ def test_the_memory_report_shows_each_device_half_of_one_devices_variables_and_s
   assert max(halves) * 2 - whole <= 12, (halves, whole)  # (what every device keeps: Adam's counter and rate)
 
 
+def _tied_projection():
+  """A ``WIDE x 8`` projection (tied: used by the first stage and, transposed, by the last) and two Dense(8) layers
+  between: ``(w, middle, variables)``, the same values each call."""
+  keras.utils.set_random_seed(5)
+  w = tf.Variable((np.random.default_rng(3).normal(size=(WIDE, 8)) / 4).astype("float32"), name="tied")
+  middle = [keras.layers.Dense(8, activation="tanh") for _ in range(2)]
+  for layer in middle:
+    layer.build((None, 8))
+  return w, middle, [w] + [v for layer in middle for v in layer.trainable_variables]
+
+
 def test_a_weight_two_stages_share_lives_on_their_devices_its_gradient_summed_between_them():
   # Over 4 stages, a projection used by stage 0 and, transposed, by stage 3 (an output layer tied to its
   # embedding): on the devices of those two stages only, with its SGD-momentum slot; its gradient the sum of the two
   # stages' parts, by a permute between them (no all-reduce over the stages). 5 steps: every weight and slot
   # within 1e-6 of one device's (measured 3e-8, as the MLP's SGD runs above).
   x, y = _mlp_data()
-  tied = (np.random.default_rng(3).normal(size=(WIDE, 8)) / 4).astype("float32")
-
-  def build():
-    keras.utils.set_random_seed(5)
-    w = tf.Variable(tied, name="tied")
-    middle = [keras.layers.Dense(8, activation="tanh") for _ in range(2)]
-    for layer in middle:
-      layer.build((None, 8))
-    return w, middle, [w] + [v for layer in middle for v in layer.trainable_variables]
+  build = _tied_projection
 
   def stage_fns(w, middle):
     return [lambda h: tf.tanh(h @ w), middle[0], middle[1], lambda h: h @ tf.transpose(w)]
@@ -1015,15 +1019,7 @@ def test_the_sharded_update_owns_a_weight_both_stages_read_among_every_device_an
   # (CPU:0 owns it, so CPU:1 owns the first stage's layer). 4 steps of Adam on 4 batches: every weight, and every slot
   # on its owner, within 1e-6 of one device's (measured 6e-8).
   batches, data = _batches(4)
-  tied = (np.random.default_rng(3).normal(size=(WIDE, 8)) / 4).astype("float32")
-
-  def build():
-    keras.utils.set_random_seed(5)
-    w = tf.Variable(tied, name="tied")
-    middle = [keras.layers.Dense(8, activation="tanh") for _ in range(2)]
-    for layer in middle:
-      layer.build((None, 8))
-    return w, middle, [w] + [v for layer in middle for v in layer.trainable_variables]
+  build = _tied_projection
 
   def stage_fns(w, middle):
     return [lambda h: middle[0](tf.tanh(h @ w)), lambda h: middle[1](h) @ tf.transpose(w)]
@@ -1093,15 +1089,7 @@ def test_the_sharded_update_of_a_weight_two_stages_share_runs_once_in_each_of_th
   # 4 steps of Adam on 4 batches: every weight, and every slot on its owners, within 1e-6 of one device's
   # (measured 6e-8).
   batches, data = _batches(4)
-  tied = (np.random.default_rng(3).normal(size=(WIDE, 8)) / 4).astype("float32")
-
-  def build():
-    keras.utils.set_random_seed(5)
-    w = tf.Variable(tied, name="tied")
-    middle = [keras.layers.Dense(8, activation="tanh") for _ in range(2)]
-    for layer in middle:
-      layer.build((None, 8))
-    return w, middle, [w] + [v for layer in middle for v in layer.trainable_variables]
+  build = _tied_projection
 
   def stage_fns(w, middle):
     return [lambda h: tf.tanh(h @ w), middle[0], middle[1], lambda h: h @ tf.transpose(w)]
@@ -1207,18 +1195,6 @@ def test_the_last_stages_outputs_with_the_loss_and_from_a_forward_pass_alone(sch
   assert_held_gradients(grads, replicator.pipeline_variables(stages), expected_grads, atol=1e-6)
 
 
-class _AddsLosses(keras.layers.Layer):
-  """Adds 0.1 mean(x^2) (a mean over its rows) and 0.01 sum(scale^2) (of its weight alone) in its call."""
-
-  def build(self, input_shape):
-    self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
-
-  def call(self, x):
-    self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
-    self.add_loss(0.01 * keras.ops.sum(keras.ops.square(self.scale)))
-    return x * self.scale
-
-
 def _losing_stages(p):
   """``p`` stages adding every kind of loss: weight penalties, an activity penalty, a layer's add_loss."""
   keras.utils.set_random_seed(2)
@@ -1228,7 +1204,7 @@ def _losing_stages(p):
                                  kernel_regularizer=keras.regularizers.L2(0.05) if k % 2 == 0 else None,
                                  bias_regularizer="l1" if k == p - 1 else None,
                                  activity_regularizer=keras.regularizers.L1(0.02) if k == 0 else None)]
-    stage = keras.Sequential(([_AddsLosses()] if k == 1 else []) + layers)
+    stage = keras.Sequential(([AddsLosses()] if k == 1 else []) + layers)
     stage.build((None, d))
     stages.append(stage)
     d = w
@@ -1290,7 +1266,7 @@ def test_the_keras_losses_order_stage_losses_relies_on():
   # changes either, this fails first.
   layer = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.5), bias_regularizer="l1",
                              activity_regularizer=keras.regularizers.L1(0.25))
-  stage = keras.Sequential([_AddsLosses(), layer])
+  stage = keras.Sequential([AddsLosses(), layer])
   x = np.arange(12, dtype="float32").reshape(4, 3) / 10
   out = stage(x)
   losses = [float(t) for t in stage.losses]
