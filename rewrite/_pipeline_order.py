@@ -32,8 +32,8 @@ import tensorflow as tf
 
 from rewrite import _errors
 from rewrite import _expansion
+from rewrite._partition_stages import BACKWARD_SCOPE
 
-BACKWARD_SCOPE = "gradient_tape/"
 _GATE = "pipeline/backward_done"  # (a NoOp after a microbatch's backward pass on a device position)
 
 CYCLE = (
