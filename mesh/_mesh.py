@@ -91,7 +91,7 @@ class Mesh:
 
     Examples:
       >>> Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]).with_repeats("microbatch", 2).devices[:2]
-      ('/job:localhost/replica:0/task:0/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:0')
+      ('/device:CPU:0', '/device:CPU:0')
     """
     if not isinstance(axis, str) or not axis or axis in self._shape or not isinstance(count, int) or count < 1:
       raise _errors.MeshError(f"Mesh.with_repeats({axis!r}, {count!r}): expected a new axis name (this mesh has "

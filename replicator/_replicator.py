@@ -570,7 +570,7 @@ class Replicator(_collective_methods.CollectiveMethods):
 
     Examples:
       >>> import keras, mesh
-      >>> repl = Replicator(mesh=mesh.Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]), view="global")
+      >>> repl = Replicator(mesh=mesh.Mesh({"stage": 2}, devices=["cpu:0", "cpu:1"]), view="global", batch_axes=())
       >>> with repl.context():
       ...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
       >>> repl.pipeline_stages([model.layers[0], model.layers[1]], microbatches=2)
