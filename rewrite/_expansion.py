@@ -419,8 +419,9 @@ class _Expander:
             shape = tf.TensorShape([0 if n is None else n for n in shape.as_list()] if shape.rank is not None
                                    else [0])  # (unknown sizes: a group of idle devices, on empty values)
             self._input(r, op, decision, i, t, self._idle_zeros(r, shape, t.dtype), idle=True)
-      if decision.once:  # its inputs were relayouted everywhere (collectives need the group); it runs on one
-        first = next((r for r, inputs in enumerate(inputs_per_device) if inputs is not None), None)
+      if decision.once:  # its inputs were relayouted everywhere (collectives need the group); it runs on one:
+        # device 0 (in a multi-client job, in its process alone), or a pipelined step's first device that runs it
+        first = next((r for r, inputs in enumerate(inputs_per_device) if inputs is not None), None) if pipelined else 0
         inputs_per_device = [inputs if r == first else None for r, inputs in enumerate(inputs_per_device)]
       if op.type in _ALIASES and not any(r is not None for r in decision.reduce):
         outputs_per_device = inputs_per_device  # no copy: its consumers read its (relayouted) input

@@ -19,7 +19,8 @@ pass gives every op of the step a stage, or none (it runs on every device):
 A variable the caller did not place (an optimizer's slot) belongs to the
 one stage that writes it and uses what it reads, if one; its reads then run
 there too, which can give more ops a stage: the pass repeats until nothing
-changes. A variable several stages' ops use (a scale two layers of
+changes (a variable found on one stage, then another, belongs to none: the
+pass ends). A variable several stages' ops use (a scale two layers of
 different stages read) belongs to none: each device reads its own copy, and
 its writes run on every device, each given the new value from the stage that
 computes it. Ops that pass values through (``Identity``, ``IdentityN``) take
@@ -34,6 +35,7 @@ stage each variable handle belongs to.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import tensorflow as tf
@@ -87,6 +89,7 @@ def assign(graph: tf.Graph, partition, axis: str, handle_stage: dict, microbatch
         users.setdefault(t.name, []).append(op)
   shared: set = set(summed)
   handles = {name: stage for name, stage in handle_stage.items() if name not in shared}
+  moved: collections.Counter = collections.Counter()  # how often a variable's stage changed (twice: shared)
   while True:
     stage_of = _op_stages(ops, forward, handles, shared)
     found = {}
@@ -106,11 +109,13 @@ def assign(graph: tf.Graph, partition, axis: str, handle_stage: dict, microbatch
         found[name] = None
     changed = False
     for name, stage in found.items():
-      if stage is None and name not in shared:
+      moving = stage is not None and name in handles and handles[name] != stage
+      moved[name] += moving
+      if (stage is None or moved[name] > 1) and name not in shared:  # (a variable found on two stages in turn too)
         shared.add(name)
         handles.pop(name, None)
         changed = True
-      elif stage is not None and handles.get(name) != stage:
+      elif stage is not None and name not in shared and handles.get(name) != stage:
         handles[name] = stage
         changed = True
     for name, stage in handle_stage.items():  # a placed variable another stage's ops also use: shared

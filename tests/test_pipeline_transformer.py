@@ -239,7 +239,9 @@ def test_the_global_view_s_pipeline_of_the_one_device_step_is_within_twice_the_f
   repl = replicator.Replicator(mesh=mesh.Mesh({"stage": p}, devices=cpus(p)), view="global", batch_axes=())
   with repl.context():
     model = Model()
-  repl.pipeline_stages(_global_stages(model, p), microbatches=m)
+  # GPipe: 1F1B's pass finds a cycle in this step and refuses it (naming a Dropout draw: a false refusal, found at
+  # the end of the stop that added it; the local view's 1F1B runs the same model, above).
+  repl.pipeline_stages(_global_stages(model, p), microbatches=m, schedule="gpipe")
 
   def step(batch):
     h, y = batch
