@@ -58,7 +58,7 @@ CASES = {"2_stages_4_microbatches_gpipe": ({"stage": 2}, 4, "gpipe"),
          "2x2_2_microbatches": ({"stage": 2, "batch": 2}, 2, "1f1b"),
          "4_stages_2_microbatches": ({"stage": 4}, 2, "1f1b"), "2_stages_1_microbatch": ({"stage": 2}, 1, "1f1b"),
          "4_stages_4_microbatches_gpipe": ({"stage": 4}, 4, "gpipe")}
-IN_CI = ("2x2_2_microbatches", "4_stages_2_microbatches", "2_stages_4_microbatches_gpipe")
+IN_CI = ("2x2_2_microbatches", "4_stages_2_microbatches")  # (GPipe in CI: the transformer's test)
 
 
 def _floor(x, y, fit):
