@@ -1012,19 +1012,11 @@ def test_a_placed_variable_moved_to_another_stage_keeps_its_owner_and_its_slots_
   assert copies_distance(opt.variables, one_opt.variables) < 1e-6
 
 
-def test_the_sharded_update_owns_a_weight_both_stages_read_among_every_device_and_the_others_within_their_stage():
-  # Over 2 stages x 2 batch replicas a projection both stages read (tied, the second transposed) stays on every
-  # device, owned by one of the 4 (its gradient summed over the stages, then reduced over both axes for its owner);
-  # the stages' Dense layers are each owned within their stage's 2 devices, the bytes balanced with the projection's
-  # (CPU:0 owns it, so CPU:1 owns the first stage's layer). 4 steps of Adam on 4 batches: every weight, and every slot
-  # on its owner, within 1e-6 of one device's (measured 6e-8).
-  batches, data = _batches(4)
-  build = _tied_projection
-
-  def stage_fns(w, middle):
-    return [lambda h: middle[0](tf.tanh(h @ w)), lambda h: middle[1](h) @ tf.transpose(w)]
-
-  w1, middle1, variables1 = build()
+def _tied_sharded(stage_fns, shape, batches):
+  """The tied projection's stages (``stage_fns(w, middle)``) trained on one device with Adam over ``batches``, and
+  set up as a pipeline over ``shape`` under the sharded update: ``(repl, step, ours, one device's)``, each of the
+  two ``(w, middle, variables, optimizer)``."""
+  w1, middle1, variables1 = _tied_projection()
   opt1 = keras.optimizers.Adam(1e-2)
   for x, y in batches:
     with tf.GradientTape() as tape:
@@ -1033,9 +1025,10 @@ def test_the_sharded_update_owns_a_weight_both_stages_read_among_every_device_an
         h = fn(h)
       loss = tf.reduce_mean(keras.losses.mean_squared_error(y, h))
     opt1.apply_gradients(zip(tape.gradient(loss, variables1), variables1))
-  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 2, "batch": 2}, devices=cpus(4)), batch_axes=("batch",))
+  devices = int(np.prod(list(shape.values())))
+  repl = replicator.Replicator(mesh=mesh.Mesh(shape, devices=cpus(devices)), batch_axes=("batch",))
   with repl.context():
-    w, middle, variables = build()
+    w, middle, variables = _tied_projection()
     opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-2), update="sharded")
   fns = stage_fns(w, middle)
 
@@ -1044,6 +1037,23 @@ def test_the_sharded_update_owns_a_weight_both_stages_read_among_every_device_an
                                 variables=variables)
     opt.apply_gradients(zip(grads, variables))
     return loss
+
+  return repl, step, (w, middle, variables, opt), (w1, middle1, variables1, opt1)
+
+
+def test_the_sharded_update_owns_a_weight_both_stages_read_among_every_device_and_the_others_within_their_stage():
+  # Over 2 stages x 2 batch replicas a projection both stages read (tied, the second transposed) stays on every
+  # device, owned by one of the 4 (its gradient summed over the stages, then reduced over both axes for its owner);
+  # the stages' Dense layers are each owned within their stage's 2 devices, the bytes balanced with the projection's
+  # (CPU:0 owns it, so CPU:1 owns the first stage's layer). 4 steps of Adam on 4 batches: every weight, and every slot
+  # on its owner, within 1e-6 of one device's (measured 6e-8).
+  batches, data = _batches(4)
+
+  def stage_fns(w, middle):
+    return [lambda h: middle[0](tf.tanh(h @ w)), lambda h: middle[1](h) @ tf.transpose(w)]
+
+  repl, step, (w, middle, variables, opt), (w1, middle1, variables1, opt1) = _tied_sharded(
+      stage_fns, {"stage": 2, "batch": 2}, batches)
 
   for _ in range(4):
     repl.run(step, data)
@@ -1089,31 +1099,12 @@ def test_the_sharded_update_of_a_weight_two_stages_share_runs_once_in_each_of_th
   # 4 steps of Adam on 4 batches: every weight, and every slot on its owners, within 1e-6 of one device's
   # (measured 6e-8).
   batches, data = _batches(4)
-  build = _tied_projection
 
   def stage_fns(w, middle):
     return [lambda h: tf.tanh(h @ w), middle[0], middle[1], lambda h: h @ tf.transpose(w)]
 
-  w1, middle1, variables1 = build()
-  opt1 = keras.optimizers.Adam(1e-2)
-  for x, y in batches:
-    with tf.GradientTape() as tape:
-      h = tf.constant(x)
-      for fn in stage_fns(w1, middle1):
-        h = fn(h)
-      loss = tf.reduce_mean(keras.losses.mean_squared_error(y, h))
-    opt1.apply_gradients(zip(tape.gradient(loss, variables1), variables1))
-  repl = replicator.Replicator(mesh=mesh.Mesh({"stage": 4, "batch": 2}, devices=cpus(8)), batch_axes=("batch",))
-  with repl.context():
-    w, middle, variables = build()
-    opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-2), update="sharded")
-  fns = stage_fns(w, middle)
-
-  def step(batch):
-    loss, grads = repl.pipeline(fns, batch[0], batch[1], keras.losses.mean_squared_error, microbatches=4,
-                                variables=variables)
-    opt.apply_gradients(zip(grads, variables))
-    return loss
+  repl, step, (w, middle, variables, opt), (w1, middle1, variables1, opt1) = _tied_sharded(
+      stage_fns, {"stage": 4, "batch": 2}, batches)
 
   for _ in range(4):
     repl.run(step, data)
